@@ -1,0 +1,33 @@
+# Set-up is part of every target: a virtual environment in .venv with torch (the one
+# already importable, else torch==2.13.0), conveyor and its dev extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test typecheck bench clean
+
+demo: $(VENV)/.installed
+	$(BIN)/conveyor demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+typecheck: $(VENV)/.installed
+	$(BIN)/python -m mypy
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/memory.py
+
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "using the torch already installed"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && $(BIN)/pip install --quiet torch==2.13.0; \
+	fi
+	$(BIN)/pip install --quiet -e ".[dev,plots]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache

@@ -1,0 +1,106 @@
+"""Re-materialization: which micro-batches a stage recomputes in backward, and how.
+
+In forward, a checkpointed stage keeps only its input; in backward it runs its layers
+again to rebuild the activations. conveyor uses torch.utils.checkpoint (non-reentrant),
+with two additions: layers can ask :func:`is_recomputing`, and running statistics of
+normalisation layers (batch norm) are not updated a second time by the recomputation.
+Random numbers are replayed by :mod:`conveyor.rng`, so the checkpoint does not stash
+generator states itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "CheckpointMode",
+    "checkpointed",
+    "is_recomputing",
+    "recomputes",
+    "running_stat_layers",
+    "validate_mode",
+]
+
+CheckpointMode = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """Whether the calling thread is recomputing a forward pass for backward.
+
+    A layer with side effects in forward (counting, logging, caching) can skip them
+    during recomputation, which runs its forward a second time on the same input.
+    """
+    return getattr(_local, "depth", 0) > 0
+
+
+def validate_mode(mode: str) -> str:
+    """Returns ``mode`` if it names a checkpoint mode.
+
+    Raises:
+        ValueError: an unknown mode; the message lists the known ones.
+    """
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint={mode!r} is not a checkpoint mode; use one of "
+            + ", ".join(repr(m) for m in CHECKPOINT_MODES)
+        )
+    return mode
+
+
+def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
+    """Whether ``microbatch`` is recomputed in backward under ``mode``.
+
+    ``except_last`` (the paper's choice) keeps the activations of the last micro-batch,
+    whose backward comes right after its forward in a fill-drain schedule.
+    """
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != num_microbatches - 1
+    return False
+
+
+def running_stat_layers(layers: nn.Module) -> list[nn.Module]:
+    """Normalisation layers that update running statistics in training."""
+    return [
+        m for m in layers.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _recomputation(norms: Sequence[nn.Module]) -> Iterator[None]:
+    # Recomputing runs batch norm's forward again, which would update its running
+    # statistics twice per micro-batch; snapshot them and put them back afterwards.
+    saved = [[b.detach().clone() for b in m.buffers(recurse=False)] for m in norms]
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        with torch.no_grad():
+            for module, buffers in zip(norms, saved):
+                for buffer, value in zip(module.buffers(recurse=False), buffers):
+                    buffer.copy_(value)
+
+
+def checkpointed(function: Callable[[Any], Any], inputs: Any, norms: Sequence[nn.Module]) -> Any:
+    """Runs ``function(inputs)`` keeping only ``inputs``; backward recomputes the rest."""
+    return torch_checkpoint(
+        function,
+        inputs,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=lambda: (contextlib.nullcontext(), _recomputation(norms)),
+    )

@@ -1,0 +1,58 @@
+"""Typed errors: each names what was wrong, the values involved, and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConveyorError",
+    "BalanceError",
+    "MicroBatchError",
+    "ScheduleError",
+    "LayerOutputError",
+    "StageError",
+]
+
+
+class ConveyorError(Exception):
+    """Base class of every error conveyor raises on purpose."""
+
+
+class BalanceError(ConveyorError, ValueError):
+    """A partition (``balance``, ``devices``) does not fit the model."""
+
+
+class MicroBatchError(ConveyorError, ValueError):
+    """A batch cannot be split into micro-batches, or outputs cannot be gathered."""
+
+
+class ScheduleError(ConveyorError, ValueError):
+    """A schedule table is malformed, incomplete or deadlocks."""
+
+
+class LayerOutputError(ConveyorError, TypeError):
+    """A layer returned something other than a tensor or a nested structure of tensors."""
+
+
+class StageError(ConveyorError, RuntimeError):
+    """An action failed on a stage; the original exception is the ``__cause__``.
+
+    Attributes:
+        stage: index of the stage whose action failed.
+        action: the failed action, printed like ``1F3`` (stage 1, forward, micro-batch 3).
+        microbatch: the micro-batch the action worked on.
+        layer: global index of the failing layer, when it is known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: int,
+        microbatch: int,
+        action: str,
+        layer: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.microbatch = microbatch
+        self.action = action
+        self.layer = layer

@@ -1,0 +1,146 @@
+"""Splitting a batch into micro-batches along dim 0, and gathering outputs back.
+
+A batch is a tensor or any nested tuple/list/dict of tensors (a pytree). Tensors with
+a batch dimension are split with ``torch.tensor_split``, so sizes may be uneven
+(N=10, M=4 gives 3, 3, 2, 2) and each micro-batch is a view, not a copy. Leaves that
+are not batched (numbers, strings, 0-dim tensors, None) go to every micro-batch as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from conveyor.errors import MicroBatchError
+
+__all__ = ["split", "gather", "microbatch_sizes"]
+
+
+def _describe(path: tuple[Any, ...], root: str) -> str:
+    return root + pytree.keystr(path)
+
+
+def microbatch_sizes(batch_size: int, chunks: int) -> list[int]:
+    """Sizes of the micro-batches ``split`` makes: as even as possible, larger first.
+
+    Raises:
+        MicroBatchError: ``chunks`` is not positive, or the batch is smaller than it.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise MicroBatchError(f"chunks must be a positive integer, got {chunks!r}")
+    if batch_size < chunks:
+        raise MicroBatchError(
+            f"a batch of {batch_size} samples cannot be split into {chunks} micro-batches; "
+            f"use chunks <= {batch_size} or a batch of at least {chunks} samples"
+        )
+    base, extra = divmod(batch_size, chunks)
+    return [base + 1] * extra + [base] * (chunks - extra)
+
+
+def split(batch: Any, chunks: int) -> list[Any]:
+    """Splits ``batch`` into ``chunks`` micro-batches along dim 0.
+
+    Args:
+        batch: a tensor, or a nested tuple/list/dict whose tensor leaves share dim 0.
+        chunks: the number of micro-batches M.
+
+    Returns:
+        A list of M batches with the structure of ``batch``.
+
+    Raises:
+        MicroBatchError: no tensor has a batch dimension, the batch is empty, tensors
+            disagree on the batch size, or the batch has fewer samples than ``chunks``.
+    """
+    leaves, spec = pytree.tree_flatten_with_path(batch)
+    batched = [
+        (path, leaf)
+        for path, leaf in leaves
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    ]
+    if not batched:
+        raise MicroBatchError(
+            "the batch holds no tensor with a batch dimension (dim 0) to split "
+            f"into micro-batches; got {_summary(batch)}"
+        )
+    first_path, first = batched[0]
+    size = first.shape[0]
+    for path, leaf in batched[1:]:
+        if leaf.shape[0] != size:
+            raise MicroBatchError(
+                f"tensors in the batch disagree on the batch size (dim 0): "
+                f"{_describe(first_path, 'input')} has {size} samples but "
+                f"{_describe(path, 'input')} has {leaf.shape[0]}"
+            )
+    if size == 0:
+        raise MicroBatchError(
+            f"the batch is empty: {_describe(first_path, 'input')} has 0 samples"
+        )
+    sizes = microbatch_sizes(size, chunks)
+    pieces = [
+        leaf.split(sizes) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
+        for _, leaf in leaves
+    ]
+    return [
+        pytree.tree_unflatten(
+            [
+                parts[m] if parts is not None else leaf
+                for (_, leaf), parts in zip(leaves, pieces)
+            ],
+            spec,
+        )
+        for m in range(chunks)
+    ]
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Concatenates per-micro-batch outputs along dim 0 into one batch.
+
+    Tensor leaves are concatenated; other leaves must be equal in every micro-batch
+    and are returned once.
+
+    Raises:
+        MicroBatchError: the micro-batches differ in structure, a tensor leaf is 0-dim,
+            or a non-tensor leaf differs between micro-batches.
+    """
+    if not outputs:
+        raise MicroBatchError("there are no micro-batch outputs to gather")
+    flat = [pytree.tree_flatten_with_path(out) for out in outputs]
+    paths_and_leaves, spec = flat[0]
+    for m, (_, other) in enumerate(flat[1:], start=1):
+        if other != spec:
+            raise MicroBatchError(
+                f"micro-batch {m} returned a different structure than micro-batch 0: "
+                f"{other} vs {spec}"
+            )
+    gathered = []
+    for i, (path, leaf) in enumerate(paths_and_leaves):
+        column = [leaves[i][1] for leaves, _ in flat]
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0:
+                raise MicroBatchError(
+                    f"{_describe(path, 'output')} is a 0-dim tensor; outputs are "
+                    "concatenated along dim 0 over micro-batches, so return one value "
+                    "per sample (shape [batch, ...]) or compute it after the pipeline"
+                )
+            gathered.append(column[0] if len(column) == 1 else torch.cat(column))
+        else:
+            differing = [m for m, value in enumerate(column) if value != leaf]
+            if differing:
+                m = differing[0]
+                raise MicroBatchError(
+                    f"{_describe(path, 'output')} is not a tensor and differs between "
+                    f"micro-batches ({leaf!r} in micro-batch 0, {column[m]!r} in "
+                    f"micro-batch {m}); non-tensor outputs must be the same for every "
+                    "micro-batch"
+                )
+            gathered.append(leaf)
+    return pytree.tree_unflatten(gathered, spec)
+
+
+def _summary(batch: Any) -> str:
+    text = repr(pytree.tree_map(lambda x: f"Tensor{tuple(x.shape)}"
+                                if isinstance(x, torch.Tensor) else x, batch))
+    return text if len(text) < 120 else text[:117] + "..."

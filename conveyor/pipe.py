@@ -1,0 +1,325 @@
+"""``GPipe``: a drop-in ``nn.Module`` that runs an ``nn.Sequential`` as a pipeline.
+
+``pipe(x)`` splits the batch into micro-batches and runs the forward half of the GPipe
+schedule on one thread per stage; the gathered output is connected to the autograd
+graph through one function node, whose backward runs the backward half of the same
+table. So ``loss.backward()`` is pipelined too, and parameter gradients arrive through
+autograd exactly as for the plain model: summed over micro-batches, they equal the
+gradients of the unpartitioned model on the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from conveyor.batchnorm import convert_deferred_batch_norm
+from conveyor.checkpoint import recomputes, validate_mode
+from conveyor.errors import BalanceError, LayerOutputError
+from conveyor.microbatch import gather, microbatch_sizes, split
+from conveyor.partition import sequential_layers, validate_balance
+from conveyor.rng import LayerRandomness, draw_step_seed
+from conveyor.runtime import Executor, StepState
+from conveyor.schedules import Kind, actions_of, gpipe, validate
+from conveyor.stage import Stage
+
+__all__ = ["GPipe"]
+
+Device = torch.device | str | int
+
+
+class GPipe(nn.Module):
+    """Wraps an ``nn.Sequential`` so that it trains as a GPipe pipeline.
+
+    Example::
+
+        pipe = GPipe(model, balance=[3, 5], devices=["cuda:0", "cuda:1"], chunks=8)
+        loss = criterion(pipe(x), y.to(pipe.devices[-1]))
+        loss.backward()
+        optimizer.step()
+
+    The layers keep their names, so ``pipe.state_dict()`` has exactly the keys of the
+    plain model's and checkpoints move freely between the two and any partition.
+
+    Args:
+        module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
+            their stages' devices.
+        balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
+            ``conveyor.balance_by_time`` and friends to compute one.
+        devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
+            on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
+            else the CPU for every stage.
+        chunks: the number of micro-batches M each batch is split into.
+        checkpoint: which micro-batches are recomputed in backward rather than kept:
+            ``"always"``, ``"except_last"`` (default, as the paper) or ``"never"``.
+        deferred_batch_norm: make batch norms update running statistics once per step
+            from the whole mini-batch, rather than once per micro-batch.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        BalanceError: ``balance`` does not fit the model, or ``devices`` the balance.
+        ValueError: a bad ``chunks`` or ``checkpoint``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int],
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        layers = sequential_layers(module)
+        balance = validate_balance(balance, len(layers))
+        resolved = _resolve_devices(devices, len(balance))
+        microbatch_sizes(chunks, chunks)  # validates chunks
+        validate_mode(checkpoint)
+        if deferred_batch_norm:
+            layers = [(name, convert_deferred_batch_norm(layer)) for name, layer in layers]
+        for name, layer in layers:
+            if hasattr(self, name):
+                raise ValueError(f"layer name {name!r} clashes with an attribute of GPipe; "
+                                 "rename the layer in the nn.Sequential")
+            self.add_module(name, layer)
+
+        self.balance: list[int] = balance
+        self.devices: list[torch.device] = resolved
+        self.chunks: int = chunks
+        self.checkpoint: str = checkpoint
+        self.partitions: list[nn.Sequential] = []
+        stages, start = [], 0
+        for index, (count, device) in enumerate(zip(balance, resolved)):
+            partition = nn.Sequential(*[layer for _, layer in layers[start:start + count]])
+            partition.to(device)
+            randomness = LayerRandomness(device, shared=resolved.count(device) > 1)
+            stages.append(Stage(index, partition, first_layer=start, device=device,
+                                randomness=randomness))
+            self.partitions.append(partition)
+            start += count
+        self._stages = stages
+        self._schedule = gpipe(len(balance), chunks)
+        validate(self._schedule)
+        self._executor = Executor(stages, self._schedule.stage_ranks)
+
+    def extra_repr(self) -> str:
+        devices = ", ".join(str(d) for d in self.devices)
+        return (f"balance={self.balance}, devices=[{devices}], chunks={self.chunks}, "
+                f"checkpoint={self.checkpoint!r}")
+
+    def forward(self, input: Any) -> Any:
+        """Runs the pipeline on a batch; returns the output on the last stage's device.
+
+        Args:
+            input: a tensor or nested tuple/list/dict of tensors whose dim 0 is the batch.
+
+        Raises:
+            MicroBatchError: the batch cannot be split into ``chunks`` micro-batches.
+            StageError: a layer failed; the message names the stage, layer and micro-batch.
+            LayerOutputError: a layer returned something that is not tensors.
+        """
+        microbatches = split(input, self.chunks)
+        leaves = pytree.tree_leaves(input)
+        wrt_inputs = [i for i, t in enumerate(leaves)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        params = [p for stage in self._stages for p in stage.trainable_parameters()]
+        grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
+        state = StepState(
+            inputs=microbatches,
+            recompute=lambda m: recomputes(self.checkpoint, m, self.chunks),
+            grad_enabled=grad_enabled,
+            step_seed=draw_step_seed() if self.training else None,
+        )
+        step = _Step(self._executor, self._stages, self._schedule, state,
+                     leaves=leaves, wrt_inputs=wrt_inputs, params=params)
+        if not grad_enabled:
+            return step.forward()
+        flat = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
+        return step.assemble(flat)
+
+    # Layers are placed on their stages' devices once; moving the whole pipeline to one
+    # device would silently undo the partition.
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            raise _MoveError(device)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> GPipe:
+        raise _MoveError("cuda")
+
+    def cpu(self) -> GPipe:
+        raise _MoveError("cpu")
+
+
+def _MoveError(device: Any) -> TypeError:
+    return TypeError(
+        f"GPipe keeps each stage on its own device and cannot be moved to {device}; "
+        "pass devices=[...] when building it (dtype changes like .double() are fine)"
+    )
+
+
+def _resolve_devices(devices: Sequence[Device] | None, stages: int) -> list[torch.device]:
+    if devices is None:
+        if torch.cuda.is_available():
+            available = torch.cuda.device_count()
+            if available < stages:
+                raise BalanceError(
+                    f"balance has {stages} stages but only {available} CUDA devices are "
+                    "available; pass devices=[...] (devices may repeat)"
+                )
+            return [torch.device("cuda", i) for i in range(stages)]
+        return [torch.device("cpu")] * stages
+    resolved = [torch.device(d) for d in devices]
+    if len(resolved) != stages:
+        raise BalanceError(
+            f"devices lists {len(resolved)} devices but balance has {stages} stages; "
+            "give one device per stage (devices may repeat)"
+        )
+    return [
+        torch.device("cuda", torch.cuda.current_device())
+        if d.type == "cuda" and d.index is None else d
+        for d in resolved
+    ]
+
+
+class _Step:
+    """One pipelined call: runs the table's forward half, later its backward half."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        stages: Sequence[Stage],
+        schedule: Any,
+        state: StepState,
+        *,
+        leaves: list[Any],
+        wrt_inputs: list[int],
+        params: list[nn.Parameter],
+    ) -> None:
+        self.executor = executor
+        self.stages = stages
+        self.schedule = schedule
+        self.state = state
+        self.leaves = leaves
+        self.wrt_inputs = wrt_inputs
+        self.params = params
+        self.output_spec: Any = None
+        self.output_leaves: list[Any] = []
+        self.differentiable: list[bool] = []
+        self.backward_done = False
+
+    def forward(self) -> Any:
+        try:
+            self.executor.run(actions_of(self.schedule, [Kind.FORWARD]), self.state)
+        except BaseException:
+            for stage in self.stages:
+                stage.end_step(commit=False)
+            raise
+        for stage in self.stages:
+            stage.end_step(commit=True)
+        outputs = [self.state.outputs[m] for m in range(len(self.state.inputs))]
+        with torch.no_grad():
+            gathered = gather(outputs)
+        self.output_leaves, self.output_spec = pytree.tree_flatten(gathered)
+        if not any(isinstance(t, torch.Tensor) for t in self.output_leaves):
+            raise LayerOutputError("the pipeline's output holds no tensor")
+        # Whether each output leaf depends on something that requires grad.
+        self.differentiable = [
+            any(isinstance(t, torch.Tensor) and t.requires_grad for t in column)
+            for column in zip(*(pytree.tree_leaves(out) for out in outputs))
+        ]
+        return gathered
+
+    def tensor_outputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output tensors, detached, and those of them that carry no gradient."""
+        tensors, constant = [], []
+        for leaf, differentiable in zip(self.output_leaves, self.differentiable):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf.detach())
+                if not differentiable:
+                    constant.append(tensors[-1])
+        return tensors, constant
+
+    def assemble(self, flat: Sequence[torch.Tensor]) -> Any:
+        """The output pytree with the autograd-connected tensors in place."""
+        tensors = iter(flat)
+        leaves = [next(tensors) if isinstance(t, torch.Tensor) else t for t in self.output_leaves]
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        if self.backward_done:
+            raise RuntimeError(
+                "GPipe's backward ran twice for one forward; retain_graph=True is not "
+                "supported, call the pipeline again instead"
+            )
+        self.backward_done = True
+        state = self.state
+        num_microbatches = len(state.inputs)
+        sizes = microbatch_sizes(self.leaves_batch_size(), num_microbatches)
+        full = iter(grads)
+        per_leaf = [
+            (next(full) if isinstance(t, torch.Tensor) else None) for t in self.output_leaves
+        ]
+        split_grads = [g.split(sizes) if g is not None else None for g in per_leaf]
+        for m in range(num_microbatches):
+            state.output_grads[m] = [parts[m] if parts is not None else None
+                                     for parts in split_grads]
+        self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
+        state.outputs.clear()
+
+        input_grads: list[torch.Tensor | None] = []
+        for i in self.wrt_inputs:
+            parts = [state.input_grads[m][i] for m in range(num_microbatches)]
+            input_grads.append(_combine(self.leaves[i], parts))
+        param_grads = [g for s in range(len(self.stages))
+                       for g in state.param_grads.get(s, [None] * len(
+                           self.stages[s].trainable_parameters()))]
+        return input_grads + param_grads
+
+    def leaves_batch_size(self) -> int:
+        for leaf in self.leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                return int(leaf.shape[0])
+        raise AssertionError("split() guarantees a batched tensor")
+
+
+def _combine(leaf: torch.Tensor, parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The gradient of an input leaf from its micro-batches' gradients."""
+    if all(p is None for p in parts):
+        return None
+    if leaf.dim() == 0:  # broadcast to every micro-batch: gradients add up
+        return torch.stack([p for p in parts if p is not None]).sum(0).to(leaf.device)
+    sizes = microbatch_sizes(leaf.shape[0], len(parts))
+    filled = [
+        p if p is not None else torch.zeros((size, *leaf.shape[1:]), dtype=leaf.dtype,
+                                            device=leaf.device)
+        for p, size in zip(parts, sizes)
+    ]
+    return torch.cat([p.to(leaf.device) for p in filled])
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """Connects the pipeline to autograd: inputs and parameters in, outputs out."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, *tensors: torch.Tensor) -> Any:
+        step.forward()
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        outputs, constant = step.tensor_outputs()
+        ctx.mark_non_differentiable(*constant)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if torch.is_grad_enabled():
+            raise RuntimeError("GPipe does not support higher-order gradients "
+                               "(backward with create_graph=True)")
+        return (None, *ctx.step.backward(grads))

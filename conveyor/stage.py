@@ -1,0 +1,136 @@
+"""One stage: consecutive layers on one device, run on one micro-batch at a time."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from torch import nn
+
+from conveyor.batchnorm import DeferredBatchNorm
+from conveyor.checkpoint import checkpointed, is_recomputing, running_stat_layers
+from conveyor.errors import ConveyorError, LayerOutputError, StageError
+from conveyor.rng import LayerRandomness
+
+__all__ = ["Stage"]
+
+# torch.utils.checkpoint stops a recomputation early by raising this through the layers.
+_STOP_RECOMPUTATION: type[BaseException] = getattr(
+    torch.utils.checkpoint, "_StopRecomputationError", ConveyorError
+)
+
+
+class Stage:
+    """Layers ``first_layer .. first_layer + len(layers) - 1`` of the model on ``device``.
+
+    Args:
+        index: the stage number k.
+        layers: this stage's layers, already on ``device``.
+        first_layer: the global index of the first layer (seeds and messages use it).
+        device: where the layers live and run.
+        randomness: how this stage's layer calls get their random streams.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        layers: nn.Sequential,
+        *,
+        first_layer: int,
+        device: torch.device,
+        randomness: LayerRandomness,
+    ) -> None:
+        self.index = index
+        self.layers = layers
+        self.first_layer = first_layer
+        self.device = device
+        self.randomness = randomness
+        self._norms = running_stat_layers(layers)
+        self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
+
+    def __repr__(self) -> str:
+        last = self.first_layer + len(self.layers) - 1
+        return f"Stage({self.index}, layers {self.first_layer}-{last}, {self.device})"
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.layers.parameters() if p.requires_grad]
+
+    def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
+                recompute: bool) -> Any:
+        """Runs the stage's layers on one micro-batch.
+
+        Args:
+            inputs: the micro-batch, on this stage's device.
+            microbatch: its index m (seeds and messages use it).
+            step_seed: the seed of this pipelined call, or None for no seeding (eval).
+            recompute: keep only ``inputs`` and recompute the layers in backward.
+        """
+        def run(x: Any) -> Any:
+            return self._run_layers(x, microbatch, step_seed)
+
+        if recompute and torch.is_grad_enabled():
+            return checkpointed(run, inputs, self._norms)
+        return run(inputs)
+
+    def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
+        for offset, layer in enumerate(self.layers):
+            index = self.first_layer + offset
+            seeded = (
+                self.randomness.layer_call(step_seed, index, microbatch)
+                if step_seed is not None
+                else contextlib.nullcontext()
+            )
+            try:
+                with seeded:
+                    x = layer(x)
+            except (ConveyorError, _STOP_RECOMPUTATION):
+                raise
+            except Exception as exc:
+                raise self._layer_error(exc, offset, microbatch) from exc
+            self._check_output(x, offset, microbatch)
+        return x
+
+    def _describe_layer(self, offset: int) -> str:
+        layer = self.layers[offset]
+        return f"layer {self.first_layer + offset} ({type(layer).__name__})"
+
+    def _layer_error(self, exc: Exception, offset: int, microbatch: int) -> StageError:
+        recomputing = is_recomputing()
+        during = " while recomputing for backward" if recomputing else ""
+        hint = ""
+        if "in-place" in str(exc) and "leaf" in str(exc):
+            hint = (
+                "\nhint: the first layer of a stage receives its input as a leaf tensor "
+                "that requires grad, so it cannot modify it in place; use inplace=False "
+                "for that layer or move the stage boundary"
+            )
+        return StageError(
+            f"stage {self.index}, {self._describe_layer(offset)} failed on micro-batch "
+            f"{microbatch}{during}: {type(exc).__name__}: {exc}{hint}",
+            stage=self.index,
+            microbatch=microbatch,
+            action=f"{self.index}{'B' if recomputing else 'F'}{microbatch}",
+            layer=self.first_layer + offset,
+        )
+
+    def _check_output(self, output: Any, offset: int, microbatch: int) -> None:
+        for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+            if leaf is None or isinstance(leaf, torch.Tensor):
+                continue
+            where = "" if not path else f" (at output{pytree.keystr(path)})"
+            raise LayerOutputError(
+                f"stage {self.index}, {self._describe_layer(offset)} returned "
+                f"{type(leaf).__name__}{where} on micro-batch {microbatch}; a layer must "
+                "return a tensor or a tuple/list/dict of tensors"
+            )
+
+    def end_step(self, *, commit: bool) -> None:
+        """Commits (or, after a failure, discards) deferred batch-norm statistics."""
+        for module in self._deferred:
+            if commit:
+                module.commit()
+            else:
+                module.discard()
