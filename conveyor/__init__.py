@@ -1,9 +1,14 @@
-"""conveyor: GPipe for PyTorch. Train an ``nn.Sequential`` as a pipeline of stages."""
+"""conveyor: GPipe for PyTorch. Train an ``nn.Sequential`` as a pipeline of stages.
+
+The names below load on first use, so ``import conveyor.schedules`` (and the simulator
+built on it) works without importing torch.
+"""
 
 from __future__ import annotations
 
-from conveyor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from conveyor.checkpoint import is_recomputing
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from conveyor.errors import (
     BalanceError,
     ConveyorError,
@@ -12,17 +17,34 @@ from conveyor.errors import (
     ScheduleError,
     StageError,
 )
-from conveyor.partition import (
-    LayerProfile,
-    balance_by_memory,
-    balance_by_params,
-    balance_by_time,
-    profile_layers,
-    solve_balance,
-)
-from conveyor.pipe import GPipe
+
+if TYPE_CHECKING:
+    from conveyor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+    from conveyor.checkpoint import is_recomputing
+    from conveyor.partition import (
+        LayerProfile,
+        balance_by_memory,
+        balance_by_params,
+        balance_by_time,
+        profile_layers,
+        solve_balance,
+    )
+    from conveyor.pipe import GPipe
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DeferredBatchNorm": "conveyor.batchnorm",
+    "convert_deferred_batch_norm": "conveyor.batchnorm",
+    "is_recomputing": "conveyor.checkpoint",
+    "LayerProfile": "conveyor.partition",
+    "balance_by_memory": "conveyor.partition",
+    "balance_by_params": "conveyor.partition",
+    "balance_by_time": "conveyor.partition",
+    "profile_layers": "conveyor.partition",
+    "solve_balance": "conveyor.partition",
+    "GPipe": "conveyor.pipe",
+}
 
 __all__ = [
     "BalanceError",
@@ -42,3 +64,16 @@ __all__ = [
     "profile_layers",
     "solve_balance",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -30,6 +30,8 @@ from conveyor.stage import Stage
 __all__ = ["GPipe"]
 
 Device = torch.device | str | int
+# Attributes of GPipe that a layer name must not shadow.
+_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "partitions")
 
 
 class GPipe(nn.Module):
@@ -84,7 +86,7 @@ class GPipe(nn.Module):
         if deferred_batch_norm:
             layers = [(name, convert_deferred_batch_norm(layer)) for name, layer in layers]
         for name, layer in layers:
-            if hasattr(self, name):
+            if name in _ATTRIBUTES or hasattr(self, name):
                 raise ValueError(f"layer name {name!r} clashes with an attribute of GPipe; "
                                  "rename the layer in the nn.Sequential")
             self.add_module(name, layer)

@@ -1,0 +1,169 @@
+"""Bad input gets a clear error that names what is wrong; a failing stage never hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from tests.models import mlp
+
+
+def model8() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+
+
+def test_balance_must_cover_every_layer() -> None:
+    with pytest.raises(conveyor.BalanceError,
+                       match=r"balance \[3, 4\] covers 7 layers but the model has 8"):
+        conveyor.GPipe(model8(), [3, 4], devices=["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("entry", [0, -2])
+def test_balance_entries_must_be_positive(entry: int) -> None:
+    with pytest.raises(conveyor.BalanceError,
+                       match=rf"stage 1 has {entry} layers; every stage needs a positive"):
+        conveyor.GPipe(model8(), [8, entry], devices=["cpu", "cpu"])
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(conveyor.BalanceError,
+                       match=r"asks for 9 stages but the model has only 8 layers"):
+        conveyor.GPipe(model8(), [1] * 9, devices=["cpu"] * 9)
+    with pytest.raises(conveyor.BalanceError, match=r"cannot cut 8 layers into 9 stages"):
+        conveyor.balance_by_params(model8(), 9)
+
+
+def test_devices_must_match_balance() -> None:
+    with pytest.raises(conveyor.BalanceError,
+                       match=r"devices lists 3 devices but balance has 2 stages"):
+        conveyor.GPipe(model8(), [4, 4], devices=["cpu"] * 3)
+
+
+def test_module_must_be_sequential() -> None:
+    with pytest.raises(TypeError, match=r"pipelines an nn.Sequential, got Linear"):
+        conveyor.GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 2.5])
+def test_chunks_must_be_a_positive_integer(chunks: object) -> None:
+    with pytest.raises(conveyor.MicroBatchError, match=r"chunks must be a positive integer"):
+        conveyor.GPipe(model8(), [8], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_unknown_checkpoint_mode() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint='sometimes' is not a checkpoint mode; "
+                                         r"use one of 'always', 'except_last', 'never'"):
+        conveyor.GPipe(model8(), [8], devices=["cpu"], checkpoint="sometimes")
+
+
+def test_fewer_samples_than_chunks() -> None:
+    pipe = conveyor.GPipe(model8(), [4, 4], devices=["cpu"] * 2, chunks=4)
+    with pytest.raises(conveyor.MicroBatchError,
+                       match=r"a batch of 3 samples cannot be split into 4 micro-batches; "
+                             r"use chunks <= 3"):
+        pipe(torch.randn(3, 4))
+
+
+class Returns(nn.Module):
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("text", r"returned str on micro-batch 0"),
+     (3, r"returned int on micro-batch 0"),
+     ((torch.zeros(1), "x"), r"returned str \(at output\[1\]\) on micro-batch 0")],
+)
+def test_layer_returning_a_non_tensor(value: object, shown: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Returns(value), nn.Linear(4, 4))
+    pipe = conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(conveyor.LayerOutputError,
+                       match=rf"stage 1, layer 2 \(Returns\) {shown}; a layer must return "
+                             r"a tensor or a tuple/list/dict of tensors"):
+        pipe(torch.randn(4, 4))
+
+
+class FailsOn(nn.Module):
+    """Raises on the micro-batch whose first value is the marker."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] == 1234.0).any()):
+            raise ValueError("bad sample")
+        return x
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_layer_raising_mid_pipeline_names_stage_layer_and_micro_batch(stages: int) -> None:
+    layers = [nn.Identity(), nn.Identity(), FailsOn(), nn.Identity()]
+    pipe = conveyor.GPipe(nn.Sequential(*layers), [4 // stages] * stages,
+                          devices=["cpu"] * stages, chunks=4)
+    x = torch.zeros(8, 3)
+    x[5, 0] = 1234.0  # micro-batch 2 (samples 4 and 5)
+    stage = 2 * stages // 4
+    with pytest.raises(conveyor.StageError,
+                       match=rf"stage {stage}, layer 2 \(FailsOn\) failed on micro-batch 2: "
+                             r"ValueError: bad sample") as caught:
+        pipe(x)
+    assert (caught.value.stage, caught.value.microbatch, caught.value.layer) == (stage, 2, 2)
+    assert isinstance(caught.value.__cause__, ValueError)
+    # The pipeline is usable again after the failure.
+    assert pipe(torch.zeros(8, 3)).shape == (8, 3)
+
+
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ArithmeticError("backward exploded")
+
+
+class FailsInBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return BadBackward.apply(x)
+
+
+@pytest.mark.timeout(30)
+def test_failure_in_backward_names_stage_and_micro_batch() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), FailsInBackward(), nn.Linear(3, 3))
+    pipe = conveyor.GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=2, checkpoint="never")
+    out = pipe(torch.randn(4, 3))
+    with pytest.raises(conveyor.StageError,
+                       match=r"stage 1 failed in backward of micro-batch 1 \(1B1\): "
+                             r"ArithmeticError: backward exploded"):
+        out.sum().backward()
+
+
+def test_inplace_on_a_stage_input_explains_the_fix() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3))
+    pipe = conveyor.GPipe(model, [1, 2], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(conveyor.StageError, match=r"use inplace=False for that layer"):
+        pipe(torch.randn(4, 3))
+
+
+def test_backward_twice_is_refused() -> None:
+    pipe = conveyor.GPipe(mlp(), [4, 3], devices=["cpu"] * 2, chunks=2)
+    out = pipe(torch.randn(4, 6, dtype=torch.float64)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"retain_graph=True is not supported"):
+        out.backward()
+
+
+def test_moving_the_pipeline_is_refused_but_dtype_changes_work() -> None:
+    pipe = conveyor.GPipe(model8(), [4, 4], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"cannot be moved to cpu; pass devices="):
+        pipe.to("cpu")
+    with pytest.raises(TypeError, match=r"cannot be moved"):
+        pipe.cpu()
+    pipe.double()
+    assert pipe(torch.randn(2, 4, dtype=torch.float64)).dtype == torch.float64

@@ -1,0 +1,122 @@
+"""The GPipe module as users see it: attributes, state dicts, inference, devices."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from tests.models import build, relative_error, sample, transformer
+
+
+def test_attributes() -> None:
+    model, _ = build("mlp")
+    pipe = conveyor.GPipe(model, [3, 2, 2], devices=["cpu"] * 3, chunks=4)
+    assert pipe.balance == [3, 2, 2]
+    assert pipe.devices == [torch.device("cpu")] * 3
+    assert pipe.chunks == 4
+    assert pipe.checkpoint == "except_last"
+    assert [len(p) for p in pipe.partitions] == [3, 2, 2]
+    assert pipe.partitions[1][0] is model[3]
+
+
+def test_default_devices_without_cuda_are_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU fallback")
+    pipe = conveyor.GPipe(build("mlp")[0], [4, 3])
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_state_dict_has_the_plain_model_keys_and_moves_both_ways() -> None:
+    model, plain = build("transformer")
+    pipe = conveyor.GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=2)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+    torch.manual_seed(5)
+    other = transformer()
+    pipe.load_state_dict(other.state_dict())  # plain -> pipeline
+    x = sample("transformer")
+    pipe.eval()
+    other.eval()
+    with torch.no_grad():
+        assert relative_error(pipe(x), other(x)) <= 1e-12
+
+    regrouped = conveyor.GPipe(transformer(), [1, 4, 1], devices=["cpu"] * 3)
+    regrouped.load_state_dict(pipe.state_dict())  # one partition -> another
+    fresh = transformer()
+    fresh.load_state_dict(regrouped.state_dict())  # pipeline -> plain
+    fresh.eval()
+    with torch.no_grad():
+        assert relative_error(fresh(x), other(x)) <= 1e-12
+
+
+def test_named_layers_keep_their_names() -> None:
+    model = nn.Sequential(OrderedDict(embed=nn.Linear(3, 4), act=nn.Tanh(), head=nn.Linear(4, 2)))
+    keys = list(model.state_dict())
+    pipe = conveyor.GPipe(model, [2, 1], devices=["cpu"] * 2)
+    assert list(pipe.state_dict()) == keys == ["embed.weight", "embed.bias", "head.weight",
+                                               "head.bias"]
+
+
+def test_layer_name_clashing_with_an_attribute_is_refused() -> None:
+    model = nn.Sequential(OrderedDict(balance=nn.Linear(3, 3)))
+    with pytest.raises(ValueError, match=r"layer name 'balance' clashes"):
+        conveyor.GPipe(model, [1], devices=["cpu"])
+
+
+def test_inference_under_no_grad_is_pipelined_without_a_graph() -> None:
+    recomputed = []
+
+    class Watch(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            recomputed.append(conveyor.is_recomputing())
+            return x * x
+
+    model, plain = build("mlp", dropout=0.5)
+    model.append(Watch())
+    plain.append(Watch())
+    pipe = conveyor.GPipe(model, [5, 4], devices=["cpu"] * 2, chunks=3, checkpoint="always")
+    pipe.eval()
+    plain.eval()
+    x = sample("mlp")
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad
+    assert relative_error(out, plain(x)) <= 1e-12
+    assert recomputed.count(True) == 0
+
+
+def test_eval_with_grad_still_gives_plain_gradients() -> None:
+    model, plain = build("cnn")
+    pipe = conveyor.GPipe(model, [4, 4], devices=["cpu"] * 2, chunks=2).eval()
+    plain.eval()
+    x = sample("cnn")
+    pipe(x).sum().backward()
+    plain(x).sum().backward()
+    for p, r in zip(pipe.parameters(), plain.parameters()):
+        assert p.grad is not None and r.grad is not None
+        assert relative_error(p.grad, r.grad) <= 1e-10
+
+
+def test_integer_outputs_are_not_differentiable() -> None:
+    class WithLabels(nn.Module):
+        def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+            return x, x.argmax(dim=1)
+
+    model = nn.Sequential(nn.Linear(4, 3), WithLabels())
+    pipe = conveyor.GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=2)
+    scores, labels = pipe(torch.randn(6, 4))
+    assert scores.requires_grad and not labels.requires_grad
+    assert labels.dtype == torch.int64 and labels.shape == (6,)
+    scores.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_output_lives_on_the_last_stage_device() -> None:
+    pipe = conveyor.GPipe(copy.deepcopy(build("mlp")[0]), [4, 3], devices=["cpu"] * 2)
+    assert pipe(sample("mlp")).device == pipe.devices[-1]

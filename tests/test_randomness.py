@@ -1,0 +1,120 @@
+"""Dropout draws depend only on the seed, the layer and the micro-batch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.microbatch import gather, split
+from conveyor.rng import derive_seed, draw_step_seed
+from tests.models import assert_same_grads, build, even_balance, sample, weighted_loss
+
+
+def seeded_reference(model: nn.Sequential, x: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:
+    """The plain model, run micro-batch by micro-batch with the pipeline's seeds."""
+    torch.manual_seed(seed)
+    step_seed = draw_step_seed()
+    outputs = []
+    for m, part in enumerate(split(x, chunks)):
+        h = part
+        for i, layer in enumerate(model):
+            torch.manual_seed(derive_seed(step_seed, i, m))
+            h = layer(h)
+        outputs.append(h)
+    return gather(outputs)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_dropout_gradients_equal_seeded_plain_model(name: str, stages: int, checkpoint: str) -> None:
+    model, reference = build(name, dropout=0.3)
+    pipe = conveyor.GPipe(model, even_balance(model, stages), devices=["cpu"] * stages,
+                          chunks=4, checkpoint=checkpoint)
+    x = sample(name, batch=10)
+    torch.manual_seed(7)
+    output = pipe(x)
+    weighted_loss(output).backward()
+    expected = seeded_reference(reference, x, chunks=4, seed=7)
+    weighted_loss(expected).backward()
+
+    assert torch.allclose(output, expected, rtol=1e-12, atol=0)
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters(), rtol=1e-12)
+
+
+def test_dropout_is_active_and_differs_between_micro_batches_and_steps() -> None:
+    model = nn.Sequential(nn.Identity(), nn.Dropout(0.5), nn.Identity())
+    pipe = conveyor.GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=2)
+    x = torch.ones(4, 64)
+    torch.manual_seed(0)
+    first = pipe(x)
+    second = pipe(x)
+    assert 0 < int((first == 0).sum()) < first.numel()  # some dropped, some kept
+    assert not torch.equal(first[:2], first[2:])  # micro-batches draw different masks
+    assert not torch.equal(first, second)  # steps draw different masks
+    torch.manual_seed(0)
+    assert torch.equal(pipe(x), first)  # the seed reproduces the step
+
+
+def test_repeated_runs_are_identical() -> None:
+    results = []
+    for _ in range(3):
+        model, _ = build("transformer", dropout=0.2)
+        pipe = conveyor.GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=3)
+        torch.manual_seed(3)
+        weighted_loss(pipe(sample("transformer"))).backward()
+        results.append([p.grad.clone() for p in pipe.parameters()])
+    for later in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+
+
+def test_pipeline_leaves_the_global_generator_as_one_draw_moves_it() -> None:
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 4))
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        pipe = conveyor.GPipe(nn.Sequential(*model), even_balance(model, len(devices)),
+                              devices=devices, chunks=2)
+        torch.manual_seed(0)
+        pipe(torch.ones(4, 4)).sum().backward()
+        after_pipe = torch.rand(3)
+        torch.manual_seed(0)
+        draw_step_seed()
+        assert torch.equal(torch.rand(3), after_pipe), devices
+
+
+def test_random_ops_without_generator_argument_are_seeded_too() -> None:
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # randn.default has no generator argument: it borrows the default generator
+            return x + torch.randn(x.shape, dtype=x.dtype)
+
+    def run(stages: int) -> torch.Tensor:
+        model = nn.Sequential(Noise(), nn.Identity(), Noise(), Noise())
+        pipe = conveyor.GPipe(model, even_balance(model, stages), devices=["cpu"] * stages,
+                              chunks=2)
+        torch.manual_seed(11)
+        return pipe(torch.zeros(4, 3))
+
+    assert torch.equal(run(1), run(4))
+
+
+def test_is_recomputing_is_true_only_in_recomputation() -> None:
+    seen: list[tuple[str, bool]] = []
+    lock = threading.Lock()
+
+    class Spy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with lock:
+                seen.append((threading.current_thread().name, conveyor.is_recomputing()))
+            return x * x  # saves x, so backward needs the recomputation
+
+    model = nn.Sequential(nn.Linear(2, 2), Spy())
+    pipe = conveyor.GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=3, checkpoint="except_last")
+    pipe(torch.ones(3, 2)).sum().backward()
+    flags = [flag for _, flag in seen]
+    assert flags.count(False) == 3  # one forward per micro-batch
+    assert flags.count(True) == 2  # every micro-batch but the last is recomputed
+    assert not conveyor.is_recomputing()

@@ -1,0 +1,136 @@
+"""Schedules are tables: literal text, one validator, a clock picture."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules import (
+    Action,
+    Kind,
+    dependencies,
+    gpipe,
+    layout_clock,
+    parse,
+    render_clock,
+    validate,
+)
+
+
+def test_gpipe_table_is_fill_drain() -> None:
+    assert gpipe(3, 4).to_text() == (
+        "0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0\n"
+        "1F0 1F1 1F2 1F3 1B3 1B2 1B1 1B0\n"
+        "2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0"
+    )
+    assert gpipe(1, 1).to_text() == "0F0 0B0"
+
+
+def test_gpipe_clock_is_the_paper_picture() -> None:
+    assert render_clock(layout_clock(gpipe(3, 2))) == (
+        "        0   1   2   3   4   5   6   7\n"
+        "rank 0  0F0 0F1 .   .   .   .   0B1 0B0\n"
+        "rank 1  .   1F0 1F1 .   .   1B1 1B0 .\n"
+        "rank 2  .   .   2F0 2F1 2B1 2B0 .   ."
+    )
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8, 16, 32])
+def test_gpipe_tables_are_valid_and_take_the_bubble_bound(stages: int, microbatches: int) -> None:
+    schedule = gpipe(stages, microbatches)
+    validate(schedule)
+    # Unit-time clock: forward and backward each fill M + K - 1 ticks.
+    assert len(layout_clock(schedule)[0]) == 2 * (microbatches + stages - 1)
+
+
+def test_text_round_trips() -> None:
+    table = gpipe(4, 3)
+    assert parse(table.to_text(), name="gpipe") == table
+    assert str(parse("0F0 0B0\n-")) == "0F0 0B0\n-"
+
+
+def test_actions_print_compactly_and_order_by_stage() -> None:
+    assert str(Action(12, Kind.WEIGHT, 3)) == "12W3"
+    assert dependencies(Action(1, Kind.BACKWARD, 2), gpipe(3, 3)) == (
+        Action(1, Kind.FORWARD, 2), Action(2, Kind.BACKWARD, 2))
+    assert dependencies(Action(0, Kind.FORWARD, 0), gpipe(3, 3)) == ()
+
+
+def test_stage_ranks_follow_the_table() -> None:
+    table = parse("0F0 2F0 2B0 0B0\n1F0 1B0")
+    assert table.stage_ranks == (0, 1, 0)
+    assert table.stages_of(0) == (0, 2)
+    validate(table)
+
+
+def test_duplicate_action_is_shown_in_the_table() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        validate(parse("0F0 0F1 0B1 0B0\n1F0 1F1 1F1 1B1 1B0"))
+    assert str(caught.value) == (
+        "schedule 'custom', rank 1, step 2: 1F1 appears twice (first at rank 1, step 1)\n"
+        "  rank 0: 0F0 0F1 0B1 0B0\n"
+        "  rank 1: 1F0 1F1 [1F1] 1B1 1B0"
+    )
+
+
+def test_missing_actions_are_listed() -> None:
+    with pytest.raises(ScheduleError, match=r"incomplete: 1 actions missing \(1B0\)"):
+        validate(parse("0F0 0B0 0F1 0B1\n1F0 1F1 1B1"))
+
+
+def test_backward_before_forward_on_a_rank() -> None:
+    with pytest.raises(ScheduleError, match=r"rank 0, step 0: 0B0 comes before 0F0 on its own "
+                                            r"rank\n  rank 0: \[0B0\] 0F0"):
+        validate(parse("0B0 0F0"))
+
+
+def test_stage_split_over_two_ranks() -> None:
+    with pytest.raises(ScheduleError, match=r"stage 0 runs on rank 0 and rank 1"):
+        validate(parse("0F0 0B0\n0F1 0B1"))
+
+
+def test_deadlock_shows_the_clock_and_who_waits_for_whom() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        validate(parse("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1"))
+    assert str(caught.value) == (
+        "schedule 'custom' deadlocks at tick 1:\n"
+        "  rank 0 waits at 0B0 for 1B0 (rank 1)\n"
+        "  rank 1 waits at 1F1 for 0F1 (rank 0)\n"
+        "        0    1\n"
+        "rank 0  0F0  >0B0\n"
+        "rank 1  .    >1F1"
+    )
+
+
+def test_split_backward_needs_every_weight_action() -> None:
+    with pytest.raises(ScheduleError, match=r"1 actions missing \(0W1\)"):
+        validate(parse("0F0 0F1 0B0 0W0 0B1"))
+    validate(parse("0F0 0F1 0B0 0W0 0B1 0W1"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("0F0 0X1", r"rank 0: '0X1' is not an action"),
+     ("", r"at least one action"),
+     ("0F0 0B0 0F2 0B2", r"incomplete: 2 actions missing \(0F1 0B1\)")],
+)
+def test_malformed_tables(text: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        validate(parse(text))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_sizes_must_be_positive_integers(bad: object) -> None:
+    with pytest.raises(ScheduleError, match=r"must be a positive integer"):
+        gpipe(bad, 2)  # type: ignore[arg-type]
+
+
+def test_schedules_module_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, conveyor.schedules; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
