@@ -78,6 +78,8 @@ class Executor:
     def run(self, columns: Sequence[Sequence[Action]], state: StepState) -> None:
         """Runs ``columns[r]`` on a thread per rank r and waits for all of them.
 
+        A table with a single busy rank runs in the calling thread.
+
         Raises:
             StageError: an action failed (or the error a stage raised, if typed).
         """
@@ -101,19 +103,23 @@ class Executor:
                     errors.append(exc)
                 self.transport.abort()
 
-        threads = [
-            threading.Thread(target=work, args=(rank,), name=f"conveyor-rank{rank}", daemon=True)
-            for rank, column in enumerate(columns)
-            if column
-        ]
-        for thread in threads:
-            thread.start()
-        try:
+        ranks = [rank for rank, column in enumerate(columns) if column]
+        if len(ranks) == 1:
+            work(ranks[0])  # one rank: run it here, without a thread
+        else:
+            threads = [
+                threading.Thread(target=work, args=(rank,), name=f"conveyor-rank{rank}",
+                                 daemon=True)
+                for rank in ranks
+            ]
             for thread in threads:
-                thread.join()
-        except BaseException:
-            self.transport.abort()
-            raise
+                thread.start()
+            try:
+                for thread in threads:
+                    thread.join()
+            except BaseException:
+                self.transport.abort()
+                raise
         if errors:
             raise errors[0]
 
@@ -183,12 +189,11 @@ class Executor:
         wrt_inputs = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         params = stage.trainable_parameters()
         wrt = wrt_inputs + params
+        results: list[torch.Tensor | None] = [None] * len(wrt)
         if pairs and wrt:
             results = list(torch.autograd.grad(
                 [out for out, _ in pairs], wrt, [grad for _, grad in pairs], allow_unused=True
             ))
-        else:
-            results = [None] * len(wrt)
         _accumulate(state.param_grads.setdefault(s, [None] * len(params)),
                     results[len(wrt_inputs):], incoming=[g for _, g in pairs])
         found = iter(results[: len(wrt_inputs)])
@@ -239,11 +244,14 @@ class _ThreadState:
 
     @contextlib.contextmanager
     def applied(self, device: torch.device, cpu_threads: int) -> Iterator[None]:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        elif device.type == "cpu":
-            torch.set_num_threads(cpu_threads)
+        """Applies the state to this thread (a worker, or the caller), then restores it."""
         with contextlib.ExitStack() as stack:
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+            elif device.type == "cpu":
+                previous = torch.get_num_threads()
+                torch.set_num_threads(cpu_threads)
+                stack.callback(torch.set_num_threads, previous)
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
