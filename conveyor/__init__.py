@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from conveyor.allocator import tune_malloc
 from conveyor.errors import (
     BalanceError,
     ConveyorError,
@@ -63,6 +64,7 @@ __all__ = [
     "is_recomputing",
     "profile_layers",
     "solve_balance",
+    "tune_malloc",
 ]
 
 

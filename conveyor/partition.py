@@ -46,7 +46,8 @@ def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
             f"conveyor pipelines an nn.Sequential, got {type(module).__name__}; wrap the "
             "layers in order: nn.Sequential(layer0, layer1, ...)"
         )
-    return list(module.named_children())
+    # Not named_children(): it skips a module that appears twice, which is a layer here.
+    return [(name, layer) for name, layer in module._modules.items() if layer is not None]
 
 
 def validate_balance(balance: Sequence[int], num_layers: int) -> list[int]:

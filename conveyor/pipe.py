@@ -105,6 +105,7 @@ class GPipe(nn.Module):
                                 randomness=randomness))
             self.partitions.append(partition)
             start += count
+        _refuse_shared_parameters(stages, layers)
         self._stages = stages
         self._schedule = gpipe(len(balance), chunks)
         validate(self._schedule)
@@ -165,6 +166,23 @@ def _MoveError(device: Any) -> TypeError:
         f"GPipe keeps each stage on its own device and cannot be moved to {device}; "
         "pass devices=[...] when building it (dtype changes like .double() are fine)"
     )
+
+
+def _refuse_shared_parameters(stages: Sequence[Stage], layers: list[tuple[str, nn.Module]]) -> None:
+    # Stages accumulate into .grad from their own threads; a parameter used by two
+    # stages would be written by two threads at once (and live on one device only).
+    owner: dict[int, int] = {}
+    for stage in stages:
+        for p in stage.layers.parameters():
+            first = owner.setdefault(id(p), stage.index)
+            if first != stage.index:
+                names = [f"{name}.{n}" for name, layer in layers
+                         for n, q in layer.named_parameters() if q is p]
+                raise BalanceError(
+                    f"parameter {names[0]} is shared by stages {first} and {stage.index} "
+                    f"(also as {', '.join(names[1:])}); GPipe needs each parameter in one "
+                    "stage: change the balance so both uses fall in the same stage"
+                )
 
 
 def _resolve_devices(devices: Sequence[Device] | None, stages: int) -> list[torch.device]:
@@ -273,16 +291,23 @@ class _Step:
         for m in range(num_microbatches):
             state.output_grads[m] = [parts[m] if parts is not None else None
                                      for parts in split_grads]
-        self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
+        # Let the stages accumulate into fresh .grad fields, then hand the totals to
+        # autograd: backward() adds them to the .grad set aside here, and
+        # autograd.grad() returns them without touching .grad at all.
+        set_aside = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
+            param_grads = [p.grad for p in self.params]
+        finally:
+            for p, grad in zip(self.params, set_aside):
+                p.grad = grad
         state.outputs.clear()
-
         input_grads: list[torch.Tensor | None] = []
         for i in self.wrt_inputs:
             parts = [state.input_grads[m][i] for m in range(num_microbatches)]
             input_grads.append(_combine(self.leaves[i], parts))
-        param_grads = [g for s in range(len(self.stages))
-                       for g in state.param_grads.get(s, [None] * len(
-                           self.stages[s].trainable_parameters()))]
         return input_grads + param_grads
 
     def leaves_batch_size(self) -> int:

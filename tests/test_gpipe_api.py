@@ -120,3 +120,37 @@ def test_integer_outputs_are_not_differentiable() -> None:
 def test_output_lives_on_the_last_stage_device() -> None:
     pipe = conveyor.GPipe(copy.deepcopy(build("mlp")[0]), [4, 3], devices=["cpu"] * 2)
     assert pipe(sample("mlp")).device == pipe.devices[-1]
+
+
+def test_autograd_grad_returns_plain_gradients_and_leaves_grad_alone() -> None:
+    model, plain = build("mlp")
+    pipe = conveyor.GPipe(model, [4, 3], devices=["cpu"] * 2, chunks=3)
+    x = sample("mlp")
+    for p in pipe.parameters():
+        p.grad = torch.ones_like(p)
+    grads = torch.autograd.grad(pipe(x).pow(2).sum(), list(pipe.parameters()))
+    expected = torch.autograd.grad(plain(x).pow(2).sum(), list(plain.parameters()))
+    for p, g, e in zip(pipe.parameters(), grads, expected):
+        assert relative_error(g, e) <= 1e-10
+        assert torch.equal(p.grad, torch.ones_like(p))  # untouched
+
+
+def test_backward_adds_to_existing_gradients() -> None:
+    model, plain = build("mlp")
+    pipe = conveyor.GPipe(model, [4, 3], devices=["cpu"] * 2, chunks=3)
+    for _ in range(2):  # two backward passes accumulate, as in the plain model
+        pipe(sample("mlp")).pow(2).sum().backward()
+        plain(sample("mlp")).pow(2).sum().backward()
+    for p, r in zip(pipe.parameters(), plain.parameters()):
+        assert p.grad is not None and r.grad is not None
+        assert relative_error(p.grad, r.grad) <= 1e-10
+
+
+def test_parameters_shared_across_stages_are_refused() -> None:
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(OrderedDict(first=shared, act=nn.Tanh(), last=shared))
+    with pytest.raises(conveyor.BalanceError,
+                       match=r"parameter first.weight is shared by stages 0 and 1 \(also as "
+                             r"last.weight\)"):
+        conveyor.GPipe(model, [2, 1], devices=["cpu"] * 2)
+    conveyor.GPipe(model, [3], devices=["cpu"])  # one stage holds both uses: fine
