@@ -189,17 +189,12 @@ class Executor:
             if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
         ]
         input_leaves = pytree.tree_leaves(inputs)
-        wrt_inputs = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        wrt = wrt_inputs + stage.trainable_parameters()
-        if pairs and wrt:
-            # Accumulating into .grad (AccumulateGrad) adds each weight gradient while it
-            # is still in cache: 5-10% faster on CPU than collecting them with
-            # autograd.grad and adding afterwards.
-            torch.autograd.backward(
-                [out for out, _ in pairs],
-                [grad for _, grad in pairs],
-                inputs=wrt,
-            )
+        if pairs:
+            # The graph of a stage starts at its own detached inputs, so backward reaches
+            # exactly this stage's parameters and input leaves. Accumulating into .grad
+            # (AccumulateGrad) adds each weight gradient while it is still in cache:
+            # 5-10% faster on CPU than collecting them with autograd.grad.
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         input_grads = [
             t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
             for t in input_leaves

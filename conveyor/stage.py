@@ -117,6 +117,8 @@ class Stage:
         )
 
     def _check_output(self, output: Any, offset: int, microbatch: int) -> None:
+        if isinstance(output, torch.Tensor):
+            return
         for path, leaf in pytree.tree_flatten_with_path(output)[0]:
             if leaf is None or isinstance(leaf, torch.Tensor):
                 continue

@@ -43,6 +43,8 @@ def deliver(tree: Any, device: torch.device, copy_streams: dict[Any, Any] | None
         out = _move(t.detach(), device, copy_streams)
         return out.requires_grad_() if t.requires_grad else out
 
+    if isinstance(tree, torch.Tensor):
+        return move(tree)
     return pytree.tree_map_only(torch.Tensor, move, tree)
 
 

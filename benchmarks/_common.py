@@ -1,0 +1,92 @@
+"""Shared by the benchmarks: process set-up, timing, machine facts, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prepare_process() -> None:
+    """What the conveyor command does before torch loads (see conveyor.allocator)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from conveyor.allocator import tune_malloc
+
+    tune_malloc()
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True,
+                                        check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
+                progress: bool = True) -> dict[str, list[float]]:
+    """Times every config once per round, in turn, after one warm-up round.
+
+    Interleaving spreads the machine's slow moments over all configs, so that ratios
+    measured in one run compare like with like. Returns seconds per config.
+    """
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for round_index in range(rounds + 1):
+        for name, step in configs.items():
+            start = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - start
+            if round_index:
+                times[name].append(elapsed)
+        if progress:
+            label = "warm-up" if round_index == 0 else f"round {round_index}/{rounds}"
+            print(f"  {label} done", file=sys.stderr, flush=True)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def write(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"command": "python " + " ".join(sys.argv), "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
