@@ -1,0 +1,149 @@
+"""Memory: peak activation memory of one stage, naive against re-materialized.
+
+Config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256) cut into K
+equal stages; one stage of L/K blocks runs its GPipe column (M forwards, then M
+backwards) for checkpoint modes never (naive), except_last (the paper) and always.
+
+Exact method: a dispatch mode sees every operation, and layer hooks tell which ones run
+inside a layer's forward (first pass or recomputation). Each storage such an operation
+creates counts from its creation until it is freed (a finalizer on the storage object,
+which lives exactly as long as the memory, also when only autograd still holds it).
+The peak of that sum over the step is the stage's activation memory, plus the stage
+inputs it keeps (N x 512 floats), which a K=1 run receives from the caller and so
+does not create itself.
+
+The paper's law: naive holds every activation, (L/K) * N * a; re-materialization holds
+the stage's boundary tensors for all micro-batches plus one micro-batch's activations,
+N * b + (L/K) * (N/M) * a. Here a (activation bytes per sample per block) is measured
+on the naive M=1 run and b (boundary bytes per sample: input and output) is 2 * 512 * 4.
+
+    python benchmarks/memory.py               # about 30 seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import weakref
+from typing import Any
+
+import _common
+
+_common.prepare_process()
+
+import torch  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from conveyor import GPipe  # noqa: E402
+from conveyor.models import feed_forward_stack  # noqa: E402
+
+BLOCKS, WIDTH, BATCH = 8, 512, 256
+
+
+class ActivationMemory(TorchDispatchMode):
+    """Live and peak bytes of storages created inside the forward of ``layers``."""
+
+    def __init__(self, layers: nn.Module) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self._depth = threading.local()
+        self._hooks = []
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(self._enter))
+            # always_call: recomputation may stop early by raising inside a layer.
+            self._hooks.append(layer.register_forward_hook(self._leave, always_call=True))
+
+    def _enter(self, *_: Any) -> None:
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def _leave(self, *_: Any) -> None:
+        self._depth.value -= 1
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if getattr(self._depth, "value", 0) > 0:
+            # Views and in-place results share an input's storage: not new memory.
+            existing = {t.untyped_storage().data_ptr()
+                        for t in pytree.tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)}
+            for t in pytree.tree_leaves(out):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in existing or key in self.live or storage.nbytes() == 0:
+                    continue
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def stage_peak(blocks: int, chunks: int, mode: str) -> int:
+    torch.manual_seed(0)
+    layers = feed_forward_stack(blocks, WIDTH, 4 * WIDTH)
+    pipe = GPipe(layers, [blocks], devices=["cpu"], chunks=chunks, checkpoint=mode)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)  # a middle stage: input gradients too
+    grad = torch.randn(BATCH, WIDTH)
+    tracker = ActivationMemory(layers)
+    with tracker:
+        pipe(x).backward(grad)
+    tracker.remove_hooks()
+    return tracker.peak + x.numel() * x.element_size()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    args = parser.parse_args()
+
+    boundary = 2 * WIDTH * 4  # bytes per sample: a stage's input and its output
+    naive_one = stage_peak(1, 1, "never")
+    per_block = (naive_one - BATCH * boundary / 2) / BATCH  # a, bytes per sample per block
+    rows, results = [], []
+    for stages in args.stages:
+        blocks = BLOCKS // stages
+        for chunks in args.chunks:
+            measured = {mode: stage_peak(blocks, chunks, mode)
+                        for mode in ("never", "except_last", "always")}
+            law_naive = blocks * BATCH * per_block + BATCH * boundary / 2
+            law_remat = BATCH * boundary + blocks * (BATCH / chunks) * per_block
+            results.append({"stages": stages, "blocks_per_stage": blocks, "chunks": chunks,
+                            "peak_bytes": measured, "law_naive_bytes": law_naive,
+                            "law_rematerialized_bytes": law_remat})
+            mib = 1 << 20
+            rows.append([stages, blocks, chunks, f"{measured['never'] / mib:.1f}",
+                         f"{law_naive / mib:.1f}", f"{measured['except_last'] / mib:.1f}",
+                         f"{measured['always'] / mib:.1f}", f"{law_remat / mib:.1f}",
+                         f"{measured['never'] / measured['except_last']:.2f}x"])
+            print(f"  K={stages} M={chunks} done", file=sys.stderr, flush=True)
+    table = _common.markdown_table(
+        ["K", "L/K", "M", "naive (MiB)", "law L/K*N*a (MiB)", "except_last (MiB)",
+         "always (MiB)", "law N*b + L/K*N/M*a (MiB)", "naive / except_last"], rows)
+    print(f"\nconfig P, N={BATCH}: a = {per_block / 1024:.1f} KiB of activations per sample "
+          f"per block, b = {boundary / 1024:.1f} KiB per sample at stage boundaries\n")
+    print(table)
+    path = _common.write("memory", {
+        "config": {"blocks": BLOCKS, "width": WIDTH, "hidden": 4 * WIDTH, "batch": BATCH},
+        "activation_bytes_per_sample_per_block": per_block,
+        "boundary_bytes_per_sample": boundary, "results": results, "table": table,
+    })
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
