@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def prepare_process() -> None:
@@ -81,7 +82,11 @@ def median(values: list[float]) -> float:
 def write(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"command": "python " + " ".join(sys.argv), "machine": machine(), **payload}
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        script = script.relative_to(ROOT)
+    command = " ".join(["python", str(script), *sys.argv[1:]])
+    payload = {"command": command, "machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

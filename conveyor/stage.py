@@ -79,7 +79,7 @@ class Stage:
         for offset, layer in enumerate(self.layers):
             index = self.first_layer + offset
             seeded = (
-                self.randomness.layer_call(step_seed, index, microbatch)
+                self.randomness.layer_call(step_seed, index, microbatch, layer)
                 if step_seed is not None
                 else contextlib.nullcontext()
             )
