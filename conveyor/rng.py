@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -155,26 +156,31 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for m in unique if id(m) not in inner]
 
 
+_routed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _route_random_ops(part: nn.Module) -> None:
     """Hooks that run ``part`` under the seeded mode of the layer call in progress."""
-    if getattr(part, "_conveyor_routed", False):
+    if part in _routed:
         return
-    entered: list[bool] = []
+    _routed.add(part)
+    entered: list[_SeededOps | None] = []  # a part runs on its stage's thread only
 
     def enter(module: nn.Module, *_: Any) -> None:
-        mode = getattr(_local, "mode", None)
-        go = mode is not None and not mode.active
-        if go:
+        mode: _SeededOps | None = getattr(_local, "mode", None)
+        if mode is not None and not mode.active:
             mode.__enter__()
-        entered.append(go)
+            entered.append(mode)
+        else:
+            entered.append(None)
 
     def leave(module: nn.Module, *_: Any) -> None:
-        if entered.pop():
-            _local.mode.__exit__(None, None, None)
+        mode = entered.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     part.register_forward_pre_hook(enter)
     part.register_forward_hook(leave, always_call=True)
-    part._conveyor_routed = True
 
 
 @functools.lru_cache(maxsize=None)
