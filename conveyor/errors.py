@@ -9,6 +9,7 @@ __all__ = [
     "ScheduleError",
     "LayerOutputError",
     "StageError",
+    "add_note",
 ]
 
 
@@ -56,3 +57,17 @@ class StageError(ConveyorError, RuntimeError):
         self.microbatch = microbatch
         self.action = action
         self.layer = layer
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Adds ``note`` to an exception kept as is (shown in the traceback on Python 3.11+).
+
+    Several stages may note the same exception; each note is added once.
+    """
+    notes = getattr(exc, "__notes__", None)
+    if notes is not None and note in notes:
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11 would
+        exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]

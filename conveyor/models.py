@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Residual", "feed_forward_stack"]
+__all__ = [
+    "Embedding",
+    "Residual",
+    "TransformerBlock",
+    "feed_forward_stack",
+    "transformer_lm",
+]
 
 
 class Residual(nn.Module):
@@ -34,3 +40,72 @@ def feed_forward_stack(
         return Residual(body) if residual else body
 
     return nn.Sequential(*[block() for _ in range(blocks)])
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm Transformer block: causal self-attention, then a feed-forward layer.
+
+    Args:
+        width: the model width H_model.
+        hidden: the feed-forward width (the paper's H).
+        heads: the number of attention heads A.
+        dropout: dropout after attention and feed-forward.
+    """
+
+    def __init__(self, width: int, hidden: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by {heads} heads")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.feed_forward = nn.Sequential(nn.Linear(width, hidden), nn.GELU(),
+                                          nn.Linear(hidden, width))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = attended.transpose(1, 2).reshape(batch, length, width)
+        x = x + self.dropout(self.proj(attended))
+        return x + self.dropout(self.feed_forward(self.norm2(x)))
+
+
+class Embedding(nn.Module):
+    """Token and learned position embeddings: (batch, length) ids to (batch, length, width)."""
+
+    def __init__(self, vocab: int, width: int, max_length: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_length, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
+
+
+def transformer_lm(
+    layers: int,
+    width: int,
+    hidden: int,
+    heads: int,
+    *,
+    vocab: int = 256,
+    max_length: int = 512,
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """A Transformer language model T(L, H, A) as a layer sequence.
+
+    embedding, ``layers`` blocks, final norm, output head: L + 3 layers that a pipeline
+    can cut anywhere.
+    """
+    return nn.Sequential(
+        Embedding(vocab, width, max_length),
+        *[TransformerBlock(width, hidden, heads, dropout) for _ in range(layers)],
+        nn.LayerNorm(width),
+        nn.Linear(width, vocab),
+    )

@@ -24,7 +24,7 @@ from conveyor.microbatch import gather, microbatch_sizes, split
 from conveyor.partition import sequential_layers, validate_balance
 from conveyor.rng import LayerRandomness, draw_step_seed
 from conveyor.runtime import Executor, StepState
-from conveyor.schedules import Kind, actions_of, gpipe, validate
+from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 from conveyor.stage import Stage
 
 __all__ = ["GPipe"]
@@ -151,17 +151,17 @@ class GPipe(nn.Module):
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
-            raise _MoveError(device)
+            raise _move_error(device)
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> GPipe:
-        raise _MoveError("cuda")
+        raise _move_error("cuda")
 
     def cpu(self) -> GPipe:
-        raise _MoveError("cpu")
+        raise _move_error("cpu")
 
 
-def _MoveError(device: Any) -> TypeError:
+def _move_error(device: Any) -> TypeError:
     return TypeError(
         f"GPipe keeps each stage on its own device and cannot be moved to {device}; "
         "pass devices=[...] when building it (dtype changes like .double() are fine)"
@@ -216,7 +216,7 @@ class _Step:
         self,
         executor: Executor,
         stages: Sequence[Stage],
-        schedule: Any,
+        schedule: Schedule,
         state: StepState,
         *,
         leaves: list[Any],

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.allocator import tune_malloc
-from conveyor.errors import ConveyorError, StageError
+from conveyor.errors import ConveyorError, StageError, add_note
 from conveyor.schedules import Action, Kind
 from conveyor.stage import Stage
 from conveyor.transport import Aborted, LocalTransport, deliver
@@ -145,6 +145,10 @@ class Executor:
                 raise ConveyorError(f"this runtime cannot run {action}: split weight "
                                     "gradients (W) need the Pipeline API")
         except (ConveyorError, Aborted):
+            raise
+        except torch.cuda.OutOfMemoryError as exc:
+            add_note(exc, f"in stage {action.stage}, {_KIND_WORDS[action.kind]} of "
+                          f"micro-batch {action.microbatch} ({action})")
             raise
         except Exception as exc:
             raise StageError(

@@ -12,7 +12,7 @@ from torch import nn
 
 from conveyor.batchnorm import DeferredBatchNorm
 from conveyor.checkpoint import checkpointed, is_recomputing, running_stat_layers
-from conveyor.errors import ConveyorError, LayerOutputError, StageError
+from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
 from conveyor.rng import LayerRandomness
 
 __all__ = ["Stage"]
@@ -87,6 +87,11 @@ class Stage:
                 with seeded:
                     x = layer(x)
             except (ConveyorError, _STOP_RECOMPUTATION):
+                raise
+            except torch.cuda.OutOfMemoryError as exc:
+                # Kept as is, so that `except torch.cuda.OutOfMemoryError` still works.
+                add_note(exc, f"in stage {self.index}, {self._describe_layer(offset)}, "
+                              f"micro-batch {microbatch}")
                 raise
             except Exception as exc:
                 raise self._layer_error(exc, offset, microbatch) from exc

@@ -167,3 +167,16 @@ def test_moving_the_pipeline_is_refused_but_dtype_changes_work() -> None:
         pipe.cpu()
     pipe.double()
     assert pipe(torch.randn(2, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+class RunsOutOfMemory(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_keeps_its_type_and_gets_a_note() -> None:
+    pipe = conveyor.GPipe(nn.Sequential(nn.Identity(), RunsOutOfMemory()), [1, 1],
+                          devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        pipe(torch.zeros(4, 2))
+    assert "in stage 1, layer 1 (RunsOutOfMemory), micro-batch 0" in caught.value.__notes__

@@ -1,0 +1,77 @@
+"""The CUDA path: devices, copies between them, seeding of CUDA generators.
+
+Skipped without a GPU. With one GPU, stages share it (several workers on one device);
+with two or more, stages sit on different devices and activations move between them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conveyor
+from tests.models import assert_same_grads, build, even_balance, sample, weighted_loss
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_devices(count: int) -> list[str]:
+    return [f"cuda:{i % torch.cuda.device_count()}" for i in range(count)]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_gradients_equal_plain_model_on_cuda(name: str, checkpoint: str) -> None:
+    model, reference = build(name)
+    reference.cuda()
+    pipe = conveyor.GPipe(model, even_balance(model, 3), devices=cuda_devices(3), chunks=4,
+                          checkpoint=checkpoint)
+    x = sample(name, batch=10)
+    output = pipe(x.to(pipe.devices[0]))
+    assert output.device == pipe.devices[-1]
+    weighted_loss(output).backward()
+    weighted_loss(reference(x.cuda())).backward()
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+
+
+def test_cpu_and_cuda_stages_mix() -> None:
+    model, reference = build("mlp")
+    pipe = conveyor.GPipe(model, [3, 4], devices=["cpu", "cuda:0"], chunks=3)
+    x = sample("mlp")
+    weighted_loss(pipe(x)).backward()
+    weighted_loss(reference(x)).backward()
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_cuda_dropout_is_the_same_for_any_number_of_stages(checkpoint: str) -> None:
+    """K=1 reseeds the device generator; K=3 on one GPU routes ops to private ones."""
+    grads = []
+    for stages in (1, 3):
+        model, _ = build("transformer", dropout=0.3)
+        pipe = conveyor.GPipe(model, even_balance(model, stages), devices=["cuda:0"] * stages,
+                              chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(5)
+        weighted_loss(pipe(sample("transformer").cuda())).backward()
+        grads.append([p.grad.clone() for p in pipe.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_default_devices_are_the_cuda_devices() -> None:
+    stages = torch.cuda.device_count()
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(stages + 1)])
+    pipe = conveyor.GPipe(layers, [1] * (stages - 1) + [2])
+    assert pipe.devices == [torch.device("cuda", i) for i in range(stages)]
+    with pytest.raises(conveyor.BalanceError,
+                       match=rf"{stages + 1} stages but only {stages} CUDA devices"):
+        conveyor.GPipe(layers, [1] * (stages + 1))
+
+
+def test_autocast_reaches_the_stage_threads() -> None:
+    model, _ = build("mlp")
+    model.float()
+    pipe = conveyor.GPipe(model, [3, 4], devices=cuda_devices(2), chunks=2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = pipe(sample("mlp").float().cuda())
+    assert out.dtype == torch.bfloat16
