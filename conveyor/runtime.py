@@ -26,9 +26,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.allocator import tune_malloc
-from conveyor.errors import ConveyorError, StageError, add_note
+from conveyor.errors import ConveyorError
 from conveyor.schedules import Action, Kind
-from conveyor.stage import Stage
+from conveyor.stage import Stage, failure
 from conveyor.transport import Aborted, LocalTransport, deliver
 
 __all__ = ["StepState", "Executor"]
@@ -144,20 +144,20 @@ class Executor:
             else:
                 raise ConveyorError(f"this runtime cannot run {action}: split weight "
                                     "gradients (W) need the Pipeline API")
-        except (ConveyorError, Aborted):
-            raise
-        except torch.cuda.OutOfMemoryError as exc:
-            add_note(exc, f"in stage {action.stage}, {_KIND_WORDS[action.kind]} of "
-                          f"micro-batch {action.microbatch} ({action})")
+        except Aborted:
             raise
         except Exception as exc:
-            raise StageError(
+            error = failure(
+                exc,
                 f"stage {action.stage} failed in {_KIND_WORDS[action.kind]} of micro-batch "
-                f"{action.microbatch} ({action}): {type(exc).__name__}: {exc}",
+                f"{action.microbatch} ({action})",
                 stage=action.stage,
                 microbatch=action.microbatch,
                 action=str(action),
-            ) from exc
+            )
+            if error is exc:
+                raise
+            raise error from exc
 
     def _forward(self, action: Action, state: StepState) -> None:
         s, m = action.stage, action.microbatch

@@ -15,7 +15,7 @@ from conveyor.checkpoint import checkpointed, is_recomputing, running_stat_layer
 from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
 from conveyor.rng import LayerRandomness
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "failure"]
 
 # torch.utils.checkpoint stops a recomputation early by raising this through the layers.
 _STOP_RECOMPUTATION: type[BaseException] = getattr(
@@ -86,15 +86,13 @@ class Stage:
             try:
                 with seeded:
                     x = layer(x)
-            except (ConveyorError, _STOP_RECOMPUTATION):
-                raise
-            except torch.cuda.OutOfMemoryError as exc:
-                # Kept as is, so that `except torch.cuda.OutOfMemoryError` still works.
-                add_note(exc, f"in stage {self.index}, {self._describe_layer(offset)}, "
-                              f"micro-batch {microbatch}")
+            except _STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
-                raise self._layer_error(exc, offset, microbatch) from exc
+                error = self._layer_error(exc, offset, microbatch)
+                if error is exc:
+                    raise
+                raise error from exc
             self._check_output(x, offset, microbatch)
         return x
 
@@ -102,7 +100,7 @@ class Stage:
         layer = self.layers[offset]
         return f"layer {self.first_layer + offset} ({type(layer).__name__})"
 
-    def _layer_error(self, exc: Exception, offset: int, microbatch: int) -> StageError:
+    def _layer_error(self, exc: Exception, offset: int, microbatch: int) -> Exception:
         recomputing = is_recomputing()
         during = " while recomputing for backward" if recomputing else ""
         hint = ""
@@ -112,9 +110,11 @@ class Stage:
                 "that requires grad, so it cannot modify it in place; use inplace=False "
                 "for that layer or move the stage boundary"
             )
-        return StageError(
+        return failure(
+            exc,
             f"stage {self.index}, {self._describe_layer(offset)} failed on micro-batch "
-            f"{microbatch}{during}: {type(exc).__name__}: {exc}{hint}",
+            f"{microbatch}{during}",
+            hint=hint,
             stage=self.index,
             microbatch=microbatch,
             action=f"{self.index}{'B' if recomputing else 'F'}{microbatch}",
@@ -141,3 +141,29 @@ class Stage:
                 module.commit()
             else:
                 module.discard()
+
+
+def failure(
+    exc: Exception,
+    context: str,
+    *,
+    hint: str = "",
+    stage: int,
+    microbatch: int,
+    action: str,
+    layer: int | None = None,
+) -> Exception:
+    """The exception to raise for ``exc``, which happened in ``context``.
+
+    conveyor's own typed errors already say where they happened and pass as they are.
+    Out-of-memory errors keep their type too (``except torch.cuda.OutOfMemoryError``
+    must keep working) and get ``context`` as a note. Anything else is wrapped in a
+    StageError whose message starts with ``context``.
+    """
+    if isinstance(exc, ConveyorError):
+        return exc
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        add_note(exc, context)
+        return exc
+    return StageError(f"{context}: {type(exc).__name__}: {exc}{hint}", stage=stage,
+                      microbatch=microbatch, action=action, layer=layer)

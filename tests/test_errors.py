@@ -179,4 +179,4 @@ def test_out_of_memory_keeps_its_type_and_gets_a_note() -> None:
                           devices=["cpu"] * 2, chunks=2)
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         pipe(torch.zeros(4, 2))
-    assert "in stage 1, layer 1 (RunsOutOfMemory), micro-batch 0" in caught.value.__notes__
+    assert "stage 1, layer 1 (RunsOutOfMemory) failed on micro-batch 0" in caught.value.__notes__
