@@ -1,162 +1,70 @@
-"""Schedules as data: for each rank, the ordered actions it runs, plus one validator.
+"""Schedules as data: the functions that build the action tables of each schedule.
 
-A schedule never decides anything at run time. It is a table: rank r runs the actions
-of ``schedule.columns[r]`` in order, and every runtime, the validator and the renderers
-read that same table. Actions print compactly as ``{stage}{kind}{microbatch}``::
+Each is a pure function of integers returning a :class:`~conveyor.table.Schedule`; the
+validator, the simulator, the renderers and every runtime read the same table. With
+one tick per action (the clock :func:`~conveyor.table.render_clock` draws), 4 stages
+and 4 micro-batches::
 
-    >>> print(gpipe(2, 3))
-    0F0 0F1 0F2 0B2 0B1 0B0
-    1F0 1F1 1F2 1B2 1B1 1B0
+    gpipe                                   1f1b (PipeDream-flush)
+    rank 0  0F0 0F1 0F2 0F3 . . . ...       rank 0  0F0 0F1 0F2 0F3 .   .   0B0 ...
+    rank 3  .   .   .   3F0 3F1 3F2 ...     rank 3  .   .   .   3F0 3B0 3F1 3B1 ...
 
-Laid out on a clock where every action takes one tick (``render_clock``), the same table
-is the fill-drain picture of the paper::
-
-            0   1   2   3   4   5   6   7
-    rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
-    rank 1  .   1F0 1F1 1F2 1B2 1B1 1B0 .
-
-This module imports nothing from torch, so schedules can be built, printed, checked
-and simulated anywhere.
+GPipe runs all forwards, then all backwards: M micro-batches of activations in flight.
+1F1B alternates once the pipeline is full: at most K - k in flight on stage k, the same
+bubble. Interleaved 1F1B gives each rank V stages (stage s on rank s mod K), dividing
+the bubble by about V. Zero-bubble (ZB-H1) splits backward into the input gradient
+``B`` and the weight gradient ``W``, and runs the ``W`` actions in what would be bubbles,
+holding no more micro-batches than 1F1B.
 """
 
 from __future__ import annotations
 
-import enum
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable
+from dataclasses import replace
 
 from conveyor.errors import ScheduleError
+from conveyor.table import (
+    Action,
+    Kind,
+    Schedule,
+    actions_of,
+    check_size,
+    dependencies,
+    layout_clock,
+    parse,
+    render_clock,
+    validate,
+)
 
 __all__ = [
     "Action",
     "Kind",
+    "SCHEDULES",
     "Schedule",
     "actions_of",
+    "build",
     "dependencies",
     "gpipe",
+    "interleaved_1f1b",
     "layout_clock",
+    "one_f_one_b",
     "parse",
     "render_clock",
     "validate",
+    "zero_bubble_h1",
 ]
 
 
-class Kind(str, enum.Enum):
-    """What an action does to one micro-batch on one stage."""
-
-    FORWARD = "F"
-    #: The backward pass; when a table also has ``W`` actions, only the input gradient.
-    BACKWARD = "B"
-    #: The weight gradient, split from ``B`` so that it can fill bubbles (zero-bubble).
-    WEIGHT = "W"
-
-    def __str__(self) -> str:
-        return self.value
+def _f(stage: int, microbatch: int) -> Action:
+    return Action(stage, Kind.FORWARD, microbatch)
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of a schedule: ``kind`` of micro-batch ``microbatch`` on ``stage``."""
-
-    stage: int
-    kind: Kind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+def _b(stage: int, microbatch: int) -> Action:
+    return Action(stage, Kind.BACKWARD, microbatch)
 
 
-_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
-
-
-def _parse_action(token: str, where: str) -> Action:
-    match = _ACTION.fullmatch(token)
-    if match is None:
-        raise ScheduleError(
-            f"{where}: {token!r} is not an action; write actions like 1F3 "
-            "(stage 1, forward, micro-batch 3), with kinds F, B or W"
-        )
-    return Action(int(match[1]), Kind(match[2]), int(match[3]))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A table of actions, one ordered column per rank.
-
-    A rank is one worker: a thread driving a device in one process, or one process
-    under torchrun. Each stage belongs to exactly one rank (several, for interleaved
-    schedules). The table says nothing about transfers: a runtime sends a stage's
-    output to whichever rank holds the next stage.
-
-    Attributes:
-        columns: ``columns[r]`` is the ordered tuple of actions rank ``r`` runs.
-        num_stages: the number of stages S; stages are ``0..S-1``.
-        num_microbatches: the number of micro-batches M; they are ``0..M-1``.
-        name: a label used in messages and pictures.
-    """
-
-    columns: tuple[tuple[Action, ...], ...]
-    num_stages: int
-    num_microbatches: int
-    name: str = "custom"
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.columns)
-
-    @cached_property
-    def split_backward(self) -> bool:
-        """Whether backward is split into input-gradient ``B`` and weight-gradient ``W``."""
-        return any(a.kind is Kind.WEIGHT for column in self.columns for a in column)
-
-    @cached_property
-    def stage_ranks(self) -> tuple[int, ...]:
-        """``stage_ranks[s]`` is the rank that runs stage ``s``. Needs a valid table."""
-        owner: dict[int, int] = {}
-        for rank, column in enumerate(self.columns):
-            for action in column:
-                owner.setdefault(action.stage, rank)
-        return tuple(owner[s] for s in range(self.num_stages))
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages rank ``rank`` runs, in increasing order."""
-        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
-
-    def to_text(self) -> str:
-        """One line per rank, actions separated by spaces; ``-`` for an idle rank."""
-        return "\n".join(" ".join(map(str, column)) or "-" for column in self.columns)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-
-def parse(text: str, *, name: str = "custom") -> Schedule:
-    """Reads the text form written by :meth:`Schedule.to_text` (one line per rank).
-
-    The numbers of stages and micro-batches are the largest ones mentioned, plus one.
-    Blank lines are ignored; a rank that runs nothing is written ``-``.
-
-    Raises:
-        ScheduleError: a token is not an action.
-    """
-    columns: list[tuple[Action, ...]] = []
-    for line in (line.strip() for line in text.strip().splitlines()):
-        if not line:
-            continue
-        rank = len(columns)
-        tokens = [] if line == "-" else line.split()
-        columns.append(tuple(_parse_action(t, f"rank {rank}") for t in tokens))
-    actions = [a for column in columns for a in column]
-    if not actions:
-        raise ScheduleError("a schedule needs at least one action")
-    return Schedule(
-        tuple(columns),
-        num_stages=max(a.stage for a in actions) + 1,
-        num_microbatches=max(a.microbatch for a in actions) + 1,
-        name=name,
-    )
+def _w(stage: int, microbatch: int) -> Action:
+    return Action(stage, Kind.WEIGHT, microbatch)
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -169,217 +77,134 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     Raises:
         ScheduleError: ``stages`` or ``microbatches`` is below 1.
     """
-    _check_size(stages=stages, microbatches=microbatches)
+    check_size(stages=stages, microbatches=microbatches)
     columns = tuple(
-        tuple(Action(s, Kind.FORWARD, m) for m in range(microbatches))
-        + tuple(Action(s, Kind.BACKWARD, m) for m in reversed(range(microbatches)))
+        tuple(_f(s, m) for m in range(microbatches))
+        + tuple(_b(s, m) for m in reversed(range(microbatches)))
         for s in range(stages)
     )
     return Schedule(columns, stages, microbatches, name="gpipe")
 
 
-def _check_size(**sizes: int) -> None:
-    for label, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{label} must be a positive integer, got {value!r}")
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): after K - 1 - k warm-up forwards, stage k alternates.
 
-
-def dependencies(action: Action, schedule: Schedule) -> tuple[Action, ...]:
-    """The actions whose results ``action`` consumes (on any rank).
-
-    ``F`` of stage s needs the activation of stage s-1; ``B`` needs its own forward and
-    the gradient from stage s+1; ``W`` needs its own ``B``.
-    """
-    s, m = action.stage, action.microbatch
-    if action.kind is Kind.FORWARD:
-        return (Action(s - 1, Kind.FORWARD, m),) if s > 0 else ()
-    if action.kind is Kind.BACKWARD:
-        own = Action(s, Kind.FORWARD, m)
-        if s + 1 < schedule.num_stages:
-            return (own, Action(s + 1, Kind.BACKWARD, m))
-        return (own,)
-    return (Action(s, Kind.BACKWARD, m),)
-
-
-def validate(schedule: Schedule) -> None:
-    """Checks that ``schedule`` is complete, consistent and free of deadlock.
-
-    Every stage must live on one rank; every (stage, micro-batch) needs exactly one
-    ``F`` and one ``B`` (and one ``W``, if the table splits backward); and the table
-    must run to the end when each rank follows its column and waits for the results
-    it needs.
+    At most K - k micro-batches are in flight on stage k (K on stage 0) instead of M.
 
     Raises:
-        ScheduleError: the first problem found, with the table and the failing step.
+        ScheduleError: ``stages`` or ``microbatches`` is below 1.
     """
-    _check_size(num_stages=schedule.num_stages, num_microbatches=schedule.num_microbatches)
-    seen: dict[Action, tuple[int, int]] = {}
-    owner: dict[int, int] = {}
-    for rank, column in enumerate(schedule.columns):
-        for step, action in enumerate(column):
-            where = (rank, step)
-            if not (0 <= action.stage < schedule.num_stages) or not (
-                0 <= action.microbatch < schedule.num_microbatches
-            ):
-                _fail(
-                    schedule,
-                    f"{action} is outside the table's {schedule.num_stages} stages "
-                    f"and {schedule.num_microbatches} micro-batches",
-                    where,
-                )
-            if action in seen:
-                first = seen[action]
-                _fail(schedule, f"{action} appears twice (first at rank {first[0]}, "
-                      f"step {first[1]})", where)
-            if owner.setdefault(action.stage, rank) != rank:
-                _fail(
-                    schedule,
-                    f"stage {action.stage} runs on rank {owner[action.stage]} and "
-                    f"rank {rank}; each stage belongs to one rank",
-                    where,
-                )
-            seen[action] = where
-            for needed in dependencies(action, schedule):
-                if needed.stage == action.stage and needed not in seen:
-                    _fail(schedule, f"{action} comes before {needed} on its own rank", where)
-    kinds = [Kind.FORWARD, Kind.BACKWARD] + ([Kind.WEIGHT] if schedule.split_backward else [])
-    missing = [
-        Action(s, kind, m)
-        for s in range(schedule.num_stages)
-        for kind in kinds
-        for m in range(schedule.num_microbatches)
-        if Action(s, kind, m) not in seen
-    ]
-    if missing:
-        listed = " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+    check_size(stages=stages, microbatches=microbatches)
+    columns = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        column = [_f(s, m) for m in range(warmup)]
+        for m in range(microbatches - warmup):
+            column += [_f(s, warmup + m), _b(s, m)]
+        column += [_b(s, m) for m in range(microbatches - warmup, microbatches)]
+        columns.append(tuple(column))
+    return Schedule(tuple(columns), stages, microbatches, name="1f1b")
+
+
+def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: V stages per rank, stage s on rank s mod K.
+
+    Micro-batches go through a rank's stages in groups of K: forwards of the group on
+    its first stage, then on its second, and so on; backwards visit the stages in
+    reverse. Rank r warms up with 2(K - 1 - r) + (V - 1)K forwards, then alternates.
+
+    Raises:
+        ScheduleError: a size below 1, or a number of micro-batches that is not a
+            multiple of the number of ranks (a last, smaller group leaves the warm-up
+            no slack and the table deadlocks; Megatron has the same rule).
+    """
+    check_size(ranks=ranks, microbatches=microbatches, virtual_stages=virtual_stages)
+    if virtual_stages > 1 and microbatches % ranks:
+        lower = microbatches // ranks * ranks
         raise ScheduleError(
-            f"schedule {schedule.name!r} is incomplete: {len(missing)} actions missing "
-            f"({listed})\n{_render_text(schedule, None)}"
+            f"interleaved 1F1B needs a multiple of {ranks} micro-batches (one group per "
+            f"rank); got {microbatches}: use chunks={lower or ranks} or "
+            f"{lower + ranks}"
         )
-    layout_clock(schedule)
+    if virtual_stages == 1:  # one stage per rank: plain 1F1B, as in Megatron
+        return replace(one_f_one_b(ranks, microbatches), name="interleaved-1f1b")
+    groups = [range(start, start + ranks) for start in range(0, microbatches, ranks)]
+    total = microbatches * virtual_stages
+    columns = []
+    for r in range(ranks):
+        forwards = [_f(c * ranks + r, m) for group in groups
+                    for c in range(virtual_stages) for m in group]
+        backwards = [_b(c * ranks + r, m) for group in groups
+                     for c in reversed(range(virtual_stages)) for m in group]
+        warmup = min(2 * (ranks - 1 - r) + (virtual_stages - 1) * ranks, total)
+        column = forwards[:warmup]
+        for i in range(total - warmup):
+            column += [forwards[warmup + i], backwards[i]]
+        column += backwards[total - warmup:]
+        columns.append(tuple(column))
+    return Schedule(tuple(columns), ranks * virtual_stages, microbatches,
+                    name="interleaved-1f1b")
 
 
-def _fail(schedule: Schedule, problem: str, where: tuple[int, int]) -> None:
-    rank, step = where
-    raise ScheduleError(
-        f"schedule {schedule.name!r}, rank {rank}, step {step}: {problem}\n"
-        f"{_render_text(schedule, where)}"
-    )
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with backward split into B (input gradient) and W (weight gradient).
 
+    Stage s keeps 1F1B's order of forwards and input-gradient passes, and runs the
+    weight gradient of micro-batch i after the input gradient of micro-batch i + s:
+    s weight gradients wait, so every stage holds at most K micro-batches (1F1B's peak,
+    on stage 0) and the waiting W's fill the cool-down, where 1F1B's stages idle. With
+    F, B and W of equal cost the bubble is a third of 1F1B's (Qi et al., 2023)::
 
-def _render_text(schedule: Schedule, mark: tuple[int, int] | None) -> str:
-    """The text form with ``rank r:`` labels; the action at ``mark`` is bracketed."""
-    lines = []
-    for rank, column in enumerate(schedule.columns):
-        cells = [
-            f"[{a}]" if (rank, step) == mark else str(a) for step, a in enumerate(column)
-        ]
-        lines.append(f"  rank {rank}: " + (" ".join(cells) or "-"))
-    return "\n".join(lines)
-
-
-def layout_clock(schedule: Schedule) -> list[list[Action | None]]:
-    """Lays the table out on a clock where every action takes one tick.
-
-    An action starts at the first tick after the actions it depends on have finished
-    and its rank has finished the previous action of its column.
-
-    Returns:
-        ``grid[r][t]``: the action rank ``r`` runs at tick ``t``, or None when idle.
+        rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0W0 0F4 0B1 0W1 ...
+        rank 3  .   .   .   3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 ...
 
     Raises:
-        ScheduleError: the table deadlocks; the message shows the clock up to the stall
-            and what every stuck rank waits for.
+        ScheduleError: ``stages`` or ``microbatches`` is below 1.
     """
-    rank_of = {a: r for r, column in enumerate(schedule.columns) for a in column}
-    done: set[Action] = set()
-    position = [0] * schedule.num_ranks
-    grid: list[list[Action | None]] = [[] for _ in schedule.columns]
-    total = sum(len(column) for column in schedule.columns)
-    while len(done) < total:
-        ready = []
-        for rank, column in enumerate(schedule.columns):
-            step = position[rank]
-            if step < len(column) and all(d in done for d in dependencies(column[step], schedule)):
-                ready.append(column[step])
-        if not ready:
-            raise ScheduleError(_deadlock_message(schedule, grid, position, rank_of, done))
-        for rank in range(schedule.num_ranks):
-            column = schedule.columns[rank]
-            step = position[rank]
-            if step < len(column) and column[step] in ready:
-                grid[rank].append(column[step])
-                position[rank] += 1
-            else:
-                grid[rank].append(None)
-        done.update(ready)
-    return grid
+    check_size(stages=stages, microbatches=microbatches)
+    columns = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        column = [_f(s, m) for m in range(warmup)]
+        waiting: list[int] = []
+        for i in range(microbatches - warmup):
+            column += [_f(s, warmup + i), _b(s, i)]
+            waiting.append(i)
+            if i >= s:
+                column.append(_w(s, waiting.pop(0)))
+        for m in range(microbatches - warmup, microbatches):
+            column.append(_b(s, m))
+            waiting.append(m)
+            column.append(_w(s, waiting.pop(0)))
+        column += [_w(s, m) for m in waiting]
+        columns.append(tuple(column))
+    return Schedule(tuple(columns), stages, microbatches, name="zero-bubble")
 
 
-def _deadlock_message(
-    schedule: Schedule,
-    grid: list[list[Action | None]],
-    position: list[int],
-    rank_of: dict[Action, int],
-    done: set[Action],
-) -> str:
-    waits = []
-    stuck: list[Action | None] = []
-    for rank, column in enumerate(schedule.columns):
-        step = position[rank]
-        if step >= len(column):
-            stuck.append(None)
-            continue
-        action = column[step]
-        stuck.append(action)
-        pending = [d for d in dependencies(action, schedule) if d not in done]
-        named = ", ".join(
-            f"{d} (rank {rank_of[d]})" if d in rank_of else f"{d} (in no rank's column)"
-            for d in pending
-        )
-        waits.append(f"  rank {rank} waits at {action} for {named}")
-    tick = len(grid[0]) if grid else 0
-    picture = render_clock(grid, waiting=stuck)
-    return (
-        f"schedule {schedule.name!r} deadlocks at tick {tick}:\n"
-        + "\n".join(waits)
-        + "\n"
-        + picture
-    )
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zero-bubble": zero_bubble_h1,
+}
 
 
-def render_clock(
-    grid: Sequence[Sequence[Action | None]],
-    *,
-    waiting: Sequence[Action | None] | None = None,
-) -> str:
-    """Draws a clock grid as text, one row per rank; ``.`` is an idle tick.
+def build(name: str, ranks: int, microbatches: int, *, virtual_stages: int = 1) -> Schedule:
+    """The table of schedule ``name`` for ``ranks`` ranks and ``microbatches``.
 
-    Args:
-        grid: ``grid[r][t]`` as returned by :func:`layout_clock`.
-        waiting: optionally, per rank, an action drawn as ``>1B0`` after the last tick:
-            the action the rank is stuck on.
+    ``virtual_stages`` (V) is the number of stages per rank; only interleaved-1f1b
+    takes more than one.
+
+    Raises:
+        ScheduleError: an unknown name (the message lists the known ones), or
+            ``virtual_stages`` > 1 for a schedule with one stage per rank.
     """
-    ticks = max((len(row) for row in grid), default=0)
-    extra = 1 if waiting is not None and any(w is not None for w in waiting) else 0
-    cells: list[list[str]] = []
-    for rank, row in enumerate(grid):
-        line = [str(a) if a is not None else "." for a in row] + ["."] * (ticks - len(row))
-        if extra:
-            stuck = waiting[rank] if waiting is not None else None
-            line.append(f">{stuck}" if stuck is not None else "")
-        cells.append(line)
-    width = max([len(str(ticks + extra))] + [len(c) for line in cells for c in line])
-    label = max(len(f"rank {len(grid) - 1}"), 4)
-    header = " " * label + "  " + " ".join(f"{t:<{width}}" for t in range(ticks + extra))
-    rows = [
-        f"{f'rank {r}':<{label}}  " + " ".join(f"{c:<{width}}" for c in line)
-        for r, line in enumerate(cells)
-    ]
-    return "\n".join(line.rstrip() for line in [header, *rows])
-
-
-def actions_of(schedule: Schedule, kinds: Iterable[Kind]) -> list[list[Action]]:
-    """Each rank's column restricted to ``kinds``, order kept (a phase of the table)."""
-    wanted = set(kinds)
-    return [[a for a in column if a.kind in wanted] for column in schedule.columns]
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of "
+                            + ", ".join(repr(n) for n in SCHEDULES))
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(ranks, microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"schedule {name!r} has one stage per rank; "
+                            f"virtual_stages={virtual_stages} needs 'interleaved-1f1b'")
+    return SCHEDULES[name](ranks, microbatches)

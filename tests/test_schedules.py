@@ -8,12 +8,16 @@ from conveyor.errors import ScheduleError
 from conveyor.schedules import (
     Action,
     Kind,
+    build,
     dependencies,
     gpipe,
+    interleaved_1f1b,
     layout_clock,
+    one_f_one_b,
     parse,
     render_clock,
     validate,
+    zero_bubble_h1,
 )
 
 
@@ -134,3 +138,70 @@ def test_schedules_module_imports_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_1f1b_table() -> None:
+    assert one_f_one_b(3, 4).to_text() == (
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3\n"
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3\n"
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"
+    )
+    assert one_f_one_b(3, 1).to_text() == "0F0 0B0\n1F0 1B0\n2F0 2B0"
+
+
+def test_interleaved_table_puts_stage_s_on_rank_s_mod_k() -> None:
+    table = interleaved_1f1b(2, 4, virtual_stages=2)
+    assert table.to_text() == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
+    )
+    assert table.stage_ranks == (0, 1, 0, 1)
+    assert table.num_stages == 4
+
+
+def test_zero_bubble_table_defers_weight_gradients_by_the_stage_index() -> None:
+    assert zero_bubble_h1(3, 4).to_text() == (
+        "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3\n"
+        "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3\n"
+        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3"
+    )
+
+
+def _peak_in_flight(column: tuple[Action, ...], split: bool) -> int:
+    held = peak = 0
+    for action in column:
+        if action.kind is Kind.FORWARD:
+            held += 1
+        elif action.kind is Kind.WEIGHT or not split:
+            held -= 1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("microbatches", range(1, 33))
+def test_every_generated_table_is_valid(stages: int, microbatches: int) -> None:
+    for name in ("gpipe", "1f1b", "zero-bubble"):
+        validate(build(name, stages, microbatches))
+    for virtual in (1, 2, 3, 4):
+        if virtual == 1 or microbatches % stages == 0:
+            validate(build("interleaved-1f1b", stages, microbatches, virtual_stages=virtual))
+    # Memory: GPipe holds M micro-batches, 1F1B at most K - k, ZB-H1 at most K (1F1B's peak).
+    for k, column in enumerate(build("1f1b", stages, microbatches).columns):
+        assert _peak_in_flight(column, split=False) == min(stages - k, microbatches)
+    zero_bubble = build("zero-bubble", stages, microbatches)
+    assert max(_peak_in_flight(c, split=True) for c in zero_bubble.columns) == min(
+        stages, microbatches)
+
+
+def test_schedule_names_and_their_errors() -> None:
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'pipedream'; choose one of "
+                                            r"'gpipe', '1f1b', 'interleaved-1f1b', "
+                                            r"'zero-bubble'"):
+        build("pipedream", 2, 4)
+    with pytest.raises(ScheduleError, match=r"needs a multiple of 4 micro-batches \(one group "
+                                            r"per rank\); got 6: use chunks=4 or 8"):
+        build("interleaved-1f1b", 4, 6, virtual_stages=2)
+    with pytest.raises(ScheduleError, match=r"'1f1b' has one stage per rank; virtual_stages=2 "
+                                            r"needs 'interleaved-1f1b'"):
+        build("1f1b", 2, 4, virtual_stages=2)
