@@ -26,6 +26,7 @@ from conveyor.rng import LayerRandomness, draw_step_seed
 from conveyor.runtime import Executor, StepState
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 from conveyor.stage import Stage
+from conveyor.transport import LocalTransport
 
 __all__ = ["GPipe"]
 
@@ -109,7 +110,9 @@ class GPipe(nn.Module):
         self._stages = stages
         self._schedule = gpipe(len(balance), chunks)
         validate(self._schedule)
-        self._executor = Executor(stages, self._schedule.stage_ranks)
+        self._executor = Executor(dict(enumerate(stages)), len(stages),
+                                  self._schedule.stage_ranks,
+                                  LocalTransport([stage.device for stage in stages]))
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)

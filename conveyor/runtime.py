@@ -1,11 +1,13 @@
-"""Running the actions of a schedule on stages: one worker thread per rank.
+"""Running the actions of a schedule on stages.
 
-Each rank walks its column of the table in order. A forward action takes the
-micro-batch (stage 0) or receives the previous stage's activation, runs the stage and
-sends the result on; a backward action receives the gradient of the stage's output,
-back-propagates through the stage's graph of that micro-batch, accumulates parameter
-gradients and sends the input gradient back. With GPipe on two stages and three
-micro-batches the ranks overlap like this (one tick per action)::
+Each rank walks its column of the table in order; in one process every rank is a
+thread, under torchrun a process runs its own rank's column. A forward action takes
+the micro-batch (stage 0) or receives the previous stage's activation, runs the stage
+and sends the result on (the last stage keeps it, or computes the loss); a backward
+action receives the gradient of the stage's output, back-propagates through the
+stage's graph of that micro-batch and sends the input gradient back; with split
+backward, ``W`` computes the weight gradients later. With GPipe on two stages and
+three micro-batches the ranks overlap like this (one tick per action)::
 
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
     rank 1  .   1F0 1F1 1F2 1B2 1B1 1B0 .
@@ -17,8 +19,9 @@ and the first error is raised in the caller, naming the stage and micro-batch.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +32,16 @@ from conveyor.allocator import tune_malloc
 from conveyor.errors import ConveyorError
 from conveyor.schedules import Action, Kind
 from conveyor.stage import Stage, failure
-from conveyor.transport import Aborted, LocalTransport, deliver
+from conveyor.transport import Aborted, Transport, deliver
+from conveyor.weightgrad import WeightGradient, backward_input
 
-__all__ = ["StepState", "Executor"]
+__all__ = ["Executor", "NonFiniteLossError", "StepState"]
 
 _KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradient"}
+
+
+class NonFiniteLossError(ConveyorError, FloatingPointError):
+    """The loss of a micro-batch is NaN or infinite (``check_finite=True``)."""
 
 
 @dataclass
@@ -41,11 +49,18 @@ class StepState:
     """What one pipelined call keeps between its actions.
 
     Attributes:
-        inputs: the micro-batches of stage 0.
+        inputs: the micro-batches of stage 0 (only where stage 0 runs).
         recompute: whether micro-batch m is recomputed in backward.
         grad_enabled: whether forward records graphs for a backward.
         step_seed: the seed of this call's random streams (None: not seeded).
-        outputs: the last stage's output per micro-batch.
+        targets: the micro-batches of targets, where the last stage runs a loss.
+        loss_fn: ``loss_fn(output, target)`` at the last stage; None returns outputs.
+        loss_scale: the weight of each micro-batch's loss in the batch's (its share
+            of the samples), so that their sum is the loss of the whole batch.
+        check_finite: raise if a micro-batch's loss is NaN or infinite.
+        split_backward: B computes input gradients only; W actions compute the weights'.
+        outputs: the last stage's output per micro-batch (without a loss).
+        losses: the last stage's unscaled loss per micro-batch, detached.
         output_grads: per micro-batch, gradients of the last stage's output leaves.
         input_grads: per micro-batch, gradients of stage 0's input leaves.
 
@@ -57,37 +72,49 @@ class StepState:
     recompute: Callable[[int], bool]
     grad_enabled: bool
     step_seed: int | None
+    targets: Sequence[Any] | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    loss_scale: Sequence[float] = ()
+    check_finite: bool = False
+    split_backward: bool = False
     outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
 
 
 class Executor:
-    """Runs columns of a schedule on stages that live in this process.
+    """Runs columns of a schedule on the stages that live in this process.
 
     Args:
-        stages: every stage of the model, indexed by stage number.
+        stages: the local stages, by stage number (all of them in one process).
+        num_stages: the number of stages of the whole model.
         stage_ranks: the rank that runs each stage (``Schedule.stage_ranks``).
+        transport: moves activations and gradients between stages.
     """
 
-    def __init__(self, stages: Sequence[Stage], stage_ranks: Sequence[int]) -> None:
-        self.stages = list(stages)
+    def __init__(self, stages: Mapping[int, Stage], num_stages: int,
+                 stage_ranks: Sequence[int], transport: Transport) -> None:
+        self.stages = dict(stages)
+        self.num_stages = num_stages
         self.stage_ranks = list(stage_ranks)
-        self.transport = LocalTransport([s.device for s in self.stages])
+        self.transport = transport
 
-    def run(self, columns: Sequence[Sequence[Action]], state: StepState) -> None:
-        """Runs ``columns[r]`` on a thread per rank r and waits for all of them.
+    def run(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
+        """Runs ``columns[r]`` for every rank r given, each on its own thread.
 
-        A table with a single busy rank runs in the calling thread.
+        A single busy rank runs in the calling thread.
 
         Raises:
-            StageError: an action failed (or the error a stage raised, if typed).
+            StageError: an action failed (or the typed error a stage raised).
         """
         self.transport.reset()
         context = _ThreadState.capture(state.grad_enabled)
-        devices = {r: self.stages[s].device for s, r in enumerate(self.stage_ranks)}
-        cpu_ranks = sum(1 for r, c in enumerate(columns) if c and devices[r].type == "cpu")
+        devices = {self.stage_ranks[s]: stage.device for s, stage in self.stages.items()}
+        busy = [rank for rank, column in columns.items() if column]
+        cpu_ranks = sum(1 for rank in busy if devices[rank].type == "cpu")
         cpu_threads = max(1, torch.get_num_threads() // max(1, cpu_ranks))
         if cpu_ranks > 1:
             tune_malloc()
@@ -104,16 +131,15 @@ class Executor:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 with lock:
                     errors.append(exc)
-                self.transport.abort()
+                self.transport.abort(exc)
 
-        ranks = [rank for rank, column in enumerate(columns) if column]
-        if len(ranks) == 1:
-            work(ranks[0])  # one rank: run it here, without a thread
+        if len(busy) == 1:
+            work(busy[0])  # one rank: run it here, without a thread
         else:
             threads = [
                 threading.Thread(target=work, args=(rank,), name=f"conveyor-rank{rank}",
                                  daemon=True)
-                for rank in ranks
+                for rank in busy
             ]
             for thread in threads:
                 thread.start()
@@ -121,16 +147,17 @@ class Executor:
                 for thread in threads:
                     thread.join()
             except BaseException:
-                self.transport.abort()
+                self.transport.abort(None)
                 raise
         if errors:
             raise errors[0]
+        self.transport.finish()
 
     def _preserved_rng(self, rank: int) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         seen: set[torch.device] = set()
-        for stage, owner in zip(self.stages, self.stage_ranks):
-            if owner == rank and stage.device not in seen:
+        for s, stage in self.stages.items():
+            if self.stage_ranks[s] == rank and stage.device not in seen:
                 seen.add(stage.device)
                 stack.enter_context(stage.randomness.preserved())
         return stack
@@ -142,8 +169,7 @@ class Executor:
             elif action.kind is Kind.BACKWARD:
                 self._backward(action, state)
             else:
-                raise ConveyorError(f"this runtime cannot run {action}: split weight "
-                                    "gradients (W) need the Pipeline API")
+                state.weight_work.pop((action.stage, action.microbatch)).run()
         except Aborted:
             raise
         except Exception as exc:
@@ -159,6 +185,9 @@ class Executor:
                 raise
             raise error from exc
 
+    def _is_last(self, stage: int) -> bool:
+        return stage == self.num_stages - 1
+
     def _forward(self, action: Action, state: StepState) -> None:
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
@@ -172,35 +201,73 @@ class Executor:
             step_seed=state.step_seed,
             recompute=state.grad_enabled and state.recompute(m),
         )
-        if state.grad_enabled:
-            state.saved[(s, m)] = (inputs, outputs)
-        if s == len(self.stages) - 1:
+        if self._is_last(s) and state.loss_fn is not None:
+            outputs = self._loss(s, m, outputs, state)
+        elif self._is_last(s):
             state.outputs[m] = outputs
         else:
             self.transport.send("activation", s + 1, m, outputs)
+        if state.grad_enabled:
+            state.saved[(s, m)] = (inputs, outputs)
+
+    def _loss(self, s: int, m: int, outputs: Any, state: StepState) -> torch.Tensor:
+        """The last stage's loss of micro-batch m, scaled by its share of the batch."""
+        assert state.loss_fn is not None and state.targets is not None
+        targets = deliver(state.targets[m], self.stages[s].device)
+        try:
+            loss = state.loss_fn(outputs, targets)
+        except Exception as exc:
+            raise ConveyorError(f"loss_fn failed on micro-batch {m}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConveyorError(
+                f"loss_fn must return a one-element tensor, got "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                f" on micro-batch {m}; reduce over the samples (reduction='mean')"
+            )
+        value = loss.detach().reshape(())
+        if state.check_finite and not math.isfinite(float(value)):
+            raise NonFiniteLossError(f"the loss of micro-batch {m} is {float(value)} "
+                                     f"(stage {s}); stopping before it reaches the weights")
+        state.losses[m] = value
+        return loss.reshape(()) * state.loss_scale[m]
 
     def _backward(self, action: Action, state: StepState) -> None:
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
         inputs, outputs = state.saved.pop((s, m))
-        if s == len(self.stages) - 1:
-            grads = state.output_grads.pop(m)
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
+        if self._is_last(s) and state.loss_fn is not None:
+            pairs = [(outputs, None)] if outputs.requires_grad else []  # the scaled loss
         else:
-            grads = self.transport.recv("gradient", s, m)
-        pairs = [
-            (out, grad)
-            for out, grad in zip(pytree.tree_leaves(outputs), grads)
-            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
-        ]
+            if self._is_last(s):
+                grads = state.output_grads.pop(m)
+            else:
+                grads = self.transport.recv("gradient", s, m)
+            pairs = [
+                (out, grad)
+                for out, grad in zip(pytree.tree_leaves(outputs), grads)
+                if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+            ]
         input_leaves = pytree.tree_leaves(inputs)
-        if pairs:
+        wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        if pairs and state.split_backward:
+            found, state.weight_work[(s, m)] = backward_input(
+                [out for out, _ in pairs], [g for _, g in pairs], wanted,
+                stage.trainable_parameters())
+        elif pairs:
             # The graph of a stage starts at its own detached inputs, so backward reaches
             # exactly this stage's parameters and input leaves. Accumulating into .grad
             # (AccumulateGrad) adds each weight gradient while it is still in cache:
             # 5-10% faster on CPU than collecting them with autograd.grad.
-            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+            found = [t.grad for t in wanted]
+        elif state.split_backward:
+            state.weight_work[(s, m)] = WeightGradient([], [])
+        grads_by_leaf = iter(found)
         input_grads = [
-            t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+            next(grads_by_leaf) if isinstance(t, torch.Tensor) and t.requires_grad else None
             for t in input_leaves
         ]
         if s == 0:

@@ -361,7 +361,8 @@ def render_clock(
     return "\n".join(line.rstrip() for line in [header, *rows])
 
 
-def actions_of(schedule: Schedule, kinds: Iterable[Kind]) -> list[list[Action]]:
+def actions_of(schedule: Schedule, kinds: Iterable[Kind]) -> dict[int, list[Action]]:
     """Each rank's column restricted to ``kinds``, order kept (a phase of the table)."""
     wanted = set(kinds)
-    return [[a for a in column if a.kind in wanted] for column in schedule.columns]
+    return {rank: [a for a in column if a.kind in wanted]
+            for rank, column in enumerate(schedule.columns)}

@@ -32,8 +32,18 @@ class Transport(Protocol):
     def recv(self, kind: Kind, stage: int, microbatch: int) -> Any:
         """Waits for and returns what was sent to ``stage`` for ``microbatch``."""
 
-    def abort(self) -> None:
-        """Wakes every waiting receive with :class:`Aborted`."""
+    def abort(self, error: BaseException | None) -> None:
+        """Stops the step: every waiting receive raises :class:`Aborted`.
+
+        ``error`` (if any) is what went wrong here; a transport between processes
+        passes it on to the ranks that wait for this one.
+        """
+
+    def reset(self) -> None:
+        """Prepares for a new run after a finished or aborted one."""
+
+    def finish(self) -> None:
+        """Completes what the run still has in flight (sends) once its actions are done."""
 
 
 def deliver(tree: Any, device: torch.device, copy_streams: dict[Any, Any] | None = None) -> Any:
@@ -104,7 +114,10 @@ class LocalTransport:
             value = self._boxes.pop(key)
         return deliver(value, self.devices[stage], self._copy_streams)
 
-    def abort(self) -> None:
+    def abort(self, error: BaseException | None) -> None:
         with self._ready:
             self._aborted = True
             self._ready.notify_all()
+
+    def finish(self) -> None:
+        """Nothing is in flight between threads once every action has run."""
