@@ -31,6 +31,8 @@ if TYPE_CHECKING:
         solve_balance,
     )
     from conveyor.pipe import GPipe
+    from conveyor.pipeline import Pipeline
+    from conveyor.schedules import Schedule
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,8 @@ _LAZY = {
     "profile_layers": "conveyor.partition",
     "solve_balance": "conveyor.partition",
     "GPipe": "conveyor.pipe",
+    "Pipeline": "conveyor.pipeline",
+    "Schedule": "conveyor.schedules",
 }
 
 __all__ = [
@@ -55,6 +59,8 @@ __all__ = [
     "LayerOutputError",
     "LayerProfile",
     "MicroBatchError",
+    "Pipeline",
+    "Schedule",
     "ScheduleError",
     "StageError",
     "balance_by_memory",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -79,18 +79,28 @@ def running_stat_layers(layers: nn.Module) -> list[nn.Module]:
     ]
 
 
-@contextlib.contextmanager
-def _recomputation(norms: Sequence[nn.Module]) -> Iterator[None]:
-    # Recomputing runs batch norm's forward again, which would update its running
-    # statistics twice per micro-batch; snapshot them and put them back afterwards.
-    saved = [[b.detach().clone() for b in m.buffers(recurse=False)] for m in norms]
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputation:
+    """Context of one recomputation; entered again for each (split backward: twice).
+
+    Recomputing runs batch norm's forward again, which would update its running
+    statistics a second time per micro-batch; they are snapshot on entry and put back
+    on exit.
+    """
+
+    def __init__(self, norms: Sequence[nn.Module]) -> None:
+        self._norms = norms
+        self._saved: list[list[list[torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self._saved.append([[b.detach().clone() for b in m.buffers(recurse=False)]
+                            for m in self._norms])
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
         _local.depth -= 1
+        saved = self._saved.pop()
         with torch.no_grad():
-            for module, buffers in zip(norms, saved):
+            for module, buffers in zip(self._norms, saved):
                 for buffer, value in zip(module.buffers(recurse=False), buffers):
                     buffer.copy_(value)
 
@@ -102,5 +112,5 @@ def checkpointed(function: Callable[[Any], Any], inputs: Any, norms: Sequence[nn
         inputs,
         use_reentrant=False,
         preserve_rng_state=False,
-        context_fn=lambda: (contextlib.nullcontext(), _recomputation(norms)),
+        context_fn=lambda: (contextlib.nullcontext(), _Recomputation(norms)),
     )

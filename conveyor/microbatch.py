@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from conveyor.errors import MicroBatchError
 
-__all__ = ["split", "gather", "microbatch_sizes"]
+__all__ = ["batch_size", "gather", "microbatch_sizes", "split"]
 
 
 def _describe(path: tuple[Any, ...], root: str) -> str:
@@ -40,6 +40,21 @@ def microbatch_sizes(batch_size: int, chunks: int) -> list[int]:
     return [base + 1] * extra + [base] * (chunks - extra)
 
 
+def batch_size(batch: Any) -> int:
+    """The number of samples in ``batch``: dim 0 of its first batched tensor.
+
+    Raises:
+        MicroBatchError: the batch holds no tensor with a batch dimension.
+    """
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise MicroBatchError(
+        "the batch holds no tensor with a batch dimension (dim 0) to split "
+        f"into micro-batches; got {_summary(batch)}"
+    )
+
+
 def split(batch: Any, chunks: int) -> list[Any]:
     """Splits ``batch`` into ``chunks`` micro-batches along dim 0.
 
@@ -61,10 +76,7 @@ def split(batch: Any, chunks: int) -> list[Any]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
     ]
     if not batched:
-        raise MicroBatchError(
-            "the batch holds no tensor with a batch dimension (dim 0) to split "
-            f"into micro-batches; got {_summary(batch)}"
-        )
+        batch_size(batch)  # raises the error that says so
     first_path, first = batched[0]
     size = first.shape[0]
     for path, leaf in batched[1:]:

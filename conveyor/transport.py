@@ -16,9 +16,9 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Aborted", "LocalTransport", "Transport", "deliver"]
+__all__ = ["Aborted", "LocalTransport", "MessageKind", "Transport", "deliver"]
 
-Kind = Literal["activation", "gradient"]
+MessageKind = Literal["activation", "gradient"]
 
 
 class Aborted(Exception):
@@ -26,10 +26,10 @@ class Aborted(Exception):
 
 
 class Transport(Protocol):
-    def send(self, kind: Kind, stage: int, microbatch: int, value: Any) -> None:
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
         """Delivers ``value`` (a pytree) to ``stage`` for ``microbatch``."""
 
-    def recv(self, kind: Kind, stage: int, microbatch: int) -> Any:
+    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
         """Waits for and returns what was sent to ``stage`` for ``microbatch``."""
 
     def abort(self, error: BaseException | None) -> None:
@@ -98,12 +98,12 @@ class LocalTransport:
             self._boxes.clear()
             self._aborted = False
 
-    def send(self, kind: Kind, stage: int, microbatch: int, value: Any) -> None:
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
         with self._ready:
             self._boxes[(kind, stage, microbatch)] = value
             self._ready.notify_all()
 
-    def recv(self, kind: Kind, stage: int, microbatch: int) -> Any:
+    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
         key = (kind, stage, microbatch)
         with self._ready:
             while key not in self._boxes:

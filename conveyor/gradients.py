@@ -1,0 +1,118 @@
+"""Gradients across stages and ranks: tied weights, data-parallel replicas, global norms.
+
+After a pipelined step each stage holds the gradients of its own parameters. Three
+things then need more than one stage:
+
+* a weight tied between stages (an embedding used by the first and the last stage)
+  lives as one copy per stage; their gradients are summed so the copies, updated
+  alike, stay equal;
+* data-parallel replicas of a stage average their gradients (as DDP would);
+* clipping by the global norm needs the norm over every stage, counting a tied weight
+  once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["TiedParameter", "average_across_replicas", "clip_grad_norm", "sum_tied_gradients"]
+
+_BUCKET_BYTES = 25 << 20  # as DDP's default bucket
+
+
+@dataclass
+class TiedParameter:
+    """One weight used by several stages, and the copies of it held in this process.
+
+    Attributes:
+        names: the parameter's names in the plain model, one per use.
+        copies: this process's copies (one per local stage that uses the weight).
+        counted: whether the first copy here is the one counted in norms (the copy of
+            the lowest stage that uses the weight).
+        group: the processes holding copies, to sum over (None in one process).
+    """
+
+    names: tuple[str, ...]
+    copies: list[nn.Parameter] = field(default_factory=list)
+    counted: bool = False
+    group: Any = None
+
+
+def sum_tied_gradients(ties: Iterable[TiedParameter]) -> None:
+    """Gives every copy of each tied weight the sum of all copies' gradients."""
+    for tie in ties:
+        if not tie.copies:
+            continue
+        first = tie.copies[0]
+        total = torch.zeros_like(first)
+        for copy in tie.copies:
+            if copy.grad is not None:
+                total += copy.grad.to(total.device)
+        if tie.group is not None:
+            dist.all_reduce(total, group=tie.group)
+        for copy in tie.copies:
+            copy.grad = total.to(copy.device, copy=True)
+
+
+def average_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int) -> None:
+    """Averages gradients over the data-parallel replicas, in flattened buckets."""
+    if replicas == 1:
+        return
+    with_grad = [p for p in params if p.grad is not None]
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for p in with_grad:
+        grad = p.grad
+        assert grad is not None
+        bucket_list = buckets.setdefault((grad.device, grad.dtype), [[]])
+        if sum(g.numel() * g.element_size() for g in bucket_list[-1]) > _BUCKET_BYTES:
+            bucket_list.append([])
+        bucket_list[-1].append(grad)
+    for bucket_list in buckets.values():
+        for grads in bucket_list:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat /= replicas
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
+                   max_norm: float, norm_type: float, group: Any) -> torch.Tensor:
+    """Scales ``params``' gradients so that their global norm is at most ``max_norm``.
+
+    Args:
+        params: every local parameter, tied copies included (all are scaled).
+        counted: the local parameters whose gradients make up the norm (each tied
+            weight once).
+        max_norm: the largest allowed norm.
+        norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
+        group: the processes of the pipeline, whose norms combine (None: this one).
+
+    Returns:
+        The global norm before clipping.
+    """
+    grads = [p.grad for p in counted if p.grad is not None]
+    device = grads[0].device if grads else next(iter(params)).device
+    inf = norm_type == float("inf")
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device) for g in grads])
+        local = norms.max() if inf else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), device=device)
+    local = local.to(torch.float64)
+    if group is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = local if inf else local.pow(1.0 / norm_type)
+    coefficient = max_norm / (float(total) + 1e-6)
+    if coefficient < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coefficient)
+    return total.to(torch.float32)

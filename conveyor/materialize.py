@@ -1,0 +1,89 @@
+"""Building only the layers a rank holds, with weights that do not depend on the rank.
+
+A pipeline over many processes should not build the whole model on each of them. It
+takes either a model built on the meta device (no memory), or a function that builds
+layer i; each rank creates only its own layers. Layer i is initialised under its own
+seed, derived from torch's global seed and i alone, so a model cut into 1, 2 or 4
+stages starts from the same weights, and :func:`sequential` builds the same model
+unpartitioned for reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from conveyor.rng import derive_seed
+
+__all__ = ["LayerBuilder", "draw_init_seed", "materialize", "sequential"]
+
+LayerBuilder = Callable[[int], nn.Module]
+_INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-batch seeds
+
+
+def draw_init_seed() -> int:
+    """The seed all layer initialisations derive from, drawn from torch's generator."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+@contextlib.contextmanager
+def _seeded(init_seed: int, index: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        seed = derive_seed(init_seed, index, _INIT_STREAM)
+        torch.manual_seed(seed)
+        yield
+
+
+def is_meta(layer: nn.Module) -> bool:
+    return any(t.is_meta for t in (*layer.parameters(), *layer.buffers()))
+
+
+def materialize(layer: nn.Module, index: int, *, device: torch.device, init_seed: int,
+                name: str) -> nn.Module:
+    """``layer`` on ``device``; a meta layer gets storage and its own initialisation.
+
+    Raises:
+        TypeError: a meta layer holds parameters or buffers in a module without
+            ``reset_parameters()``, so there is no way to initialise them.
+    """
+    if not is_meta(layer):
+        return layer.to(device)
+    for module in layer.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if own and not hasattr(module, "reset_parameters"):
+            raise TypeError(
+                f"layer {index} ({name}) was built on the meta device, but its "
+                f"{type(module).__name__} has parameters or buffers and no "
+                "reset_parameters() to initialise them; pass a function that builds "
+                "layer i instead"
+            )
+    layer.to_empty(device=device)
+    with _seeded(init_seed, index, device), torch.no_grad():
+        for module in layer.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return layer
+
+
+def build(builder: LayerBuilder, index: int, *, device: torch.device,
+          init_seed: int) -> nn.Module:
+    """Layer ``index`` from ``builder``, created on ``device`` under its own seed."""
+    with _seeded(init_seed, index, device), device:
+        layer = builder(index)
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"the layer builder returned {type(layer).__name__} for layer "
+                        f"{index}; it must return an nn.Module")
+    return layer
+
+
+def sequential(builder: LayerBuilder, layers: int, *,
+               device: torch.device | str = "cpu") -> nn.Sequential:
+    """The whole model from ``builder``, initialised exactly as a Pipeline would."""
+    init_seed = draw_init_seed()
+    return nn.Sequential(*[build(builder, i, device=torch.device(device), init_seed=init_seed)
+                           for i in range(layers)])

@@ -1,0 +1,386 @@
+"""``Pipeline``: a training step by any schedule, on threads or on torchrun processes.
+
+::
+
+    pipe = conveyor.Pipeline(model, stages=4, chunks=16, schedule="1f1b", loss_fn=criterion)
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    loss = pipe.step(inputs, targets)      # forward + backward of every micro-batch
+    optimizer.step()
+
+The same script runs in one process (stages on threads, one device each) and under
+``torchrun --nproc-per-node 4`` (one stage per process, activations and gradients over
+torch.distributed). The loss is computed per micro-batch at the last stage and weighted
+by the micro-batch's share of the batch, so for a loss that averages over samples the
+gradients equal those of the plain model on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.batchnorm import convert_deferred_batch_norm
+from conveyor.checkpoint import recomputes, validate_mode
+from conveyor.distributed import DistributedTransport, Topology
+from conveyor.errors import BalanceError, ConveyorError
+from conveyor.gradients import (
+    TiedParameter,
+    average_across_replicas,
+    clip_grad_norm,
+    sum_tied_gradients,
+)
+from conveyor.materialize import LayerBuilder, build, draw_init_seed, materialize
+from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.partition import (
+    profile_layers,
+    sequential_layers,
+    solve_balance,
+    validate_balance,
+)
+from conveyor.rng import LayerRandomness, draw_step_seed
+from conveyor.runtime import Executor, StepState
+from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
+from conveyor.stage import Stage
+from conveyor.transport import LocalTransport, Transport
+from conveyor.ties import find_ties, tie_layers
+
+__all__ = ["Pipeline"]
+
+Device = torch.device | str | int
+
+
+class Pipeline(nn.Module):
+    """A model trained by a pipeline schedule, in one process or over many.
+
+    Args:
+        module: the model as an ``nn.Sequential`` (possibly on the meta device, to hold
+            only local layers in memory), or a function that builds layer i (then give
+            ``layers``).
+        loss_fn: ``loss_fn(output, target)`` for one micro-batch, averaging over its
+            samples (reduction="mean").
+        chunks: the number of micro-batches M per batch.
+        stages: the number of pipeline ranks K (default: the world size under
+            torchrun, else the number of ``devices``).
+        layers: the number of layers, when ``module`` is a function.
+        balance: layers per stage (K·V entries); None evens out parameters; "time"
+            evens out forward+backward time measured on ``sample``.
+        sample: a batch to profile for ``balance="time"``.
+        schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
+        virtual_stages: stages per rank (V) for "interleaved-1f1b".
+        devices: in one process, one device per rank (default: the CUDA devices, else
+            the CPU for every rank).
+        checkpoint: "always", "except_last" (default) or "never".
+        data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
+        tie_weights: groups of parameter names that are one weight (needed when the
+            model is a function or on the meta device; a model whose layers share a
+            Parameter object is tied automatically).
+        check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
+        timeout: seconds a rank waits for another before giving up with an error.
+        deferred_batch_norm: batch-norm statistics over the whole mini-batch.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential | LayerBuilder,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        chunks: int,
+        stages: int | None = None,
+        layers: int | None = None,
+        balance: Sequence[int] | str | None = None,
+        sample: Any = None,
+        schedule: str | Schedule = "gpipe",
+        virtual_stages: int = 1,
+        devices: Sequence[Device] | None = None,
+        checkpoint: str = "except_last",
+        data_parallel: int = 1,
+        tie_weights: Sequence[Sequence[str]] = (),
+        check_finite: bool = False,
+        timeout: float = 300.0,
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        microbatch_sizes(chunks, chunks)  # validates chunks
+        validate_mode(checkpoint)
+        self.loss_fn = loss_fn
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.check_finite = check_finite
+        topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
+                                             timeout=timeout)
+        ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
+        self.topology = topology or Topology(pipeline_size=ranks)
+        self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
+        num_stages = self.schedule.num_stages
+
+        source = _LayerSource(module, layers)
+        self.balance = _resolve_balance(balance, source, num_stages, sample, chunks)
+        if topology is None:
+            rank_devices = _rank_devices(devices, ranks)
+            local = list(range(num_stages))
+        else:
+            rank_devices = [topology.device or torch.device("cpu")] * ranks
+            local = [s for s in range(num_stages)
+                     if self.schedule.stage_ranks[s] == topology.pipeline_rank]
+        self.devices = rank_devices
+
+        init_seed = draw_init_seed()
+        starts = [sum(self.balance[:s]) for s in range(num_stages + 1)]
+        stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
+        placed: dict[int, int] = {}  # id of a layer object -> the stage it went to
+        for s in local:
+            device = rank_devices[self.schedule.stage_ranks[s]]
+            built = []
+            for i in range(starts[s], starts[s + 1]):
+                layer = source.layer(i, device, init_seed)
+                if placed.setdefault(id(layer), s) != s:
+                    layer = copy.deepcopy(layer)  # one module object in two stages
+                built.append((source.names[i], layer))
+            if deferred_batch_norm:
+                built = [(n, convert_deferred_batch_norm(layer)) for n, layer in built]
+            stage_layers[s] = built
+
+        groups = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
+        stage_of_layer = {name: s for s in range(num_stages)
+                          for name in source.names[starts[s]:starts[s + 1]]}
+        self._ties = tie_layers(groups, stage_layers, stage_of_layer, self.topology,
+                                self.schedule.stage_ranks)
+
+        self._stages: dict[int, Stage] = {}
+        for s, named in stage_layers.items():
+            for name, layer in named:
+                self.add_module(name, layer)
+            device = rank_devices[self.schedule.stage_ranks[s]]
+            randomness = LayerRandomness(
+                device, shared=topology is None and rank_devices.count(device) > 1)
+            self._stages[s] = Stage(s, nn.Sequential(*[layer for _, layer in named]),
+                                    first_layer=starts[s], device=device,
+                                    randomness=randomness)
+        self._transport: Transport
+        if topology is None:
+            self._transport = LocalTransport([rank_devices[r]
+                                              for r in self.schedule.stage_ranks])
+        else:
+            self._transport = DistributedTransport(
+                topology, self.schedule.stage_ranks,
+                {s: stage.device for s, stage in self._stages.items()}, timeout)
+        self._executor = Executor(self._stages, num_stages, self.schedule.stage_ranks,
+                                  self._transport)
+
+    # ----------------------------------------------------------------- the user API
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of one batch by the schedule; gradients accumulate.
+
+        Every rank calls it with the batch (ranks that do not hold the first or last
+        stage may pass None for inputs or targets).
+
+        Returns:
+            The batch's loss (weighted mean over micro-batches), detached, on every rank.
+
+        Raises:
+            StageError: a stage failed; on every rank, naming the stage and micro-batch.
+            NonFiniteLossError: with ``check_finite``, a micro-batch's loss is NaN or inf.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
+                               "eval_step() for inference")
+        last = self.schedule.num_stages - 1
+        state = StepState(
+            inputs=split(inputs, self.chunks) if 0 in self._stages else [],
+            recompute=lambda m: recomputes(self.checkpoint, m, self.chunks),
+            grad_enabled=True,
+            step_seed=draw_step_seed() if self.training else None,
+            loss_fn=self.loss_fn,
+            check_finite=self.check_finite,
+            split_backward=self.schedule.split_backward,
+        )
+        if last in self._stages:
+            state.targets = split(targets, self.chunks)
+            batch = batch_size(targets)
+            state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
+        self._run(self.schedule, [Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT], state)
+        sum_tied_gradients(self._ties)
+        average_across_replicas(list(self.parameters()), self.topology.data_group,
+                                self.topology.data_size)
+        loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        if last in self._stages:
+            loss = sum((state.losses[m].float() * state.loss_scale[m]
+                        for m in range(self.chunks)), loss).to(self._device)
+        return self._share_loss(loss)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any) -> Any:
+        """The pipelined forward of a batch, without gradients or recomputation.
+
+        Returns:
+            The gathered output where the last stage runs (in one process: always),
+            None on the other ranks.
+        """
+        state = StepState(inputs=split(inputs, self.chunks) if 0 in self._stages else [],
+                          recompute=lambda m: False, grad_enabled=False,
+                          step_seed=draw_step_seed() if self.training else None)
+        self._run(self.schedule, [Kind.FORWARD], state)
+        if self.schedule.num_stages - 1 not in self._stages:
+            return None
+        return gather([state.outputs[m] for m in range(self.chunks)])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips gradients by their norm over every stage and rank; returns that norm."""
+        counted = {id(p) for p in self.parameters()}
+        for tie in self._ties:
+            for copy in tie.copies[0 if not tie.counted else 1:]:
+                counted.discard(id(copy))
+        params = list(self.parameters())
+        return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
+                              norm_type, self.topology.pipeline_group)
+
+    def extra_repr(self) -> str:
+        where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
+                 if self.topology.distributed else f"devices={[str(d) for d in self.devices]}")
+        return (f"schedule={self.schedule.name!r}, balance={self.balance}, "
+                f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, {where}")
+
+    # ----------------------------------------------------------------- internals
+
+    @property
+    def _device(self) -> torch.device:
+        return self.topology.device or self.devices[-1]
+
+    def _run(self, table: Schedule, kinds: list[Kind], state: StepState) -> None:
+        columns = actions_of(table, kinds)
+        if isinstance(self._transport, DistributedTransport):
+            self._transport.prepare(columns)
+            columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
+        try:
+            self._executor.run(columns, state)
+        except BaseException:
+            for stage in self._stages.values():
+                stage.end_step(commit=False)
+            raise
+        for stage in self._stages.values():
+            stage.end_step(commit=True)
+
+    def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        topology = self.topology
+        if topology.distributed:
+            last_rank = self.schedule.stage_ranks[-1]
+            dist.broadcast(loss, src=topology.global_rank(last_rank),
+                           group=topology.pipeline_group)
+            if topology.data_size > 1:
+                dist.all_reduce(loss, group=topology.data_group)
+                loss /= topology.data_size
+        return loss.detach()
+
+
+class _LayerSource:
+    """The layers of the model, however they were given."""
+
+    def __init__(self, module: nn.Sequential | LayerBuilder, layers: int | None) -> None:
+        if isinstance(module, nn.Module):
+            self._layers: list[tuple[str, nn.Module]] | None = sequential_layers(module)
+            self._builder: LayerBuilder | None = None
+            self.names = [name for name, _ in self._layers]
+        elif callable(module):
+            if layers is None:
+                raise TypeError("a layer-building function needs layers=, the number of "
+                                "layers to build")
+            self._layers, self._builder = None, module
+            self.names = [str(i) for i in range(layers)]
+        else:
+            raise TypeError(f"Pipeline takes an nn.Sequential or a function that builds "
+                            f"layer i, got {type(module).__name__}")
+
+    def layers_if_known(self) -> list[tuple[str, nn.Module]]:
+        return self._layers or []
+
+    def layer(self, index: int, device: torch.device, init_seed: int) -> nn.Module:
+        if self._layers is not None:
+            name, layer = self._layers[index]
+            return materialize(layer, index, device=device, init_seed=init_seed,
+                               name=type(layer).__name__)
+        assert self._builder is not None
+        return build(self._builder, index, device=device, init_seed=init_seed)
+
+    def parameter_counts(self) -> list[float]:
+        if self._layers is not None:
+            return [float(sum(p.numel() for p in layer.parameters()))
+                    for _, layer in self._layers]
+        assert self._builder is not None
+        counts = []
+        for i in range(len(self.names)):
+            with torch.device("meta"):
+                counts.append(float(sum(p.numel() for p in self._builder(i).parameters())))
+        return counts
+
+
+def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
+    if stages is not None:
+        if devices is not None and len(devices) != stages:
+            raise BalanceError(f"devices lists {len(devices)} devices for stages={stages}; "
+                               "give one device per pipeline rank")
+        return stages
+    if devices is not None:
+        return len(devices)
+    raise BalanceError("give stages= (the number of pipeline ranks) or devices=, or run "
+                       "under torchrun")
+
+
+def _rank_devices(devices: Sequence[Device] | None, ranks: int) -> list[torch.device]:
+    if devices is not None:
+        return [torch.device(d) for d in devices]
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < ranks:
+            raise BalanceError(f"{ranks} pipeline ranks but only {torch.cuda.device_count()} "
+                               "CUDA devices; pass devices=[...] (devices may repeat)")
+        return [torch.device("cuda", i) for i in range(ranks)]
+    return [torch.device("cpu")] * ranks
+
+
+def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
+                   virtual_stages: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        validate(schedule)
+        if schedule.num_ranks != ranks or schedule.num_microbatches != chunks:
+            raise ConveyorError(
+                f"the schedule table has {schedule.num_ranks} ranks and "
+                f"{schedule.num_microbatches} micro-batches, but the pipeline has {ranks} "
+                f"ranks and chunks={chunks}"
+            )
+        return schedule
+    table = build_schedule(schedule, ranks, chunks, virtual_stages=virtual_stages)
+    validate(table)
+    return table
+
+
+def _resolve_balance(balance: Sequence[int] | str | None, source: _LayerSource,
+                     num_stages: int, sample: Any, chunks: int) -> list[int]:
+    count = len(source.names)
+    if balance is None:
+        return solve_balance(source.parameter_counts(), num_stages)
+    if isinstance(balance, str):
+        if balance != "time":
+            raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or "
+                               "'time'")
+        model = source.layers_if_known()
+        if sample is None or not model:
+            raise BalanceError("balance='time' profiles the model on a batch: pass "
+                               "sample=<a batch> with an nn.Sequential built on a device")
+        costs = [p.forward_seconds + p.backward_seconds for p in profile_layers(
+            nn.Sequential(*[layer for _, layer in model]), split(sample, chunks)[0])]
+        result = solve_balance(costs, num_stages)
+        if dist.is_available() and dist.is_initialized():
+            shared = [result]
+            dist.broadcast_object_list(shared, src=0)  # one rank's timings decide for all
+            result = shared[0]
+        return result
+    result = validate_balance(balance, count)
+    if len(result) != num_stages:
+        raise BalanceError(f"balance {result} has {len(result)} stages but the schedule has "
+                           f"{num_stages} (ranks x virtual stages)")
+    return result
