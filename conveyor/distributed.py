@@ -37,7 +37,14 @@ __all__ = ["DistributedTransport", "PeerFailure", "Topology"]
 
 
 class PeerFailure(StageError):
-    """Another rank failed, died or stopped answering; this rank stops too."""
+    """Another rank failed, died or stopped answering; this rank stops too.
+
+    Attributes:
+        report: where the failure started (rank, stage, action, micro-batch, error),
+            passed on unchanged when this rank tells its own peers.
+    """
+
+    report: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,13 @@ def _mesh_groups(pipeline: int, data: int, device: torch.device) -> tuple[Any, A
     return mesh.get_group("pipeline"), mesh.get_group("data")
 
 
-_ABORT = -1
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor sits in a message's structure, and what to receive for it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
 
 
 class DistributedTransport:
@@ -192,12 +205,14 @@ class DistributedTransport:
         if destination == self.topology.pipeline_rank:
             self.local.send(kind, stage, microbatch, value)
             return
-        leaves, spec = pytree.tree_flatten(value)
-        tensors = [t.detach().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
-        meta = [(str(t.dtype), tuple(t.shape), t.requires_grad) if isinstance(t, torch.Tensor)
-                else None for t in leaves]
-        skeleton = [None if isinstance(t, torch.Tensor) else t for t in leaves]
-        header = pickle.dumps(((kind, stage, microbatch), spec, meta, skeleton))
+        tensors: list[torch.Tensor] = []
+
+        def slot(t: torch.Tensor) -> _Slot:
+            tensors.append(t.detach().contiguous())
+            return _Slot(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.requires_grad)
+
+        skeleton = pytree.tree_map_only(torch.Tensor, slot, value)
+        header = pickle.dumps(((kind, stage, microbatch), skeleton))
         self._isend(self.topology.global_rank(destination), header, tensors)
 
     def _isend(self, peer: int, header: bytes, tensors: list[torch.Tensor],
@@ -243,24 +258,22 @@ class DistributedTransport:
         self._wait(dist.irecv(body, peer, group=self.topology.pipeline_group), what)
         if length < 0:
             report = pickle.loads(body.cpu().numpy().tobytes())
-            raise PeerFailure(
+            failure = PeerFailure(
                 f"rank {report['rank']} failed ({report['error']}); rank "
                 f"{self.topology.pipeline_rank} stopped waiting for {what}",
-                stage=report.get("stage", -1), microbatch=report.get("microbatch", -1),
-                action=report.get("action", "?"),
+                stage=report["stage"], microbatch=report["microbatch"], action=report["action"],
             )
-        key, spec, meta, skeleton = pickle.loads(body.cpu().numpy().tobytes())
-        leaves = []
-        for item, constant in zip(meta, skeleton):
-            if item is None:
-                leaves.append(constant)
-                continue
-            dtype, shape, requires_grad = item
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+            failure.report = report
+            raise failure
+        key, skeleton = pickle.loads(body.cpu().numpy().tobytes())
+
+        def fill(slot: _Slot) -> torch.Tensor:
+            tensor = torch.empty(slot.shape, dtype=getattr(torch, slot.dtype),
                                  device=self.device)
             self._wait(dist.irecv(tensor, peer, group=self.topology.pipeline_group), what)
-            leaves.append(tensor.requires_grad_() if requires_grad else tensor)
-        return key, pytree.tree_unflatten(leaves, spec)
+            return tensor.requires_grad_() if slot.requires_grad else tensor
+
+        return key, pytree.tree_map_only(_Slot, fill, skeleton)
 
     def _wait(self, work: Any, what: str) -> None:
         if self._aborted:
@@ -284,14 +297,14 @@ class DistributedTransport:
         if self._aborted:
             return
         self._aborted = True
-        if isinstance(error, PeerFailure) or error is None:
-            text = "stopped after another rank failed" if error is not None else "interrupted"
-        else:
-            text = f"{type(error).__name__}: {error}".splitlines()[0]
-        report = {"rank": self.topology.pipeline_rank, "error": text,
-                  "stage": getattr(error, "stage", -1),
-                  "microbatch": getattr(error, "microbatch", -1),
-                  "action": getattr(error, "action", "?")}
+        report = getattr(error, "report", None)  # a failure elsewhere: pass it on as is
+        if report is None:
+            text = (f"{type(error).__name__}: {error}".splitlines()[0] if error is not None
+                    else "interrupted")
+            report = {"rank": self.topology.pipeline_rank, "error": text,
+                      "stage": getattr(error, "stage", -1),
+                      "microbatch": getattr(error, "microbatch", -1),
+                      "action": getattr(error, "action", "?")}
         header = pickle.dumps(report)
         for rank in sorted(self._peers):
             try:

@@ -181,7 +181,8 @@ class Pipeline(nn.Module):
         stage may pass None for inputs or targets).
 
         Returns:
-            The batch's loss (weighted mean over micro-batches), detached, on every rank.
+            The batch's loss (weighted mean over micro-batches), detached, as float64,
+            on every rank.
 
         Raises:
             StageError: a stage failed; on every rank, naming the stage and micro-batch.
@@ -208,9 +209,11 @@ class Pipeline(nn.Module):
         sum_tied_gradients(self._ties)
         average_across_replicas(list(self.parameters()), self.topology.data_group,
                                 self.topology.data_size)
-        loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        # float64 whatever the model's dtype: every rank must agree on it before the
+        # last stage has computed anything, and it keeps a float64 model's loss exact.
+        loss = torch.zeros((), dtype=torch.float64, device=self._device)
         if last in self._stages:
-            loss = sum((state.losses[m].float() * state.loss_scale[m]
+            loss = sum((state.losses[m].to(torch.float64) * state.loss_scale[m]
                         for m in range(self.chunks)), loss).to(self._device)
         return self._share_loss(loss)
 

@@ -1,0 +1,184 @@
+"""What each process of a multi-process test does (see tests/multiprocess.py).
+
+Models and data come from the functions below, so the parent test builds exactly the
+same plain model and batch to compare with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import conveyor
+from tests.models import Block
+
+VOCAB, WIDTH = 20, 16
+
+
+def deep_mlp(depth: int = 12) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(6, 12)]
+    for i in range(depth - 2):
+        layers.append(nn.Tanh() if i % 2 else nn.Linear(12, 12))
+    layers.append(nn.Linear(12, 3))
+    return nn.Sequential(*layers).double()
+
+
+def tied_lm(blocks: int = 3) -> nn.Sequential:
+    """A Transformer LM whose output head is its input embedding (one Parameter)."""
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    head = nn.Linear(WIDTH, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, *[Block(WIDTH) for _ in range(blocks)],
+                         nn.LayerNorm(WIDTH), head).double()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def case_model(name: str) -> tuple[nn.Sequential, Any]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return deep_mlp(), nn.functional.mse_loss
+    return tied_lm(), lm_loss
+
+
+def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tuple[Any, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return (torch.randn(batch, 6, dtype=torch.float64, generator=generator),
+                torch.randn(batch, 3, dtype=torch.float64, generator=generator))
+    return (torch.randint(0, VOCAB, (batch, length), generator=generator),
+            torch.randint(0, VOCAB, (batch, length), generator=generator))
+
+
+def cases(world: int) -> list[tuple[str, str, int]]:
+    """(model, schedule, virtual stages) run by the equivalence scenario."""
+    found = [(model, schedule, 1) for model in ("mlp", "lm")
+             for schedule in ("gpipe", "1f1b", "zero-bubble")]
+    found.append(("mlp", "interleaved-1f1b", 2))
+    if world == 2:
+        found.append(("lm", "interleaved-1f1b", 2))
+    return found
+
+
+def _grads(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+
+
+def scenario_equivalence(rank: int, world: int, out_dir: Path) -> None:
+    for model_name, schedule, virtual in cases(world):
+        model, loss_fn = case_model(model_name)
+        pipe = conveyor.Pipeline(model, chunks=4, schedule=schedule, virtual_stages=virtual,
+                                 loss_fn=loss_fn, checkpoint="except_last", timeout=30)
+        x, y = case_batch(model_name)
+        loss = pipe.step(x, y)
+        result = {"loss": loss, "grads": _grads(pipe)}
+        if model_name == "lm":  # a later batch of another sequence length
+            pipe.zero_grad(set_to_none=True)
+            x, y = case_batch(model_name, length=11, seed=2)
+            result["loss_long"] = pipe.step(x, y)
+            result["grads_long"] = _grads(pipe)
+        torch.save(result, out_dir / f"{model_name}-{schedule}-{virtual}-rank{rank}.pt")
+
+
+def scenario_data_parallel(rank: int, world: int, out_dir: Path) -> None:
+    model, loss_fn = case_model("lm")
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
+                             loss_fn=loss_fn, timeout=30)
+    x, y = case_batch("lm", batch=12)
+    replica = pipe.topology.data_rank
+    loss = pipe.step(x[replica::2], y[replica::2])
+    torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"rank{rank}.pt")
+
+
+def scenario_initialisation(rank: int, world: int, out_dir: Path) -> None:
+    with torch.device("meta"):
+        meta_model = deep_mlp()
+    torch.manual_seed(5)
+    from_meta = conveyor.Pipeline(meta_model, chunks=2, loss_fn=nn.functional.mse_loss)
+    torch.manual_seed(5)
+    built = conveyor.Pipeline(lambda i: deep_mlp()[i], layers=12, chunks=2,
+                              loss_fn=nn.functional.mse_loss)
+    torch.save({"meta": from_meta.state_dict(), "builder": built.state_dict()},
+               out_dir / f"rank{rank}.pt")
+
+
+def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
+    model, loss_fn = case_model("lm")
+    pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", loss_fn=loss_fn,
+                             check_finite=True, timeout=30)
+    x, y = case_batch("lm")
+    pipe.step(x, y)
+    norm = pipe.clip_grad_norm_(0.05)
+    torch.save({"norm": norm, "grads": _grads(pipe)}, out_dir / f"rank{rank}.pt")
+    pipe.zero_grad()
+    y = y.clone()
+    y[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
+    pipe.loss_fn = _nan_on_marker(loss_fn)
+    pipe.step(x, y)
+
+
+def _nan_on_marker(loss_fn: Any) -> Any:
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if bool((targets == -1).any()):
+            return torch.tensor(float("nan"), dtype=out.dtype)
+        return loss_fn(out, targets)
+    return loss
+
+
+class Fails(nn.Module):
+    """Identity, except on rank ``fail_rank``: raises, dies, or has the wrong width."""
+
+    def __init__(self, how: str, fail_rank: int) -> None:
+        super().__init__()
+        self.how, self.fail_rank = how, fail_rank
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if int(os.environ["RANK"]) == self.fail_rank and not conveyor.is_recomputing():
+            self.calls += 1
+            if self.how == "raise" and self.calls == 3:
+                raise ValueError("injected failure")
+            if self.how == "kill" and self.calls == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hang" and self.calls == 2:
+                time.sleep(60)
+            if self.how == "shape":
+                return x[:, :4]
+        return x
+
+
+def _fault(how: str, rank: int, world: int) -> None:
+    """Each stage is Linear, Linear, Fails; the last rank fails (for "shape": rank 0,
+    whose output then reaches stage 1 two features short)."""
+    fail_rank = 0 if how == "shape" else world - 1
+    layers: list[nn.Module] = []
+    for _ in range(world):
+        layers += [nn.Linear(6, 6), nn.Linear(6, 6), Fails(how, fail_rank)]
+    pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=4, schedule="1f1b",
+                             balance=[3] * world, loss_fn=nn.functional.mse_loss,
+                             timeout=4 if how == "hang" else 15)
+    pipe.step(torch.randn(8, 6), torch.randn(8, 6))
+
+
+def scenario_fault_raise(rank: int, world: int, out_dir: Path) -> None:
+    _fault("raise", rank, world)
+
+
+def scenario_fault_kill(rank: int, world: int, out_dir: Path) -> None:
+    _fault("kill", rank, world)
+
+
+def scenario_fault_shape(rank: int, world: int, out_dir: Path) -> None:
+    _fault("shape", rank, world)
+
+
+def scenario_fault_hang(rank: int, world: int, out_dir: Path) -> None:
+    _fault("hang", rank, world)

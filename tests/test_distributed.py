@@ -1,0 +1,158 @@
+"""Pipelines over processes (gloo on 127.0.0.1): equal to the plain model, and never hung.
+
+Each scenario starts its processes once (tests/multiprocess.py) and the tests compare
+what they wrote with the plain model, built here from the same functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import relative_error
+from tests.multiprocess import Outcome, launch
+from tests.scenarios import case_batch, case_model, cases
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def equivalence(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    out = tmp_path_factory.mktemp(f"equivalence{request.param}")
+    outcome = launch("equivalence", request.param, out, timeout=240)
+    assert outcome.returncodes == [0] * request.param, "\n".join(outcome.outputs)
+    return request.param, out
+
+
+def plain_gradients(model_name: str, **batch: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model, loss_fn = case_model(model_name)
+    x, y = case_batch(model_name, **batch)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def collect(out: Path, pattern: str, world: int) -> tuple[list[float], dict[str, torch.Tensor],
+                                                           list[dict[str, object]]]:
+    results = [torch.load(out / pattern.format(rank=r)) for r in range(world)]
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        grads.update(result["grads"])
+    return [float(r.get("loss", "nan")) for r in results], grads, results
+
+
+def test_every_schedule_equals_the_plain_model(equivalence) -> None:  # type: ignore[no-untyped-def]
+    world, out = equivalence
+    for model_name, schedule, virtual in cases(world):
+        losses, grads, results = collect(out, f"{model_name}-{schedule}-{virtual}-rank{{rank}}.pt",
+                                         world)
+        expected_loss, expected = plain_gradients(model_name)
+        label = f"{model_name} {schedule} V={virtual}"
+        assert losses == [losses[0]] * world, label  # the loss reaches every rank
+        assert abs(losses[0] - expected_loss) <= 1e-12 * abs(expected_loss), label
+        assert sorted(grads) == sorted(expected), label  # both uses of a tied weight
+        for name, grad in grads.items():
+            assert relative_error(grad, expected[name]) <= 1e-10, f"{label}: {name}"
+        if model_name == "lm":  # the next batch has a longer sequence: shapes travel
+            expected_loss, expected = plain_gradients(model_name, length=11, seed=2)
+            long_grads: dict[str, torch.Tensor] = {}
+            for result in results:
+                long_grads.update(result["grads_long"])  # type: ignore[arg-type]
+                assert abs(float(result["loss_long"]) - expected_loss) <= 1e-10  # type: ignore[arg-type]
+            for name, grad in long_grads.items():
+                assert relative_error(grad, expected[name]) <= 1e-10, f"{label} long: {name}"
+
+
+def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) -> None:
+    outcome = launch("data_parallel", 4, tmp_path, timeout=240)
+    assert outcome.returncodes == [0] * 4, "\n".join(outcome.outputs)
+    losses, grads, results = collect(tmp_path, "rank{rank}.pt", 4)
+    expected_loss, expected = plain_gradients("lm", batch=12)
+    assert all(abs(loss - expected_loss) <= 1e-10 for loss in losses)
+    for result in results:  # both replicas of a stage hold the averaged gradients
+        for name, grad in result["grads"].items():  # type: ignore[attr-defined]
+            assert relative_error(grad, expected[name]) <= 1e-10, name
+
+
+def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:
+    import conveyor
+    from conveyor.materialize import sequential
+    from tests.scenarios import deep_mlp
+
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta_model = deep_mlp()
+    one_stage = conveyor.Pipeline(meta_model, stages=1, devices=["cpu"], chunks=2,
+                                  loss_fn=torch.nn.functional.mse_loss).state_dict()
+    torch.manual_seed(5)
+    reference = sequential(lambda i: deep_mlp()[i], 12).state_dict()
+    for world in (2, 4):
+        out = tmp_path / str(world)
+        out.mkdir()
+        outcome = launch("initialisation", world, out, timeout=240)
+        assert outcome.returncodes == [0] * world, "\n".join(outcome.outputs)
+        for rank in range(world):
+            states = torch.load(out / f"rank{rank}.pt")
+            assert states["meta"] and states["builder"]
+            for name, value in states["meta"].items():
+                assert torch.equal(value, one_stage[name]), (world, name)
+            for name, value in states["builder"].items():
+                assert torch.equal(value, reference[name]), (world, name)
+
+
+def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
+    outcome = launch("clip_and_check", 2, tmp_path, timeout=240)
+    model, loss_fn = case_model("lm")
+    x, y = case_batch("lm")
+    loss_fn(model(x), y).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    expected = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    _, grads, results = collect(tmp_path, "rank{rank}.pt", 2)
+    for result in results:
+        assert abs(float(result["norm"]) - float(expected_norm)) <= 1e-6 * float(expected_norm)
+    for name, grad in grads.items():
+        assert relative_error(grad, expected[name]) <= 1e-10, name
+    # The NaN on micro-batch 1 stops both ranks, each naming the micro-batch.
+    assert outcome.returncodes == [1, 1], "\n".join(outcome.outputs)
+    for output in outcome.outputs:
+        assert "the loss of micro-batch 1 is nan" in output
+
+
+def assert_every_rank_stops(outcome: Outcome, *, within: float, messages: list[str]) -> None:
+    assert all(code not in (0, None) for code in outcome.returncodes), outcome.returncodes
+    assert outcome.seconds < within, outcome.seconds
+    for output, message in zip(outcome.outputs, messages):
+        assert message in output, output[-2000:]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
+    outcome = launch("fault_raise", world, tmp_path, timeout=120)
+    failing = f"stage {world - 1}, layer {3 * world - 1} (Fails) failed on micro-batch 2: " \
+              "ValueError: injected failure"
+    assert_every_rank_stops(outcome, within=60,
+                            messages=[f"rank {world - 1} failed"] * (world - 1) + [failing])
+
+
+def test_a_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
+    outcome = launch("fault_kill", 2, tmp_path, timeout=120)
+    assert outcome.returncodes[1] == -9
+    assert_every_rank_stops(outcome, within=60, messages=[
+        "waiting for the gradient of micro-batch 1 from stage 1 (rank 1)"])
+
+
+def test_mismatched_shapes_stop_every_rank_naming_the_stage(tmp_path: Path) -> None:
+    outcome = launch("fault_shape", 2, tmp_path, timeout=120)
+    failing = "stage 1, layer 3 (Linear) failed on micro-batch 0: RuntimeError: mat1 and mat2"
+    assert_every_rank_stops(outcome, within=60, messages=[f"rank 1 failed ({'StageError: '}"
+                                                          + failing, failing])
+
+
+def test_a_stuck_rank_makes_the_others_time_out_saying_what_they_waited_for(
+        tmp_path: Path) -> None:
+    outcome = launch("fault_hang", 2, tmp_path, timeout=30)
+    assert outcome.returncodes[0] == 1  # rank 1 sleeps on; the launcher ends it
+    assert "rank 0 timed out after 4 s waiting for the gradient of micro-batch 1 from " \
+           "stage 1 (rank 1)" in outcome.outputs[0], outcome.outputs[0][-2000:]
