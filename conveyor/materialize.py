@@ -54,7 +54,7 @@ def materialize(layer: nn.Module, index: int, *, device: torch.device, init_seed
         return layer.to(device)
     for module in layer.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if own and not hasattr(module, "reset_parameters"):
+        if own and _initialiser(module) is None:
             raise TypeError(
                 f"layer {index} ({name}) was built on the meta device, but its "
                 f"{type(module).__name__} has parameters or buffers and no "
@@ -64,10 +64,19 @@ def materialize(layer: nn.Module, index: int, *, device: torch.device, init_seed
     layer.to_empty(device=device)
     with _seeded(init_seed, index, device), torch.no_grad():
         for module in layer.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
+            reset = _initialiser(module)
+            if reset is not None:
                 reset()
     return layer
+
+
+def _initialiser(module: nn.Module) -> Callable[[], None] | None:
+    # nn.MultiheadAttention keeps its initialisation in _reset_parameters.
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return reset
+    return None
 
 
 def build(builder: LayerBuilder, index: int, *, device: torch.device,

@@ -129,6 +129,8 @@ class Pipeline(nn.Module):
                      if self.schedule.stage_ranks[s] == topology.pipeline_rank]
         self.devices = rank_devices
 
+        # Found on the model as given: materialising gives layers new Parameter objects.
+        groups = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         init_seed = draw_init_seed()
         starts = [sum(self.balance[:s]) for s in range(num_stages + 1)]
         stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -145,7 +147,6 @@ class Pipeline(nn.Module):
                 built = [(n, convert_deferred_batch_norm(layer)) for n, layer in built]
             stage_layers[s] = built
 
-        groups = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         stage_of_layer = {name: s for s in range(num_stages)
                           for name in source.names[starts[s]:starts[s + 1]]}
         self._ties = tie_layers(groups, stage_layers, stage_of_layer, self.topology,

@@ -1,0 +1,168 @@
+"""Pipeline.step in one process: every schedule equals the plain model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.errors import BalanceError, ConveyorError, ScheduleError
+from conveyor.materialize import sequential
+from conveyor.runtime import NonFiniteLossError
+from tests.models import relative_error
+from tests.scenarios import case_batch, case_model, deep_mlp, lm_loss, tied_lm
+
+SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
+             ("interleaved-1f1b", 2, 2)]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize(("schedule", "virtual", "stages"), SCHEDULES)
+@pytest.mark.parametrize("model_name", ["mlp", "lm"])
+def test_every_schedule_equals_the_plain_model(model_name: str, schedule: str, virtual: int,
+                                               stages: int, checkpoint: str) -> None:
+    model, loss_fn = case_model(model_name)
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=stages, devices=["cpu"] * stages, chunks=4,
+                             schedule=schedule, virtual_stages=virtual, loss_fn=loss_fn,
+                             checkpoint=checkpoint)
+    x, y = case_batch(model_name)  # 10 samples: uneven micro-batches
+    loss = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+
+
+def test_tied_copies_stay_equal_through_training() -> None:
+    model, loss_fn = case_model("lm")
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=3, devices=["cpu"] * 3, chunks=2, schedule="1f1b",
+                             loss_fn=loss_fn)
+    first, last = pipe.get_parameter("0.weight"), pipe.get_parameter("5.weight")
+    assert first is not last  # one copy per stage
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    optimizer_ref = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    for step in range(3):
+        x, y = case_batch("lm", seed=step)
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        optimizer.step()
+        optimizer_ref.zero_grad()
+        loss_fn(reference(x), y).backward()
+        optimizer_ref.step()
+    assert torch.equal(first, last)
+    assert relative_error(first.detach(), reference[0].weight.detach()) <= 1e-10
+
+
+def test_eval_step_is_the_plain_forward() -> None:
+    model, _ = case_model("lm")
+    reference = copy.deepcopy(model).eval()
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=3, loss_fn=lm_loss)
+    pipe.eval()
+    x, _ = case_batch("lm")
+    out = pipe.eval_step(x)
+    assert not out.requires_grad
+    with torch.no_grad():
+        assert relative_error(out, reference(x)) <= 1e-12
+
+
+def test_clip_grad_norm_counts_a_tied_weight_once() -> None:
+    model, loss_fn = case_model("lm")
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=3, devices=["cpu"] * 3, chunks=2, loss_fn=loss_fn)
+    x, y = case_batch("lm")
+    pipe.step(x, y)
+    loss_fn(reference(x), y).backward()
+    norm = pipe.clip_grad_norm_(0.1)
+    expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item()
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+
+
+def test_non_finite_loss_names_the_micro_batch() -> None:
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, y) * (float("inf") if bool((y > 100).any()) else 1)
+
+    pipe = conveyor.Pipeline(deep_mlp(), stages=2, devices=["cpu"] * 2, chunks=4,
+                             loss_fn=loss_fn, check_finite=True)
+    x, y = case_batch("mlp", batch=8)
+    y[5, 0] = 1000.0  # micro-batch 2
+    with pytest.raises(NonFiniteLossError, match=r"the loss of micro-batch 2 is inf"):
+        pipe.step(x, y)
+
+
+def test_layer_builder_and_meta_models_match_their_reference() -> None:
+    torch.manual_seed(3)
+    pipe = conveyor.Pipeline(lambda i: deep_mlp()[i], layers=12, stages=3,
+                             devices=["cpu"] * 3, chunks=2, loss_fn=nn.functional.mse_loss)
+    torch.manual_seed(3)
+    reference = sequential(lambda i: deep_mlp()[i], 12)
+    assert all(torch.equal(a, b) for a, b in zip(pipe.state_dict().values(),
+                                                  reference.state_dict().values()))
+    with torch.device("meta"):
+        meta = tied_lm()
+    pipe = conveyor.Pipeline(meta, stages=2, devices=["cpu"] * 2, chunks=2, loss_fn=lm_loss)
+    assert not any(p.is_meta for p in pipe.parameters())
+    assert torch.equal(pipe.get_parameter("0.weight"), pipe.get_parameter("5.weight"))
+
+
+def test_balance_by_time_on_a_sample() -> None:
+    model, loss_fn = case_model("lm")
+    x, y = case_batch("lm")
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, loss_fn=loss_fn,
+                             balance="time", sample=x)
+    assert len(pipe.balance) == 2 and sum(pipe.balance) == len(model)
+    with pytest.raises(BalanceError, match=r"balance='time' profiles the model on a batch"):
+        conveyor.Pipeline(case_model("lm")[0], stages=2, devices=["cpu"] * 2, chunks=2,
+                          loss_fn=loss_fn, balance="time")
+
+
+def test_bad_arguments_say_what_to_do() -> None:
+    mlp = deep_mlp()
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'pipedream'"):
+        conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=2, schedule="pipedream",
+                          loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ScheduleError, match=r"needs a multiple of 2 micro-batches"):
+        conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=3,
+                          schedule="interleaved-1f1b", virtual_stages=2,
+                          loss_fn=nn.functional.mse_loss)
+    with pytest.raises(BalanceError, match=r"give stages= \(the number of pipeline ranks\)"):
+        conveyor.Pipeline(mlp, chunks=2, loss_fn=nn.functional.mse_loss)
+    with pytest.raises(BalanceError, match=r"has 2 stages but the schedule has 4"):
+        conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=2, balance=[6, 6],
+                          schedule="interleaved-1f1b", virtual_stages=2,
+                          loss_fn=nn.functional.mse_loss)
+    with pytest.raises(BalanceError, match=r"tie_weights names 'x.weight', but the model has "
+                                           r"no layer 'x'"):
+        conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=2,
+                          tie_weights=[["0.weight", "x.weight"]],
+                          loss_fn=nn.functional.mse_loss)
+    pipe = conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=2,
+                             loss_fn=lambda out, y: (out - y) ** 2)
+    x, y = case_batch("mlp")
+    with pytest.raises(ConveyorError, match=r"loss_fn must return a one-element tensor, got "
+                                            r"\(5, 3\) on micro-batch 0"):
+        pipe.step(x, y)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"use eval_step\(\) for inference"):
+        pipe.step(x, y)
+
+
+def test_a_custom_schedule_table_runs() -> None:
+    model, loss_fn = case_model("mlp")
+    reference = copy.deepcopy(model)
+    table = conveyor.schedules.parse("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1", name="mine")
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, schedule=table,
+                             loss_fn=loss_fn)
+    x, y = case_batch("mlp")
+    pipe.step(x, y)
+    loss_fn(reference(x), y).backward()
+    for p, r in zip(pipe.parameters(), reference.parameters()):
+        assert relative_error(p.grad, r.grad) <= 1e-10
