@@ -26,7 +26,7 @@ from torch import nn
 
 from conveyor.batchnorm import convert_deferred_batch_norm
 from conveyor.checkpoint import recomputes, validate_mode
-from conveyor.distributed import DistributedTransport, Topology
+from conveyor.distributed import Topology
 from conveyor.errors import BalanceError, ConveyorError
 from conveyor.gradients import (
     TiedParameter,
@@ -36,6 +36,7 @@ from conveyor.gradients import (
 )
 from conveyor.materialize import LayerBuilder, build, draw_init_seed, materialize
 from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.p2p import P2PTransport
 from conveyor.partition import (
     profile_layers,
     sequential_layers,
@@ -167,7 +168,7 @@ class Pipeline(nn.Module):
             self._transport = LocalTransport([rank_devices[r]
                                               for r in self.schedule.stage_ranks])
         else:
-            self._transport = DistributedTransport(
+            self._transport = P2PTransport(
                 topology, self.schedule.stage_ranks,
                 {s: stage.device for s, stage in self._stages.items()}, timeout)
         self._executor = Executor(self._stages, num_stages, self.schedule.stage_ranks,
@@ -258,7 +259,7 @@ class Pipeline(nn.Module):
 
     def _run(self, table: Schedule, kinds: list[Kind], state: StepState) -> None:
         columns = actions_of(table, kinds)
-        if isinstance(self._transport, DistributedTransport):
+        if isinstance(self._transport, P2PTransport):
             self._transport.prepare(columns)
             columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
         try:

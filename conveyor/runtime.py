@@ -125,6 +125,7 @@ class Executor:
             try:
                 with context.applied(devices[rank], cpu_threads), self._preserved_rng(rank):
                     for action in columns[rank]:
+                        self.transport.poll()
                         self._execute(action, state)
             except Aborted:
                 pass

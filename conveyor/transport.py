@@ -45,6 +45,9 @@ class Transport(Protocol):
     def finish(self) -> None:
         """Completes what the run still has in flight (sends) once its actions are done."""
 
+    def poll(self) -> None:
+        """Moves messages on without waiting (called between actions)."""
+
 
 def deliver(tree: Any, device: torch.device, copy_streams: dict[Any, Any] | None = None) -> Any:
     """Detached copies of the tensors of ``tree`` on ``device``, flags kept."""
@@ -121,3 +124,6 @@ class LocalTransport:
 
     def finish(self) -> None:
         """Nothing is in flight between threads once every action has run."""
+
+    def poll(self) -> None:
+        """Threads hand over messages directly; nothing to move on."""

@@ -1,0 +1,205 @@
+"""Two processes under torchrun: conveyor against torch.distributed.pipelining.
+
+Config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256, MSE loss) cut
+into two stages of 4 blocks, one per process, gloo, 1 intra-op thread each, no
+recomputation (torch's schedules do none). For M in {4, 8, 16}, interleaved in one run:
+
+* conveyor ``Pipeline(schedule="gpipe")`` and ``schedule="1f1b"``;
+* torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages;
+* each stage's column on its own (M forwards, then M backwards, plain PyTorch), both
+  processes at once: t, and the bound (M + K - 1) t; and the same one process at a
+  time (no contention for caches or memory bandwidth), the stricter bound;
+* the plain model on one thread over M micro-batches in turn.
+
+Every configuration is timed between barriers (so, by the slower process), median of
+the rounds.
+
+    python benchmarks/distributed.py          # starts torchrun itself; about 3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import _common
+
+if "WORLD_SIZE" in os.environ:
+    _common.prepare_process()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+BATCH, WIDTH, BLOCKS, STAGES = 256, 512, 8, 2
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Runs this script under torchrun with 2 processes, then prints rank 0's table."""
+    out = _common.RESULTS / "distributed.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(STAGES), __file__, "--rounds", str(args.rounds),
+               "--chunks", *map(str, args.chunks)]
+    result = subprocess.run(command, env=env)
+    if result.returncode == 0:
+        print(json.loads(out.read_text())["table"])
+        print(f"\nwrote {out}")
+    return result.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if "WORLD_SIZE" not in os.environ:
+        return launch(args)
+
+    import conveyor
+    from conveyor.models import feed_forward_stack
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = feed_forward_stack(BLOCKS, WIDTH, 4 * WIDTH)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    half = model[rank * 4:(rank + 1) * 4]
+
+    def conveyor_step(schedule: str, chunks: int) -> Callable[[], None]:
+        pipe = conveyor.Pipeline(copy.deepcopy(model), chunks=chunks, schedule=schedule,
+                                 checkpoint="never", loss_fn=nn.functional.mse_loss)
+
+        def step() -> None:
+            pipe.zero_grad(set_to_none=True)
+            pipe.step(x, y)
+        return step
+
+    def torch_step(kind: type, chunks: int) -> Callable[[], None]:
+        module = copy.deepcopy(half)
+        stage = PipelineStage(module, stage_index=rank, num_stages=STAGES,
+                              device=torch.device("cpu"))
+        schedule = kind(stage, n_microbatches=chunks, loss_fn=nn.functional.mse_loss)
+
+        def step() -> None:
+            module.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+        return step
+
+    def stage_column(chunks: int, *, turn: bool) -> Callable[[], None]:
+        module = copy.deepcopy(half)
+        inputs = [t.clone() for t in torch.randn(BATCH, WIDTH).tensor_split(chunks)]
+        grads = [torch.randn_like(t) for t in inputs]
+
+        def column() -> None:
+            module.zero_grad(set_to_none=True)
+            outputs = [module(t.requires_grad_(rank > 0)) for t in inputs]
+            for out, grad in zip(reversed(outputs), reversed(grads)):
+                out.backward(grad)
+
+        def step() -> None:
+            if not turn:
+                column()
+                return
+            for r in range(STAGES):  # one process at a time, each timing itself
+                dist.barrier()
+                if r == rank:
+                    start = time.perf_counter()
+                    column()
+                    alone_seconds[chunks].append(time.perf_counter() - start)
+        return step
+
+    def plain_in_turn(chunks: int) -> Callable[[], None]:
+        plain = copy.deepcopy(model)
+
+        def step() -> None:
+            if rank == 0:
+                plain.zero_grad(set_to_none=True)
+                for xm, ym in zip(x.tensor_split(chunks), y.tensor_split(chunks)):
+                    (nn.functional.mse_loss(plain(xm), ym) * len(xm) / BATCH).backward()
+        return step
+
+    alone_seconds: dict[int, list[float]] = {m: [] for m in args.chunks}
+    configs: dict[str, Callable[[], None]] = {}
+    for chunks in args.chunks:
+        configs[f"conveyor gpipe M={chunks}"] = conveyor_step("gpipe", chunks)
+        configs[f"conveyor 1f1b M={chunks}"] = conveyor_step("1f1b", chunks)
+        configs[f"torch ScheduleGPipe M={chunks}"] = torch_step(ScheduleGPipe, chunks)
+        configs[f"torch Schedule1F1B M={chunks}"] = torch_step(Schedule1F1B, chunks)
+        configs[f"stage columns at once M={chunks}"] = stage_column(chunks, turn=False)
+        configs[f"stage columns in turn M={chunks}"] = stage_column(chunks, turn=True)
+        configs[f"plain 1 thread M={chunks} in turn"] = plain_in_turn(chunks)
+
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for round_index in range(args.rounds + 1):
+        for name, step in configs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+        if round_index == 0:
+            for values in alone_seconds.values():
+                values.clear()
+        if rank == 0:
+            print(f"  round {round_index}/{args.rounds} done", file=sys.stderr, flush=True)
+
+    # The stricter t: each process's own column alone; the bound takes the slower stage.
+    alone = torch.tensor([_common.median(alone_seconds[m]) for m in args.chunks])
+    dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        report(args, times, dict(zip(args.chunks, alone.tolist())))
+    dist.destroy_process_group()
+    return 0
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]],
+           alone: dict[int, float]) -> None:
+    ms = {name: _common.median(values) * 1e3 for name, values in times.items()}
+    rows, results = [], []
+    for chunks in args.chunks:
+        loaded = (chunks + STAGES - 1) * ms[f"stage columns at once M={chunks}"] / chunks
+        strict = (chunks + STAGES - 1) * alone[chunks] * 1e3 / chunks
+        entry = {"chunks": chunks, "bound_ms": strict, "loaded_bound_ms": loaded,
+                 "plain_1_thread_in_turn_ms": ms[f"plain 1 thread M={chunks} in turn"]}
+        for label in ("conveyor gpipe", "conveyor 1f1b", "torch ScheduleGPipe",
+                      "torch Schedule1F1B"):
+            entry[label] = ms[f"{label} M={chunks}"]
+        ours = {"gpipe": entry["conveyor gpipe"], "1f1b": entry["conveyor 1f1b"]}
+        theirs = {"gpipe": entry["torch ScheduleGPipe"], "1f1b": entry["torch Schedule1F1B"]}
+        for name in ("gpipe", "1f1b"):
+            rows.append([chunks, name, f"{ours[name]:.0f}", f"{theirs[name]:.0f}",
+                         f"{theirs[name] / ours[name]:.2f}x", f"{strict:.0f}",
+                         f"{ours[name] / strict:.3f}", f"{loaded:.0f}",
+                         f"{ours[name] / loaded:.3f}"])
+        results.append(entry)
+    table = _common.markdown_table(
+        ["M", "schedule", "conveyor (ms)", "torch.distributed.pipelining (ms)",
+         "conveyor faster by", "bound (M+K-1)t, t alone (ms)", "conveyor / bound",
+         "bound, t under load (ms)", "conveyor / bound under load"], rows)
+    plain = ", ".join(f"M={m}: {ms[f'plain 1 thread M={m} in turn']:.0f} ms"
+                      for m in args.chunks)
+    table += f"\n\nplain model on 1 thread, M micro-batches in turn: {plain}"
+    _common.write("distributed", {
+        "config": {"blocks": BLOCKS, "width": WIDTH, "batch": BATCH, "stages": STAGES,
+                   "processes": STAGES, "backend": "gloo", "threads_per_process": 1,
+                   "rounds": args.rounds, "command": "python benchmarks/distributed.py"},
+        "median_ms": ms, "results": results, "table": table,
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main())

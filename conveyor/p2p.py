@@ -1,0 +1,358 @@
+"""Moving activations and gradients between processes with point-to-point ops.
+
+A message is a fixed header (24 int64s: kind, stage, micro-batch, sizes, and for a
+single tensor its dtype and shape) and a body: the tensors' bytes, after the pickled
+skeleton of a nested structure. Shapes travel with every message, so a later batch
+with another sequence length needs nothing special. Receives are posted in the order
+the sender sends, which the receiver knows from the table: no tags (NCCL has none).
+
+Waiting is what makes a pipeline slow. With gloo, data moves only once the receiver
+has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
+under load; three per message cost a 2-stage step 15%. So each peer always has a
+receive posted for its next message, and on gloo header and body travel as one
+*envelope* into it: gloo accepts a buffer larger than the message, and the buffer is
+as large as the largest message seen from that peer. Both sides track that capacity
+the same way, so a message that outgrows it goes as a header alone, then its body,
+and the next one fits. NCCL needs exact sizes (and overlaps on the GPU anyway): there
+the header goes first, then the body.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from conveyor.distributed import PeerFailure, Topology
+from conveyor.errors import ConveyorError
+from conveyor.schedules import Action, Kind
+from conveyor.transport import Aborted, LocalTransport, MessageKind
+
+__all__ = ["P2PTransport"]
+
+_INTS = 24
+_HEADER_BYTES = _INTS * 8
+_MAX_DIMS = 12
+_ALIGN = 64
+_CODES = {"activation": 0, "gradient": 1}
+_KINDS = {code: kind for kind, code in _CODES.items()}
+_ABORT = 2
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128]
+# header fields
+_CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a message's skeleton: where its bytes start, and what it is."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[int], list[Any]]:
+    """The header and the pieces of the body (byte tensors, or bytes) of a message."""
+    header = [0] * _INTS
+    header[_CODE], header[_STAGE], header[_MICROBATCH] = code, stage, microbatch
+    if isinstance(value, bytes):  # an abort report
+        header[_SKELETON] = header[_BODY] = len(value)
+        return header, [value]
+    if (isinstance(value, torch.Tensor) and value.dtype in _DTYPES
+            and value.dim() <= _MAX_DIMS):
+        header[_DTYPE], header[_GRAD] = _DTYPES.index(value.dtype), int(value.requires_grad)
+        header[_NDIM] = value.dim()
+        header[_SHAPE:_SHAPE + value.dim()] = list(value.shape)
+        header[_BODY] = value.numel() * value.element_size()
+        return header, [_bytes(value)]
+    tensors: list[torch.Tensor] = []
+    offsets = [0]
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(_bytes(t))
+        offsets.append(offsets[-1] + _padded(tensors[-1].numel()))
+        return _Slot(offsets[-2], str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                     t.requires_grad)
+
+    skeleton = pickle.dumps(pytree.tree_map_only(torch.Tensor, slot, value))
+    header[_SKELETON] = _padded(len(skeleton))
+    header[_BODY] = header[_SKELETON] + offsets[-1]
+    pieces: list[Any] = [skeleton]
+    for tensor, start in zip(tensors, offsets):
+        pieces.append((header[_SKELETON] + start, tensor))
+    return header, pieces
+
+
+def _decode(header: list[int], body: torch.Tensor) -> Any:
+    """The value of a message from its header and body (tensors are views of the body)."""
+    if header[_SKELETON] == 0:
+        dtype = _DTYPES[header[_DTYPE]]
+        shape = header[_SHAPE:_SHAPE + header[_NDIM]]
+        tensor = body[:header[_BODY]].view(dtype).view(shape)
+        return tensor.requires_grad_() if header[_GRAD] else tensor
+    skeleton = pickle.loads(body[:header[_SKELETON]].cpu().numpy().tobytes())
+
+    def fill(slot: _Slot) -> torch.Tensor:
+        dtype = getattr(torch, slot.dtype)
+        size = math.prod(slot.shape) * dtype.itemsize
+        start = header[_SKELETON] + slot.offset
+        tensor = body[start:start + size].view(dtype).view(slot.shape)
+        return tensor.requires_grad_() if slot.requires_grad else tensor
+
+    return pytree.tree_map_only(_Slot, fill, skeleton)
+
+
+def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
+              device: torch.device) -> torch.Tensor:
+    """Header (optional) and body pieces laid out in one byte buffer."""
+    start = _HEADER_BYTES if with_header else 0
+    buffer = torch.zeros(start + header[_BODY], dtype=torch.uint8, device=device)
+    if with_header:
+        buffer[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for piece in pieces:
+        offset, data = (0, piece) if not isinstance(piece, tuple) else piece
+        if isinstance(data, bytes):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer[start + offset:start + offset + data.numel()] = data
+    return buffer
+
+
+@dataclass
+class _Incoming:
+    """The message being received from one peer: its posted buffer and what is known."""
+
+    key: tuple[str, int, int]
+    buffer: torch.Tensor
+    work: Any
+    header: list[int] | None = None  # once the header has arrived and the body has not
+
+
+class P2PTransport:
+    """Delivery between the ranks of one pipeline over torch.distributed.
+
+    Args:
+        topology: this process's place; its pipeline group carries the messages.
+        stage_ranks: the pipeline rank of each stage.
+        devices: the device of each stage held here.
+        timeout: seconds any single wait may take.
+    """
+
+    def __init__(self, topology: Topology, stage_ranks: Sequence[int],
+                 devices: Mapping[int, torch.device], timeout: float) -> None:
+        self.topology = topology
+        self.stage_ranks = list(stage_ranks)
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.device = topology.device or torch.device("cpu")
+        self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
+        self.local = LocalTransport([devices.get(s, self.device)
+                                     for s in range(len(self.stage_ranks))])
+        self._expected: dict[int, list[tuple[str, int, int]]] = {}
+        self._position: dict[int, int] = {}
+        self._incoming: dict[int, _Incoming] = {}
+        self._capacity_in: dict[int, int] = {}  # per peer, kept from step to step
+        self._capacity_out: dict[int, int] = {}
+        self._peers: set[int] = set()
+        self._stash: dict[tuple[str, int, int], Any] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._aborted = False
+
+    # ------------------------------------------------------------ the table
+
+    def prepare(self, columns: Mapping[int, Sequence[Action]]) -> None:
+        """Learns from every rank's column the order in which each peer sends to us,
+        and posts the receive of each peer's first message."""
+        me = self.topology.pipeline_rank
+        self._expected = {}
+        for rank, column in columns.items():
+            incoming = [key for action in column
+                        for key, destination in [self._message_of(action)]
+                        if destination == me and rank != me]
+            if incoming:
+                self._expected[rank] = incoming
+        outgoing = {destination for action in columns.get(me, ())
+                    for _, destination in [self._message_of(action)]
+                    if destination is not None and destination != me}
+        self._peers = set(self._expected) | outgoing
+        self._position = dict.fromkeys(self._expected, 0)
+        self._incoming = {}
+        for peer in self._expected:
+            self._post(peer)
+
+    def _message_of(self, action: Action) -> tuple[tuple[str, int, int], int | None]:
+        """What ``action`` sends, and to which pipeline rank (None: nothing)."""
+        s, m = action.stage, action.microbatch
+        if action.kind is Kind.FORWARD and s + 1 < len(self.stage_ranks):
+            return ("activation", s + 1, m), self.stage_ranks[s + 1]
+        if action.kind is Kind.BACKWARD and s > 0:
+            return ("gradient", s - 1, m), self.stage_ranks[s - 1]
+        return ("", -1, -1), None
+
+    def reset(self) -> None:
+        self.local.reset()
+        self._stash.clear()
+        self._aborted = False
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+        destination = self.stage_ranks[stage]
+        if destination == self.topology.pipeline_rank:
+            self.local.send(kind, stage, microbatch, value)
+            return
+        self._send_message(destination, *_encode(_CODES[kind], stage, microbatch, value))
+
+    def _send_message(self, destination: int, header: list[int], pieces: list[Any]) -> None:
+        peer = self.topology.global_rank(destination)
+        total = _HEADER_BYTES + header[_BODY]
+        if self.envelopes:
+            capacity = self._capacity_out.get(destination, _HEADER_BYTES)
+            self._capacity_out[destination] = max(capacity, total)
+            if total <= capacity:
+                header[_INLINE] = 1
+                self._isend(peer, _assemble(header, pieces, with_header=True,
+                                            device=self.device))
+                return
+        self._isend(peer, torch.tensor(header, dtype=torch.int64,
+                                       device=self.device).view(torch.uint8))
+        if header[_BODY]:
+            self._isend(peer, _assemble(header, pieces, with_header=False, device=self.device))
+
+    def _isend(self, peer: int, buffer: torch.Tensor) -> None:
+        self._sends.append((dist.isend(buffer, peer, group=self.topology.pipeline_group), buffer))
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+
+    # ------------------------------------------------------------ receiving
+
+    def _post(self, peer: int) -> None:
+        """Posts the receive of ``peer``'s next expected message, if any."""
+        position = self._position[peer]
+        if position >= len(self._expected[peer]):
+            self._incoming.pop(peer, None)
+            return
+        size = self._capacity_in.get(peer, _HEADER_BYTES) if self.envelopes else _HEADER_BYTES
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        work = dist.irecv(buffer, self.topology.global_rank(peer),
+                          group=self.topology.pipeline_group)
+        self._incoming[peer] = _Incoming(self._expected[peer][position], buffer, work)
+
+    def poll(self) -> None:
+        """Moves every incoming message on as far as it can without waiting."""
+        for peer in list(self._incoming):
+            self._advance(peer, wait=False)
+
+    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
+        source_stage = stage - 1 if kind == "activation" else stage + 1
+        source = self.stage_ranks[source_stage]
+        if source == self.topology.pipeline_rank:
+            return self.local.recv(kind, stage, microbatch)
+        key = (kind, stage, microbatch)
+        what = f"the {kind} of micro-batch {microbatch} from stage {source_stage} (rank {source})"
+        while key not in self._stash:
+            if source not in self._incoming:
+                raise ConveyorError(f"rank {source} never sends {what} in this table")
+            self._advance(source, wait=True, what=what)
+        return self._stash.pop(key)
+
+    def _advance(self, peer: int, *, wait: bool, what: str = "a message") -> None:
+        """Moves ``peer``'s message on; with ``wait``, until it has arrived whole."""
+        message = self._incoming.get(peer)
+        while message is not None:
+            if not wait and not message.work.is_completed():
+                return
+            self._wait(message.work, what)
+            if message.header is None:
+                header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
+                if not header[_INLINE] and header[_BODY]:
+                    message.header = header  # the body follows in a message of its own
+                    message.buffer = torch.empty(header[_BODY], dtype=torch.uint8,
+                                                 device=self.device)
+                    message.work = dist.irecv(message.buffer, self.topology.global_rank(peer),
+                                              group=self.topology.pipeline_group)
+                    continue
+                body = message.buffer[_HEADER_BYTES:]
+            else:
+                header, body = message.header, message.buffer
+            if header[_CODE] == _ABORT:
+                self._raise_failure(pickle.loads(body[:header[_BODY]].cpu().numpy().tobytes()),
+                                    what)
+            arrived = (_KINDS.get(header[_CODE], "?"), header[_STAGE], header[_MICROBATCH])
+            if arrived != message.key:
+                raise ConveyorError(f"expected {message.key} from rank {peer}, got "
+                                    f"{arrived}: the ranks run different tables")
+            self._stash[message.key] = _decode(header, body)
+            self._capacity_in[peer] = max(self._capacity_in.get(peer, _HEADER_BYTES),
+                                          _HEADER_BYTES + header[_BODY])
+            self._position[peer] += 1
+            self._post(peer)
+            return
+
+    def _raise_failure(self, report: dict[str, Any], what: str) -> None:
+        failure = PeerFailure(
+            f"rank {report['rank']} failed ({report['error']}); rank "
+            f"{self.topology.pipeline_rank} stopped waiting for {what}",
+            stage=report["stage"], microbatch=report["microbatch"], action=report["action"],
+        )
+        failure.report = report
+        raise failure
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self._aborted:
+            raise Aborted(what)
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            reason = (f"timed out after {self.timeout.total_seconds():g} s" if timed_out
+                      else f"lost its peer ({text})")
+            raise PeerFailure(
+                f"rank {self.topology.pipeline_rank} {reason} waiting for {what}; that rank "
+                "may have failed or be stuck",
+                stage=-1, microbatch=-1, action="recv",
+            ) from exc
+
+    # ------------------------------------------------------------ ending
+
+    def abort(self, error: BaseException | None) -> None:
+        """Tells every peer that sends to or receives from us that this rank stopped."""
+        self.local.abort(error)
+        if self._aborted:
+            return
+        self._aborted = True
+        report = getattr(error, "report", None)  # a failure elsewhere: pass it on as is
+        if report is None:
+            text = (f"{type(error).__name__}: {error}".splitlines()[0] if error is not None
+                    else "interrupted")
+            report = {"rank": self.topology.pipeline_rank, "error": text,
+                      "stage": getattr(error, "stage", -1),
+                      "microbatch": getattr(error, "microbatch", -1),
+                      "action": getattr(error, "action", "?")}
+        for rank in sorted(self._peers):
+            try:
+                self._send_message(rank, *_encode(_ABORT, -1, -1, pickle.dumps(report)))
+            except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
+                pass
+
+    def finish(self) -> None:
+        """Waits until every message this rank sent has been taken by its receiver."""
+        for work, _ in self._sends:
+            self._wait(work, "a peer to receive what this rank sent")
+        self._sends = []
