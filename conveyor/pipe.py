@@ -22,6 +22,7 @@ from conveyor.checkpoint import recomputes, validate_mode
 from conveyor.errors import BalanceError, LayerOutputError
 from conveyor.microbatch import gather, microbatch_sizes, split
 from conveyor.partition import sequential_layers, validate_balance
+from conveyor.placement import KeepsPlacement
 from conveyor.rng import LayerRandomness, draw_step_seed
 from conveyor.runtime import Executor, StepState
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
@@ -35,7 +36,7 @@ Device = torch.device | str | int
 _ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "partitions")
 
 
-class GPipe(nn.Module):
+class GPipe(KeepsPlacement):
     """Wraps an ``nn.Sequential`` so that it trains as a GPipe pipeline.
 
     Example::
@@ -148,27 +149,6 @@ class GPipe(nn.Module):
             return step.forward()
         flat = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
         return step.assemble(flat)
-
-    # Layers are placed on their stages' devices once; moving the whole pipeline to one
-    # device would silently undo the partition.
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
-            raise _move_error(device)
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: Any = None) -> GPipe:
-        raise _move_error("cuda")
-
-    def cpu(self) -> GPipe:
-        raise _move_error("cpu")
-
-
-def _move_error(device: Any) -> TypeError:
-    return TypeError(
-        f"GPipe keeps each stage on its own device and cannot be moved to {device}; "
-        "pass devices=[...] when building it (dtype changes like .double() are fine)"
-    )
 
 
 def _refuse_shared_parameters(stages: Sequence[Stage], layers: list[tuple[str, nn.Module]]) -> None:

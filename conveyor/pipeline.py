@@ -37,6 +37,7 @@ from conveyor.gradients import (
 from conveyor.materialize import LayerBuilder, build, draw_init_seed, materialize
 from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.p2p import P2PTransport
+from conveyor.placement import KeepsPlacement
 from conveyor.partition import (
     profile_layers,
     sequential_layers,
@@ -55,7 +56,7 @@ __all__ = ["Pipeline"]
 Device = torch.device | str | int
 
 
-class Pipeline(nn.Module):
+class Pipeline(KeepsPlacement):
     """A model trained by a pipeline schedule, in one process or over many.
 
     Args:

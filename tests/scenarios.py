@@ -79,7 +79,7 @@ def scenario_equivalence(rank: int, world: int, out_dir: Path) -> None:
                                  loss_fn=loss_fn, checkpoint="except_last", timeout=30)
         x, y = case_batch(model_name)
         loss = pipe.step(x, y)
-        result = {"loss": loss, "grads": _grads(pipe)}
+        result = {"loss": loss, "grads": _grads(pipe), "eval": pipe.eval_step(x)}
         if model_name == "lm":  # a later batch of another sequence length
             pipe.zero_grad(set_to_none=True)
             x, y = case_batch(model_name, length=11, seed=2)

@@ -161,7 +161,8 @@ def test_backward_twice_is_refused() -> None:
 
 def test_moving_the_pipeline_is_refused_but_dtype_changes_work() -> None:
     pipe = conveyor.GPipe(model8(), [4, 4], devices=["cpu"] * 2)
-    with pytest.raises(TypeError, match=r"cannot be moved to cpu; pass devices="):
+    with pytest.raises(TypeError, match=r"pipeline keeps each stage on its own device and "
+                                        r"cannot be moved to cpu; pass devices="):
         pipe.to("cpu")
     with pytest.raises(TypeError, match=r"cannot be moved"):
         pipe.cpu()
