@@ -149,11 +149,11 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with backward split into B (input gradient) and W (weight gradient).
 
-    Stage s keeps 1F1B's order of forwards and input-gradient passes, and runs the
-    weight gradient of micro-batch i after the input gradient of micro-batch i + s:
-    s weight gradients wait, so every stage holds at most K micro-batches (1F1B's peak,
-    on stage 0) and the waiting W's fill the cool-down, where 1F1B's stages idle. With
-    F, B and W of equal cost the bubble is a third of 1F1B's (Qi et al., 2023)::
+    Stage s keeps 1F1B's order of forwards and input-gradient passes and lets s weight
+    gradients wait: W of micro-batch i runs after B of micro-batch i + s. So every stage
+    holds at most K micro-batches (1F1B's peak, on stage 0) and the waiting W's fill the
+    cool-down, where 1F1B's stages idle. With F, B and W of equal cost the bubble is a
+    third of 1F1B's (Qi et al., 2023)::
 
         rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0W0 0F4 0B1 0W1 ...
         rank 3  .   .   .   3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 ...
@@ -161,21 +161,16 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     Raises:
         ScheduleError: ``stages`` or ``microbatches`` is below 1.
     """
-    check_size(stages=stages, microbatches=microbatches)
     columns = []
-    for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
-        column = [_f(s, m) for m in range(warmup)]
-        waiting: list[int] = []
-        for i in range(microbatches - warmup):
-            column += [_f(s, warmup + i), _b(s, i)]
-            waiting.append(i)
-            if i >= s:
-                column.append(_w(s, waiting.pop(0)))
-        for m in range(microbatches - warmup, microbatches):
-            column.append(_b(s, m))
-            waiting.append(m)
-            column.append(_w(s, waiting.pop(0)))
+    for s, order in enumerate(one_f_one_b(stages, microbatches).columns):
+        column: list[Action] = []
+        waiting: list[int] = []  # micro-batches whose weight gradient waits
+        for action in order:
+            column.append(action)
+            if action.kind is Kind.BACKWARD:
+                waiting.append(action.microbatch)
+                if len(waiting) > s:
+                    column.append(_w(s, waiting.pop(0)))
         column += [_w(s, m) for m in waiting]
         columns.append(tuple(column))
     return Schedule(tuple(columns), stages, microbatches, name="zero-bubble")
