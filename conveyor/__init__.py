@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     )
     from conveyor.pipe import GPipe
     from conveyor.pipeline import Pipeline
+    from conveyor.recording import record
     from conveyor.schedules import Schedule
+    from conveyor.simulate import CostModel
+    from conveyor.trace import Timeline, plot_timelines
 
 __version__ = "0.1.0"
 
@@ -49,11 +52,16 @@ _LAZY = {
     "GPipe": "conveyor.pipe",
     "Pipeline": "conveyor.pipeline",
     "Schedule": "conveyor.schedules",
+    "record": "conveyor.recording",
+    "CostModel": "conveyor.simulate",
+    "Timeline": "conveyor.trace",
+    "plot_timelines": "conveyor.trace",
 }
 
 __all__ = [
     "BalanceError",
     "ConveyorError",
+    "CostModel",
     "DeferredBatchNorm",
     "GPipe",
     "LayerOutputError",
@@ -63,12 +71,15 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "StageError",
+    "Timeline",
     "balance_by_memory",
     "balance_by_params",
     "balance_by_time",
     "convert_deferred_batch_norm",
     "is_recomputing",
+    "plot_timelines",
     "profile_layers",
+    "record",
     "solve_balance",
     "tune_malloc",
 ]

@@ -30,9 +30,10 @@ import torch.utils._pytree as pytree
 
 from conveyor.allocator import tune_malloc
 from conveyor.errors import ConveyorError
+from conveyor.recording import Recorder
 from conveyor.schedules import Action, Kind
 from conveyor.stage import Stage, failure
-from conveyor.transport import Aborted, Transport, deliver
+from conveyor.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.weightgrad import WeightGradient, backward_input
 
 __all__ = ["Executor", "NonFiniteLossError", "StepState"]
@@ -101,6 +102,7 @@ class Executor:
         self.num_stages = num_stages
         self.stage_ranks = list(stage_ranks)
         self.transport = transport
+        self.recorder: Recorder | None = None  # set by conveyor.record()
 
     def run(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs ``columns[r]`` for every rank r given, each on its own thread.
@@ -121,12 +123,18 @@ class Executor:
         errors: list[BaseException] = []
         lock = threading.Lock()
 
+        recorder = self.recorder
+
         def work(rank: int) -> None:
             try:
                 with context.applied(devices[rank], cpu_threads), self._preserved_rng(rank):
                     for action in columns[rank]:
                         self.transport.poll()
-                        self._execute(action, state)
+                        if recorder is None:
+                            self._execute(action, state)
+                        else:
+                            recorder.measure(rank, action,
+                                             lambda: self._execute(action, state))
             except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
@@ -186,6 +194,19 @@ class Executor:
                 raise
             raise error from exc
 
+    def _recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
+        if self.recorder is None:
+            return self.transport.recv(kind, stage, microbatch)
+        with self.recorder.waiting():
+            return self.transport.recv(kind, stage, microbatch)
+
+    def _send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+        if self.recorder is None:
+            self.transport.send(kind, stage, microbatch, value)
+            return
+        with self.recorder.transferring():
+            self.transport.send(kind, stage, microbatch, value)
+
     def _is_last(self, stage: int) -> bool:
         return stage == self.num_stages - 1
 
@@ -195,7 +216,7 @@ class Executor:
         if s == 0:
             inputs = deliver(state.inputs[m], stage.device)
         else:
-            inputs = self.transport.recv("activation", s, m)
+            inputs = self._recv("activation", s, m)
         outputs = stage.forward(
             inputs,
             m,
@@ -207,7 +228,7 @@ class Executor:
         elif self._is_last(s):
             state.outputs[m] = outputs
         else:
-            self.transport.send("activation", s + 1, m, outputs)
+            self._send("activation", s + 1, m, outputs)
         if state.grad_enabled:
             state.saved[(s, m)] = (inputs, outputs)
 
@@ -244,7 +265,7 @@ class Executor:
             if self._is_last(s):
                 grads = state.output_grads.pop(m)
             else:
-                grads = self.transport.recv("gradient", s, m)
+                grads = self._recv("gradient", s, m)
             pairs = [
                 (out, grad)
                 for out, grad in zip(pytree.tree_leaves(outputs), grads)
@@ -274,7 +295,7 @@ class Executor:
         if s == 0:
             state.input_grads[m] = input_grads
         else:
-            self.transport.send("gradient", s - 1, m, input_grads)
+            self._send("gradient", s - 1, m, input_grads)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The simulator gives the textbook bubbles and memory, and catches deadlocks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules import build, parse
+from conveyor.simulate import CostModel, simulate
+
+SIZES = [(k, m) for k in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 16, 32)]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), SIZES)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_is_k_minus_1_over_m_plus_k_minus_1(
+        name: str, stages: int, microbatches: int) -> None:
+    result = simulate(build(name, stages, microbatches), CostModel.uniform(stages))
+    assert result.makespan == pytest.approx(3 * (microbatches + stages - 1))
+    assert result.bubble == pytest.approx((stages - 1) / (microbatches + stages - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), SIZES)
+def test_1f1b_holds_k_micro_batches_where_gpipe_holds_m(stages: int, microbatches: int) -> None:
+    costs = CostModel.uniform(stages, activation_bytes=10.0)
+    gpipe = simulate(build("gpipe", stages, microbatches), costs)
+    one_f_one_b = simulate(build("1f1b", stages, microbatches), costs)
+    assert gpipe.peak_inflight == [microbatches] * stages
+    assert one_f_one_b.peak_inflight == [min(stages - s, microbatches) for s in range(stages)]
+    assert one_f_one_b.peak_bytes[0] == 10.0 * min(stages, microbatches)
+
+
+@pytest.mark.parametrize("virtual", [2, 3, 4])
+@pytest.mark.parametrize(("stages", "groups"), [(2, 1), (2, 4), (4, 2), (4, 8), (8, 4)])
+def test_interleaving_divides_the_bubble_by_v(stages: int, groups: int, virtual: int) -> None:
+    microbatches = stages * groups
+    plain = simulate(build("1f1b", stages, microbatches), CostModel.uniform(stages))
+    # V stages per rank, each doing 1/V of the rank's work.
+    share = 1.0 / virtual
+    interleaved = simulate(
+        build("interleaved-1f1b", stages, microbatches, virtual_stages=virtual),
+        CostModel.uniform(stages * virtual, forward=share, backward=share, weight=share))
+    work = 3 * microbatches
+    assert interleaved.makespan - work == pytest.approx((plain.makespan - work) / virtual)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"),
+                         [(k, m) for k, m in SIZES if m >= k and k > 1])
+def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(stages: int, microbatches: int) -> None:
+    costs = CostModel.uniform(stages)  # F = B = W
+    one_f_one_b = simulate(build("1f1b", stages, microbatches), costs)
+    zero_bubble = simulate(build("zero-bubble", stages, microbatches), costs)
+    work = 3 * microbatches
+    assert zero_bubble.makespan - work == pytest.approx((one_f_one_b.makespan - work) / 3)
+    assert max(zero_bubble.peak_inflight) == max(one_f_one_b.peak_inflight) == stages
+
+
+def test_communication_delays_every_hop() -> None:
+    costs = CostModel.uniform(2, communication=0.25)
+    assert simulate(build("gpipe", 2, 1), costs).makespan == pytest.approx(6 + 2 * 0.25)
+
+
+def test_unequal_stages_make_the_slowest_stage_the_pace() -> None:
+    costs = CostModel((1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (1.0, 1.0), (0.0,))
+    result = simulate(build("1f1b", 2, 8), costs)
+    assert result.makespan == pytest.approx(8 * 6 + 3)  # the slow stage, plus one fill
+    breakdown = result.timeline.breakdown()
+    assert breakdown[0]["imbalance"] == pytest.approx(24)
+
+
+def test_a_deadlocking_table_is_reported_with_who_waits_for_whom() -> None:
+    table = parse("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1")
+    with pytest.raises(ScheduleError, match=r"deadlocks at tick 1:\n  rank 0 waits at 0B0 for "
+                                            r"1B0 \(rank 1\)\n  rank 1 waits at 1F1 for 0F1"):
+        simulate(table, CostModel.uniform(2))
+
+
+def test_cost_models_round_trip_and_must_fit_the_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    costs = CostModel((1.0, 2.0), (3.0, 4.0), (0.5, 0.5), (8.0, 8.0), (0.1,))
+    path = tmp_path / "costs.json"
+    import json
+
+    path.write_text(json.dumps(costs.to_dict()))
+    assert CostModel.load(path) == costs
+    with pytest.raises(ScheduleError, match=r"must give 3 values per stage"):
+        simulate(build("gpipe", 3, 2), costs)
+
+
+def test_simulator_imports_no_torch() -> None:
+    code = "import sys, conveyor.simulate; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
