@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from conveyor.allocator import tune_malloc
 
@@ -20,16 +22,77 @@ def _prepare_process() -> None:
     tune_malloc()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from conveyor import demo
+def _lazy(module: str, function: str) -> Any:
+    """The command's body, imported only when it runs (simulate and trace need no torch)."""
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), function)(args))
+    return run
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor",
                                      description="GPipe for PyTorch: pipeline training.")
     commands = parser.add_subparsers(dest="command", required=True)
+
     sub = commands.add_parser("demo", help="train a small model with GPipe on CPU threads "
                                            "and measure the speedup")
-    demo.add_arguments(sub)
-    sub.set_defaults(run=demo.run)
+    sub.add_argument("--blocks", type=int, default=8, help="residual feed-forward blocks")
+    sub.add_argument("--width", type=int, default=512, help="model width (hidden: 4x)")
+    sub.add_argument("--stages", type=int, default=2, help="pipeline stages (CPU threads)")
+    sub.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
+    sub.add_argument("--batch", type=int, default=256)
+    sub.add_argument("--steps", type=int, default=40)
+    sub.add_argument("--lr", type=float, default=3e-4)
+    sub.add_argument("--checkpoint", default="except_last",
+                     choices=["always", "except_last", "never"])
+    sub.add_argument("--seed", type=int, default=0)
+    sub.set_defaults(run=_lazy("conveyor.demo", "run"))
+
+    sub = commands.add_parser("simulate", help="simulate a schedule: bubble, memory, timeline")
+    sub.add_argument("--schedule", default="1f1b",
+                     help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
+    sub.add_argument("--stages", type=int, required=True, help="pipeline ranks K")
+    sub.add_argument("--chunks", type=int, required=True, help="micro-batches M")
+    sub.add_argument("--virtual-stages", type=int, default=1, help="V, for interleaved-1f1b")
+    sub.add_argument("--costs", help="a JSON cost model (CostModel.to_dict())")
+    sub.add_argument("--forward", type=float, default=1.0)
+    sub.add_argument("--backward", type=float, default=1.0, help="input-gradient pass")
+    sub.add_argument("--weight", type=float, default=1.0, help="weight-gradient pass")
+    sub.add_argument("--communication", type=float, default=0.0)
+    sub.add_argument("--activation-bytes", type=float, default=1.0)
+    sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
+    sub.add_argument("--trace", help="write a Chrome trace to this JSON file")
+    sub.add_argument("--json", action="store_true", help="print machine-readable figures")
+    sub.set_defaults(run=_lazy("conveyor.commands", "simulate_command"))
+
+    sub = commands.add_parser("trace", help="show a recorded timeline (Timeline.save)")
+    sub.add_argument("file")
+    sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
+    sub.add_argument("--chrome", help="write a Chrome trace to this JSON file")
+    sub.add_argument("--json", action="store_true")
+    sub.set_defaults(run=_lazy("conveyor.commands", "trace_command"))
+
+    sub = commands.add_parser("plan", help="memory and schedule plan for a model family")
+    sub.add_argument("--model", choices=["transformer", "convnet"], default="transformer")
+    sub.add_argument("--layers", type=int, default=24, help="blocks (transformer) or cells")
+    sub.add_argument("--d-model", type=int, default=1024)
+    sub.add_argument("--d-ff", type=int, default=4096)
+    sub.add_argument("--heads", type=int, default=16)
+    sub.add_argument("--vocab", type=int, default=32000)
+    sub.add_argument("--length", type=int, default=512, help="sequence length")
+    sub.add_argument("--channels", type=int, default=64, help="convnet stem channels")
+    sub.add_argument("--image", type=int, default=224)
+    sub.add_argument("--classes", type=int, default=1000)
+    sub.add_argument("--batch", type=int, default=32, help="mini-batch size N")
+    sub.add_argument("--devices", type=int, required=True, help="pipeline ranks K")
+    sub.add_argument("--memory", required=True, help="memory per device, e.g. 16GiB")
+    sub.add_argument("--optimizer", default="adam",
+                     choices=["sgd", "momentum", "rmsprop", "adam", "adamw"])
+    sub.add_argument("--no-rematerialize", action="store_true")
+    sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
+    sub.add_argument("--top", type=int, default=8, help="options shown")
+    sub.add_argument("--json", action="store_true")
+    sub.set_defaults(run=_lazy("conveyor.commands", "plan_command"))
     return parser
 
 

@@ -15,20 +15,7 @@ from conveyor.models import feed_forward_stack
 from conveyor.partition import solve_balance
 from conveyor.pipe import GPipe
 
-__all__ = ["add_arguments", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=8, help="residual feed-forward blocks")
-    parser.add_argument("--width", type=int, default=512, help="model width (hidden: 4x)")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (CPU threads)")
-    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--checkpoint", default="except_last",
-                        choices=["always", "except_last", "never"])
-    parser.add_argument("--seed", type=int, default=0)
+__all__ = ["run"]
 
 
 def _median_seconds(step: Callable[[], object], repeat: int) -> float:

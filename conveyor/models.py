@@ -6,9 +6,11 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Cell",
     "Embedding",
     "Residual",
     "TransformerBlock",
+    "convnet",
     "feed_forward_stack",
     "transformer_lm",
 ]
@@ -109,3 +111,41 @@ def transformer_lm(
         nn.LayerNorm(width),
         nn.Linear(width, vocab),
     )
+
+
+class Cell(nn.Module):
+    """A residual convolution cell; a reduction cell halves the resolution and doubles
+    the channels (AmoebaNet stacks normal cells between reduction cells)."""
+
+    def __init__(self, channels: int, *, reduction: bool = False) -> None:
+        super().__init__()
+        out = channels * 2 if reduction else channels
+        stride = 2 if reduction else 1
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, out, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(out), nn.ReLU(),
+            nn.Conv2d(out, out, 3, padding=1, bias=False), nn.BatchNorm2d(out),
+        )
+        self.skip = (nn.Sequential(nn.Conv2d(channels, out, 1, stride=stride, bias=False),
+                                   nn.BatchNorm2d(out)) if reduction else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+def convnet(cells: int = 6, channels: int = 32, classes: int = 10) -> nn.Sequential:
+    """An image classifier in the AmoebaNet/ResNet spirit, as a layer sequence.
+
+    stem, ``cells`` cells (reduction cells at one and two thirds of the depth), and a
+    head (pooling and a linear classifier): cells + 2 layers.
+    """
+    layers: list[nn.Module] = [nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())]
+    width = channels
+    reductions = {cells // 3, 2 * cells // 3} if cells >= 3 else set()
+    for index in range(cells):
+        reduction = index in reductions and index > 0
+        layers.append(Cell(width, reduction=reduction))
+        width = width * 2 if reduction else width
+    layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)))
+    return nn.Sequential(*layers)

@@ -115,9 +115,11 @@ def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", loss_fn=loss_fn,
                              check_finite=True, timeout=30)
     x, y = case_batch("lm")
-    pipe.step(x, y)
+    with conveyor.record(pipe) as timeline:
+        pipe.step(x, y)
     norm = pipe.clip_grad_norm_(0.05)
-    torch.save({"norm": norm, "grads": _grads(pipe)}, out_dir / f"rank{rank}.pt")
+    torch.save({"norm": norm, "grads": _grads(pipe), "timeline": timeline.to_dict()},
+               out_dir / f"rank{rank}.pt")
     pipe.zero_grad()
     y = y.clone()
     y[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss

@@ -120,6 +120,13 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
         assert abs(float(result["norm"]) - float(expected_norm)) <= 1e-6 * float(expected_norm)
     for name, grad in grads.items():
         assert relative_error(grad, expected[name]) <= 1e-10, name
+    # Recording under torchrun: every rank gets every rank's actions.
+    from conveyor.trace import Timeline
+
+    for result in results:
+        timeline = Timeline.from_dict(result["timeline"])  # type: ignore[arg-type]
+        assert {e.rank for e in timeline.events} == {0, 1}
+        assert len(timeline.events) == 2 * 2 * 4  # F and B of 4 micro-batches on 2 ranks
     # The NaN on micro-batch 1 stops both ranks, each naming the micro-batch.
     assert outcome.returncodes == [1, 1], "\n".join(outcome.outputs)
     for output in outcome.outputs:

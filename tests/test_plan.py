@@ -1,0 +1,99 @@
+"""The planner: exact parameter counts, meta-device planning, growth with devices."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+from conveyor.errors import BalanceError
+from conveyor.plan import (
+    convnet_figures,
+    largest,
+    parse_bytes,
+    plan,
+    rank_plans,
+    transformer_figures,
+)
+
+GIB = 2**30
+
+
+def transformer_parameters(layers: int, d: int, h: int, vocab: int, length: int) -> int:
+    """Embedding and positions, then per block: 2 norms, qkv, projection, two feed-forward
+    layers (each with biases), then the final norm and the output head (with bias)."""
+    block = 2 * (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+    return vocab * d + length * d + layers * block + 2 * d + (d * vocab + vocab)
+
+
+@pytest.mark.parametrize(("layers", "d", "h", "heads", "vocab", "length"), [
+    (2, 64, 256, 4, 1000, 128), (12, 768, 3072, 12, 50257, 1024), (48, 2048, 8192, 16, 32000, 512),
+])
+def test_transformer_parameter_counts_follow_the_formula(layers: int, d: int, h: int,
+                                                         heads: int, vocab: int,
+                                                         length: int) -> None:
+    figures = transformer_figures(layers, d, h, heads, vocab=vocab, length=length)
+    assert len(figures) == layers + 3
+    assert sum(f.parameters for f in figures) == transformer_parameters(layers, d, h, vocab,
+                                                                        length)
+
+
+def test_a_model_of_over_ten_billion_parameters_plans_in_seconds_without_memory() -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    figures = transformer_figures(80, 4096, 16384, 32, vocab=50000, length=2048)
+    result = plan(figures, devices=16, memory=80 * GIB, batch=64, chunks=32,
+                  schedule="1f1b", optimizer="adam")
+    elapsed = time.perf_counter() - start
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert sum(f.parameters for f in figures) > 10e9
+    assert elapsed < 30 and grown_mib < 500
+    assert len(result.stages) == 16 and sum(result.balance) == len(figures)
+
+
+def test_the_largest_model_grows_near_linearly_with_devices_when_rematerialized() -> None:
+    def figures_of(depth: int):  # type: ignore[no-untyped-def]
+        return transformer_figures(depth, 1024, 4096, 16, vocab=32000, length=512)
+
+    depths = {k: largest(figures_of, devices=k, memory=8 * GIB, batch=32, chunks=32,
+                         optimizer="rmsprop")[0] for k in (1, 2, 4, 8)}
+    assert 0 < depths[1] < depths[2] < depths[4] < depths[8]
+    assert depths[8] >= 6.5 * depths[1]
+    naive = largest(figures_of, devices=1, memory=8 * GIB, batch=32, chunks=1,
+                    optimizer="rmsprop", rematerialize=False)[0]
+    assert depths[1] >= 2 * naive  # re-materialization alone fits a deeper model
+
+
+def test_memory_counts_parameters_optimizer_state_and_held_micro_batches() -> None:
+    figures = transformer_figures(8, 512, 2048, 8, vocab=1000, length=128)
+    common = dict(devices=4, memory=16 * GIB, batch=16, chunks=8, optimizer="rmsprop")
+    gpipe = plan(figures, schedule="gpipe", rematerialize=False, **common)  # type: ignore[arg-type]
+    one_f_one_b = plan(figures, schedule="1f1b", rematerialize=False, **common)  # type: ignore[arg-type]
+    remat = plan(figures, schedule="gpipe", rematerialize=True, **common)  # type: ignore[arg-type]
+    for stage in gpipe.stages:
+        assert stage.parameter_bytes == 12 * stage.parameters
+    # 1F1B holds fewer micro-batches than GPipe on every stage but the first.
+    assert all(a.activation_bytes <= b.activation_bytes
+               for a, b in zip(one_f_one_b.stages, gpipe.stages))
+    assert sum(s.activation_bytes for s in remat.stages) < sum(
+        s.activation_bytes for s in gpipe.stages) / 3
+
+
+def test_ranking_puts_fitting_plans_first_and_convnets_plan_too() -> None:
+    figures = convnet_figures(12, 32, image=64, classes=10)
+    plans = rank_plans(figures, devices=2, memory=64 * 2**20, batch=32, optimizer="sgd")
+    fitting = [p.fits for p in plans]
+    assert fitting == sorted(fitting, reverse=True)
+    assert {p.schedule for p in plans} >= {"gpipe", "1f1b", "zero-bubble"}
+
+
+def test_bad_input() -> None:
+    figures = transformer_figures(2, 64, 256, 4, vocab=100, length=16)
+    with pytest.raises(BalanceError, match=r"unknown optimizer 'lamb'"):
+        plan(figures, devices=2, memory=GIB, batch=8, chunks=2, optimizer="lamb")
+    with pytest.raises(BalanceError, match=r"cannot cut 5 layers into 8 stages"):
+        plan(figures, devices=8, memory=GIB, batch=8, chunks=2)
+    assert parse_bytes("16GiB") == 16 * GIB and parse_bytes("80 GB") == 80e9
+    with pytest.raises(ValueError, match=r"cannot read '16 gigs' as a memory size"):
+        parse_bytes("16 gigs")
