@@ -99,17 +99,23 @@ def transformer_lm(
     vocab: int = 256,
     max_length: int = 512,
     dropout: float = 0.0,
+    tie: bool = False,
 ) -> nn.Sequential:
     """A Transformer language model T(L, H, A) as a layer sequence.
 
     embedding, ``layers`` blocks, final norm, output head: L + 3 layers that a pipeline
-    can cut anywhere.
+    can cut anywhere. With ``tie`` the head (no bias) is the token embedding, one
+    Parameter used by the first and the last layer.
     """
+    embedding = Embedding(vocab, width, max_length)
+    head = nn.Linear(width, vocab, bias=not tie)
+    if tie:
+        head.weight = embedding.tokens.weight
     return nn.Sequential(
-        Embedding(vocab, width, max_length),
+        embedding,
         *[TransformerBlock(width, hidden, heads, dropout) for _ in range(layers)],
         nn.LayerNorm(width),
-        nn.Linear(width, vocab),
+        head,
     )
 
 

@@ -1,0 +1,221 @@
+"""Saving and resuming training: weights, optimizer, step, random state, data position.
+
+Checkpoints use the plain model's parameter names (a pipeline's state dict has exactly
+those keys), and the optimizer's state is stored by parameter name rather than by
+position, so a checkpoint written by 2 stages resumes on 4, or loads into the plain
+model. Writes are atomic: in one process a file is written beside its final name and
+moved into place; under torchrun each save is a torch.distributed.checkpoint directory
+and a ``latest`` pointer is replaced once every rank has written. A crash mid-write
+leaves the previous checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.errors import ConveyorError
+
+__all__ = ["CheckpointError", "load", "load_weights", "save"]
+
+_FILE = "checkpoint.pt"
+_DIRECTORY = "checkpoint"
+
+
+class CheckpointError(ConveyorError, RuntimeError):
+    """A checkpoint is missing, unreadable, or made for another model."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, Any]) -> Path:
+    """Writes a checkpoint of ``model`` and ``optimizer`` (and ``extra``) into ``directory``.
+
+    Returns:
+        The path of the checkpoint (a file, or under torchrun a directory).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": _optimizer_state(model, optimizer),
+             "extra": extra}
+    if not _distributed():
+        path = directory / _FILE
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-")
+        os.close(handle)
+        try:
+            torch.save(state, temporary)
+            os.replace(temporary, path)  # atomic: the old file until this very moment
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        return path
+    import torch.distributed.checkpoint as dcp
+
+    root = directory / _DIRECTORY
+    target = root / f"step-{int(extra.get('step', 0)):08d}"
+    dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        pointer = root / ".latest.tmp"
+        pointer.write_text(target.name)
+        os.replace(pointer, root / "latest")
+        for old in root.glob("step-*"):  # keep the newest two
+            if old.name < target.name and old.name not in _newest(root, 2):
+                _remove_tree(old)
+    dist.barrier()
+    return target
+
+
+def load(directory: str | Path, *, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Loads the latest checkpoint in ``directory`` into ``model`` (and ``optimizer``).
+
+    Returns:
+        The ``extra`` that was saved with it.
+
+    Raises:
+        CheckpointError: there is none, it cannot be read, or it does not fit the model.
+    """
+    directory = Path(directory)
+    if _distributed():
+        state = _load_dcp(directory, model, optimizer)
+    else:
+        path = directory / _FILE if directory.is_dir() else directory
+        if not path.exists():
+            raise CheckpointError(f"no checkpoint at {path}")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read the checkpoint {path}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as exc:
+        first = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise CheckpointError(f"the checkpoint in {directory} does not fit this model: "
+                              f"{detail}") from exc
+    if optimizer is not None:
+        _load_optimizer_state(model, optimizer, state["optimizer"])
+    return dict(state.get("extra", {}))
+
+
+def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint (either kind) by plain-model name, for any model."""
+    directory = Path(directory)
+    pointer = directory / _DIRECTORY / "latest"
+    if pointer.exists():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            converted = Path(scratch) / "weights.pt"
+            dcp_to_torch_save(str(directory / _DIRECTORY / pointer.read_text().strip()),
+                              str(converted))
+            flat = torch.load(converted, map_location="cpu", weights_only=False)
+        return {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+    path = directory / _FILE if directory.is_dir() else directory
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+# -- optimizer state by parameter name ---------------------------------------------
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    names = _names(model)
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    return {
+        "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                          "params": [order[i] for i in group["params"]]}
+                         for group in saved["param_groups"]],
+        "state": {order[i]: value for i, value in saved["state"].items()},
+    }
+
+
+def _load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          saved: dict[str, Any]) -> None:
+    names = _names(model)
+    current = optimizer.state_dict()
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {i: saved["state"][name] for i, name in enumerate(order) if name in saved["state"]}
+    groups = [{**saved_group, "params": group["params"]}
+              for saved_group, group in zip(saved["param_groups"], current["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------
+
+def _flatten_for_dcp(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP reads back only the keys a template already has: tensors go by name, the rest
+    (hyperparameters, step, random state) in one pickled blob, the same on every rank."""
+    blob = io.BytesIO(pickle.dumps({"extra": state["extra"],
+                                    "param_groups": state["optimizer"]["param_groups"]}))
+    return {"model": state["model"], "optimizer_state": state["optimizer"]["state"],
+            "meta": blob}
+
+
+def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Creates the optimizer's state (moments, steps) so that loading has a template:
+    one step on zero gradients at zero learning rate, which changes no weight."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p, _ in grads:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for p, grad in grads:
+        p.grad = grad
+
+
+def _load_dcp(directory: Path, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    pointer = directory / _DIRECTORY / "latest"
+    if not pointer.exists():
+        raise CheckpointError(f"no checkpoint at {directory / _DIRECTORY}")
+    target = directory / _DIRECTORY / pointer.read_text().strip()
+    template: dict[str, Any] = {"model": model.state_dict(), "meta": io.BytesIO()}
+    if optimizer is not None:
+        if not optimizer.state:
+            _materialize_optimizer_state(model, optimizer)
+        template["optimizer_state"] = _optimizer_state(model, optimizer)["state"]
+    try:
+        dcp.load(template, checkpoint_id=str(target))
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the checkpoint {target}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    template["meta"].seek(0)
+    meta = pickle.load(template["meta"])
+    return {"model": template["model"], "extra": meta["extra"],
+            "optimizer": {"state": template.get("optimizer_state", {}),
+                          "param_groups": meta["param_groups"]}}
+
+
+def _newest(root: Path, count: int) -> set[str]:
+    return set(sorted(p.name for p in root.glob("step-*"))[-count:])
+
+
+def _remove_tree(path: Path) -> None:
+    for child in sorted(path.rglob("*"), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    path.rmdir()
