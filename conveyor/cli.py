@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--seed", type=int, default=0)
     sub.set_defaults(run=_lazy("conveyor.demo", "run"))
 
+    sub = commands.add_parser("train", help="train a Transformer language model on bundled "
+                                            "text with a pipeline (threads, or torchrun)")
+    from conveyor.train_options import add_arguments  # torch-free
+
+    add_arguments(sub)
+    sub.set_defaults(run=_lazy("conveyor.train", "train_command"))
+
     sub = commands.add_parser("simulate", help="simulate a schedule: bubble, memory, timeline")
     sub.add_argument("--schedule", default="1f1b",
                      help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")

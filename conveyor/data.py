@@ -11,6 +11,7 @@ is the same whether a run got there in one go or resumed from a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sysconfig
@@ -57,6 +58,7 @@ class TextCorpus:
         return float(-log_p[self.heldout.long()].mean())
 
 
+@functools.lru_cache(maxsize=2)  # read once per process
 def text_corpus(*, limit: int = 8 << 20, heldout_share: float = 0.1) -> TextCorpus:
     """The standard library's Python sources, up to ``limit`` bytes, split by file.
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from conveyor.errors import ConveyorError
 
-__all__ = ["CheckpointError", "load", "load_weights", "save"]
+__all__ = ["CheckpointError", "exists", "load", "load_weights", "save"]
 
 _FILE = "checkpoint.pt"
 _DIRECTORY = "checkpoint"
@@ -36,6 +36,12 @@ class CheckpointError(ConveyorError, RuntimeError):
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def exists(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a checkpoint (either kind)."""
+    directory = Path(directory)
+    return (directory / _FILE).exists() or (directory / _DIRECTORY / "latest").exists()
 
 
 def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -51,10 +57,12 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
              "extra": extra}
     if not _distributed():
         path = directory / _FILE
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-")
-        os.close(handle)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
         try:
-            torch.save(state, temporary)
+            with os.fdopen(handle, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())  # on disk before it takes the name
             os.replace(temporary, path)  # atomic: the old file until this very moment
         finally:
             if os.path.exists(temporary):
@@ -122,8 +130,11 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
             converted = Path(scratch) / "weights.pt"
             dcp_to_torch_save(str(directory / _DIRECTORY / pointer.read_text().strip()),
                               str(converted))
-            flat = torch.load(converted, map_location="cpu", weights_only=False)
-        return {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+            saved = torch.load(converted, map_location="cpu", weights_only=False)
+        if isinstance(saved.get("model"), dict):
+            return dict(saved["model"])
+        # Older torch versions leave the keys flattened as "model.<name>".
+        return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
     path = directory / _FILE if directory.is_dir() else directory
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")

@@ -11,11 +11,15 @@ under ``torchrun --nproc-per-node 2`` runs one stage per process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,82 +33,10 @@ from conveyor.errors import ConveyorError
 from conveyor.models import transformer_lm
 from conveyor.pipeline import Pipeline
 from conveyor.recording import record
-from conveyor.schedules import SCHEDULES, build
 from conveyor.trace import Timeline, plot_timelines
+from conveyor.train_options import OPTIONS_FILE, ConfigError, TrainConfig, from_arguments
 
-__all__ = ["ConfigError", "TrainConfig", "run"]
-
-
-class ConfigError(ConveyorError, ValueError):
-    """A training option is out of range or contradicts another one."""
-
-
-@dataclass
-class TrainConfig:
-    """Every option of ``conveyor train`` (the flags, and the keys of ``--config``)."""
-
-    layers: int = 4
-    width: int = 128
-    hidden: int = 512
-    heads: int = 4
-    length: int = 128
-    dropout: float = 0.0
-    batch: int = 32
-    stages: int = 2
-    chunks: int = 8
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    checkpoint: str = "except_last"
-    steps: int = 400
-    lr: float = 3e-3
-    warmup: int = 20
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 8
-    save_every: int = 100
-    time_limit: float = 240.0
-    sample_bytes: int = 240
-    out: str = "runs/default"
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> dict[str, Any]:
-        """The options in a JSON file, checked against the known names."""
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read the config file {path}: {exc}") from exc
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{path} has unknown options {unknown}; known: {sorted(known)}")
-        return dict(values)
-
-    def check(self) -> None:
-        """Raises ConfigError (one line) for options that cannot work together."""
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of "
-                              + ", ".join(SCHEDULES))
-        for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
-                     "chunks", "steps", "eval_every", "eval_batches", "save_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
-                                  f"got {getattr(self, name)}")
-        if self.chunks > self.batch:
-            raise ConfigError(f"--chunks {self.chunks} is more than the batch of {self.batch} "
-                              f"sequences; use --chunks <= {self.batch}")
-        if self.width % self.heads:
-            raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
-        layers = self.layers + 3
-        if self.stages * self.virtual_stages > layers:
-            raise ConfigError(
-                f"--stages {self.stages} x --virtual-stages {self.virtual_stages} asks for more "
-                f"stages than the model's {layers} layers ({self.layers} blocks, embedding, "
-                "norm and head); use fewer stages or more --layers"
-            )
-        try:
-            build(self.schedule, self.stages, self.chunks, virtual_stages=self.virtual_stages)
-        except ConveyorError as exc:
-            raise ConfigError(str(exc)) from exc
+__all__ = ["evaluate", "generate", "run", "train_command"]
 
 
 def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,15 +77,36 @@ class _Progress:
             self.bar.close()
 
 
+def train_command(args: argparse.Namespace) -> int:
+    """``conveyor train``: errors end it with one line on stderr and a non-zero code."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return run(from_arguments(args), resume=args.resume)
+    except (ConfigError, saving.CheckpointError) as exc:
+        if rank == 0:  # every rank read the same options and checkpoint
+            print(f"conveyor train: error: {exc}", file=sys.stderr)
+        return 2
+    except ConveyorError as exc:
+        where = f" (rank {rank})" if dist.is_initialized() else ""
+        print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run(config: TrainConfig, *, resume: bool = False) -> int:
-    """Trains as ``config`` says; returns the process exit code."""
+    """Trains as ``config`` says; returns the process exit code.
+
+    Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
+    checkpoint to resume from, and returns 128 + the signal's number.
+    """
     config.check()
     out = Path(config.out)
-    has_checkpoint = (out / "checkpoint.pt").exists() or (out / "checkpoint" / "latest").exists()
-    if has_checkpoint and not resume:
+    if saving.exists(out) and not resume:
         raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
                           "or choose another --out")
-    if resume and not has_checkpoint:
+    if resume and not saving.exists(out):
         raise ConfigError(f"--resume: there is no checkpoint in {out}")
 
     corpus = text_corpus()
@@ -162,7 +115,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                            vocab=256, max_length=config.length, dropout=config.dropout,
                            tie=True)
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
-                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint,
+                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     loss_fn=next_byte_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
@@ -178,6 +131,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     unigram = corpus.unigram_bits_per_byte()
     if show:
         out.mkdir(parents=True, exist_ok=True)
+        (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in model.parameters())
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on {len(corpus.train)} "
@@ -188,8 +142,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     progress = _Progress(config.steps, start, show)
     timeline: Timeline | None = None
     began, step, tokens = time.monotonic(), start, config.batch * config.length
-    bubble = "?"
-    try:
+    rate, bubble, stopped_by = 0.0, "?", 0
+    with _StopSignals() as signals:
         while step < config.steps:
             inputs, targets = corpus.batch(step, config.batch, config.length, seed=config.seed)
             tick = time.perf_counter()
@@ -203,7 +157,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            rate = tokens / (time.perf_counter() - tick)
+            seconds = time.perf_counter() - tick
+            rate = tokens / seconds if not rate else 0.9 * rate + 0.1 * tokens / seconds
             step += 1
             entry: dict[str, Any] = {"step": step, "loss": loss.item()}
             if step % config.eval_every == 0 or step == config.steps:
@@ -215,24 +170,65 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                                    "bubble": bubble})
             if step % config.save_every == 0:
                 _save(out, pipe, optimizer, scheduler, step, history, config)
-            if time.monotonic() - began > config.time_limit and step < config.steps:
+            # Every rank stops at the same step, whichever of them got the signal.
+            stopped_by, out_of_time = _agree(
+                pipe, signals.received, int(time.monotonic() - began > config.time_limit))
+            if stopped_by:
+                break
+            if out_of_time and step < config.steps:
                 progress.write(f"stopping at step {step}: --time-limit {config.time_limit:g} s")
                 break
-    except KeyboardInterrupt:
-        progress.close()
+    progress.close()
+    if stopped_by:
         _save(out, pipe, optimizer, scheduler, step, history, config)
         if show:
-            print(f"interrupted at step {step}; checkpoint saved, continue with --resume")
-        return 130
-    progress.close()
+            print(f"stopped by {signal.Signals(stopped_by).name} after step {step}; "
+                  f"checkpoint saved in {out}, continue with --resume", flush=True)
+        return 128 + stopped_by
     if history and "heldout_bpb" not in history[-1]:
         history[-1]["heldout_bpb"] = evaluate(pipe, corpus, config)
     _save(out, pipe, optimizer, scheduler, step, history, config)
-    sample = generate(pipe, corpus, config)
+    sample = generate(pipe, corpus, config) if config.sample_bytes else ""
     if show:
-        _finish(out, config, history, unigram, timeline, sample, time.monotonic() - began,
-                tokens)
+        _finish(out, config, history, unigram, timeline, sample,
+                time.monotonic() - began, (step - start) * tokens)
     return 0
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM ask the training loop to stop after the step in flight.
+
+    ``received`` is the number of the first such signal (0: none). A second Ctrl-C
+    interrupts at once, without saving (the last periodic checkpoint stays).
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self.previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if self.received and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or number
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+
+def _agree(pipe: Pipeline, *values: int) -> tuple[int, ...]:
+    """Each of ``values``, the largest over every process of the run."""
+    if not dist.is_initialized():
+        return values
+    flags = torch.tensor(values, device=pipe.topology.device or torch.device("cpu"))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return tuple(int(v) for v in flags.tolist())
 
 
 def _save(out: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -290,6 +286,7 @@ def generate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> str:
 
 def _finish(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigram: float,
             timeline: Timeline | None, sample: str, seconds: float, tokens: int) -> None:
+    """Writes the summary and pictures; ``tokens`` were trained on in ``seconds``."""
     final = next(e["heldout_bpb"] for e in reversed(history) if "heldout_bpb" in e)
     pictures = []
     if timeline is not None:
@@ -304,7 +301,7 @@ def _finish(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigr
             print("matplotlib is not installed: no pictures (pip install 'conveyor[plots]')")
     summary = {"heldout_bpb": final, "unigram_bpb": unigram, "steps": history[-1]["step"],
                "final_loss": history[-1]["loss"], "seconds": seconds,
-               "tokens_per_second": len(history) * tokens / seconds if seconds else 0.0,
+               "tokens_per_second": tokens / seconds if seconds else 0.0,
                "bubble": timeline.mean_bubble if timeline else None,
                "config": asdict(config), "history": history, "sample": sample}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

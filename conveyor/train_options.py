@@ -1,0 +1,161 @@
+"""The options of ``conveyor train``: defaults, flags, config files and their checks.
+
+Kept free of torch so that ``conveyor --help`` and the option checks are instant. An
+option's value comes from, in order of precedence: its flag, the ``--config`` JSON file,
+the default below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from conveyor.errors import ConveyorError
+from conveyor.schedules import SCHEDULES, build
+
+__all__ = ["ConfigError", "OPTIONS_FILE", "TrainConfig", "add_arguments", "from_arguments"]
+
+OPTIONS_FILE = "options.json"  # in --out: the options of the run, for --resume
+
+
+class ConfigError(ConveyorError, ValueError):
+    """A training option is out of range or contradicts another one."""
+
+
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Every option of ``conveyor train`` (the flags, and the keys of ``--config``)."""
+
+    layers: int = _option(4, "Transformer blocks L")
+    width: int = _option(128, "model width (embedding and attention)")
+    hidden: int = _option(512, "feed-forward width H")
+    heads: int = _option(4, "attention heads A")
+    length: int = _option(128, "sequence length in bytes")
+    dropout: float = _option(0.0, "dropout probability")
+    batch: int = _option(32, "sequences per mini-batch")
+    stages: int = _option(2, "pipeline stages (under torchrun: the processes)")
+    chunks: int = _option(8, "micro-batches per mini-batch M")
+    schedule: str = _option("1f1b", "one of " + ", ".join(SCHEDULES))
+    virtual_stages: int = _option(1, "stages per rank, for interleaved-1f1b")
+    checkpoint_mode: str = _option("except_last",
+                                   "re-materialization: always, except_last or never")
+    steps: int = _option(600, "optimizer steps in the whole run")
+    lr: float = _option(3e-3, "peak learning rate (AdamW, warm-up then cosine)")
+    warmup: int = _option(20, "warm-up steps")
+    seed: int = _option(0, "seed of the initialization, the batches and the sample")
+    eval_every: int = _option(50, "steps between held-out evaluations")
+    eval_batches: int = _option(8, "held-out batches per evaluation")
+    save_every: int = _option(100, "steps between checkpoints")
+    time_limit: float = _option(240.0, "seconds after which the run stops early (and saves)")
+    sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
+    out: str = _option("runs/default", "output directory")
+
+    def check(self) -> None:
+        """Raises ConfigError (one line) for options that cannot work together."""
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of "
+                              + ", ".join(SCHEDULES))
+        if self.checkpoint_mode not in ("always", "except_last", "never"):
+            raise ConfigError(f"unknown --checkpoint-mode {self.checkpoint_mode!r}; choose "
+                              "always, except_last or never")
+        for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
+                     "chunks", "virtual_stages", "steps", "warmup", "eval_every",
+                     "eval_batches", "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
+                                  f"got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.sample_bytes < 0:
+            raise ConfigError(f"--sample-bytes must be at least 0, got {self.sample_bytes}")
+        if self.chunks > self.batch:
+            raise ConfigError(f"--chunks {self.chunks} is more than the batch of {self.batch} "
+                              f"sequences; use --chunks <= {self.batch}")
+        if self.width % self.heads:
+            raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        layers = self.layers + 3
+        if self.stages * self.virtual_stages > layers:
+            raise ConfigError(
+                f"--stages {self.stages} x --virtual-stages {self.virtual_stages} asks for more "
+                f"stages than the model's {layers} layers ({self.layers} blocks, embedding, "
+                "norm and head); use fewer stages or more --layers"
+            )
+        try:
+            build(self.schedule, self.stages, self.chunks, virtual_stages=self.virtual_stages)
+        except ConveyorError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+_METAVARS = {int: "N", float: "X", str: "NAME"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``conveyor train``: one per option, plus --config and --resume."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON file of options (flags given as well take precedence)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run whose checkpoint is in --out")
+    for option in fields(TrainConfig):
+        kind = type(option.default)
+        parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,
+                            metavar="DIR" if option.name == "out" else _METAVARS[kind],
+                            help=f"{option.metadata['help']} (default {option.default})")
+
+
+def from_arguments(args: argparse.Namespace) -> TrainConfig:
+    """The options of a ``conveyor train`` command line, checked.
+
+    With ``--resume``, options not given come from the run being resumed (its
+    ``options.json``). Under torchrun, ``--stages`` defaults to the number of processes.
+
+    Raises:
+        ConfigError: the config file cannot be read or has unknown keys, or the options
+            do not work together.
+    """
+    values: dict[str, Any] = {}
+    if args.config:
+        values.update(_read_config(args.config))
+    values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                   if hasattr(args, f.name)})
+    if getattr(args, "resume", False):
+        saved = Path(values.get("out", TrainConfig.out)) / OPTIONS_FILE
+        if saved.exists():  # the run's own options, under what this command line says
+            values = {**_read_config(saved), **values}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "stages" not in values:
+        values["stages"] = world
+    config = TrainConfig(**values)
+    config.check()
+    return config
+
+
+def _read_config(path: str | Path) -> dict[str, Any]:
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"the config file {path} must hold a JSON object of options")
+    options = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - set(options))
+    if unknown:
+        raise ConfigError(f"{path} has unknown options {unknown}; known: {sorted(options)}")
+    for name, value in values.items():
+        kind: type = type(options[name].default)
+        if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+            raise ConfigError(f"{path}: option {name!r} must be a {kind.__name__}, "
+                              f"got {value!r}")
+        values[name] = kind(value)
+    return values

@@ -1,0 +1,277 @@
+"""``conveyor train``: resume bit for bit, checkpoints across partitions, atomic saves,
+one-line errors for bad input, and the command end to end (threads and torchrun)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conveyor import saving
+from conveyor.cli import main
+from conveyor.data import text_corpus
+from conveyor.models import transformer_lm
+from conveyor.pipeline import Pipeline
+from conveyor.train import next_byte_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds.
+TINY = ["--layers", "2", "--width", "16", "--hidden", "32", "--heads", "2", "--length", "16",
+        "--batch", "4", "--chunks", "2", "--eval-every", "3", "--eval-batches", "1",
+        "--save-every", "3", "--sample-bytes", "4"]
+
+
+def tiny_model() -> torch.nn.Sequential:
+    return transformer_lm(2, 16, 32, 2, max_length=16, tie=True)
+
+
+def train(out: Path, *flags: str) -> int:
+    return main(["train", *TINY, "--out", str(out), *flags])
+
+
+def checkpoint_state(out: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(out / "checkpoint.pt", weights_only=False)
+    return state
+
+
+def assert_same_tensors(a: Any, b: Any, where: str = "") -> None:
+    """Equal nested structures, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# -- resuming -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_an_interrupted_and_resumed_run_ends_bit_identical(tmp_path: Path, schedule: str,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    flags = ["--steps", "7", "--dropout", "0.1", "--schedule", schedule]
+    assert train(tmp_path / "whole", *flags) == 0
+
+    calls = 0
+    real_step = Pipeline.step
+
+    def step_then_ctrl_c(self: Pipeline, inputs: Any, targets: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 4:  # Ctrl-C in the middle of step 4: it finishes, saves, stops
+            signal.raise_signal(signal.SIGINT)
+        return real_step(self, inputs, targets)
+
+    monkeypatch.setattr(Pipeline, "step", step_then_ctrl_c)
+    assert train(tmp_path / "split", *flags) == 128 + signal.SIGINT
+    monkeypatch.undo()
+    assert "stopped by SIGINT after step 4" in capsys.readouterr().out
+    assert checkpoint_state(tmp_path / "split")["extra"]["step"] == 4
+
+    # The options come back from the run itself: only --out and --resume are given.
+    assert main(["train", "--resume", "--out", str(tmp_path / "split")]) == 0
+    whole, split = checkpoint_state(tmp_path / "whole"), checkpoint_state(tmp_path / "split")
+    assert_same_tensors(whole["model"], split["model"], "model")
+    assert_same_tensors(whole["optimizer"], split["optimizer"], "optimizer")
+    assert_same_tensors(whole["extra"]["history"], split["extra"]["history"], "history")
+    assert_same_tensors(whole["extra"]["rng"], split["extra"]["rng"], "rng")
+
+
+def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
+        tmp_path: Path) -> None:
+    assert train(tmp_path, "--steps", "3", "--stages", "2") == 0
+    saved = checkpoint_state(tmp_path)
+
+    torch.manual_seed(1)  # other initial weights: everything must come from the file
+    four = Pipeline(tiny_model(), stages=4, chunks=2, loss_fn=next_byte_loss)
+    optimizer = torch.optim.AdamW(four.parameters())
+    extra = saving.load(tmp_path, model=four, optimizer=optimizer)
+    assert extra["step"] == 3 and four.balance != [3, 2]
+    plain = tiny_model()
+    plain.load_state_dict(saving.load_weights(tmp_path))
+    assert_same_tensors(dict(plain.state_dict()), saved["model"])
+
+    # The optimizer's moments follow each parameter by name into its new stage.
+    names = {id(p): n for n, p in four.named_parameters()}
+    for parameter, state in optimizer.state.items():
+        assert_same_tensors(state, saved["optimizer"]["state"][names[id(parameter)]])
+
+    inputs, _ = text_corpus().batch(0, 4, 16, heldout=True)
+    four.eval()
+    plain.eval()
+    with torch.no_grad():
+        piped = four.eval_step(inputs)
+        whole = torch.cat([plain(part) for part in inputs.chunk(2)])
+    assert torch.equal(piped, whole)
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert train(tmp_path, "--steps", "3") == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    model = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_byte_loss)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def crash_midway(obj: Any, file: Any, *args: Any, **kwargs: Any) -> None:
+        file.write(b"PK\x03\x04 half a zip archive")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(OSError, match="No space left"):
+        saving.save(tmp_path, model=model, optimizer=optimizer, extra={"step": 4})
+    monkeypatch.undo()
+
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]
+    assert saving.load(tmp_path, model=model, optimizer=optimizer)["step"] == 3
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("conveyor train: error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--schedule", "pipedream"], "unknown schedule 'pipedream'; choose one of gpipe, 1f1b"),
+    (["--chunks", "8"], "--chunks 8 is more than the batch of 4 sequences"),
+    (["--stages", "6"], "--stages 6 x --virtual-stages 1 asks for more stages than the "
+                        "model's 5 layers"),
+    (["--checkpoint-mode", "sometimes"], "unknown --checkpoint-mode 'sometimes'"),
+    (["--width", "15"], "--width 15 is not divisible by --heads 2"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--chunks", "3",
+      "--batch", "6"], "interleaved"),
+    (["--resume"], "--resume: there is no checkpoint in"),
+])
+def test_bad_options_give_one_line_and_write_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+        message: str) -> None:
+    assert train(tmp_path / "run", *flags) == 2
+    assert message in one_error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_config_file_is_named(tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "options.json"
+    config.write_text(json.dumps({"layers": 2, "stagez": 2}))
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    assert "has unknown options ['stagez']" in one_error_line(capsys)
+    config.write_text(json.dumps({"layers": "two"}))
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    assert "option 'layers' must be a int, got 'two'" in one_error_line(capsys)
+    config.write_text("{not json")
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    assert "cannot read the config file" in one_error_line(capsys)
+
+
+def test_a_config_file_sets_options_and_flags_win(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "options.json"
+    config.write_text(json.dumps({"steps": 2, "lr": 1e-3, "schedule": "gpipe"}))
+    assert train(tmp_path / "run", "--config", str(config), "--schedule", "zero-bubble") == 0
+    options = json.loads((tmp_path / "run" / "options.json").read_text())
+    assert (options["steps"], options["lr"], options["schedule"]) == (2, 1e-3, "zero-bubble")
+
+
+@pytest.mark.parametrize("damage, flags, message", [
+    ("none", [], "already holds a checkpoint; pass --resume"),
+    ("none", ["--resume", "--width", "32"], "does not fit this model"),
+    ("garbage", ["--resume"], "cannot read the checkpoint"),
+    ("truncated", ["--resume"], "cannot read the checkpoint"),
+])
+def test_existing_checkpoints_are_never_overwritten_by_a_bad_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, flags: list[str],
+        message: str) -> None:
+    assert train(tmp_path, "--steps", "3") == 0
+    path = tmp_path / "checkpoint.pt"
+    if damage == "garbage":
+        path.write_bytes(b"this is not a checkpoint")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    capsys.readouterr()
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    assert main(["train", *TINY, "--steps", "6", "--out", str(tmp_path), *flags]) == 2
+    assert message in one_error_line(capsys)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+# -- the command end to end -------------------------------------------------------------
+
+
+def run_command(command: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def check_run_directory(out: Path, steps: int) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and len(summary["history"]) == steps
+    assert math.isfinite(summary["heldout_bpb"]) and 0 < summary["heldout_bpb"] < 9
+    assert summary["unigram_bpb"] == pytest.approx(text_corpus().unigram_bits_per_byte())
+    trace = json.loads((out / "step.trace.json").read_text())
+    assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"F", "B"}
+    for picture in ("step.png", "curve.png"):
+        assert (out / picture).read_bytes()[:4] == b"\x89PNG"
+    plain = tiny_model()
+    plain.load_state_dict(saving.load_weights(out))  # every key, every shape
+    return summary
+
+
+@pytest.mark.timeout(300)
+def test_the_command_runs_end_to_end_in_one_process(tmp_path: Path) -> None:
+    result = run_command([sys.executable, "-m", "conveyor.cli", "train", *TINY,
+                          "--steps", "4", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "held-out" in result.stdout and "sample (pipelined inference" in result.stdout
+    check_run_directory(tmp_path, 4)
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.timeout(400)
+def test_the_command_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "conveyor.cli", "train", *TINY,
+                "--out", str(tmp_path)]
+    result = run_command([*torchrun, "--steps", "4"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("training T(2, 32, 2)") == 1  # logs from one rank only
+    first = check_run_directory(tmp_path, 4)
+    assert first["config"]["stages"] == 2  # one stage per process
+    assert (tmp_path / "checkpoint" / "latest").read_text() == "step-00000004"
+
+    # The same numbers as threads in one process (same batches, same partition).
+    threads = tmp_path / "threads"
+    assert train(threads, "--steps", "4") == 0
+    losses = [e["loss"] for e in json.loads((threads / "summary.json").read_text())["history"]]
+    assert [e["loss"] for e in first["history"]] == pytest.approx(losses, rel=1e-5)
+
+    result = run_command([*torchrun, "--steps", "6", "--resume"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming at step 4" in result.stdout
+    check_run_directory(tmp_path, 6)
+    assert (tmp_path / "checkpoint" / "latest").read_text() == "step-00000006"
