@@ -1,10 +1,13 @@
 # Set-up is part of every target: a virtual environment in .venv with torch (the one
-# already importable, else torch==2.13.0), conveyor and its dev extras.
+# already importable, else torch==2.13.0), conveyor with its extras and dev tools.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test typecheck bench clean
+.PHONY: train demo test typecheck bench clean
+
+train: $(VENV)/.installed
+	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 demo: $(VENV)/.installed
 	$(BIN)/conveyor demo
@@ -26,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		$(PYTHON) -m venv $(VENV) && $(BIN)/pip install --quiet torch==2.13.0; \
 	fi
-	$(BIN)/pip install --quiet -e ".[dev,plots]"
+	$(BIN)/pip install --quiet -e ".[dev,all]"
 	touch $@
 
 clean:

@@ -50,6 +50,14 @@ class TextCorpus:
         windows = torch.stack([data[s:s + length + 1] for s in starts.tolist()]).long()
         return windows[:, :-1], windows[:, 1:]
 
+    def prompt(self, length: int) -> torch.Tensor:
+        """The first ``length`` bytes of the held-out text's first function definition
+        (of its start, if it has none): a prompt to sample from. Shape (1, length), int64."""
+        marker = torch.tensor(list(b"\ndef "), dtype=torch.uint8)
+        found = (self.heldout.unfold(0, len(marker), 1) == marker).all(dim=1).nonzero()
+        start = int(found[0]) + 1 if len(found) else 0
+        return self.heldout[start:start + length].long().unsqueeze(0)
+
     def unigram_bits_per_byte(self) -> float:
         """The held-out cross-entropy of byte frequencies counted on the training bytes
         (add-one smoothed): the baseline a language model must beat."""

@@ -142,14 +142,16 @@ class Cell(nn.Module):
         return torch.relu(self.body(x) + self.skip(x))
 
 
-def convnet(cells: int = 6, channels: int = 32, classes: int = 10) -> nn.Sequential:
+def convnet(cells: int = 6, channels: int = 32, classes: int = 10, *,
+            in_channels: int = 3) -> nn.Sequential:
     """An image classifier in the AmoebaNet/ResNet spirit, as a layer sequence.
 
     stem, ``cells`` cells (reduction cells at one and two thirds of the depth), and a
-    head (pooling and a linear classifier): cells + 2 layers.
+    head (pooling and a linear classifier): cells + 2 layers. Images have
+    ``in_channels`` channels (3: colour, 1: grey).
     """
     layers: list[nn.Module] = [nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())]
+        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())]
     width = channels
     reductions = {cells // 3, 2 * cells // 3} if cells >= 3 else set()
     for index in range(cells):

@@ -106,14 +106,13 @@ def load(directory: str | Path, *, model: nn.Module,
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:
             raise CheckpointError(f"cannot read the checkpoint {path}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-    try:
-        model.load_state_dict(state["model"])
-    except (RuntimeError, KeyError) as exc:
-        first = str(exc).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:3])
-        raise CheckpointError(f"the checkpoint in {directory} does not fit this model: "
-                              f"{detail}") from exc
+                                  f"{_first_line(exc)}") from exc
+        if not isinstance(state, dict) or "model" not in state:
+            raise CheckpointError(f"{path} is not a conveyor checkpoint (it has no 'model' "
+                                  "entry); saving.save writes them")
+        _check_fits({k: v.shape for k, v in state["model"].items()}, model, path,
+                    partial=False)
+    model.load_state_dict(state["model"])
     if optimizer is not None:
         _load_optimizer_state(model, optimizer, state["optimizer"])
     return dict(state.get("extra", {}))
@@ -205,6 +204,15 @@ def _load_dcp(directory: Path, model: nn.Module,
     if not pointer.exists():
         raise CheckpointError(f"no checkpoint at {directory / _DIRECTORY}")
     target = directory / _DIRECTORY / pointer.read_text().strip()
+    try:
+        saved = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the checkpoint {target}: "
+                              f"{_first_line(exc)}") from exc
+    # Each rank holds only its stages' weights: it checks those (the same files for all
+    # ranks, so they all raise or none does, and no rank waits in dcp.load alone).
+    _check_fits({k[len("model."):]: v.size for k, v in saved.items()
+                 if k.startswith("model.") and hasattr(v, "size")}, model, target, partial=True)
     template: dict[str, Any] = {"model": model.state_dict(), "meta": io.BytesIO()}
     if optimizer is not None:
         if not optimizer.state:
@@ -212,14 +220,41 @@ def _load_dcp(directory: Path, model: nn.Module,
         template["optimizer_state"] = _optimizer_state(model, optimizer)["state"]
     try:
         dcp.load(template, checkpoint_id=str(target))
-    except Exception as exc:
-        raise CheckpointError(f"cannot load the checkpoint {target}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    except (Exception, dcp.api.CheckpointException) as exc:  # the latter is a BaseException
+        raise CheckpointError(f"cannot load the checkpoint {target}: "
+                              f"{_first_line(exc)}") from exc
     template["meta"].seek(0)
     meta = pickle.load(template["meta"])
     return {"model": template["model"], "extra": meta["extra"],
             "optimizer": {"state": template.get("optimizer_state", {}),
                           "param_groups": meta["param_groups"]}}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _check_fits(saved: dict[str, torch.Size], model: nn.Module, where: Path, *,
+                partial: bool) -> None:
+    """Raises CheckpointError naming the weights that ``model`` lacks, has in another
+    shape, or (unless the model holds only some stages) that it does not have."""
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    problems = [f"{name} is {tuple(saved[name])} in the checkpoint but {tuple(shape)} here"
+                for name, shape in expected.items()
+                if name in saved and saved[name] != shape]
+    missing = [name for name in expected if name not in saved]
+    unexpected = [] if partial else [name for name in saved if name not in expected]
+    if missing:
+        problems.append(f"{len(missing)} weights missing ({', '.join(missing[:3])}...)")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weights it does not have "
+                        f"({', '.join(unexpected[:3])}...)")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3
+                                           else "")
+        raise CheckpointError(f"the checkpoint {where} does not fit this model: {shown}; "
+                              "was it written for a model of another size?")
 
 
 def _newest(root: Path, count: int) -> set[str]:

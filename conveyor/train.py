@@ -166,7 +166,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                 progress.write(f"step {step}: held-out {entry['heldout_bpb']:.3f} bits/byte "
                                f"(unigram {unigram:.3f})")
             history.append(entry)
-            progress.update(step, {"loss": f"{entry['loss']:.3f}", "tok/s": f"{rate:.0f}",
+            progress.update(step, {"bpb": f"{entry['loss'] / math.log(2):.3f}",
+                                   "tok/s": f"{rate:.0f}",
                                    "bubble": bubble})
             if step % config.save_every == 0:
                 _save(out, pipe, optimizer, scheduler, step, history, config)
@@ -268,16 +269,16 @@ def _from_last_stage(pipe: Pipeline, value: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> str:
-    """Continues a held-out prompt with pipelined inference (one sample per micro-batch)."""
+    """Continues a held-out prompt by sampling (temperature 0.8) with pipelined inference:
+    ``chunks`` samples at once, one per micro-batch; returns the first."""
     pipe.eval()
     generator = torch.Generator().manual_seed(config.seed)
-    prompt, _ = corpus.batch(0, 1, min(48, config.length), seed=config.seed, heldout=True)
-    context = prompt.repeat(config.chunks, 1)
+    context = corpus.prompt(min(48, config.length)).repeat(config.chunks, 1)
     for _ in range(config.sample_bytes):
         logits = pipe.eval_step(context[:, -config.length:])
         chosen = torch.zeros(config.chunks, 1, dtype=torch.long)
         if logits is not None:
-            probabilities = torch.softmax(logits[:, -1].float().cpu() / 0.7, dim=-1)
+            probabilities = torch.softmax(logits[:, -1].float().cpu() / 0.8, dim=-1)
             chosen = torch.multinomial(probabilities, 1, generator=generator)
         context = torch.cat([context, _from_last_stage(pipe, chosen)], dim=1)
     pipe.train()

@@ -184,3 +184,39 @@ def scenario_fault_shape(rank: int, world: int, out_dir: Path) -> None:
 
 def scenario_fault_hang(rank: int, world: int, out_dir: Path) -> None:
     _fault("hang", rank, world)
+
+
+def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
+    """Saves with torch.distributed.checkpoint, crashes in the next save, loads again."""
+    import torch.distributed.checkpoint as dcp
+
+    from conveyor import saving
+
+    model, loss_fn = case_model("lm")
+    pipe = conveyor.Pipeline(model, chunks=2, loss_fn=loss_fn, timeout=30)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    x, y = case_batch("lm")
+    pipe.step(x, y)
+    optimizer.step()
+    saving.save(out_dir / "run", model=pipe, optimizer=optimizer, extra={"step": 1})
+    saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    pipe.step(x, y)
+    optimizer.step()
+    real_save = dcp.save
+
+    def crash_after_some_files(state: Any, *, checkpoint_id: str) -> None:
+        real_save({"model": state["model"]}, checkpoint_id=checkpoint_id)  # some of it
+        raise OSError("killed while writing")
+
+    dcp.save = crash_after_some_files
+    try:
+        saving.save(out_dir / "run", model=pipe, optimizer=optimizer, extra={"step": 2})
+    except OSError:
+        pass
+    dcp.save = real_save
+
+    extra = saving.load(out_dir / "run", model=pipe, optimizer=optimizer)
+    torch.save({"step": extra["step"], "saved": saved, "loaded": pipe.state_dict(),
+                "optimizer_steps": [float(s["step"]) for s in optimizer.state.values()]},
+               out_dir / f"rank{rank}.pt")

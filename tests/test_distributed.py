@@ -172,3 +172,20 @@ def test_a_stuck_rank_makes_the_others_time_out_saying_what_they_waited_for(
     assert outcome.returncodes[0] == 1  # rank 1 sleeps on; the launcher ends it
     assert "rank 0 timed out after 4 s waiting for the gradient of micro-batch 1 from " \
            "stage 1 (rank 1)" in outcome.outputs[0], outcome.outputs[0][-2000:]
+
+
+def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    from conveyor import saving
+
+    outcome = launch("checkpoint_crash", 2, tmp_path, timeout=240)
+    assert outcome.returncodes == [0, 0], outcome.outputs
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["step"] == 1
+        assert result["optimizer_steps"] and set(result["optimizer_steps"]) == {1.0}
+        assert result["loaded"].keys() == result["saved"].keys()
+        for name, value in result["saved"].items():
+            assert torch.equal(result["loaded"][name], value), (rank, name)
+    assert (tmp_path / "run" / "checkpoint" / "latest").read_text() == "step-00000001"
+    model, _ = case_model("lm")
+    model.load_state_dict(saving.load_weights(tmp_path / "run"))  # every weight, by name

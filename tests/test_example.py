@@ -27,3 +27,14 @@ def test_threads_and_torchrun_print_the_same_losses() -> None:
     processes = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "2", *script])
     assert len(threads) == 2 and threads == processes
+
+
+@pytest.mark.timeout(300)
+def test_the_digits_example_learns() -> None:
+    pytest.importorskip("sklearn")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "examples/digits.py", "--epochs", "2"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = float(result.stdout.strip().splitlines()[-1].split()[-1].rstrip("%"))
+    assert accuracy > 80, result.stdout  # chance: 10%

@@ -244,7 +244,7 @@ def check_run_directory(out: Path, steps: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_the_command_runs_end_to_end_in_one_process(tmp_path: Path) -> None:
-    result = run_command([sys.executable, "-m", "conveyor.cli", "train", *TINY,
+    result = run_command([sys.executable, "-m", "conveyor", "train", *TINY,
                           "--steps", "4", "--out", str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "held-out" in result.stdout and "sample (pipelined inference" in result.stdout
@@ -255,7 +255,7 @@ def test_the_command_runs_end_to_end_in_one_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_the_command_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "conveyor.cli", "train", *TINY,
+                "--nproc-per-node", "2", "-m", "conveyor", "train", *TINY,
                 "--out", str(tmp_path)]
     result = run_command([*torchrun, "--steps", "4"])
     assert result.returncode == 0, result.stdout + result.stderr
