@@ -44,11 +44,12 @@ def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _Progress:
-    """A tqdm bar when tqdm is installed, else a line now and then; silent off rank 0."""
+    """A tqdm bar on a terminal when tqdm is installed, else a line every 10 seconds;
+    silent off rank 0."""
 
     def __init__(self, total: int, start: int, show: bool) -> None:
         self.show, self.bar, self.last = show, None, 0.0
-        if show:
+        if show and sys.stdout.isatty():  # in a log, lines now and then read better
             try:
                 from tqdm import tqdm
 
@@ -70,7 +71,10 @@ class _Progress:
 
     def write(self, text: str) -> None:
         if self.show:
-            (self.bar.write if self.bar is not None else print)(text)
+            if self.bar is not None:
+                self.bar.write(text)
+            else:
+                print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -108,6 +112,9 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                           "or choose another --out")
     if resume and not saving.exists(out):
         raise ConfigError(f"--resume: there is no checkpoint in {out}")
+    if config.data_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
+                          f"{config.stages * config.data_parallel} with torchrun")
 
     corpus = text_corpus()
     torch.manual_seed(config.seed)
@@ -116,7 +123,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                            tie=True)
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
-                    loss_fn=next_byte_loss)
+                    data_parallel=config.data_parallel, loss_fn=next_byte_loss)
+    replica, replicas = pipe.topology.data_rank, config.data_parallel
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
         1.0, (s + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps)
@@ -133,11 +141,12 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in model.parameters())
+        layout = f"{config.stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on {len(corpus.train)} "
-              f"bytes of Python; {config.schedule}, {config.stages} stages, {config.chunks} "
-              f"micro-batches, balance {pipe.balance}; held-out unigram {unigram:.3f} "
-              f"bits/byte" + (f"; resuming at step {start}" if start else ""), flush=True)
+              f"bytes of Python; {config.schedule}, {layout}, {config.chunks} micro-batches, "
+              f"balance {pipe.balance}; held-out unigram {unigram:.3f} bits/byte"
+              + (f"; resuming at step {start}" if start else ""), flush=True)
 
     progress = _Progress(config.steps, start, show)
     timeline: Timeline | None = None
@@ -146,6 +155,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     with _StopSignals() as signals:
         while step < config.steps:
             inputs, targets = corpus.batch(step, config.batch, config.length, seed=config.seed)
+            inputs, targets = inputs[replica::replicas], targets[replica::replicas]
             tick = time.perf_counter()
             if step == start + 2:  # one step after warm-up, for the pictures
                 with record(pipe) as timeline:

@@ -41,7 +41,9 @@ class TrainConfig:
     length: int = _option(128, "sequence length in bytes")
     dropout: float = _option(0.0, "dropout probability")
     batch: int = _option(32, "sequences per mini-batch")
-    stages: int = _option(2, "pipeline stages (under torchrun: the processes)")
+    stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
+    data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
+                                    "batch (under torchrun)")
     chunks: int = _option(8, "micro-batches per mini-batch M")
     schedule: str = _option("1f1b", "one of " + ", ".join(SCHEDULES))
     virtual_stages: int = _option(1, "stages per rank, for interleaved-1f1b")
@@ -67,7 +69,7 @@ class TrainConfig:
             raise ConfigError(f"unknown --checkpoint-mode {self.checkpoint_mode!r}; choose "
                               "always, except_last or never")
         for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
-                     "chunks", "virtual_stages", "steps", "warmup", "eval_every",
+                     "data_parallel", "chunks", "virtual_stages", "steps", "warmup", "eval_every",
                      "eval_batches", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
@@ -76,9 +78,14 @@ class TrainConfig:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.sample_bytes < 0:
             raise ConfigError(f"--sample-bytes must be at least 0, got {self.sample_bytes}")
-        if self.chunks > self.batch:
-            raise ConfigError(f"--chunks {self.chunks} is more than the batch of {self.batch} "
-                              f"sequences; use --chunks <= {self.batch}")
+        if self.batch % self.data_parallel:
+            raise ConfigError(f"--batch {self.batch} does not split evenly into "
+                              f"--data-parallel {self.data_parallel} replicas")
+        share = self.batch // self.data_parallel
+        if self.chunks > share:
+            whose = "" if self.data_parallel == 1 else " per replica"
+            raise ConfigError(f"--chunks {self.chunks} is more than the batch of {share} "
+                              f"sequences{whose}; use --chunks <= {share}")
         if self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         layers = self.layers + 3
@@ -118,7 +125,8 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     """The options of a ``conveyor train`` command line, checked.
 
     With ``--resume``, options not given come from the run being resumed (its
-    ``options.json``). Under torchrun, ``--stages`` defaults to the number of processes.
+    ``options.json``). Under torchrun, ``--stages`` defaults to the number of processes
+    over ``--data-parallel``.
 
     Raises:
         ConfigError: the config file cannot be read or has unknown keys, or the options
@@ -135,7 +143,7 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
             values = {**_read_config(saved), **values}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "stages" not in values:
-        values["stages"] = world
+        values["stages"] = max(1, world // values.get("data_parallel", 1))
     config = TrainConfig(**values)
     config.check()
     return config

@@ -164,6 +164,10 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--chunks", "3",
       "--batch", "6"], "interleaved"),
     (["--resume"], "--resume: there is no checkpoint in"),
+    (["--data-parallel", "3"], "--batch 4 does not split evenly into --data-parallel 3"),
+    (["--data-parallel", "2", "--chunks", "4"], "--chunks 4 is more than the batch of 2 "
+                                                "sequences per replica"),
+    (["--data-parallel", "2"], "--data-parallel 2 needs processes: launch 4 with torchrun"),
 ])
 def test_bad_options_give_one_line_and_write_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
@@ -275,3 +279,19 @@ def test_the_command_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
     assert "resuming at step 4" in result.stdout
     check_run_directory(tmp_path, 6)
     assert (tmp_path / "checkpoint" / "latest").read_text() == "step-00000006"
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_pipelines_under_torchrun_match_one_pipeline(tmp_path: Path) -> None:
+    """2 stages x 2 replicas, each on half the batch: the losses of 2 stages on the whole."""
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", "-m", "conveyor", "train", *TINY,
+                          "--data-parallel", "2", "--chunks", "1", "--steps", "3",
+                          "--sample-bytes", "0", "--out", str(tmp_path / "replicas")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 stages x 2 replicas" in result.stdout
+    replicas = check_run_directory(tmp_path / "replicas", 3)
+    assert train(tmp_path / "one", "--chunks", "2", "--steps", "3") == 0
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert [e["loss"] for e in replicas["history"]] == pytest.approx(
+        [e["loss"] for e in one["history"]], rel=1e-5)
