@@ -142,8 +142,13 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 # -- optimizer state by parameter name ---------------------------------------------
 
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+def _names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter: a tied one (the plain model's shared embedding and
+    head) has several, which a pipeline holds as separate copies."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return names
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -152,9 +157,9 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     saved = optimizer.state_dict()
     return {
         "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
-                          "params": [order[i] for i in group["params"]]}
+                          "params": [order[i][0] for i in group["params"]]}
                          for group in saved["param_groups"]],
-        "state": {order[i]: value for i, value in saved["state"].items()},
+        "state": {name: value for i, value in saved["state"].items() for name in order[i]},
     }
 
 
@@ -163,7 +168,11 @@ def _load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     names = _names(model)
     current = optimizer.state_dict()
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    state = {i: saved["state"][name] for i, name in enumerate(order) if name in saved["state"]}
+    state = {}
+    for index, aliases in enumerate(order):
+        found = [saved["state"][name] for name in aliases if name in saved["state"]]
+        if found:
+            state[index] = found[0]
     groups = [{**saved_group, "params": group["params"]}
               for saved_group, group in zip(saved["param_groups"], current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -123,6 +123,30 @@ def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
     assert torch.equal(piped, whole)
 
 
+def test_a_plain_model_checkpoint_resumes_both_copies_of_a_tied_weight(
+        tmp_path: Path) -> None:
+    """The plain model's embedding is its head; a pipeline holds a copy on each end,
+    and each copy must resume with the optimizer moments of the one weight."""
+    torch.manual_seed(0)
+    plain = tiny_model()
+    optimizer = torch.optim.AdamW(plain.parameters())
+    inputs, targets = text_corpus().batch(0, 4, 16)
+    next_byte_loss(plain(inputs), targets).backward()
+    optimizer.step()
+    saving.save(tmp_path, model=plain, optimizer=optimizer, extra={"step": 1})
+
+    pipe = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_byte_loss)
+    resumed = torch.optim.AdamW(pipe.parameters())
+    saving.load(tmp_path, model=pipe, optimizer=resumed)
+    parameters = dict(pipe.named_parameters())
+    embedding, head = parameters["0.tokens.weight"], parameters["4.weight"]
+    assert embedding is not head  # a copy per stage
+    expected = optimizer.state[plain[0].tokens.weight]
+    for copy in (embedding, head):
+        assert torch.equal(copy, plain[0].tokens.weight)
+        assert_same_tensors(resumed.state[copy], expected)
+
+
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert train(tmp_path, "--steps", "3") == 0
