@@ -123,7 +123,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                            tie=True)
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
-                    data_parallel=config.data_parallel, loss_fn=next_byte_loss)
+                    devices=stage_devices(config), data_parallel=config.data_parallel,
+                    loss_fn=next_byte_loss)
     replica, replicas = pipe.topology.data_rank, config.data_parallel
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
@@ -152,12 +153,13 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     timeline: Timeline | None = None
     began, step, tokens = time.monotonic(), start, config.batch * config.length
     rate, bubble, stopped_by = 0.0, "?", 0
+    record_at = min(start + 2, config.steps - 1)  # a step after warm-up, for the pictures
     with _StopSignals() as signals:
         while step < config.steps:
             inputs, targets = corpus.batch(step, config.batch, config.length, seed=config.seed)
             inputs, targets = inputs[replica::replicas], targets[replica::replicas]
             tick = time.perf_counter()
-            if step == start + 2:  # one step after warm-up, for the pictures
+            if step == record_at:
                 with record(pipe) as timeline:
                     loss = pipe.step(inputs, targets)
                 bubble = f"{100 * timeline.mean_bubble:.0f}%"
@@ -204,6 +206,44 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
         _finish(out, config, history, unigram, timeline, sample,
                 time.monotonic() - began, (step - start) * tokens)
     return 0
+
+
+def stage_devices(config: TrainConfig) -> list[torch.device] | None:
+    """The device of each pipeline rank in one process (None under torchrun, where
+    each process has its own).
+
+    Raises:
+        ConfigError: ``--devices`` names a device that does not exist, or not one per
+            stage.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if config.devices != "auto":
+            raise ConfigError("under torchrun each process uses its own device (its "
+                              "LOCAL_RANK's GPU, else the CPU); leave out --devices")
+        return None
+    if config.devices == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", s % gpus) if gpus else torch.device("cpu")
+                for s in range(config.stages)]
+    names = config.devices.split(",")
+    if len(names) == 1:
+        names = names * config.stages
+    if len(names) != config.stages:
+        raise ConfigError(f"--devices names {len(names)} devices for {config.stages} stages; "
+                          "give one for all, or one per stage")
+    devices = []
+    for name in names:
+        try:
+            device = torch.device(name.strip())
+        except RuntimeError as exc:
+            raise ConfigError(f"--devices: {name!r} is not a device (cpu, cuda, cuda:1, "
+                              "...)") from exc
+        if device.type == "cuda" and (not torch.cuda.is_available() or (
+                device.index or 0) >= torch.cuda.device_count()):
+            raise ConfigError(f"--devices: there is no {device} here ("
+                              f"{torch.cuda.device_count()} CUDA devices)")
+        devices.append(device)
+    return devices
 
 
 class _StopSignals:

@@ -44,6 +44,9 @@ class TrainConfig:
     stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
                                     "batch (under torchrun)")
+    devices: str = _option("auto", "a device for all stages, or one per stage, comma-"
+                                   "separated (cpu, cuda:1, ...); auto: the GPUs in turn, "
+                                   "else the CPU")
     chunks: int = _option(8, "micro-batches per mini-batch M")
     schedule: str = _option("1f1b", "one of " + ", ".join(SCHEDULES))
     virtual_stages: int = _option(1, "stages per rank, for interleaved-1f1b")

@@ -192,6 +192,8 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     (["--data-parallel", "2", "--chunks", "4"], "--chunks 4 is more than the batch of 2 "
                                                 "sequences per replica"),
     (["--data-parallel", "2"], "--data-parallel 2 needs processes: launch 4 with torchrun"),
+    (["--devices", "cpu,cpu,cpu"], "--devices names 3 devices for 2 stages"),
+    (["--devices", "gpu"], "--devices: 'gpu' is not a device"),
 ])
 def test_bad_options_give_one_line_and_write_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
@@ -213,6 +215,12 @@ def test_a_bad_config_file_is_named(tmp_path: Path,
     config.write_text("{not json")
     assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
     assert "cannot read the config file" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 8, reason="needs a missing GPU")
+def test_a_missing_gpu_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert train(tmp_path / "run", "--devices", "cuda:8") == 2
+    assert "--devices: there is no cuda:8 here" in one_error_line(capsys)
 
 
 def test_a_config_file_sets_options_and_flags_win(tmp_path: Path,
