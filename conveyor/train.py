@@ -117,19 +117,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
                           f"{config.stages * config.data_parallel} with torchrun")
 
     corpus = text_corpus()
-    torch.manual_seed(config.seed)
-    model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
-                           vocab=256, max_length=config.length, dropout=config.dropout,
-                           tie=True)
-    pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
-                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
-                    devices=stage_devices(config), data_parallel=config.data_parallel,
-                    loss_fn=next_byte_loss)
+    model, pipe, optimizer, scheduler = _build(config)
     replica, replicas = pipe.topology.data_rank, config.data_parallel
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        1.0, (s + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, config.steps)
-                                                            / config.steps)))
     show = not dist.is_initialized() or dist.get_rank() == 0
     start, history = 0, []
     if resume:
@@ -141,7 +130,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     if show:
         out.mkdir(parents=True, exist_ok=True)
         (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = sum(p.numel() for p in model.parameters())  # the whole model's
         layout = f"{config.stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on {len(corpus.train)} "
@@ -206,6 +195,25 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
         _finish(out, config, history, unigram, timeline, sample,
                 time.monotonic() - began, (step - start) * tokens)
     return 0
+
+
+def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:
+    """The model, its pipeline, AdamW, and its schedule: linear warm-up, cosine decay."""
+    torch.manual_seed(config.seed)
+    model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
+                           vocab=256, max_length=config.length, dropout=config.dropout,
+                           tie=True)
+    pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
+                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
+                    devices=stage_devices(config), data_parallel=config.data_parallel,
+                    loss_fn=next_byte_loss)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
+
+    def rate(step: int) -> float:
+        warm = min(1.0, (step + 1) / config.warmup)
+        return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+
+    return model, pipe, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
 
 
 def stage_devices(config: TrainConfig) -> list[torch.device] | None:
@@ -339,17 +347,20 @@ def _finish(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigr
             timeline: Timeline | None, sample: str, seconds: float, tokens: int) -> None:
     """Writes the summary and pictures; ``tokens`` were trained on in ``seconds``."""
     final = next(e["heldout_bpb"] for e in reversed(history) if "heldout_bpb" in e)
-    pictures = []
-    if timeline is not None:
+    written = ["checkpoint", "summary.json"]
+    if timeline is not None:  # None when the resumed run had no step left to take
         timeline.save(out / "step.timeline.json")
         timeline.save_chrome_trace(out / "step.trace.json")
-        try:
+        written += ["step.timeline.json", "step.trace.json"]
+    try:
+        _plot_curve(history, unigram, out / "curve.png")
+        written.append("curve.png")
+        if timeline is not None:
             plot_timelines([timeline], out / "step.png",
                            titles=[f"measured {config.schedule} step"])
-            _plot_curve(history, unigram, out / "curve.png")
-            pictures = ["step.png", "curve.png"]
-        except ImportError:
-            print("matplotlib is not installed: no pictures (pip install 'conveyor[plots]')")
+            written.append("step.png")
+    except ImportError:
+        print("matplotlib is not installed: no pictures (pip install 'conveyor[plots]')")
     summary = {"heldout_bpb": final, "unigram_bpb": unigram, "steps": history[-1]["step"],
                "final_loss": history[-1]["loss"], "seconds": seconds,
                "tokens_per_second": tokens / seconds if seconds else 0.0,
@@ -358,8 +369,7 @@ def _finish(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigr
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nheld-out {final:.3f} bits/byte against the unigram's {unigram:.3f}, after "
           f"{history[-1]['step']} steps in {seconds:.0f} s")
-    print(f"wrote {out}/: checkpoint, summary.json, step.trace.json"
-          + "".join(f", {p}" for p in pictures))
+    print(f"wrote {out}/: {', '.join(written)}")
     print("\nsample (pipelined inference, from a held-out prompt):\n" + sample)
 
 
