@@ -85,7 +85,13 @@ __all__ = [
 ]
 
 
+# Submodules reachable as attributes without importing them first (conveyor.saving...).
+_SUBMODULES = {"data", "models", "plan", "saving", "schedules", "simulate", "trace"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"conveyor.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

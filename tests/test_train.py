@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import conveyor
 from conveyor import saving
 from conveyor.cli import main
 from conveyor.data import text_corpus
@@ -106,7 +107,7 @@ def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
     extra = saving.load(tmp_path, model=four, optimizer=optimizer)
     assert extra["step"] == 3 and four.balance != [3, 2]
     plain = tiny_model()
-    plain.load_state_dict(saving.load_weights(tmp_path))
+    plain.load_state_dict(conveyor.saving.load_weights(tmp_path))  # as the README says
     assert_same_tensors(dict(plain.state_dict()), saved["model"])
 
     # The optimizer's moments follow each parameter by name into its new stage.
