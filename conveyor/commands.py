@@ -77,12 +77,13 @@ def trace_command(args: argparse.Namespace) -> int:
         plot_timelines([timeline], args.plot)
     if args.chrome:
         timeline.save_chrome_trace(args.chrome)
-    rows = [[f"rank {r}"] + [f"{1e3 * v:.1f}" for v in part.values()]
-            for r, part in enumerate(timeline.breakdown())]
+    breakdown = timeline.breakdown()
     if args.json:
         print(json.dumps({"makespan": timeline.makespan, "bubble": timeline.mean_bubble,
-                          "breakdown": timeline.breakdown()}, indent=2))
+                          "breakdown": breakdown}, indent=2))
         return 0
+    rows = [[f"rank {r}"] + [f"{1e3 * v:.1f}" for v in part.values()]
+            for r, part in enumerate(breakdown)]
     print(f"{timeline.source} {timeline.name}: {1e3 * timeline.makespan:.1f} ms, "
           f"{len(timeline.events)} actions, bubble {100 * timeline.mean_bubble:.1f}%")
     print(_table(["", "compute ms", "transfer ms", "waiting ms", "between ms",

@@ -65,15 +65,19 @@ def average_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas
     """Averages gradients over the data-parallel replicas, in flattened buckets."""
     if replicas == 1:
         return
-    with_grad = [p for p in params if p.grad is not None]
     buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    for p in with_grad:
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in the last bucket
+    for p in params:
         grad = p.grad
-        assert grad is not None
-        bucket_list = buckets.setdefault((grad.device, grad.dtype), [[]])
-        if sum(g.numel() * g.element_size() for g in bucket_list[-1]) > _BUCKET_BYTES:
+        if grad is None:
+            continue
+        key = (grad.device, grad.dtype)
+        bucket_list = buckets.setdefault(key, [[]])
+        if filled.get(key, 0) > _BUCKET_BYTES:
             bucket_list.append([])
+            filled[key] = 0
         bucket_list[-1].append(grad)
+        filled[key] = filled.get(key, 0) + grad.numel() * grad.element_size()
     for bucket_list in buckets.values():
         for grads in bucket_list:
             flat = _flatten_dense_tensors(grads)

@@ -151,11 +151,12 @@ def convnet(cells: int = 6, channels: int = 32, classes: int = 10, *,
     ``in_channels`` channels (3: colour, 1: grey).
     """
     layers: list[nn.Module] = [nn.Sequential(
-        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())]
+        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+        nn.ReLU())]
     width = channels
     reductions = {cells // 3, 2 * cells // 3} if cells >= 3 else set()
     for index in range(cells):
-        reduction = index in reductions and index > 0
+        reduction = index in reductions  # never 0: cells // 3 >= 1
         layers.append(Cell(width, reduction=reduction))
         width = width * 2 if reduction else width
     layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)))

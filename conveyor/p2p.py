@@ -101,6 +101,11 @@ def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[in
     return header, pieces
 
 
+def _unpickle(data: torch.Tensor) -> Any:
+    """The object pickled into a uint8 tensor (without numpy, which torch does not need)."""
+    return pickle.loads(bytes(data.cpu().tolist()))
+
+
 def _decode(header: list[int], body: torch.Tensor) -> Any:
     """The value of a message from its header and body (tensors are views of the body)."""
     if header[_SKELETON] == 0:
@@ -108,7 +113,7 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
         shape = header[_SHAPE:_SHAPE + header[_NDIM]]
         tensor = body[:header[_BODY]].view(dtype).view(shape)
         return tensor.requires_grad_() if header[_GRAD] else tensor
-    skeleton = pickle.loads(body[:header[_SKELETON]].cpu().numpy().tobytes())
+    skeleton = _unpickle(body[:header[_SKELETON]])
 
     def fill(slot: _Slot) -> torch.Tensor:
         dtype = getattr(torch, slot.dtype)
@@ -124,7 +129,8 @@ def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
               device: torch.device) -> torch.Tensor:
     """Header (optional) and body pieces laid out in one byte buffer."""
     start = _HEADER_BYTES if with_header else 0
-    buffer = torch.zeros(start + header[_BODY], dtype=torch.uint8, device=device)
+    # Uninitialised: every byte read back is written below (padding is never read).
+    buffer = torch.empty(start + header[_BODY], dtype=torch.uint8, device=device)
     if with_header:
         buffer[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     for piece in pieces:
@@ -291,7 +297,7 @@ class P2PTransport:
             else:
                 header, body = message.header, message.buffer
             if header[_CODE] == _ABORT:
-                self._raise_failure(pickle.loads(body[:header[_BODY]].cpu().numpy().tobytes()),
+                self._raise_failure(_unpickle(body[:header[_BODY]]),
                                     what)
             arrived = (_KINDS.get(header[_CODE], "?"), header[_STAGE], header[_MICROBATCH])
             if arrived != message.key:

@@ -20,9 +20,9 @@ from torch import nn
 from conveyor.batchnorm import convert_deferred_batch_norm
 from conveyor.checkpoint import recomputes, validate_mode
 from conveyor.errors import BalanceError, LayerOutputError
-from conveyor.microbatch import gather, microbatch_sizes, split
+from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.partition import sequential_layers, validate_balance
-from conveyor.placement import KeepsPlacement
+from conveyor.placement import KeepsPlacement, default_devices
 from conveyor.rng import LayerRandomness, draw_step_seed
 from conveyor.runtime import Executor, StepState
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
@@ -111,8 +111,7 @@ class GPipe(KeepsPlacement):
         self._stages = stages
         self._schedule = gpipe(len(balance), chunks)
         validate(self._schedule)
-        self._executor = Executor(dict(enumerate(stages)), len(stages),
-                                  self._schedule.stage_ranks,
+        self._executor = Executor(dict(enumerate(stages)), self._schedule.stage_ranks,
                                   LocalTransport([stage.device for stage in stages]))
 
     def extra_repr(self) -> str:
@@ -143,7 +142,7 @@ class GPipe(KeepsPlacement):
             grad_enabled=grad_enabled,
             step_seed=draw_step_seed() if self.training else None,
         )
-        step = _Step(self._executor, self._stages, self._schedule, state,
+        step = _Step(self._executor, self._schedule, state,
                      leaves=leaves, wrt_inputs=wrt_inputs, params=params)
         if not grad_enabled:
             return step.forward()
@@ -170,15 +169,7 @@ def _refuse_shared_parameters(stages: Sequence[Stage], layers: list[tuple[str, n
 
 def _resolve_devices(devices: Sequence[Device] | None, stages: int) -> list[torch.device]:
     if devices is None:
-        if torch.cuda.is_available():
-            available = torch.cuda.device_count()
-            if available < stages:
-                raise BalanceError(
-                    f"balance has {stages} stages but only {available} CUDA devices are "
-                    "available; pass devices=[...] (devices may repeat)"
-                )
-            return [torch.device("cuda", i) for i in range(stages)]
-        return [torch.device("cpu")] * stages
+        return default_devices(stages, f"balance has {stages} stages")
     resolved = [torch.device(d) for d in devices]
     if len(resolved) != stages:
         raise BalanceError(
@@ -198,7 +189,6 @@ class _Step:
     def __init__(
         self,
         executor: Executor,
-        stages: Sequence[Stage],
         schedule: Schedule,
         state: StepState,
         *,
@@ -207,7 +197,6 @@ class _Step:
         params: list[nn.Parameter],
     ) -> None:
         self.executor = executor
-        self.stages = stages
         self.schedule = schedule
         self.state = state
         self.leaves = leaves
@@ -219,14 +208,7 @@ class _Step:
         self.backward_done = False
 
     def forward(self) -> Any:
-        try:
-            self.executor.run(actions_of(self.schedule, [Kind.FORWARD]), self.state)
-        except BaseException:
-            for stage in self.stages:
-                stage.end_step(commit=False)
-            raise
-        for stage in self.stages:
-            stage.end_step(commit=True)
+        self.executor.run_committed(actions_of(self.schedule, [Kind.FORWARD]), self.state)
         outputs = [self.state.outputs[m] for m in range(len(self.state.inputs))]
         with torch.no_grad():
             gathered = gather(outputs)
@@ -265,7 +247,7 @@ class _Step:
         self.backward_done = True
         state = self.state
         num_microbatches = len(state.inputs)
-        sizes = microbatch_sizes(self.leaves_batch_size(), num_microbatches)
+        sizes = microbatch_sizes(batch_size(self.leaves), num_microbatches)
         full = iter(grads)
         per_leaf = [
             (next(full) if isinstance(t, torch.Tensor) else None) for t in self.output_leaves
@@ -292,12 +274,6 @@ class _Step:
             parts = [state.input_grads[m][i] for m in range(num_microbatches)]
             input_grads.append(_combine(self.leaves[i], parts))
         return input_grads + param_grads
-
-    def leaves_batch_size(self) -> int:
-        for leaf in self.leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                return int(leaf.shape[0])
-        raise AssertionError("split() guarantees a batched tensor")
 
 
 def _combine(leaf: torch.Tensor, parts: list[torch.Tensor | None]) -> torch.Tensor | None:

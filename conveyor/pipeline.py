@@ -29,7 +29,6 @@ from conveyor.checkpoint import recomputes, validate_mode
 from conveyor.distributed import Topology
 from conveyor.errors import BalanceError, ConveyorError
 from conveyor.gradients import (
-    TiedParameter,
     average_across_replicas,
     clip_grad_norm,
     sum_tied_gradients,
@@ -37,7 +36,7 @@ from conveyor.gradients import (
 from conveyor.materialize import LayerBuilder, build, draw_init_seed, materialize
 from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.p2p import P2PTransport
-from conveyor.placement import KeepsPlacement
+from conveyor.placement import KeepsPlacement, default_devices
 from conveyor.partition import (
     profile_layers,
     sequential_layers,
@@ -172,8 +171,7 @@ class Pipeline(KeepsPlacement):
             self._transport = P2PTransport(
                 topology, self.schedule.stage_ranks,
                 {s: stage.device for s, stage in self._stages.items()}, timeout)
-        self._executor = Executor(self._stages, num_stages, self.schedule.stage_ranks,
-                                  self._transport)
+        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
 
     # ----------------------------------------------------------------- the user API
 
@@ -208,7 +206,7 @@ class Pipeline(KeepsPlacement):
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
             state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
-        self._run(self.schedule, [Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT], state)
+        self._run([Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT], state)
         sum_tied_gradients(self._ties)
         average_across_replicas(list(self.parameters()), self.topology.data_group,
                                 self.topology.data_size)
@@ -231,7 +229,7 @@ class Pipeline(KeepsPlacement):
         state = StepState(inputs=split(inputs, self.chunks) if 0 in self._stages else [],
                           recompute=lambda m: False, grad_enabled=False,
                           step_seed=draw_step_seed() if self.training else None)
-        self._run(self.schedule, [Kind.FORWARD], state)
+        self._run([Kind.FORWARD], state)
         if self.schedule.num_stages - 1 not in self._stages:
             return None
         return gather([state.outputs[m] for m in range(self.chunks)])
@@ -240,8 +238,8 @@ class Pipeline(KeepsPlacement):
         """Clips gradients by their norm over every stage and rank; returns that norm."""
         counted = {id(p) for p in self.parameters()}
         for tie in self._ties:
-            for copy in tie.copies[0 if not tie.counted else 1:]:
-                counted.discard(id(copy))
+            for duplicate in tie.copies[int(tie.counted):]:
+                counted.discard(id(duplicate))
         params = list(self.parameters())
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
                               norm_type, self.topology.pipeline_group)
@@ -258,29 +256,30 @@ class Pipeline(KeepsPlacement):
     def _device(self) -> torch.device:
         return self.topology.device or self.devices[-1]
 
-    def _run(self, table: Schedule, kinds: list[Kind], state: StepState) -> None:
-        columns = actions_of(table, kinds)
+    def _run(self, kinds: list[Kind], state: StepState) -> None:
+        columns = actions_of(self.schedule, kinds)
         if isinstance(self._transport, P2PTransport):
             self._transport.prepare(columns)
             columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
-        try:
-            self._executor.run(columns, state)
-        except BaseException:
-            for stage in self._stages.values():
-                stage.end_step(commit=False)
-            raise
-        for stage in self._stages.values():
-            stage.end_step(commit=True)
+        self._executor.run_committed(columns, state)
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the last stage's rank has it, on every rank of this pipeline
+        (in one process: ``value`` itself). A collective: every rank calls it."""
+        topology = self.topology
+        if not topology.distributed:
+            return value
+        shared = value.to(self._device)
+        dist.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
+                       group=topology.pipeline_group)
+        return shared.to(value.device)
 
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = self.from_last_stage(loss)
         topology = self.topology
-        if topology.distributed:
-            last_rank = self.schedule.stage_ranks[-1]
-            dist.broadcast(loss, src=topology.global_rank(last_rank),
-                           group=topology.pipeline_group)
-            if topology.data_size > 1:
-                dist.all_reduce(loss, group=topology.data_group)
-                loss /= topology.data_size
+        if topology.data_size > 1:
+            dist.all_reduce(loss, group=topology.data_group)
+            loss /= topology.data_size
         return loss.detach()
 
 
@@ -340,12 +339,7 @@ def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
 def _rank_devices(devices: Sequence[Device] | None, ranks: int) -> list[torch.device]:
     if devices is not None:
         return [torch.device(d) for d in devices]
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < ranks:
-            raise BalanceError(f"{ranks} pipeline ranks but only {torch.cuda.device_count()} "
-                               "CUDA devices; pass devices=[...] (devices may repeat)")
-        return [torch.device("cuda", i) for i in range(ranks)]
-    return [torch.device("cpu")] * ranks
+    return default_devices(ranks, f"{ranks} pipeline ranks")
 
 
 def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,

@@ -7,7 +7,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KeepsPlacement"]
+from conveyor.errors import BalanceError
+
+__all__ = ["KeepsPlacement", "default_devices"]
+
+
+def default_devices(count: int, what: str) -> list[torch.device]:
+    """The devices when none are given: ``cuda:0 .. count-1`` where CUDA is available,
+    else the CPU ``count`` times.
+
+    Raises:
+        BalanceError: fewer CUDA devices than ``count``; ``what`` says what needs them
+            (e.g. "balance has 3 stages").
+    """
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * count
+    available = torch.cuda.device_count()
+    if available < count:
+        raise BalanceError(f"{what} but only {available} CUDA devices are available; "
+                           "pass devices=[...] (devices may repeat)")
+    return [torch.device("cuda", i) for i in range(count)]
 
 
 class KeepsPlacement(nn.Module):

@@ -17,7 +17,7 @@ forward, recomputation one more forward; the schedule's simulation gives the ste
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -127,10 +127,9 @@ def transformer_figures(layers: int, width: int, hidden: int, heads: int, *,
         small = transformer_lm(1, width, hidden, heads, vocab=vocab, max_length=length)
         sample = torch.zeros(1, length, dtype=torch.long)
     embedding, block, norm, head = measure(small, sample)
-    blocks = [LayerFigures(**{**asdict(block), "name": str(1 + i)}) for i in range(layers)]
-    return [embedding, *blocks,
-            LayerFigures(**{**asdict(norm), "name": str(layers + 1)}),
-            LayerFigures(**{**asdict(head), "name": str(layers + 2)})]
+    blocks = [replace(block, name=str(1 + i)) for i in range(layers)]
+    return [embedding, *blocks, replace(norm, name=str(layers + 1)),
+            replace(head, name=str(layers + 2))]
 
 
 def convnet_figures(cells: int, channels: int, *, image: int = 224,
@@ -233,8 +232,7 @@ def plan(figures: Sequence[LayerFigures], *, devices: int, memory: float, batch:
         parameters = sum(f.parameters for f in group)
         plans.append(StagePlan((bounds[s], bounds[s + 1] - 1), parameters,
                                float(parameters * per_parameter), activations))
-    rank_bytes = [sum(p.total_bytes for s, p in enumerate(plans) if table.stage_ranks[s] == r)
-                  for r in range(devices)]
+    rank_bytes = [sum(plans[s].total_bytes for s in table.stages_of(r)) for r in range(devices)]
     return Plan(schedule, chunks, virtual_stages, rematerialize, balance, plans, rank_bytes,
                 memory, simulation.makespan, batch / simulation.makespan)
 

@@ -53,24 +53,23 @@ class Recorder:
             with self._lock:
                 self.events.append(event)
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
         """Counts the body as waiting for a neighbour (a receive)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._local.wait = getattr(self._local, "wait", 0.0) + time.perf_counter() - start
+        return self._counted("wait")
+
+    def transferring(self) -> contextlib.AbstractContextManager[None]:
+        """Counts the body as moving tensors out (a send)."""
+        return self._counted("transfer")
 
     @contextlib.contextmanager
-    def transferring(self) -> Iterator[None]:
-        """Counts the body as moving tensors out (a send)."""
+    def _counted(self, name: str) -> Iterator[None]:
+        """Adds the body's time to this thread's ``name`` total for the action."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._local.transfer = (getattr(self._local, "transfer", 0.0)
-                                    + time.perf_counter() - start)
+            setattr(self._local, name,
+                    getattr(self._local, name, 0.0) + time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -91,18 +91,29 @@ class Executor:
 
     Args:
         stages: the local stages, by stage number (all of them in one process).
-        num_stages: the number of stages of the whole model.
-        stage_ranks: the rank that runs each stage (``Schedule.stage_ranks``).
+        stage_ranks: the rank that runs each stage of the whole model
+            (``Schedule.stage_ranks``).
         transport: moves activations and gradients between stages.
     """
 
-    def __init__(self, stages: Mapping[int, Stage], num_stages: int,
-                 stage_ranks: Sequence[int], transport: Transport) -> None:
+    def __init__(self, stages: Mapping[int, Stage], stage_ranks: Sequence[int],
+                 transport: Transport) -> None:
         self.stages = dict(stages)
-        self.num_stages = num_stages
         self.stage_ranks = list(stage_ranks)
         self.transport = transport
         self.recorder: Recorder | None = None  # set by conveyor.record()
+
+    def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
+        """Runs the columns like :meth:`run`, then commits the local stages' deferred
+        batch-norm statistics, or discards them if any rank failed."""
+        try:
+            self.run(columns, state)
+        except BaseException:
+            for stage in self.stages.values():
+                stage.end_step(commit=False)
+            raise
+        for stage in self.stages.values():
+            stage.end_step(commit=True)
 
     def run(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs ``columns[r]`` for every rank r given, each on its own thread.
@@ -208,7 +219,7 @@ class Executor:
             self.transport.send(kind, stage, microbatch, value)
 
     def _is_last(self, stage: int) -> bool:
-        return stage == self.num_stages - 1
+        return stage == len(self.stage_ranks) - 1
 
     def _forward(self, action: Action, state: StepState) -> None:
         s, m = action.stage, action.microbatch

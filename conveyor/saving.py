@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ def _distributed() -> bool:
 def exists(directory: str | Path) -> bool:
     """Whether ``directory`` holds a checkpoint (either kind)."""
     directory = Path(directory)
-    return (directory / _FILE).exists() or (directory / _DIRECTORY / "latest").exists()
+    return (directory / _FILE).exists() or _latest_directory(directory) is not None
 
 
 def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -78,9 +79,10 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
         pointer = root / ".latest.tmp"
         pointer.write_text(target.name)
         os.replace(pointer, root / "latest")
-        for old in root.glob("step-*"):  # keep the newest two
-            if old.name < target.name and old.name not in _newest(root, 2):
-                _remove_tree(old)
+        kept = sorted(p.name for p in root.glob("step-*"))[-2:]  # the newest two
+        for old in root.glob("step-*"):
+            if old.name < target.name and old.name not in kept:
+                shutil.rmtree(old)
     dist.barrier()
     return target
 
@@ -99,17 +101,7 @@ def load(directory: str | Path, *, model: nn.Module,
     if _distributed():
         state = _load_dcp(directory, model, optimizer)
     else:
-        path = directory / _FILE if directory.is_dir() else directory
-        if not path.exists():
-            raise CheckpointError(f"no checkpoint at {path}")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read the checkpoint {path}: "
-                                  f"{_first_line(exc)}") from exc
-        if not isinstance(state, dict) or "model" not in state:
-            raise CheckpointError(f"{path} is not a conveyor checkpoint (it has no 'model' "
-                                  "entry); saving.save writes them")
+        path, state = _read_file(directory)
         _check_fits({k: v.shape for k, v in state["model"].items()}, model, path,
                     partial=False)
     model.load_state_dict(state["model"])
@@ -121,39 +113,58 @@ def load(directory: str | Path, *, model: nn.Module,
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint (either kind) by plain-model name, for any model."""
     directory = Path(directory)
-    pointer = directory / _DIRECTORY / "latest"
-    if pointer.exists():
+    target = _latest_directory(directory)
+    if target is not None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory() as scratch:
             converted = Path(scratch) / "weights.pt"
-            dcp_to_torch_save(str(directory / _DIRECTORY / pointer.read_text().strip()),
-                              str(converted))
+            dcp_to_torch_save(str(target), str(converted))
             saved = torch.load(converted, map_location="cpu", weights_only=False)
         if isinstance(saved.get("model"), dict):
             return dict(saved["model"])
         # Older torch versions leave the keys flattened as "model.<name>".
         return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    weights: dict[str, torch.Tensor] = _read_file(directory)[1]["model"]
+    return weights
+
+
+def _read_file(directory: Path) -> tuple[Path, dict[str, Any]]:
+    """The single-process checkpoint in ``directory`` (or at that path), checked."""
     path = directory / _FILE if directory.is_dir() else directory
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the checkpoint {path}: "
+                              f"{_first_line(exc)}") from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path} is not a conveyor checkpoint (it has no 'model' "
+                              "entry); saving.save writes them")
+    return path, state
+
+
+def _latest_directory(directory: Path) -> Path | None:
+    """The newest complete torch.distributed.checkpoint save in ``directory``, if any."""
+    pointer = directory / _DIRECTORY / "latest"
+    return directory / _DIRECTORY / pointer.read_text().strip() if pointer.exists() else None
 
 
 # -- optimizer state by parameter name ---------------------------------------------
 
-def _names(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of each parameter: a tied one (the plain model's shared embedding and
-    head) has several, which a pipeline holds as separate copies."""
+def _aliases(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Every name of each of the optimizer's parameters, in its order: a tied one (the
+    plain model's shared embedding and head) has several, which a pipeline holds as
+    separate copies."""
     names: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
-    return names
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    names = _names(model)
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    order = _aliases(model, optimizer)
     saved = optimizer.state_dict()
     return {
         "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
@@ -165,11 +176,9 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def _load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                           saved: dict[str, Any]) -> None:
-    names = _names(model)
     current = optimizer.state_dict()
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {}
-    for index, aliases in enumerate(order):
+    for index, aliases in enumerate(_aliases(model, optimizer)):
         found = [saved["state"][name] for name in aliases if name in saved["state"]]
         if found:
             state[index] = found[0]
@@ -209,10 +218,9 @@ def _load_dcp(directory: Path, model: nn.Module,
               optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    pointer = directory / _DIRECTORY / "latest"
-    if not pointer.exists():
+    target = _latest_directory(directory)
+    if target is None:
         raise CheckpointError(f"no checkpoint at {directory / _DIRECTORY}")
-    target = directory / _DIRECTORY / pointer.read_text().strip()
     try:
         saved = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
     except Exception as exc:
@@ -264,13 +272,3 @@ def _check_fits(saved: dict[str, torch.Size], model: nn.Module, where: Path, *,
                                            else "")
         raise CheckpointError(f"the checkpoint {where} does not fit this model: {shown}; "
                               "was it written for a model of another size?")
-
-
-def _newest(root: Path, count: int) -> set[str]:
-    return set(sorted(p.name for p in root.glob("step-*"))[-count:])
-
-
-def _remove_tree(path: Path) -> None:
-    for child in sorted(path.rglob("*"), reverse=True):
-        child.rmdir() if child.is_dir() else child.unlink()
-    path.rmdir()

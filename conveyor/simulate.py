@@ -185,7 +185,7 @@ def _duration(action: Action, costs: CostModel, split: bool) -> float:
 
 
 def _transfer(done: Action, action: Action, ranks: Sequence[int], costs: CostModel) -> float:
-    if ranks[done.stage] == ranks[action.stage] or done.stage == action.stage:
+    if ranks[done.stage] == ranks[action.stage]:  # the same stage too
         return 0.0
     return costs.communication[min(done.stage, action.stage)]
 

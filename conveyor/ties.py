@@ -65,18 +65,15 @@ def tie_layers(
                 continue
             copy = _own_copy(names, s, stage_layers[s], stage_of_layer, claimed)
             tie.copies.append(copy)
-        with torch.no_grad():  # copies start as the lowest stage's value
-            for copy in tie.copies[1:]:
-                copy.copy_(tie.copies[0])
         tie.counted = stages[0] in stage_layers
         if topology.distributed:
             tie.group = _tie_group(stages, stage_ranks, topology)
             if tie.group is not None and tie.copies:
                 source = topology.global_rank(stage_ranks[stages[0]])
                 dist.broadcast(tie.copies[0].data, src=source, group=tie.group)
-                with torch.no_grad():
-                    for copy in tie.copies[1:]:
-                        copy.copy_(tie.copies[0])
+        with torch.no_grad():  # copies start as the lowest stage's value
+            for copy in tie.copies[1:]:
+                copy.copy_(tie.copies[0])
         ties.append(tie)
     return ties
 
@@ -94,7 +91,7 @@ def _own_copy(names: Sequence[str], stage: int, layers: list[tuple[str, nn.Modul
               claimed: dict[int, nn.Parameter]) -> nn.Parameter:
     """The stage's parameter for the tie; a fresh copy if another stage holds the object."""
     by_name = dict(layers)
-    uses = [name for name in names if stage_of_layer[name.split(".", 1)[0]] == stage]
+    uses = [name for name in names if _stage_of(name, stage_of_layer) == stage]
     first = _resolve(by_name, uses[0])
     copy = first
     if id(first) in claimed:

@@ -63,11 +63,16 @@ class Timeline:
     name: str = ""
 
     @property
+    def origin(self) -> float:
+        """When the first action started (0 without events)."""
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
     def makespan(self) -> float:
         """From the first start to the last end."""
         if not self.events:
             return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        return max(e.end for e in self.events) - self.origin
 
     def busy(self, rank: int) -> float:
         """Seconds rank ``rank`` spent computing."""
@@ -87,6 +92,7 @@ class Timeline:
         neighbour, and between actions; ``imbalance`` is how much more the busiest rank
         computed, the part of this rank's idle time that no schedule could remove."""
         busiest = max((self.busy(r) for r in range(self.num_ranks)), default=0.0)
+        makespan = self.makespan
         rows = []
         for rank in range(self.num_ranks):
             mine = [e for e in self.events if e.rank == rank]
@@ -95,7 +101,7 @@ class Timeline:
                 "compute": compute,
                 "transfer": sum(e.transfer for e in mine),
                 "waiting": sum(e.wait for e in mine),
-                "between": self.makespan - sum(e.end - e.start for e in mine),
+                "between": makespan - sum(e.end - e.start for e in mine),
                 "imbalance": busiest - compute,
             })
         return rows
@@ -122,7 +128,7 @@ class Timeline:
 
     def chrome_trace(self) -> dict[str, Any]:
         """The Chrome trace event format: a process per rank, times in microseconds."""
-        origin = min((e.start for e in self.events), default=0.0)
+        origin = self.origin
         trace = [{"name": "process_name", "ph": "M", "pid": rank,
                   "args": {"name": f"rank {rank}"}} for rank in range(self.num_ranks)]
         for e in self.events:
@@ -163,7 +169,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
     figure, axes = plt.subplots(len(timelines), 1, figsize=(12, max(2.5, height)),
                                 sharex=True, squeeze=False)
     for index, (timeline, axis) in enumerate(zip(timelines, axes[:, 0])):
-        origin = min((e.start for e in timeline.events), default=0.0)
+        origin = timeline.origin
         for e in timeline.events:
             y = timeline.num_ranks - 1 - e.rank
             left, width = (e.start - origin) * scale, (e.end - e.start) * scale

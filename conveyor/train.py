@@ -285,7 +285,7 @@ def _agree(pipe: Pipeline, *values: int) -> tuple[int, ...]:
     """Each of ``values``, the largest over every process of the run."""
     if not dist.is_initialized():
         return values
-    flags = torch.tensor(values, device=pipe.topology.device or torch.device("cpu"))
+    flags = torch.tensor(values, device=pipe.topology.device)  # set under torchrun
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return tuple(int(v) for v in flags.tolist())
 
@@ -309,20 +309,8 @@ def evaluate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> float:
         if logits is not None:
             total += next_byte_loss(logits.float(), targets.to(logits.device)).double().cpu()
     pipe.train()
-    total = _from_last_stage(pipe, total)
+    total = pipe.from_last_stage(total)
     return float(total) / config.eval_batches / math.log(2)
-
-
-def _from_last_stage(pipe: Pipeline, value: torch.Tensor) -> torch.Tensor:
-    """``value`` as the last stage's rank computed it, on every rank."""
-    topology = pipe.topology
-    if not topology.distributed:
-        return value
-    device = topology.device or torch.device("cpu")
-    value = value.to(device)
-    source = topology.global_rank(pipe.schedule.stage_ranks[-1])
-    dist.broadcast(value, src=source, group=topology.pipeline_group)
-    return value.cpu()
 
 
 @torch.no_grad()
@@ -338,7 +326,7 @@ def generate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> str:
         if logits is not None:
             probabilities = torch.softmax(logits[:, -1].float().cpu() / 0.8, dim=-1)
             chosen = torch.multinomial(probabilities, 1, generator=generator)
-        context = torch.cat([context, _from_last_stage(pipe, chosen)], dim=1)
+        context = torch.cat([context, pipe.from_last_stage(chosen)], dim=1)
     pipe.train()
     return bytes(context[0].tolist()).decode("utf-8", errors="replace")
 

@@ -75,7 +75,7 @@ class TrainConfig:
                      "data_parallel", "chunks", "virtual_stages", "steps", "warmup", "eval_every",
                      "eval_batches", "save_every"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
+                raise ConfigError(f"{_flag(name)} must be at least 1, "
                                   f"got {getattr(self, name)}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
