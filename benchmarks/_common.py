@@ -79,6 +79,11 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each configuration's median time (seconds in) in milliseconds."""
+    return {name: median(values) * 1e3 for name, values in times.items()}
+
+
 def write(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

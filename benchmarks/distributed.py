@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import _common
 
@@ -168,7 +167,7 @@ def main() -> int:
 
 def report(args: argparse.Namespace, times: dict[str, list[float]],
            alone: dict[int, float]) -> None:
-    ms = {name: _common.median(values) * 1e3 for name, values in times.items()}
+    ms = _common.median_ms(times)
     rows, results = [], []
     for chunks in args.chunks:
         loaded = (chunks + STAGES - 1) * ms[f"stage columns at once M={chunks}"] / chunks
@@ -196,7 +195,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]],
     _common.write("distributed", {
         "config": {"blocks": BLOCKS, "width": WIDTH, "batch": BATCH, "stages": STAGES,
                    "processes": STAGES, "backend": "gloo", "threads_per_process": 1,
-                   "rounds": args.rounds, "command": "python benchmarks/distributed.py"},
+                   "rounds": args.rounds},
         "median_ms": ms, "results": results, "table": table,
     })
 

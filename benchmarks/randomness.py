@@ -118,7 +118,7 @@ def main() -> int:
         configs[f"K={stages} seeded"] = step(pipe, True)
         configs[f"K={stages} unseeded"] = step(pipe, False)
     times = _common.round_robin(configs, args.rounds)
-    ms = {name: _common.median(values) * 1e3 for name, values in times.items()}
+    ms = _common.median_ms(times)
     rows, results = [], []
     for stages in (1, 2):
         seeded, unseeded = ms[f"K={stages} seeded"], ms[f"K={stages} unseeded"]

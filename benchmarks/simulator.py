@@ -56,19 +56,19 @@ def main() -> int:
                 step(pipe)()
         return run
 
-    predicted, profiles = {}, {}
+    predicted, profiles, cost_models = {}, {}, {}
     for name, pipe in pipes.items():
         step(pipe)()  # warm-up
         with conveyor.record(pipe) as timeline:
             step(pipe)()
         profiles[name] = timeline
-        costs = CostModel.from_timeline(timeline, pipe.schedule.num_stages)
-        predicted[name] = simulate(pipe.schedule, costs)
+        cost_models[name] = CostModel.from_timeline(timeline, pipe.schedule.num_stages)
+        predicted[name] = simulate(pipe.schedule, cost_models[name])
 
     configs = {f"{name} measured": step(pipe) for name, pipe in pipes.items()}
     configs["1f1b recorded"] = recorded(pipes["1f1b"])
     times = _common.round_robin(configs, args.rounds)
-    ms = {name: _common.median(values) * 1e3 for name, values in times.items()}
+    ms = _common.median_ms(times)
 
     rows, results = [], []
     for name, _ in SCHEDULES:
@@ -76,8 +76,7 @@ def main() -> int:
         results.append({"schedule": name, "predicted_ms": guess, "measured_ms": seen,
                         "predicted_over_measured": guess / seen,
                         "predicted_bubble": predicted[name].bubble,
-                        "cost_model": CostModel.from_timeline(
-                            profiles[name], pipes[name].schedule.num_stages).to_dict()})
+                        "cost_model": cost_models[name].to_dict()})
         rows.append([name, f"{guess:.0f}", f"{seen:.0f}", f"{guess / seen:.3f}",
                      f"{100 * predicted[name].bubble:.1f}%"])
     overhead = ms["1f1b recorded"] / ms["1f1b measured"] - 1

@@ -115,13 +115,11 @@ def main() -> int:
 
     configs = {"plain 1 thread": with_threads(1, plain_full),
                "plain 2 threads": with_threads(2, plain_full)}
-    pipes = {}
     for chunks in args.chunks:
         configs[f"plain 1 thread, M={chunks} in turn"] = with_threads(1, plain_microbatches(chunks))
         for mode in args.modes:
             pipe = GPipe(copy.deepcopy(model), [4, 4], devices=["cpu"] * STAGES, chunks=chunks,
                          checkpoint=mode)
-            pipes[(mode, chunks)] = pipe
             configs[f"gpipe {mode} M={chunks}"] = with_threads(2, pipelined(pipe))
             for stage in range(STAGES):
                 configs[f"stage {stage} alone {mode} M={chunks}"] = stage_alone(stage, chunks, mode)
@@ -129,7 +127,7 @@ def main() -> int:
 
     print(f"timing {len(configs)} configurations, {args.rounds} rounds ...", file=sys.stderr)
     times = _common.round_robin(configs, args.rounds)
-    ms = {name: _common.median(values) * 1e3 for name, values in times.items()}
+    ms = _common.median_ms(times)
 
     rows, results = [], []
     for mode in args.modes:

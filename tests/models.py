@@ -48,7 +48,11 @@ class Block(nn.Module):
         return x + self.dropout(self.feed_forward(self.norm2(x)))
 
 
-def transformer(dropout: float = 0.0, vocab: int = 20, width: int = 16) -> nn.Sequential:
+VOCAB, WIDTH = 20, 16
+
+
+def transformer(dropout: float = 0.0) -> nn.Sequential:
+    vocab, width = VOCAB, WIDTH
     return nn.Sequential(
         nn.Embedding(vocab, width), Block(width, dropout=dropout), Block(width, dropout=dropout),
         Block(width, dropout=dropout), nn.LayerNorm(width), nn.Linear(width, vocab),
@@ -61,7 +65,7 @@ def sample(name: str, batch: int = 10, seed: int = 1) -> torch.Tensor:
         return torch.randn(batch, 6, dtype=torch.float64, generator=generator)
     if name == "cnn":
         return torch.randn(batch, 3, 8, 8, dtype=torch.float64, generator=generator)
-    return torch.randint(0, 20, (batch, 7), generator=generator)
+    return torch.randint(0, VOCAB, (batch, 7), generator=generator)
 
 
 MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}

@@ -25,6 +25,13 @@ class Outcome:
     seconds: float
 
 
+def run_command(command: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Runs a command from the repository root (one thread per process), capturing output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def launch(scenario: str, world: int, out_dir: Path, *, timeout: float = 120.0,
            env: dict[str, str] | None = None) -> Outcome:
     """Starts ``world`` processes for ``scenario``; kills any still running at ``timeout``."""

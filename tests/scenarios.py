@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import Block
-
-VOCAB, WIDTH = 20, 16
+from tests.models import VOCAB, WIDTH, Block
 
 
 def deep_mlp(depth: int = 12) -> nn.Sequential:

@@ -13,14 +13,14 @@ from conveyor.microbatch import split
 from tests.models import assert_same_grads, relative_error, weighted_loss
 
 
-def bn_model(momentum: float | None = 0.1) -> nn.Sequential:
+def bn_model() -> nn.Sequential:
     # No bias before a batch norm: its gradient is zero in theory, roundoff in practice.
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=momentum),
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
         nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1, bias=False),
-        nn.BatchNorm2d(4, momentum=momentum), nn.Tanh(), nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 8, bias=False), nn.BatchNorm1d(8, momentum=momentum),
+        nn.BatchNorm2d(4), nn.Tanh(), nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 8, bias=False), nn.BatchNorm1d(8),
         nn.Linear(8, 2),
     ).double()
 
@@ -31,6 +31,7 @@ def images(batch: int = 12, seed: int = 0) -> torch.Tensor:
 
 
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
+    assert [n for n, _ in a.named_buffers()] == [n for n, _ in b.named_buffers()]
     for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
         if x.is_floating_point():
             assert relative_error(x, y) <= 1e-10, name

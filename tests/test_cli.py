@@ -80,6 +80,15 @@ def test_plan_prints_a_table_and_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert result["best"]["fits"] and result["largest_layers"] >= 8
 
 
+@pytest.mark.parametrize("module", ["conveyor.schedules", "conveyor.simulate",
+                                    "conveyor.trace", "conveyor.train_options"])
+def test_modules_that_import_no_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+
+
 def test_the_command_runs_and_simulate_needs_no_torch() -> None:
     code = ("import sys; from conveyor.cli import main; "
             "main(['simulate', '--stages', '2', '--chunks', '2']); "

@@ -67,6 +67,7 @@ def test_every_schedule_equals_the_plain_model(equivalence) -> None:  # type: ig
             for result in results:
                 long_grads.update(result["grads_long"])  # type: ignore[arg-type]
                 assert abs(float(result["loss_long"]) - expected_loss) <= 1e-10  # type: ignore[arg-type]
+            assert sorted(long_grads) == sorted(expected), label
             for name, grad in long_grads.items():
                 assert relative_error(grad, expected[name]) <= 1e-10, f"{label} long: {name}"
 
@@ -77,6 +78,7 @@ def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) 
     losses, grads, results = collect(tmp_path, "rank{rank}.pt", 4)
     expected_loss, expected = plain_gradients("lm", batch=12)
     assert all(abs(loss - expected_loss) <= 1e-10 for loss in losses)
+    assert sorted(grads) == sorted(expected)
     for result in results:  # both replicas of a stage hold the averaged gradients
         for name, grad in result["grads"].items():  # type: ignore[attr-defined]
             assert relative_error(grad, expected[name]) <= 1e-10, name
@@ -118,6 +120,7 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
     _, grads, results = collect(tmp_path, "rank{rank}.pt", 2)
     for result in results:
         assert abs(float(result["norm"]) - float(expected_norm)) <= 1e-6 * float(expected_norm)
+    assert sorted(grads) == sorted(expected)
     for name, grad in grads.items():
         assert relative_error(grad, expected[name]) <= 1e-10, name
     # Recording under torchrun: every rank gets every rank's actions.

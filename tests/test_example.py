@@ -1,21 +1,17 @@
-"""examples/train.py runs unchanged on threads and under torchrun, with the same losses."""
+"""The examples run unchanged: train.py on threads and under torchrun, with the same
+losses; digits.py learns."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.multiprocess import run_command
 
 
 def run(command: list[str]) -> list[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=240)
+    result = run_command(command)
     assert result.returncode == 0, result.stdout + result.stderr
     return [line for line in result.stdout.splitlines() if line.startswith("step")]
 
@@ -32,9 +28,7 @@ def test_threads_and_torchrun_print_the_same_losses() -> None:
 @pytest.mark.timeout(300)
 def test_the_digits_example_learns() -> None:
     pytest.importorskip("sklearn")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "examples/digits.py", "--epochs", "2"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=240)
+    result = run_command([sys.executable, "examples/digits.py", "--epochs", "2"])
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = float(result.stdout.strip().splitlines()[-1].split()[-1].rstrip("%"))
     assert accuracy > 80, result.stdout  # chance: 10%
