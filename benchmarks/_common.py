@@ -20,7 +20,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 def prepare_process() -> None:
     """What the conveyor command does before torch loads (see conveyor.allocator)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from conveyor.allocator import tune_malloc
+    from conveyor import tune_malloc
 
     tune_malloc()
 

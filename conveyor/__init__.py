@@ -1,28 +1,47 @@
-"""conveyor: GPipe for PyTorch. Train an ``nn.Sequential`` as a pipeline of stages.
+"""conveyor: GPipe for PyTorch. Train a model as a pipeline of stages.
+
+The package is layered; each subpackage imports only those listed above it::
+
+    schedules/    the action table, validator, builders              (no torch)
+    engine/       one process: stages, executor, recompute, GPipe
+    distributed/  many processes: topology, p2p, ties, Pipeline
+    observe/      simulator and timelines (no torch), recording, planner
+    train/        conveyor train: options, data, reference models, saving
+    cli/          the conveyor command
 
 The names below load on first use, so ``import conveyor.schedules`` (and the simulator
-built on it) works without importing torch.
+built on it) works without importing torch. The short module paths users know
+(``conveyor.simulate``, ``conveyor.models``, ``conveyor.saving`` ...) stay importable.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from conveyor.allocator import tune_malloc
+from conveyor.engine.allocator import tune_malloc
 from conveyor.errors import (
     BalanceError,
+    CheckpointError,
+    ConfigError,
     ConveyorError,
     LayerOutputError,
     MicroBatchError,
+    NonFiniteLossError,
+    PeerFailure,
     ScheduleError,
     StageError,
 )
 
 if TYPE_CHECKING:
-    from conveyor.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-    from conveyor.checkpoint import is_recomputing
-    from conveyor.partition import (
+    from conveyor.distributed.pipeline import Pipeline
+    from conveyor.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+    from conveyor.engine.gpipe import GPipe
+    from conveyor.engine.partition import (
         LayerProfile,
         balance_by_memory,
         balance_by_params,
@@ -30,36 +49,47 @@ if TYPE_CHECKING:
         profile_layers,
         solve_balance,
     )
-    from conveyor.pipe import GPipe
-    from conveyor.pipeline import Pipeline
-    from conveyor.recording import record
+    from conveyor.engine.recompute import is_recomputing
+    from conveyor.observe.recording import record
+    from conveyor.observe.simulate import CostModel
+    from conveyor.observe.trace import Timeline, plot_timelines
     from conveyor.schedules import Schedule
-    from conveyor.simulate import CostModel
-    from conveyor.trace import Timeline, plot_timelines
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DeferredBatchNorm": "conveyor.batchnorm",
-    "convert_deferred_batch_norm": "conveyor.batchnorm",
-    "is_recomputing": "conveyor.checkpoint",
-    "LayerProfile": "conveyor.partition",
-    "balance_by_memory": "conveyor.partition",
-    "balance_by_params": "conveyor.partition",
-    "balance_by_time": "conveyor.partition",
-    "profile_layers": "conveyor.partition",
-    "solve_balance": "conveyor.partition",
-    "GPipe": "conveyor.pipe",
-    "Pipeline": "conveyor.pipeline",
+    "DeferredBatchNorm": "conveyor.engine.batchnorm",
+    "convert_deferred_batch_norm": "conveyor.engine.batchnorm",
+    "is_recomputing": "conveyor.engine.recompute",
+    "LayerProfile": "conveyor.engine.partition",
+    "balance_by_memory": "conveyor.engine.partition",
+    "balance_by_params": "conveyor.engine.partition",
+    "balance_by_time": "conveyor.engine.partition",
+    "profile_layers": "conveyor.engine.partition",
+    "solve_balance": "conveyor.engine.partition",
+    "GPipe": "conveyor.engine.gpipe",
+    "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
-    "record": "conveyor.recording",
-    "CostModel": "conveyor.simulate",
-    "Timeline": "conveyor.trace",
-    "plot_timelines": "conveyor.trace",
+    "record": "conveyor.observe.recording",
+    "CostModel": "conveyor.observe.simulate",
+    "Timeline": "conveyor.observe.trace",
+    "plot_timelines": "conveyor.observe.trace",
+}
+
+# Public modules by their short names: ``conveyor.simulate`` is conveyor.observe.simulate.
+_MODULES = {
+    "simulate": "conveyor.observe.simulate",
+    "trace": "conveyor.observe.trace",
+    "plan": "conveyor.observe.plan",
+    "models": "conveyor.train.models",
+    "data": "conveyor.train.data",
+    "saving": "conveyor.train.saving",
 }
 
 __all__ = [
     "BalanceError",
+    "CheckpointError",
+    "ConfigError",
     "ConveyorError",
     "CostModel",
     "DeferredBatchNorm",
@@ -67,6 +97,8 @@ __all__ = [
     "LayerOutputError",
     "LayerProfile",
     "MicroBatchError",
+    "NonFiniteLossError",
+    "PeerFailure",
     "Pipeline",
     "Schedule",
     "ScheduleError",
@@ -85,13 +117,34 @@ __all__ = [
 ]
 
 
-# Submodules reachable as attributes without importing them first (conveyor.saving...).
-_SUBMODULES = {"data", "models", "plan", "saving", "schedules", "simulate", "trace"}
+class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Lets ``import conveyor.simulate`` load and return conveyor.observe.simulate itself
+    (one module object under two names, never a second copy)."""
+
+    def find_spec(self, fullname: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        prefix, _, short = fullname.partition(".")
+        if prefix != __name__ or short not in _MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(_MODULES[spec.name.partition(".")[2]])
+        self._own_spec = module.__spec__  # import sets __spec__ to the alias's; undone below
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module ran when it was imported under its own name: only restore its spec.
+        module.__spec__ = self._own_spec
+
+
+if not any(isinstance(finder, _ShortNames) for finder in sys.meta_path):
+    sys.meta_path.append(_ShortNames())
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"conveyor.{name}")
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
-    "ConveyorError",
     "BalanceError",
-    "MicroBatchError",
-    "ScheduleError",
+    "CheckpointError",
+    "ConfigError",
+    "ConveyorError",
     "LayerOutputError",
+    "MicroBatchError",
+    "NonFiniteLossError",
+    "PeerFailure",
+    "ScheduleError",
     "StageError",
-    "add_note",
 ]
 
 
@@ -57,6 +62,29 @@ class StageError(ConveyorError, RuntimeError):
         self.microbatch = microbatch
         self.action = action
         self.layer = layer
+
+
+class PeerFailure(StageError):
+    """Another rank failed, died or stopped answering; this rank stops too.
+
+    Attributes:
+        report: where the failure started (rank, stage, action, micro-batch, error),
+            passed on unchanged when this rank tells its own peers.
+    """
+
+    report: dict[str, Any] | None = None
+
+
+class NonFiniteLossError(ConveyorError, FloatingPointError):
+    """The loss of a micro-batch is NaN or infinite (``check_finite=True``)."""
+
+
+class CheckpointError(ConveyorError, RuntimeError):
+    """A checkpoint is missing, unreadable, or made for another model."""
+
+
+class ConfigError(ConveyorError, ValueError):
+    """A training option is out of range or contradicts another one."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

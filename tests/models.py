@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from conveyor.partition import solve_balance
+from conveyor.engine.partition import solve_balance
 
 
 def mlp(dropout: float = 0.0) -> nn.Sequential:

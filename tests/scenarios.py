@@ -188,7 +188,7 @@ def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
     """Saves with torch.distributed.checkpoint, crashes in the next save, loads again."""
     import torch.distributed.checkpoint as dcp
 
-    from conveyor import saving
+    from conveyor.train import saving
 
     model, loss_fn = case_model("lm")
     pipe = conveyor.Pipeline(model, chunks=2, loss_fn=loss_fn, timeout=30)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.microbatch import split
+from conveyor.engine.microbatch import split
 from tests.models import assert_same_grads, relative_error, weighted_loss
 
 

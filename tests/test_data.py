@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.data import digits, text_corpus
+from conveyor.train.data import digits, text_corpus
 
 
 def test_the_text_corpus_is_real_python_split_by_file() -> None:

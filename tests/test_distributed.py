@@ -86,7 +86,7 @@ def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) 
 
 def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:
     import conveyor
-    from conveyor.materialize import sequential
+    from conveyor.distributed.instantiate import sequential
     from tests.scenarios import deep_mlp
 
     torch.manual_seed(5)
@@ -124,7 +124,7 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
     for name, grad in grads.items():
         assert relative_error(grad, expected[name]) <= 1e-10, name
     # Recording under torchrun: every rank gets every rank's actions.
-    from conveyor.trace import Timeline
+    from conveyor.observe.trace import Timeline
 
     for result in results:
         timeline = Timeline.from_dict(result["timeline"])  # type: ignore[arg-type]
@@ -178,7 +178,7 @@ def test_a_stuck_rank_makes_the_others_time_out_saying_what_they_waited_for(
 
 
 def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    from conveyor import saving
+    from conveyor.train import saving
 
     outcome = launch("checkpoint_crash", 2, tmp_path, timeout=240)
     assert outcome.returncodes == [0, 0], outcome.outputs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conveyor.errors import MicroBatchError
-from conveyor.microbatch import gather, microbatch_sizes, split
+from conveyor.engine.microbatch import gather, microbatch_sizes, split
 
 
 def test_uneven_sizes_follow_tensor_split() -> None:

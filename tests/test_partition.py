@@ -11,7 +11,7 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError
-from conveyor.partition import profile_layers, solve_balance, stage_costs, validate_balance
+from conveyor.engine.partition import profile_layers, solve_balance, stage_costs, validate_balance
 
 
 def compositions(total: int, parts: int) -> list[list[int]]:

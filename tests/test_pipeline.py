@@ -10,8 +10,8 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
-from conveyor.materialize import sequential
-from conveyor.runtime import NonFiniteLossError
+from conveyor.distributed.instantiate import sequential
+from conveyor.errors import NonFiniteLossError
 from tests.models import relative_error
 from tests.scenarios import case_batch, case_model, deep_mlp, lm_loss, tied_lm
 

@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.errors import BalanceError
-from conveyor.plan import (
-    convnet_figures,
-    largest,
-    parse_bytes,
-    plan,
-    rank_plans,
-    transformer_figures,
-)
+from conveyor.observe.plan import largest, parse_bytes, plan, rank_plans
+from conveyor.train.models import convnet_figures, transformer_figures
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +41,8 @@ def test_transformer_parameter_counts_follow_the_formula(layers: int, d: int, h:
 _PLAN_A_13B_MODEL = """
 import json, resource, time
 import torch  # loaded before the first reading: only the planner's growth counts
-from conveyor.plan import plan, transformer_figures
+from conveyor.models import transformer_figures
+from conveyor.plan import plan
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 figures = transformer_figures(80, 4096, 16384, 32, vocab=50000, length=2048)

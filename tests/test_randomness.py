@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.microbatch import gather, split
-from conveyor.rng import derive_seed, draw_step_seed
+from conveyor.engine.microbatch import gather, split
+from conveyor.engine.rng import derive_seed, draw_step_seed
 from tests.models import assert_same_grads, build, even_balance, sample, weighted_loss
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules import build, parse
-from conveyor.simulate import CostModel, simulate
+from conveyor.observe.simulate import CostModel, simulate
 
 SIZES = [(k, m) for k in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 16, 32)]
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import saving
+from conveyor.train import saving
 from conveyor.cli import main
-from conveyor.data import text_corpus
-from conveyor.models import transformer_lm
-from conveyor.pipeline import Pipeline
-from conveyor.train import next_byte_loss
+from conveyor.train.data import text_corpus
+from conveyor.train.models import transformer_lm
+from conveyor.distributed.pipeline import Pipeline
+from conveyor.train.loop import next_byte_loss
 from tests.multiprocess import run_command
 
 # T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds.

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.weightgrad import backward_input
+from conveyor.engine.weightgrad import backward_input
 from tests.models import cnn, mlp, relative_error, transformer
 
 

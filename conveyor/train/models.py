@@ -1,9 +1,14 @@
-"""Reference models, built as layer sequences a pipeline can cut anywhere."""
+"""Reference models, built as layer sequences a pipeline can cut anywhere, and their
+per-layer figures for the planner."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
+
+from conveyor.observe.plan import LayerFigures, measure
 
 __all__ = [
     "Cell",
@@ -11,7 +16,9 @@ __all__ = [
     "Residual",
     "TransformerBlock",
     "convnet",
+    "convnet_figures",
     "feed_forward_stack",
+    "transformer_figures",
     "transformer_lm",
 ]
 
@@ -161,3 +168,27 @@ def convnet(cells: int = 6, channels: int = 32, classes: int = 10, *,
         width = width * 2 if reduction else width
     layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)))
     return nn.Sequential(*layers)
+
+
+def transformer_figures(layers: int, width: int, hidden: int, heads: int, *,
+                        vocab: int = 32000, length: int = 512) -> list[LayerFigures]:
+    """Figures of the Transformer LM T(L, H, A) (``conveyor.models.transformer_lm``).
+
+    One block is measured on the meta device and repeated: the blocks are identical.
+    """
+    with torch.device("meta"):
+        small = transformer_lm(1, width, hidden, heads, vocab=vocab, max_length=length)
+        sample = torch.zeros(1, length, dtype=torch.long)
+    embedding, block, norm, head = measure(small, sample)
+    blocks = [replace(block, name=str(1 + i)) for i in range(layers)]
+    return [embedding, *blocks, replace(norm, name=str(layers + 1)),
+            replace(head, name=str(layers + 2))]
+
+
+def convnet_figures(cells: int, channels: int, *, image: int = 224,
+                    classes: int = 1000) -> list[LayerFigures]:
+    """Figures of the AmoebaNet-like classifier ``conveyor.models.convnet`` on meta."""
+    with torch.device("meta"):
+        model = convnet(cells, channels, classes)
+        sample = torch.zeros(1, 3, image, image)
+    return measure(model, sample)

@@ -10,10 +10,10 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
-from conveyor.batchnorm import DeferredBatchNorm
-from conveyor.checkpoint import checkpointed, is_recomputing, running_stat_layers
+from conveyor.engine.batchnorm import DeferredBatchNorm
+from conveyor.engine.recompute import checkpointed, is_recomputing, running_stat_layers
 from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
-from conveyor.rng import LayerRandomness
+from conveyor.engine.rng import LayerRandomness
 
 __all__ = ["Stage", "failure"]
 

@@ -27,8 +27,8 @@ def _size(value: float) -> str:
 
 def simulate_command(args: argparse.Namespace) -> int:
     from conveyor.schedules import build, layout_clock, render_clock
-    from conveyor.simulate import CostModel, simulate
-    from conveyor.trace import plot_timelines
+    from conveyor.observe.simulate import CostModel, simulate
+    from conveyor.observe.trace import plot_timelines
 
     table = build(args.schedule, args.stages, args.chunks, virtual_stages=args.virtual_stages)
     if args.costs:
@@ -70,7 +70,7 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def trace_command(args: argparse.Namespace) -> int:
-    from conveyor.trace import Timeline, plot_timelines
+    from conveyor.observe.trace import Timeline, plot_timelines
 
     timeline = Timeline.load(args.file)
     if args.plot:
@@ -92,17 +92,18 @@ def trace_command(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from conveyor import plan as planning
+    from conveyor.observe import plan as planning
+    from conveyor.train import models
 
     memory = planning.parse_bytes(args.memory)
     remat = not args.no_rematerialize
     if args.model == "transformer":
         def figures_of(depth: int) -> list[planning.LayerFigures]:
-            return planning.transformer_figures(depth, args.d_model, args.d_ff, args.heads,
+            return models.transformer_figures(depth, args.d_model, args.d_ff, args.heads,
                                                 vocab=args.vocab, length=args.length)
     else:
         def figures_of(depth: int) -> list[planning.LayerFigures]:
-            return planning.convnet_figures(depth, args.channels, image=args.image,
+            return models.convnet_figures(depth, args.channels, image=args.image,
                                             classes=args.classes)
     figures = figures_of(args.layers)
     parameters = sum(f.parameters for f in figures)

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from conveyor.distributed import PeerFailure, Topology
-from conveyor.errors import ConveyorError
+from conveyor.distributed.topology import Topology
+from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Kind
-from conveyor.transport import Aborted, LocalTransport, MessageKind
+from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
 
 __all__ = ["P2PTransport"]
 

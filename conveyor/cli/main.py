@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from conveyor.allocator import tune_malloc
+from conveyor.engine.allocator import tune_malloc
 
 __all__ = ["main"]
 
@@ -46,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--checkpoint", default="except_last",
                      choices=["always", "except_last", "never"])
     sub.add_argument("--seed", type=int, default=0)
-    sub.set_defaults(run=_lazy("conveyor.demo", "run"))
+    sub.set_defaults(run=_lazy("conveyor.train.demo", "run"))
 
     sub = commands.add_parser("train", help="train a Transformer language model on bundled "
                                             "text with a pipeline (threads, or torchrun)")
-    from conveyor.train_options import add_arguments  # torch-free
+    from conveyor.train.options import add_arguments  # torch-free
 
     add_arguments(sub)
-    sub.set_defaults(run=_lazy("conveyor.train", "train_command"))
+    sub.set_defaults(run=_lazy("conveyor.train.loop", "train_command"))
 
     sub = commands.add_parser("simulate", help="simulate a schedule: bubble, memory, timeline")
     sub.add_argument("--schedule", default="1f1b",
@@ -70,14 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
     sub.add_argument("--trace", help="write a Chrome trace to this JSON file")
     sub.add_argument("--json", action="store_true", help="print machine-readable figures")
-    sub.set_defaults(run=_lazy("conveyor.commands", "simulate_command"))
+    sub.set_defaults(run=_lazy("conveyor.cli.commands", "simulate_command"))
 
     sub = commands.add_parser("trace", help="show a recorded timeline (Timeline.save)")
     sub.add_argument("file")
     sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
     sub.add_argument("--chrome", help="write a Chrome trace to this JSON file")
     sub.add_argument("--json", action="store_true")
-    sub.set_defaults(run=_lazy("conveyor.commands", "trace_command"))
+    sub.set_defaults(run=_lazy("conveyor.cli.commands", "trace_command"))
 
     sub = commands.add_parser("plan", help="memory and schedule plan for a model family")
     sub.add_argument("--model", choices=["transformer", "convnet"], default="transformer")
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
-    sub.set_defaults(run=_lazy("conveyor.commands", "plan_command"))
+    sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
     return parser
 
 

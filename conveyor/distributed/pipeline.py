@@ -24,31 +24,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.batchnorm import convert_deferred_batch_norm
-from conveyor.checkpoint import recomputes, validate_mode
-from conveyor.distributed import Topology
+from conveyor.engine.batchnorm import convert_deferred_batch_norm
+from conveyor.engine.recompute import recomputes, validate_mode
+from conveyor.distributed.topology import Topology
 from conveyor.errors import BalanceError, ConveyorError
-from conveyor.gradients import (
+from conveyor.distributed.gradients import (
     average_across_replicas,
     clip_grad_norm,
     sum_tied_gradients,
 )
-from conveyor.materialize import LayerBuilder, build, draw_init_seed, materialize
-from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.p2p import P2PTransport
-from conveyor.placement import KeepsPlacement, default_devices
-from conveyor.partition import (
+from conveyor.distributed.instantiate import LayerBuilder, build, draw_init_seed, materialize
+from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.distributed.p2p import P2PTransport
+from conveyor.engine.devices import KeepsPlacement, default_devices
+from conveyor.engine.partition import (
     profile_layers,
     sequential_layers,
     solve_balance,
     validate_balance,
 )
-from conveyor.rng import LayerRandomness, draw_step_seed
-from conveyor.runtime import Executor, StepState
+from conveyor.engine.rng import LayerRandomness, draw_step_seed
+from conveyor.engine.executor import Executor, StepState
 from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
-from conveyor.stage import Stage
-from conveyor.transport import LocalTransport, Transport
-from conveyor.ties import find_ties, tie_layers
+from conveyor.engine.stage import Stage
+from conveyor.engine.transport import LocalTransport, Transport
+from conveyor.distributed.ties import find_ties, tie_layers
 
 __all__ = ["Pipeline"]
 

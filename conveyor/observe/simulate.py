@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ScheduleError
-from conveyor.table import Action, Kind, Schedule, dependencies, layout_clock
-from conveyor.trace import Event, Timeline
+from conveyor.schedules.table import Action, Kind, Schedule, dependencies, layout_clock
+from conveyor.observe.trace import Event, Timeline
 
 __all__ = ["CostModel", "Simulation", "simulate"]
 

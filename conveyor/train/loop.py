@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor import saving
-from conveyor.data import TextCorpus, text_corpus
-from conveyor.errors import ConveyorError
-from conveyor.models import transformer_lm
-from conveyor.pipeline import Pipeline
-from conveyor.recording import record
-from conveyor.trace import Timeline, plot_timelines
-from conveyor.train_options import OPTIONS_FILE, ConfigError, TrainConfig, from_arguments
+from conveyor.train import saving
+from conveyor.train.data import TextCorpus, text_corpus
+from conveyor.errors import ConfigError, ConveyorError
+from conveyor.train.models import transformer_lm
+from conveyor.distributed.pipeline import Pipeline
+from conveyor.observe.recording import record
+from conveyor.observe.trace import Timeline, plot_timelines
+from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
 
 __all__ = ["evaluate", "generate", "run", "train_command"]
 

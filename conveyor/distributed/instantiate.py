@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from conveyor.rng import derive_seed
+from conveyor.engine.rng import derive_seed
 
 __all__ = ["LayerBuilder", "draw_init_seed", "materialize", "sequential"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from conveyor.errors import ScheduleError
-from conveyor.table import (
+from conveyor.schedules.table import (
     Action,
     Kind,
     Schedule,

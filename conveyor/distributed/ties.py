@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed import Topology
+from conveyor.distributed.topology import Topology
 from conveyor.errors import BalanceError
-from conveyor.gradients import TiedParameter
+from conveyor.distributed.gradients import TiedParameter
 
 __all__ = ["find_ties", "tie_layers"]
 

@@ -18,20 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import ConveyorError, StageError
+from conveyor.errors import ConveyorError
 
-__all__ = ["PeerFailure", "Topology"]
-
-
-class PeerFailure(StageError):
-    """Another rank failed, died or stopped answering; this rank stops too.
-
-    Attributes:
-        report: where the failure started (rank, stage, action, micro-batch, error),
-            passed on unchanged when this rank tells its own peers.
-    """
-
-    report: dict[str, Any] | None = None
+__all__ = ["Topology"]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The planner works from per-layer figures: parameters, the bytes autograd saves p
 sample, the bytes a layer hands on per sample, and forward FLOPs per sample.
 :func:`measure` takes them from one forward of the model on a sample, and on the meta
 device that costs no memory: an 80-billion-parameter Transformer plans on a laptop.
-:func:`transformer_figures` and :func:`convnet_figures` give the reference families.
+(``conveyor.models.transformer_figures`` and ``convnet_figures`` measure the reference
+families.)
 
 Per stage, memory is parameters times the optimizer's bytes per parameter (weights,
 gradients and state: 12 for RMSProp, as in the paper), plus activations: the
@@ -26,23 +27,21 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.errors import BalanceError
-from conveyor.microbatch import batch_size
-from conveyor.partition import sequential_layers, solve_balance
+from conveyor.engine.microbatch import batch_size
+from conveyor.engine.partition import sequential_layers, solve_balance
 from conveyor.schedules import build
-from conveyor.simulate import CostModel, simulate
+from conveyor.observe.simulate import CostModel, simulate
 
 __all__ = [
     "OPTIMIZER_BYTES",
     "LayerFigures",
     "Plan",
     "StagePlan",
-    "convnet_figures",
     "largest",
     "measure",
     "parse_bytes",
     "plan",
     "rank_plans",
-    "transformer_figures",
 ]
 
 #: Bytes per fp32 parameter: the weight, its gradient and the optimizer's state.
@@ -113,34 +112,6 @@ def measure(model: nn.Sequential, sample: Any) -> list[LayerFigures]:
         ))
         x = out
     return figures
-
-
-def transformer_figures(layers: int, width: int, hidden: int, heads: int, *,
-                        vocab: int = 32000, length: int = 512) -> list[LayerFigures]:
-    """Figures of the Transformer LM T(L, H, A) (``conveyor.models.transformer_lm``).
-
-    One block is measured on the meta device and repeated: the blocks are identical.
-    """
-    from conveyor.models import transformer_lm
-
-    with torch.device("meta"):
-        small = transformer_lm(1, width, hidden, heads, vocab=vocab, max_length=length)
-        sample = torch.zeros(1, length, dtype=torch.long)
-    embedding, block, norm, head = measure(small, sample)
-    blocks = [replace(block, name=str(1 + i)) for i in range(layers)]
-    return [embedding, *blocks, replace(norm, name=str(layers + 1)),
-            replace(head, name=str(layers + 2))]
-
-
-def convnet_figures(cells: int, channels: int, *, image: int = 224,
-                    classes: int = 1000) -> list[LayerFigures]:
-    """Figures of the AmoebaNet-like classifier ``conveyor.models.convnet`` on meta."""
-    from conveyor.models import convnet
-
-    with torch.device("meta"):
-        model = convnet(cells, channels, classes)
-        sample = torch.zeros(1, 3, image, image)
-    return measure(model, sample)
 
 
 @dataclass(frozen=True)

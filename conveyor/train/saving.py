@@ -23,16 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import CheckpointError, ConveyorError
 
 __all__ = ["CheckpointError", "exists", "load", "load_weights", "save"]
 
 _FILE = "checkpoint.pt"
 _DIRECTORY = "checkpoint"
-
-
-class CheckpointError(ConveyorError, RuntimeError):
-    """A checkpoint is missing, unreadable, or made for another model."""
 
 
 def _distributed() -> bool:

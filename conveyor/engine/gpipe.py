@@ -17,17 +17,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.batchnorm import convert_deferred_batch_norm
-from conveyor.checkpoint import recomputes, validate_mode
+from conveyor.engine.batchnorm import convert_deferred_batch_norm
+from conveyor.engine.recompute import recomputes, validate_mode
 from conveyor.errors import BalanceError, LayerOutputError
-from conveyor.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.partition import sequential_layers, validate_balance
-from conveyor.placement import KeepsPlacement, default_devices
-from conveyor.rng import LayerRandomness, draw_step_seed
-from conveyor.runtime import Executor, StepState
+from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.engine.partition import sequential_layers, validate_balance
+from conveyor.engine.devices import KeepsPlacement, default_devices
+from conveyor.engine.rng import LayerRandomness, draw_step_seed
+from conveyor.engine.executor import Executor, StepState
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
-from conveyor.stage import Stage
-from conveyor.transport import LocalTransport
+from conveyor.engine.stage import Stage
+from conveyor.engine.transport import LocalTransport
 
 __all__ = ["GPipe"]
 

@@ -28,21 +28,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from conveyor.allocator import tune_malloc
-from conveyor.errors import ConveyorError
-from conveyor.recording import Recorder
+from conveyor.engine.allocator import tune_malloc
+from conveyor.errors import ConveyorError, NonFiniteLossError
+from conveyor.engine.recorder import Recorder
 from conveyor.schedules import Action, Kind
-from conveyor.stage import Stage, failure
-from conveyor.transport import Aborted, MessageKind, Transport, deliver
-from conveyor.weightgrad import WeightGradient, backward_input
+from conveyor.engine.stage import Stage, failure
+from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
+from conveyor.engine.weightgrad import WeightGradient, backward_input
 
-__all__ = ["Executor", "NonFiniteLossError", "StepState"]
+__all__ = ["Executor", "StepState"]
 
 _KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradient"}
-
-
-class NonFiniteLossError(ConveyorError, FloatingPointError):
-    """The loss of a micro-batch is NaN or infinite (``check_finite=True``)."""
 
 
 @dataclass

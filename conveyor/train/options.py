@@ -14,16 +14,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConfigError, ConveyorError
 from conveyor.schedules import SCHEDULES, build
 
 __all__ = ["ConfigError", "OPTIONS_FILE", "TrainConfig", "add_arguments", "from_arguments"]
 
 OPTIONS_FILE = "options.json"  # in --out: the options of the run, for --resume
-
-
-class ConfigError(ConveyorError, ValueError):
-    """A training option is out of range or contradicts another one."""
 
 
 def _option(default: Any, help: str) -> Any:

@@ -1,0 +1,56 @@
+"""Recording what a pipeline does: every action's start and end, per rank.
+
+::
+
+    with conveyor.record(pipe) as timeline:
+        pipe.step(inputs, targets)
+    timeline.save_chrome_trace("step.json")          # open in Perfetto
+    conveyor.plot_timelines([timeline], "step.png")
+
+Off by default and free when off; see :mod:`conveyor.engine.recorder` for its cost.
+Under torchrun every rank records its own actions; when the block ends, every rank gets
+all the ranks' events, on clocks aligned by a barrier taken when recording began.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from conveyor.engine.recorder import Recorder
+from conveyor.observe.trace import Event, Timeline
+
+__all__ = ["record"]
+
+
+@contextlib.contextmanager
+def record(pipe: Any) -> Iterator[Timeline]:
+    """Records every step of ``pipe`` (a GPipe or a Pipeline) run inside the block.
+
+    Yields:
+        A Timeline, filled when the block ends (under torchrun, with every rank's events).
+    """
+    executor = pipe._executor
+    topology = getattr(pipe, "topology", None)
+    group = topology.pipeline_group if topology is not None and topology.distributed else None
+    if group is not None:
+        dist.barrier(group=group)
+    recorder = Recorder()
+    timeline = Timeline(num_ranks=len(set(executor.stage_ranks)), source="measured",
+                        name=getattr(getattr(pipe, "schedule", None), "name", "gpipe"))
+    executor.recorder = recorder
+    try:
+        yield timeline
+    finally:
+        executor.recorder = None
+        events = [Event(r.rank, r.action.stage, r.action.kind.value, r.action.microbatch,
+                        r.start, r.end, wait=r.wait, transfer=r.transfer)
+                  for r in recorder.records]
+        if group is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, events, group=group)
+            events = [e for part in gathered for e in part]
+        timeline.events = sorted(events, key=lambda e: (e.start, e.rank))

@@ -1,0 +1,6 @@
+"""``conveyor train`` and what it stands on: options, data, reference models, saving.
+
+Nothing is imported here, so the command line can read its options without torch.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,140 @@
+"""The package's shape: layers that import only downwards, torch-free parts, public names."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conveyor
+
+PACKAGE = Path(conveyor.__file__).parent
+# Each layer may import the ones before it, never one after it.
+LAYERS = ["errors", "schedules", "engine", "distributed", "observe", "train", "cli"]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """The conveyor modules ``path`` imports (inside functions too, unless told not to)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            base = node.module
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.split(".")[0] == "conveyor"}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_top_level_shows_the_layers() -> None:
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    packages = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
+    assert sorted(packages) == sorted(LAYERS[1:])
+    assert set(entries) == {*LAYERS[1:], "errors.py", "__init__.py", "__main__.py", "py.typed"}
+    for name in packages:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert doc, f"conveyor/{name}/__init__.py says nothing about what lives there"
+
+
+def test_every_import_points_down_the_layers() -> None:
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        own = _layer(name)
+        if own is None:
+            continue
+        for imported in _imports(path, top_level_only=False):
+            other = _layer(imported)
+            if other is not None and other > own:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "imports pointing up the layers:\n" + "\n".join(wrong)
+
+
+def test_no_module_import_cycle() -> None:
+    modules = _modules()
+    graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
+             for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if nxt == "conveyor" or nxt.startswith(name + "."):
+                continue  # a package re-exporting its own modules
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path, name, nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert len(state) == len(modules) > 30
+
+
+@pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.simulate",
+                                    "conveyor.observe.simulate", "conveyor.trace",
+                                    "conveyor.train.options", "conveyor.cli"])
+def test_modules_that_import_no_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("short,full", [("simulate", "conveyor.observe.simulate"),
+                                        ("trace", "conveyor.observe.trace"),
+                                        ("plan", "conveyor.observe.plan"),
+                                        ("models", "conveyor.train.models"),
+                                        ("data", "conveyor.train.data"),
+                                        ("saving", "conveyor.train.saving")])
+def test_short_module_paths_are_the_modules_themselves(short: str, full: str) -> None:
+    module = importlib.import_module(f"conveyor.{short}")
+    assert module is importlib.import_module(full)
+    assert getattr(conveyor, short) is module
+    assert module.__name__ == full and module.__spec__.name == full
+
+
+def test_every_public_error_is_exported_from_the_package() -> None:
+    import conveyor.errors as errors
+
+    classes = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, Exception)
+               and value.__module__ == "conveyor.errors"}
+    assert classes <= set(conveyor.__all__)
+    assert {"NonFiniteLossError", "PeerFailure", "CheckpointError", "ConfigError"} <= classes
+    for name in classes:
+        assert getattr(conveyor, name) is getattr(errors, name)
+    raised = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", "").endswith(("Error", "Failure")) for b in node.bases):
+                raised.add(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert all(where.startswith("errors.py:") for where in raised), raised
+
+
+def test_public_names_all_resolve() -> None:
+    for name in conveyor.__all__:
+        assert getattr(conveyor, name) is not None
