@@ -11,6 +11,7 @@ __all__ = [
     "ConveyorError",
     "LayerOutputError",
     "MicroBatchError",
+    "ModelError",
     "NonFiniteLossError",
     "PeerFailure",
     "ScheduleError",
@@ -24,6 +25,10 @@ class ConveyorError(Exception):
 
 class BalanceError(ConveyorError, ValueError):
     """A partition (``balance``, ``devices``) does not fit the model."""
+
+
+class ModelError(ConveyorError, ValueError):
+    """The model cannot be pipelined as given (e.g. a layer name shadows an attribute)."""
 
 
 class MicroBatchError(ConveyorError, ValueError):

@@ -135,6 +135,24 @@ def test_every_public_error_is_exported_from_the_package() -> None:
     assert all(where.startswith("errors.py:") for where in raised), raised
 
 
+# Modules whose names users import; elsewhere __all__ lists only names of ``conveyor``.
+PUBLIC_MODULES = {"conveyor", "conveyor.errors", "conveyor.cli", "conveyor.cli.main",
+                  "conveyor.distributed.instantiate"} | {
+    name for name in _modules() if name.startswith("conveyor.schedules")} | {
+    f"conveyor.{short}" for short in ("observe.simulate", "observe.trace", "observe.plan",
+                                      "train.models", "train.data", "train.saving")}
+
+
+def test_internal_modules_show_no_public_names_of_their_own() -> None:
+    for name in _modules():
+        if name in PUBLIC_MODULES or name == "conveyor.__main__":  # that one runs the command
+            continue
+        module = importlib.import_module(name)
+        assert hasattr(module, "__all__"), f"{name} has no __all__"
+        extra = set(module.__all__) - set(conveyor.__all__)
+        assert not extra, f"{name} exports {sorted(extra)}, which conveyor does not"
+
+
 def test_public_names_all_resolve() -> None:
     for name in conveyor.__all__:
         assert getattr(conveyor, name) is not None

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["plan_command", "simulate_command", "trace_command"]
+__all__: list[str] = []
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

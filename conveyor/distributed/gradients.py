@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["TiedParameter", "average_across_replicas", "clip_grad_norm", "sum_tied_gradients"]
+__all__: list[str] = []
 
 _BUCKET_BYTES = 25 << 20  # as DDP's default bucket
 

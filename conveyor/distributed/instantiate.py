@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from conveyor.engine.partition import sequential_layers
 from conveyor.engine.rng import derive_seed
 
-__all__ = ["LayerBuilder", "draw_init_seed", "materialize", "sequential"]
+__all__ = ["LayerBuilder", "sequential"]
 
 LayerBuilder = Callable[[int], nn.Module]
 _INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-batch seeds
@@ -96,3 +97,45 @@ def sequential(builder: LayerBuilder, layers: int, *,
     init_seed = draw_init_seed()
     return nn.Sequential(*[build(builder, i, device=torch.device(device), init_seed=init_seed)
                            for i in range(layers)])
+
+
+class LayerSource:
+    """The layers of a model as the user gave it: an ``nn.Sequential`` (possibly on the meta
+    device) or a function that builds layer i. Each rank takes only its own layers."""
+
+    def __init__(self, module: nn.Sequential | LayerBuilder, layers: int | None) -> None:
+        if isinstance(module, nn.Module):
+            self._layers: list[tuple[str, nn.Module]] | None = sequential_layers(module)
+            self._builder: LayerBuilder | None = None
+            self.names = [name for name, _ in self._layers]
+        elif callable(module):
+            if layers is None:
+                raise TypeError("a layer-building function needs layers=, the number of "
+                                "layers to build")
+            self._layers, self._builder = None, module
+            self.names = [str(i) for i in range(layers)]
+        else:
+            raise TypeError(f"Pipeline takes an nn.Sequential or a function that builds "
+                            f"layer i, got {type(module).__name__}")
+
+    def layers_if_known(self) -> list[tuple[str, nn.Module]]:
+        return self._layers or []
+
+    def layer(self, index: int, device: torch.device, init_seed: int) -> nn.Module:
+        if self._layers is not None:
+            name, layer = self._layers[index]
+            return materialize(layer, index, device=device, init_seed=init_seed,
+                               name=type(layer).__name__)
+        assert self._builder is not None
+        return build(self._builder, index, device=device, init_seed=init_seed)
+
+    def parameter_counts(self) -> list[float]:
+        if self._layers is not None:
+            return [float(sum(p.numel() for p in layer.parameters()))
+                    for _, layer in self._layers]
+        assert self._builder is not None
+        counts = []
+        for i in range(len(self.names)):
+            with torch.device("meta"):
+                counts.append(float(sum(p.numel() for p in self._builder(i).parameters())))
+        return counts

@@ -35,7 +35,7 @@ from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Kind
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
 
-__all__ = ["P2PTransport"]
+__all__: list[str] = []
 
 _INTS = 24
 _HEADER_BYTES = _INTS * 8

@@ -24,35 +24,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.engine.recompute import recomputes, validate_mode
-from conveyor.distributed.topology import Topology
-from conveyor.errors import BalanceError, ConveyorError
 from conveyor.distributed.gradients import (
     average_across_replicas,
     clip_grad_norm,
     sum_tied_gradients,
 )
-from conveyor.distributed.instantiate import LayerBuilder, build, draw_init_seed, materialize
-from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.distributed.instantiate import LayerBuilder, LayerSource, draw_init_seed
 from conveyor.distributed.p2p import P2PTransport
-from conveyor.engine.devices import KeepsPlacement, default_devices
-from conveyor.engine.partition import (
-    profile_layers,
-    sequential_layers,
-    solve_balance,
-    validate_balance,
-)
-from conveyor.engine.rng import LayerRandomness, draw_step_seed
-from conveyor.engine.executor import Executor, StepState
-from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
-from conveyor.engine.stage import Stage
-from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.distributed.ties import find_ties, tie_layers
+from conveyor.distributed.topology import Topology
+from conveyor.engine.builder import NamedLayers, build_stages, check_options, new_step
+from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
+from conveyor.engine.executor import Executor, StepState
+from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.engine.partition import profile_layers, solve_balance, validate_balance
+from conveyor.engine.transport import LocalTransport, Transport
+from conveyor.errors import BalanceError, ConveyorError
+from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
 
 __all__ = ["Pipeline"]
-
-Device = torch.device | str | int
 
 
 class Pipeline(KeepsPlacement):
@@ -106,8 +96,7 @@ class Pipeline(KeepsPlacement):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        microbatch_sizes(chunks, chunks)  # validates chunks
-        validate_mode(checkpoint)
+        check_options(chunks=chunks, checkpoint=checkpoint)
         self.loss_fn = loss_fn
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -117,61 +106,56 @@ class Pipeline(KeepsPlacement):
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
         self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
-        num_stages = self.schedule.num_stages
-
-        source = _LayerSource(module, layers)
-        self.balance = _resolve_balance(balance, source, num_stages, sample, chunks)
-        if topology is None:
-            rank_devices = _rank_devices(devices, ranks)
-            local = list(range(num_stages))
-        else:
-            rank_devices = [topology.device or torch.device("cpu")] * ranks
-            local = [s for s in range(num_stages)
-                     if self.schedule.stage_ranks[s] == topology.pipeline_rank]
-        self.devices = rank_devices
-
+        source = LayerSource(module, layers)
+        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample,
+                                        chunks)
+        self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
+                                        per="pipeline rank")
+                        if topology is None else [topology.device or torch.device("cpu")] * ranks)
         # Found on the model as given: materialising gives layers new Parameter objects.
-        groups = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
+        tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
+        starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]
+        stage_layers = self._local_layers(source, starts)
+        self._ties = tie_layers(tied, stage_layers, _stage_of_layer(source.names, starts),
+                                self.topology, self.schedule.stage_ranks)
+        self._stages = build_stages(
+            self, stage_layers, names=source.names,
+            first_layers={s: starts[s] for s in stage_layers},
+            devices={s: self._stage_device(s) for s in stage_layers},
+            concurrent=self.devices if topology is None else [self.devices[0]],
+            deferred_batch_norm=deferred_batch_norm,
+        )
+        self._transport = self._make_transport(timeout)
+        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+
+    def _stage_device(self, stage: int) -> torch.device:
+        return self.devices[self.schedule.stage_ranks[stage]]
+
+    def _local_layers(self, source: LayerSource, starts: Sequence[int]) -> dict[int, NamedLayers]:
+        """The layers of the stages this process runs, built (or materialised) on their
+        devices; a layer object given for two stages gets a copy in the second."""
+        local = [s for s in range(self.schedule.num_stages)
+                 if not self.topology.distributed
+                 or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
         init_seed = draw_init_seed()
-        starts = [sum(self.balance[:s]) for s in range(num_stages + 1)]
-        stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         placed: dict[int, int] = {}  # id of a layer object -> the stage it went to
+        stage_layers = {}
         for s in local:
-            device = rank_devices[self.schedule.stage_ranks[s]]
             built = []
             for i in range(starts[s], starts[s + 1]):
-                layer = source.layer(i, device, init_seed)
+                layer = source.layer(i, self._stage_device(s), init_seed)
                 if placed.setdefault(id(layer), s) != s:
                     layer = copy.deepcopy(layer)  # one module object in two stages
                 built.append((source.names[i], layer))
-            if deferred_batch_norm:
-                built = [(n, convert_deferred_batch_norm(layer)) for n, layer in built]
             stage_layers[s] = built
+        return stage_layers
 
-        stage_of_layer = {name: s for s in range(num_stages)
-                          for name in source.names[starts[s]:starts[s + 1]]}
-        self._ties = tie_layers(groups, stage_layers, stage_of_layer, self.topology,
-                                self.schedule.stage_ranks)
-
-        self._stages: dict[int, Stage] = {}
-        for s, named in stage_layers.items():
-            for name, layer in named:
-                self.add_module(name, layer)
-            device = rank_devices[self.schedule.stage_ranks[s]]
-            randomness = LayerRandomness(
-                device, shared=topology is None and rank_devices.count(device) > 1)
-            self._stages[s] = Stage(s, nn.Sequential(*[layer for _, layer in named]),
-                                    first_layer=starts[s], device=device,
-                                    randomness=randomness)
-        self._transport: Transport
-        if topology is None:
-            self._transport = LocalTransport([rank_devices[r]
-                                              for r in self.schedule.stage_ranks])
-        else:
-            self._transport = P2PTransport(
-                topology, self.schedule.stage_ranks,
-                {s: stage.device for s, stage in self._stages.items()}, timeout)
-        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+    def _make_transport(self, timeout: float) -> Transport:
+        if not self.topology.distributed:
+            return LocalTransport([self._stage_device(s)
+                                   for s in range(self.schedule.num_stages)])
+        return P2PTransport(self.topology, self.schedule.stage_ranks,
+                            {s: stage.device for s, stage in self._stages.items()}, timeout)
 
     # ----------------------------------------------------------------- the user API
 
@@ -193,15 +177,9 @@ class Pipeline(KeepsPlacement):
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
                                "eval_step() for inference")
         last = self.schedule.num_stages - 1
-        state = StepState(
-            inputs=split(inputs, self.chunks) if 0 in self._stages else [],
-            recompute=lambda m: recomputes(self.checkpoint, m, self.chunks),
-            grad_enabled=True,
-            step_seed=draw_step_seed() if self.training else None,
-            loss_fn=self.loss_fn,
-            check_finite=self.check_finite,
-            split_backward=self.schedule.split_backward,
-        )
+        state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
+                               check_finite=self.check_finite,
+                               split_backward=self.schedule.split_backward)
         if last in self._stages:
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
@@ -226,9 +204,7 @@ class Pipeline(KeepsPlacement):
             The gathered output where the last stage runs (in one process: always),
             None on the other ranks.
         """
-        state = StepState(inputs=split(inputs, self.chunks) if 0 in self._stages else [],
-                          recompute=lambda m: False, grad_enabled=False,
-                          step_seed=draw_step_seed() if self.training else None)
+        state = self._new_step(inputs, grad_enabled=False)
         self._run([Kind.FORWARD], state)
         if self.schedule.num_stages - 1 not in self._stages:
             return None
@@ -251,6 +227,11 @@ class Pipeline(KeepsPlacement):
                 f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, {where}")
 
     # ----------------------------------------------------------------- internals
+
+    def _new_step(self, inputs: Any, *, grad_enabled: bool, **options: Any) -> StepState:
+        microbatches = split(inputs, self.chunks) if 0 in self._stages else []
+        return new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
+                        grad_enabled=grad_enabled, training=self.training, **options)
 
     @property
     def _device(self) -> torch.device:
@@ -283,47 +264,6 @@ class Pipeline(KeepsPlacement):
         return loss.detach()
 
 
-class _LayerSource:
-    """The layers of the model, however they were given."""
-
-    def __init__(self, module: nn.Sequential | LayerBuilder, layers: int | None) -> None:
-        if isinstance(module, nn.Module):
-            self._layers: list[tuple[str, nn.Module]] | None = sequential_layers(module)
-            self._builder: LayerBuilder | None = None
-            self.names = [name for name, _ in self._layers]
-        elif callable(module):
-            if layers is None:
-                raise TypeError("a layer-building function needs layers=, the number of "
-                                "layers to build")
-            self._layers, self._builder = None, module
-            self.names = [str(i) for i in range(layers)]
-        else:
-            raise TypeError(f"Pipeline takes an nn.Sequential or a function that builds "
-                            f"layer i, got {type(module).__name__}")
-
-    def layers_if_known(self) -> list[tuple[str, nn.Module]]:
-        return self._layers or []
-
-    def layer(self, index: int, device: torch.device, init_seed: int) -> nn.Module:
-        if self._layers is not None:
-            name, layer = self._layers[index]
-            return materialize(layer, index, device=device, init_seed=init_seed,
-                               name=type(layer).__name__)
-        assert self._builder is not None
-        return build(self._builder, index, device=device, init_seed=init_seed)
-
-    def parameter_counts(self) -> list[float]:
-        if self._layers is not None:
-            return [float(sum(p.numel() for p in layer.parameters()))
-                    for _, layer in self._layers]
-        assert self._builder is not None
-        counts = []
-        for i in range(len(self.names)):
-            with torch.device("meta"):
-                counts.append(float(sum(p.numel() for p in self._builder(i).parameters())))
-        return counts
-
-
 def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
     if stages is not None:
         if devices is not None and len(devices) != stages:
@@ -336,10 +276,8 @@ def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
                        "under torchrun")
 
 
-def _rank_devices(devices: Sequence[Device] | None, ranks: int) -> list[torch.device]:
-    if devices is not None:
-        return [torch.device(d) for d in devices]
-    return default_devices(ranks, f"{ranks} pipeline ranks")
+def _stage_of_layer(names: Sequence[str], starts: Sequence[int]) -> dict[str, int]:
+    return {name: s for s in range(len(starts) - 1) for name in names[starts[s]:starts[s + 1]]}
 
 
 def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
@@ -358,7 +296,7 @@ def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
     return table
 
 
-def _resolve_balance(balance: Sequence[int] | str | None, source: _LayerSource,
+def _resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
                      num_stages: int, sample: Any, chunks: int) -> list[int]:
     count = len(source.names)
     if balance is None:

@@ -21,7 +21,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.errors import BalanceError
 from conveyor.distributed.gradients import TiedParameter
 
-__all__ = ["find_ties", "tie_layers"]
+__all__: list[str] = []
 
 
 def find_ties(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, ...]]:

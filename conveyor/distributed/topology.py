@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from conveyor.errors import ConveyorError
 
-__all__ = ["Topology"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

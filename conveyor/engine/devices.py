@@ -1,7 +1,9 @@
-"""Pipelines place their layers on several devices; moving the whole module would undo it."""
+"""Where stages run: resolving the devices a user names, and refusing moves of the whole
+pipeline (each stage keeps its own device)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,7 +11,9 @@ from torch import nn
 
 from conveyor.errors import BalanceError
 
-__all__ = ["KeepsPlacement", "default_devices"]
+__all__: list[str] = []
+
+Device = torch.device | str | int
 
 
 def default_devices(count: int, what: str) -> list[torch.device]:
@@ -27,6 +31,36 @@ def default_devices(count: int, what: str) -> list[torch.device]:
         raise BalanceError(f"{what} but only {available} CUDA devices are available; "
                            "pass devices=[...] (devices may repeat)")
     return [torch.device("cuda", i) for i in range(count)]
+
+
+def resolve_devices(devices: Sequence[Device] | None, count: int, *, what: str,
+                    per: str = "stage") -> list[torch.device]:
+    """The ``count`` devices to run on: the ones given, or :func:`default_devices`.
+
+    A bare ``"cuda"`` names the current CUDA device, so that every stage and message
+    agrees on one index.
+
+    Args:
+        devices: one device per ``per`` (devices may repeat), or None for the default.
+        count: how many are needed.
+        what: what needs them, for messages (e.g. "balance has 3 stages").
+        per: what one device is for, for messages ("stage" or "pipeline rank").
+
+    Raises:
+        BalanceError: ``devices`` lists another number of devices than ``count``, or
+            (by default) fewer CUDA devices are available.
+    """
+    if devices is None:
+        return default_devices(count, what)
+    resolved = [torch.device(d) for d in devices]
+    if len(resolved) != count:
+        raise BalanceError(f"devices lists {len(resolved)} devices but {what}; give one "
+                           f"device per {per} (devices may repeat)")
+    return [
+        torch.device("cuda", torch.cuda.current_device())
+        if d.type == "cuda" and d.index is None else d
+        for d in resolved
+    ]
 
 
 class KeepsPlacement(nn.Module):

@@ -36,7 +36,7 @@ from conveyor.engine.stage import Stage, failure
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.engine.weightgrad import WeightGradient, backward_input
 
-__all__ = ["Executor", "StepState"]
+__all__: list[str] = []
 
 _KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradient"}
 

@@ -17,23 +17,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.engine.recompute import recomputes, validate_mode
-from conveyor.errors import BalanceError, LayerOutputError
+from conveyor.engine.builder import build_stages, check_options, new_step
+from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
+from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
-from conveyor.engine.devices import KeepsPlacement, default_devices
-from conveyor.engine.rng import LayerRandomness, draw_step_seed
-from conveyor.engine.executor import Executor, StepState
-from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 from conveyor.engine.stage import Stage
 from conveyor.engine.transport import LocalTransport
+from conveyor.errors import BalanceError, LayerOutputError
+from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 
 __all__ = ["GPipe"]
-
-Device = torch.device | str | int
-# Attributes of GPipe that a layer name must not shadow.
-_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "partitions")
 
 
 class GPipe(KeepsPlacement):
@@ -66,7 +60,9 @@ class GPipe(KeepsPlacement):
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
         BalanceError: ``balance`` does not fit the model, or ``devices`` the balance.
-        ValueError: a bad ``chunks`` or ``checkpoint``.
+        ModelError: a layer's name would shadow an attribute of GPipe.
+        MicroBatchError: ``chunks`` is not a positive integer.
+        ValueError: an unknown ``checkpoint`` mode.
     """
 
     def __init__(
@@ -80,39 +76,32 @@ class GPipe(KeepsPlacement):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
+        check_options(chunks=chunks, checkpoint=checkpoint)
         layers = sequential_layers(module)
-        balance = validate_balance(balance, len(layers))
-        resolved = _resolve_devices(devices, len(balance))
-        microbatch_sizes(chunks, chunks)  # validates chunks
-        validate_mode(checkpoint)
-        if deferred_batch_norm:
-            layers = [(name, convert_deferred_batch_norm(layer)) for name, layer in layers]
-        for name, layer in layers:
-            if name in _ATTRIBUTES or hasattr(self, name):
-                raise ValueError(f"layer name {name!r} clashes with an attribute of GPipe; "
-                                 "rename the layer in the nn.Sequential")
-            self.add_module(name, layer)
-
-        self.balance: list[int] = balance
-        self.devices: list[torch.device] = resolved
+        self.balance: list[int] = validate_balance(balance, len(layers))
+        self.devices: list[torch.device] = resolve_devices(
+            devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
-        stages, start = [], 0
-        for index, (count, device) in enumerate(zip(balance, resolved)):
-            partition = nn.Sequential(*[layer for _, layer in layers[start:start + count]])
-            partition.to(device)
-            randomness = LayerRandomness(device, shared=resolved.count(device) > 1)
-            stages.append(Stage(index, partition, first_layer=start, device=device,
-                                randomness=randomness))
-            self.partitions.append(partition)
-            start += count
-        _refuse_shared_parameters(stages, layers)
-        self._stages = stages
-        self._schedule = gpipe(len(balance), chunks)
+        starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
+        stages = build_stages(
+            self,
+            {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))},
+            names=[name for name, _ in layers],
+            first_layers=dict(enumerate(starts[:-1])),
+            devices=dict(enumerate(self.devices)),
+            concurrent=self.devices,
+            deferred_batch_norm=deferred_batch_norm,
+        )
+        self._stages = list(stages.values())
+        self.partitions.extend(stage.layers for stage in self._stages)
+        _refuse_shared_parameters(self._stages, [(name, layer) for name, layer in
+                                                  self._modules.items() if layer is not None])
+        self._schedule = gpipe(len(self.balance), chunks)
         validate(self._schedule)
-        self._executor = Executor(dict(enumerate(stages)), self._schedule.stage_ranks,
-                                  LocalTransport([stage.device for stage in stages]))
+        self._executor = Executor(stages, self._schedule.stage_ranks,
+                                  LocalTransport(self.devices))
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
@@ -136,12 +125,8 @@ class GPipe(KeepsPlacement):
                       if isinstance(t, torch.Tensor) and t.requires_grad]
         params = [p for stage in self._stages for p in stage.trainable_parameters()]
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
-        state = StepState(
-            inputs=microbatches,
-            recompute=lambda m: recomputes(self.checkpoint, m, self.chunks),
-            grad_enabled=grad_enabled,
-            step_seed=draw_step_seed() if self.training else None,
-        )
+        state = new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
+                         grad_enabled=grad_enabled, training=self.training)
         step = _Step(self._executor, self._schedule, state,
                      leaves=leaves, wrt_inputs=wrt_inputs, params=params)
         if not grad_enabled:
@@ -165,22 +150,6 @@ def _refuse_shared_parameters(stages: Sequence[Stage], layers: list[tuple[str, n
                     f"(also as {', '.join(names[1:])}); GPipe needs each parameter in one "
                     "stage: change the balance so both uses fall in the same stage"
                 )
-
-
-def _resolve_devices(devices: Sequence[Device] | None, stages: int) -> list[torch.device]:
-    if devices is None:
-        return default_devices(stages, f"balance has {stages} stages")
-    resolved = [torch.device(d) for d in devices]
-    if len(resolved) != stages:
-        raise BalanceError(
-            f"devices lists {len(resolved)} devices but balance has {stages} stages; "
-            "give one device per stage (devices may repeat)"
-        )
-    return [
-        torch.device("cuda", torch.cuda.current_device())
-        if d.type == "cuda" and d.index is None else d
-        for d in resolved
-    ]
 
 
 class _Step:

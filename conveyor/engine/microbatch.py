@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from conveyor.errors import MicroBatchError
 
-__all__ = ["batch_size", "gather", "microbatch_sizes", "split"]
+__all__: list[str] = []
 
 
 def _describe(path: tuple[Any, ...], root: str) -> str:

@@ -28,10 +28,7 @@ __all__ = [
     "balance_by_params",
     "balance_by_time",
     "profile_layers",
-    "sequential_layers",
     "solve_balance",
-    "stage_costs",
-    "validate_balance",
 ]
 
 

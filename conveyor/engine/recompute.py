@@ -19,15 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-__all__ = [
-    "CHECKPOINT_MODES",
-    "CheckpointMode",
-    "checkpointed",
-    "is_recomputing",
-    "recomputes",
-    "running_stat_layers",
-    "validate_mode",
-]
+__all__ = ["is_recomputing"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")

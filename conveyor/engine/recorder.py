@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from conveyor.schedules import Action
 
-__all__ = ["ActionRecord", "Recorder"]
+__all__: list[str] = []
 
 
 class ActionRecord(NamedTuple):

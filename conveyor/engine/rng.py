@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LayerRandomness", "derive_seed", "draw_step_seed"]
+__all__: list[str] = []
 
 _MASK64 = (1 << 64) - 1
 # Held while a random op without a generator argument borrows a default generator.

@@ -15,7 +15,7 @@ from conveyor.engine.recompute import checkpointed, is_recomputing, running_stat
 from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
 from conveyor.engine.rng import LayerRandomness
 
-__all__ = ["Stage", "failure"]
+__all__: list[str] = []
 
 # torch.utils.checkpoint stops a recomputation early by raising this through the layers.
 _STOP_RECOMPUTATION: type[BaseException] = getattr(

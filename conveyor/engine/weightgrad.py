@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGradient", "backward_input"]
+__all__: list[str] = []
 
 
 class WeightGradient:

@@ -15,7 +15,7 @@ from conveyor.train.models import feed_forward_stack
 from conveyor.engine.partition import solve_balance
 from conveyor.engine.gpipe import GPipe
 
-__all__ = ["run"]
+__all__: list[str] = []
 
 
 def _median_seconds(step: Callable[[], object], repeat: int) -> float:

@@ -36,7 +36,7 @@ from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline, plot_timelines
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
 
-__all__ = ["evaluate", "generate", "run", "train_command"]
+__all__: list[str] = []
 
 
 def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.schedules import SCHEDULES, build
 
-__all__ = ["ConfigError", "OPTIONS_FILE", "TrainConfig", "add_arguments", "from_arguments"]
+__all__: list[str] = []
 
 OPTIONS_FILE = "options.json"  # in --out: the options of the run, for --resume
 

@@ -1,0 +1,115 @@
+"""One way to build a pipeline's stages, shared by ``GPipe`` and ``Pipeline``.
+
+Both faces check their options the same way, resolve devices the same way, register the
+model's layers under their own names on the pipeline module (refusing a name that would
+shadow an attribute), convert batch norms for deferred statistics, give each stage its
+random streams, and start every call with the same kind of :class:`StepState`. What
+differs stays with them: ``GPipe`` cuts an ``nn.Sequential`` by a balance and runs the
+GPipe table in this process; ``Pipeline`` takes any schedule and may hold only one
+rank's stages of a model built elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.engine.batchnorm import convert_deferred_batch_norm
+from conveyor.engine.executor import StepState
+from conveyor.engine.microbatch import microbatch_sizes
+from conveyor.engine.recompute import recomputes, validate_mode
+from conveyor.engine.rng import LayerRandomness, draw_step_seed
+from conveyor.engine.stage import Stage
+from conveyor.errors import ModelError
+
+__all__: list[str] = []
+
+NamedLayers = list[tuple[str, nn.Module]]
+
+
+def check_options(*, chunks: int, checkpoint: str) -> None:
+    """Checks the options every pipeline takes.
+
+    Raises:
+        MicroBatchError: ``chunks`` is not a positive integer.
+        ValueError: ``checkpoint`` is not a checkpoint mode.
+    """
+    microbatch_sizes(chunks, chunks)
+    validate_mode(checkpoint)
+
+
+def build_stages(
+    owner: nn.Module,
+    stage_layers: Mapping[int, NamedLayers],
+    *,
+    names: Sequence[str],
+    first_layers: Mapping[int, int],
+    devices: Mapping[int, torch.device],
+    concurrent: Sequence[torch.device],
+    deferred_batch_norm: bool,
+) -> dict[int, Stage]:
+    """Builds the stages this process runs and registers their layers on ``owner``.
+
+    Args:
+        owner: the pipeline module; layers become its children under their names, so
+            its ``state_dict()`` has the plain model's keys.
+        stage_layers: per local stage, its (name, layer) pairs in order.
+        names: the names of every layer of the model, local or not: a clash is found on
+            every rank alike, whichever stage holds the layer.
+        first_layers: per local stage, the global index of its first layer.
+        devices: per local stage, its device.
+        concurrent: the devices of the workers that run at once in this process; a
+            device listed twice shares its random generator between workers.
+        deferred_batch_norm: convert batch norms to :class:`DeferredBatchNorm`.
+
+    Raises:
+        ModelError: a layer name would shadow an attribute or method of ``owner``.
+    """
+    _check_layer_names(owner, names)
+    stages = {}
+    for s, named in stage_layers.items():
+        if deferred_batch_norm:
+            named = [(name, convert_deferred_batch_norm(layer)) for name, layer in named]
+        for name, layer in named:
+            owner.add_module(name, layer)
+        device = devices[s]
+        layers = nn.Sequential(*[layer for _, layer in named]).to(device)
+        randomness = LayerRandomness(device, shared=list(concurrent).count(device) > 1)
+        stages[s] = Stage(s, layers, first_layer=first_layers[s], device=device,
+                          randomness=randomness)
+    return stages
+
+
+def _check_layer_names(owner: nn.Module, names: Sequence[str]) -> None:
+    for name in names:
+        if hasattr(owner, name):
+            kind = type(owner).__name__
+            raise ModelError(
+                f"layer name {name!r} clashes with an attribute of {kind}; rename the "
+                f"layer in the nn.Sequential (e.g. nn.Sequential(OrderedDict(...)) with "
+                f"another name for it)"
+            )
+
+
+def new_step(microbatches: Sequence[Any], *, chunks: int, checkpoint: str,
+             grad_enabled: bool, training: bool, **options: Any) -> StepState:
+    """The state of one pipelined call.
+
+    Args:
+        microbatches: stage 0's micro-batches (empty where stage 0 does not run).
+        chunks: the number of micro-batches M.
+        checkpoint: the recomputation mode, deciding which micro-batches recompute.
+        grad_enabled: whether forward records graphs for a backward.
+        training: draws a fresh step seed for the random streams (None in eval mode).
+        options: the other fields of :class:`StepState` (loss, targets ...).
+    """
+    return StepState(
+        inputs=microbatches,
+        recompute=lambda m: recomputes(checkpoint, m, chunks),
+        grad_enabled=grad_enabled,
+        step_seed=draw_step_seed() if training else None,
+        **options,
+    )
