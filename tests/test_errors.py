@@ -181,3 +181,38 @@ def test_out_of_memory_keeps_its_type_and_gets_a_note() -> None:
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         pipe(torch.zeros(4, 2))
     assert "stage 1, layer 1 (RunsOutOfMemory) failed on micro-batch 0" in caught.value.__notes__
+
+
+class SumRows(nn.Module):
+    """Collapses the batch: a layer that is wrong inside a pipeline."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=0, keepdim=True)
+
+
+@pytest.mark.parametrize("face", ["GPipe", "Pipeline"])
+def test_a_layer_that_changes_the_batch_size_is_named(face: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), SumRows(), nn.Linear(4, 1))
+    match = (r"stage 1, layer 2 \(SumRows\) returned 1 rows \(shape \[1, 4\]\) on "
+             r"micro-batch 0, which has 2 rows; a layer must keep dim 0, the batch")
+    with pytest.raises(conveyor.LayerOutputError, match=match):
+        if face == "GPipe":
+            conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=2)(torch.randn(4, 4))
+        else:
+            conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=2, balance=[2, 2],
+                              devices=["cpu"] * 2).step(torch.randn(4, 4), torch.randn(4, 1))
+
+
+def test_values_that_are_not_batched_may_pass_through_a_layer() -> None:
+    class WithScale(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2, torch.tensor(2.0)
+
+    class ApplyScale(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] * pair[1]
+
+    model = nn.Sequential(nn.Linear(4, 4), WithScale(), ApplyScale())
+    pipe = conveyor.GPipe(model, [2, 1], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4)
+    assert torch.equal(pipe(x), model(x))

@@ -22,7 +22,7 @@ from conveyor.engine.executor import StepState
 from conveyor.engine.microbatch import microbatch_sizes
 from conveyor.engine.recompute import recomputes, validate_mode
 from conveyor.engine.rng import LayerRandomness, draw_step_seed
-from conveyor.engine.stage import Stage
+from conveyor.engine.stage import Partition, Stage
 from conveyor.errors import ModelError
 
 __all__: list[str] = []
@@ -76,7 +76,7 @@ def build_stages(
         for name, layer in named:
             owner.add_module(name, layer)
         device = devices[s]
-        layers = nn.Sequential(*[layer for _, layer in named]).to(device)
+        layers = Partition(*[layer for _, layer in named]).to(device)
         randomness = LayerRandomness(device, shared=list(concurrent).count(device) > 1)
         stages[s] = Stage(s, layers, first_layer=first_layers[s], device=device,
                           randomness=randomness)

@@ -1,8 +1,17 @@
-"""One stage: consecutive layers on one device, run on one micro-batch at a time."""
+"""One stage: consecutive layers on one device, run on one micro-batch at a time.
+
+The layers are held by a :class:`Partition`, an ``nn.Sequential`` that the stage calls
+as one module, so that hooks a user puts on ``pipe.partitions[k]`` fire for every
+micro-batch (and again when it is recomputed; ``conveyor.is_recomputing()`` tells).
+Inside that call the stage runs the layers one by one: each layer call gets its own
+random stream, and each output is checked (tensors only, dim 0 kept) so that an error
+can name the layer.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,10 +26,23 @@ from conveyor.engine.rng import LayerRandomness
 
 __all__: list[str] = []
 
+LayerLoop = Callable[[Any], Any]
+
 # torch.utils.checkpoint stops a recomputation early by raising this through the layers.
 _STOP_RECOMPUTATION: type[BaseException] = getattr(
     torch.utils.checkpoint, "_StopRecomputationError", ConveyorError
 )
+
+
+class Partition(nn.Sequential):
+    """A stage's layers as one module.
+
+    Called by its stage, it runs the stage's loop over its layers (seeded, checked);
+    called directly, it is the plain ``nn.Sequential``.
+    """
+
+    def forward(self, input: Any, loop: LayerLoop | None = None) -> Any:
+        return super().forward(input) if loop is None else loop(input)
 
 
 class Stage:
@@ -37,7 +59,7 @@ class Stage:
     def __init__(
         self,
         index: int,
-        layers: nn.Sequential,
+        layers: Partition,
         *,
         first_layer: int,
         device: torch.device,
@@ -68,14 +90,18 @@ class Stage:
             step_seed: the seed of this pipelined call, or None for no seeding (eval).
             recompute: keep only ``inputs`` and recompute the layers in backward.
         """
-        def run(x: Any) -> Any:
+        def loop(x: Any) -> Any:
             return self._run_layers(x, microbatch, step_seed)
+
+        def run(x: Any) -> Any:
+            return self.layers(x, loop)  # through the module, so that its hooks run
 
         if recompute and torch.is_grad_enabled():
             return checkpointed(run, inputs, self._norms)
         return run(inputs)
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
+        rows = _batch_rows(x)
         for offset, layer in enumerate(self.layers):
             index = self.first_layer + offset
             seeded = (
@@ -94,6 +120,8 @@ class Stage:
                     raise
                 raise error from exc
             self._check_output(x, offset, microbatch)
+            if rows is not None:
+                self._check_rows(x, rows, offset, microbatch)
         return x
 
     def _describe_layer(self, offset: int) -> str:
@@ -134,6 +162,20 @@ class Stage:
                 "return a tensor or a tuple/list/dict of tensors"
             )
 
+    def _check_rows(self, output: Any, rows: tuple[int, torch.Size], offset: int,
+                    microbatch: int) -> None:
+        """Refuses an output whose batch dimension differs from the stage input's:
+        micro-batches are concatenated along dim 0, so the result would be wrong."""
+        got = _batch_rows(output)
+        if got is not None and got[0] == rows[0]:
+            return
+        found = f"{got[0]} rows (shape {list(got[1])})" if got is not None else "no batched tensor"
+        raise LayerOutputError(
+            f"stage {self.index}, {self._describe_layer(offset)} returned {found} on "
+            f"micro-batch {microbatch}, which has {rows[0]} rows; a layer must keep dim 0, "
+            "the batch, along which the pipeline splits and concatenates micro-batches"
+        )
+
     def end_step(self, *, commit: bool) -> None:
         """Commits (or, after a failure, discards) deferred batch-norm statistics."""
         for module in self._deferred:
@@ -141,6 +183,16 @@ class Stage:
                 module.commit()
             else:
                 module.discard()
+
+
+def _batch_rows(value: Any) -> tuple[int, torch.Size] | None:
+    """Dim 0 of the first tensor in ``value`` that has one, with its shape."""
+    if isinstance(value, torch.Tensor):  # the common case, without flattening
+        return (value.shape[0], value.shape) if value.dim() else None
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return leaf.shape[0], leaf.shape
+    return None
 
 
 def failure(
