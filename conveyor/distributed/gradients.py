@@ -1,11 +1,9 @@
-"""Gradients across stages and ranks: tied weights, data-parallel replicas, global norms.
+"""Gradients across ranks: data-parallel replicas and global norms.
 
-After a pipelined step each stage holds the gradients of its own parameters. Three
-things then need more than one stage:
+After a pipelined step each stage holds the gradients of its own parameters (tied
+weights' copies already summed, :mod:`conveyor.engine.ties`). Two things then need
+more than one rank:
 
-* a weight tied between stages (an embedding used by the first and the last stage)
-  lives as one copy per stage; their gradients are summed so the copies, updated
-  alike, stay equal;
 * data-parallel replicas of a stage average their gradients (as DDP would);
 * clipping by the global norm needs the norm over every stage, counting a tied weight
   once.
@@ -13,8 +11,7 @@ things then need more than one stage:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,40 +22,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__: list[str] = []
 
 _BUCKET_BYTES = 25 << 20  # as DDP's default bucket
-
-
-@dataclass
-class TiedParameter:
-    """One weight used by several stages, and the copies of it held in this process.
-
-    Attributes:
-        names: the parameter's names in the plain model, one per use.
-        copies: this process's copies (one per local stage that uses the weight).
-        counted: whether the first copy here is the one counted in norms (the copy of
-            the lowest stage that uses the weight).
-        group: the processes holding copies, to sum over (None in one process).
-    """
-
-    names: tuple[str, ...]
-    copies: list[nn.Parameter] = field(default_factory=list)
-    counted: bool = False
-    group: Any = None
-
-
-def sum_tied_gradients(ties: Iterable[TiedParameter]) -> None:
-    """Gives every copy of each tied weight the sum of all copies' gradients."""
-    for tie in ties:
-        if not tie.copies:
-            continue
-        first = tie.copies[0]
-        total = torch.zeros_like(first)
-        for copy in tie.copies:
-            if copy.grad is not None:
-                total += copy.grad.to(total.device)
-        if tie.group is not None:
-            dist.all_reduce(total, group=tie.group)
-        for copy in tie.copies:
-            copy.grad = total.to(copy.device, copy=True)
 
 
 def average_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int) -> None:

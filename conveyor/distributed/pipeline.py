@@ -16,7 +16,6 @@ gradients equal those of the plain model on the whole batch.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,18 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.gradients import (
-    average_across_replicas,
-    clip_grad_norm,
-    sum_tied_gradients,
-)
+from conveyor.distributed.gradients import average_across_replicas, clip_grad_norm
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource, draw_init_seed
 from conveyor.distributed.p2p import P2PTransport
-from conveyor.distributed.ties import find_ties, tie_layers
+from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.builder import NamedLayers, build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
+from conveyor.engine.ties import (
+    distinct_per_stage,
+    find_ties,
+    sum_tied_gradients,
+    tie_layers,
+)
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import profile_layers, solve_balance, validate_balance
 from conveyor.engine.transport import LocalTransport, Transport
@@ -117,7 +118,9 @@ class Pipeline(KeepsPlacement):
         starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]
         stage_layers = self._local_layers(source, starts)
         self._ties = tie_layers(tied, stage_layers, _stage_of_layer(source.names, starts),
-                                self.topology, self.schedule.stage_ranks)
+                                {s: self._stage_device(s) for s in stage_layers})
+        if self.topology.distributed:
+            connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
         self._stages = build_stages(
             self, stage_layers, names=source.names,
             first_layers={s: starts[s] for s in stage_layers},
@@ -138,17 +141,11 @@ class Pipeline(KeepsPlacement):
                  if not self.topology.distributed
                  or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
         init_seed = draw_init_seed()
-        placed: dict[int, int] = {}  # id of a layer object -> the stage it went to
-        stage_layers = {}
-        for s in local:
-            built = []
-            for i in range(starts[s], starts[s + 1]):
-                layer = source.layer(i, self._stage_device(s), init_seed)
-                if placed.setdefault(id(layer), s) != s:
-                    layer = copy.deepcopy(layer)  # one module object in two stages
-                built.append((source.names[i], layer))
-            stage_layers[s] = built
-        return stage_layers
+        return distinct_per_stage({
+            s: [(source.names[i], source.layer(i, self._stage_device(s), init_seed))
+                for i in range(starts[s], starts[s + 1])]
+            for s in local
+        })
 
     def _make_transport(self, timeout: float) -> Transport:
         if not self.topology.distributed:
@@ -214,7 +211,7 @@ class Pipeline(KeepsPlacement):
         """Clips gradients by their norm over every stage and rank; returns that norm."""
         counted = {id(p) for p in self.parameters()}
         for tie in self._ties:
-            for duplicate in tie.copies[int(tie.counted):]:
+            for duplicate in tie.duplicates():
                 counted.discard(id(duplicate))
         params = list(self.parameters())
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,

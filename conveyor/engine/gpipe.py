@@ -22,9 +22,15 @@ from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
-from conveyor.engine.stage import Stage
+from conveyor.engine.ties import (
+    TiedParameter,
+    distinct_per_stage,
+    find_ties,
+    sum_tied_gradients,
+    tie_layers,
+)
 from conveyor.engine.transport import LocalTransport
-from conveyor.errors import BalanceError, LayerOutputError
+from conveyor.errors import LayerOutputError
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 
 __all__ = ["GPipe"]
@@ -41,7 +47,10 @@ class GPipe(KeepsPlacement):
         optimizer.step()
 
     The layers keep their names, so ``pipe.state_dict()`` has exactly the keys of the
-    plain model's and checkpoints move freely between the two and any partition.
+    plain model's and checkpoints move freely between the two and any partition. A
+    weight that layers of two stages share (a language model's embedding and head)
+    becomes one copy per stage; gradients are summed into every copy, so an optimizer
+    over ``pipe.parameters()`` keeps the copies equal and steps as the plain model.
 
     Args:
         module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
@@ -85,9 +94,15 @@ class GPipe(KeepsPlacement):
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
         starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
+        stage_layers = distinct_per_stage(
+            {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))})
+        stage_of_layer = {name: s for s, named in stage_layers.items() for name, _ in named}
+        # Ties are found on the model as given, before a stage's copies exist.
+        self._ties = tie_layers(find_ties(layers), stage_layers, stage_of_layer,
+                                dict(enumerate(self.devices)))
         stages = build_stages(
             self,
-            {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))},
+            stage_layers,
             names=[name for name, _ in layers],
             first_layers=dict(enumerate(starts[:-1])),
             devices=dict(enumerate(self.devices)),
@@ -96,8 +111,6 @@ class GPipe(KeepsPlacement):
         )
         self._stages = list(stages.values())
         self.partitions.extend(stage.layers for stage in self._stages)
-        _refuse_shared_parameters(self._stages, [(name, layer) for name, layer in
-                                                  self._modules.items() if layer is not None])
         self._schedule = gpipe(len(self.balance), chunks)
         validate(self._schedule)
         self._executor = Executor(stages, self._schedule.stage_ranks,
@@ -127,29 +140,12 @@ class GPipe(KeepsPlacement):
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
         state = new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
                          grad_enabled=grad_enabled, training=self.training)
-        step = _Step(self._executor, self._schedule, state,
-                     leaves=leaves, wrt_inputs=wrt_inputs, params=params)
+        step = _Step(self._executor, self._schedule, state, leaves=leaves,
+                     wrt_inputs=wrt_inputs, params=params, ties=self._ties)
         if not grad_enabled:
             return step.forward()
         flat = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
         return step.assemble(flat)
-
-
-def _refuse_shared_parameters(stages: Sequence[Stage], layers: list[tuple[str, nn.Module]]) -> None:
-    # Stages accumulate into .grad from their own threads; a parameter used by two
-    # stages would be written by two threads at once (and live on one device only).
-    owner: dict[int, int] = {}
-    for stage in stages:
-        for p in stage.layers.parameters():
-            first = owner.setdefault(id(p), stage.index)
-            if first != stage.index:
-                names = [f"{name}.{n}" for name, layer in layers
-                         for n, q in layer.named_parameters() if q is p]
-                raise BalanceError(
-                    f"parameter {names[0]} is shared by stages {first} and {stage.index} "
-                    f"(also as {', '.join(names[1:])}); GPipe needs each parameter in one "
-                    "stage: change the balance so both uses fall in the same stage"
-                )
 
 
 class _Step:
@@ -164,6 +160,7 @@ class _Step:
         leaves: list[Any],
         wrt_inputs: list[int],
         params: list[nn.Parameter],
+        ties: list[TiedParameter],
     ) -> None:
         self.executor = executor
         self.schedule = schedule
@@ -171,6 +168,7 @@ class _Step:
         self.leaves = leaves
         self.wrt_inputs = wrt_inputs
         self.params = params
+        self.ties = ties
         self.output_spec: Any = None
         self.output_leaves: list[Any] = []
         self.differentiable: list[bool] = []
@@ -233,6 +231,7 @@ class _Step:
             p.grad = None
         try:
             self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
+            sum_tied_gradients(self.ties)
             param_grads = [p.grad for p in self.params]
         finally:
             for p, grad in zip(self.params, set_aside):
