@@ -38,7 +38,7 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.engine.partition import profile_layers, solve_balance, validate_balance
+from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.errors import BalanceError, ConveyorError
 from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
@@ -61,7 +61,8 @@ class Pipeline(KeepsPlacement):
         layers: the number of layers, when ``module`` is a function.
         balance: layers per stage (K·V entries); None evens out parameters; "time"
             evens out forward+backward time measured on ``sample``.
-        sample: a batch to profile for ``balance="time"``.
+        sample: one micro-batch to profile for ``balance="time"`` (as for
+            ``conveyor.balance_by_time``).
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
@@ -108,8 +109,7 @@ class Pipeline(KeepsPlacement):
         self.topology = topology or Topology(pipeline_size=ranks)
         self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
         source = LayerSource(module, layers)
-        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample,
-                                        chunks)
+        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
@@ -294,7 +294,7 @@ def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
 
 
 def _resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
-                     num_stages: int, sample: Any, chunks: int) -> list[int]:
+                     num_stages: int, sample: Any) -> list[int]:
     count = len(source.names)
     if balance is None:
         return solve_balance(source.parameter_counts(), num_stages)
@@ -305,10 +305,9 @@ def _resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
         model = source.layers_if_known()
         if sample is None or not model:
             raise BalanceError("balance='time' profiles the model on a batch: pass "
-                               "sample=<a batch> with an nn.Sequential built on a device")
-        costs = [p.forward_seconds + p.backward_seconds for p in profile_layers(
-            nn.Sequential(*[layer for _, layer in model]), split(sample, chunks)[0])]
-        result = solve_balance(costs, num_stages)
+                               "sample=<a micro-batch> with an nn.Sequential built on a device")
+        result = balance_by_time(nn.Sequential(*[layer for _, layer in model]), sample,
+                                 num_stages)
         if dist.is_available() and dist.is_initialized():
             shared = [result]
             dist.broadcast_object_list(shared, src=0)  # one rank's timings decide for all

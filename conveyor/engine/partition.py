@@ -32,6 +32,12 @@ __all__ = [
 ]
 
 
+# A layer is timed at least ``repeat`` times and for at least this long (up to _MAX_RUNS):
+# a fast layer's time is otherwise mostly noise.
+_MIN_SECONDS = 0.02
+_MAX_RUNS = 200
+
+
 def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of ``module`` as ``(name, layer)`` pairs, in order.
 
@@ -85,7 +91,8 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
 
     Exact: a dynamic programme over every contiguous partition, O(stages * L^2) on
     vectorised tensors. Ties are broken towards the most even partition (least sum of
-    squared stage costs), then towards earlier cuts.
+    squared stage costs), then towards earlier cuts. With every cost zero, the number
+    of layers is evened out.
 
     Raises:
         BalanceError: a cost is negative or not finite, or there are more stages than
@@ -105,6 +112,8 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
         layer = int(bad.nonzero()[0])
         raise BalanceError(f"layer {layer} has cost {float(cost[layer])}; costs must be "
                            "finite and non-negative")
+    if not bool(cost.any()):  # nothing to weigh: even out the number of layers
+        cost = torch.ones_like(cost)
     prefix = torch.cat([torch.zeros(1, dtype=torch.float64), cost.cumsum(0)])
     # segment[i, j] is the cost of layers i..j-1 (defined for i < j).
     segment = prefix[None, :] - prefix[:, None]
@@ -152,8 +161,8 @@ class LayerProfile:
         name: the layer's name in the ``nn.Sequential``.
         parameters: the number of parameter elements.
         parameter_bytes: bytes of parameters (gradients and optimizer state come on top).
-        forward_seconds: median forward time.
-        backward_seconds: median backward time (input and weight gradients).
+        forward_seconds: forward time (the fastest of the timed runs).
+        backward_seconds: backward time (input and weight gradients; the fastest run).
         saved_bytes: bytes of tensors autograd saves for backward, parameters excluded,
             each storage counted once.
         output_bytes: bytes of the layer's output tensors.
@@ -184,14 +193,26 @@ def balance_by_time(
 ) -> list[int]:
     """Balance that evens out forward plus backward time per stage.
 
-    Each layer is timed on ``sample`` (a batch like the micro-batches it will see),
-    on the device the model is on, as the median of ``repeat`` runs after a warm-up.
+    Each layer is timed on ``sample``, one micro-batch (a batch of the size the stages
+    will see), on the device the model is on, as the fastest of at least ``repeat`` runs
+    (more for fast layers, to 20 ms in all) after a warm-up. Times are rounded to a tenth of the median layer's time before solving, so
+    that layers whose times differ only by measurement noise count as equal and the
+    answer does not flip between runs.
 
     Raises:
         BalanceError: more stages than layers.
     """
     profiles = profile_layers(module, sample, repeat=repeat)
-    return solve_balance([p.forward_seconds + p.backward_seconds for p in profiles], stages)
+    return solve_balance(_denoised([p.forward_seconds + p.backward_seconds
+                                    for p in profiles]), stages)
+
+
+def _denoised(seconds: Sequence[float]) -> list[float]:
+    """Times in units of a tenth of the median layer's time, rounded."""
+    unit = statistics.median(seconds) / 10
+    if unit <= 0:
+        return list(seconds)
+    return [float(round(s / unit)) for s in seconds]
 
 
 def balance_by_memory(
@@ -221,7 +242,8 @@ def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> li
     Args:
         module: the model as an ``nn.Sequential``.
         sample: an input batch for the first layer (tensor or nested structure).
-        repeat: timed runs per layer after one warm-up; 0 measures memory only.
+        repeat: timed runs per layer after one warm-up (at least; a fast layer runs until
+            20 ms are measured); 0 measures memory only. Times are the fastest run's.
     """
     layers = sequential_layers(module)
     device = next(module.parameters(), torch.empty(0)).device
@@ -248,11 +270,15 @@ def _profile_layer(
         return t
 
     def run(measure_memory: bool) -> tuple[float, float, Any]:
-        inputs = pytree.tree_map_only(
+        leaves = pytree.tree_map_only(
             torch.Tensor,
             lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()),
             x,
         )
+        # The layer gets a copy, not the leaf itself: a layer that starts with an in-place
+        # op (ReLU(inplace=True)) may modify it, as it may inside a stage.
+        inputs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.clone() if t.requires_grad else t, leaves)
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
                  if measure_memory else contextlib.nullcontext())
         _sync(device)
@@ -263,7 +289,7 @@ def _profile_layer(
         forward = time.perf_counter() - start
         outs = [t for t in pytree.tree_leaves(out)
                 if isinstance(t, torch.Tensor) and t.requires_grad]
-        wrt = [t for t in pytree.tree_leaves(inputs)
+        wrt = [t for t in pytree.tree_leaves(leaves)
                if isinstance(t, torch.Tensor) and t.requires_grad] + params
         start = time.perf_counter()
         if outs and wrt:
@@ -273,14 +299,17 @@ def _profile_layer(
         return forward, time.perf_counter() - start, out
 
     _, _, out = run(measure_memory=True)
-    times = [run(measure_memory=False)[:2] for _ in range(repeat)]
+    times = []
+    while repeat and (len(times) < repeat or (sum(f + b for f, b in times) < _MIN_SECONDS
+                                               and len(times) < _MAX_RUNS)):
+        times.append(run(measure_memory=False)[:2])
     out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
     profile = LayerProfile(
         name=name,
         parameters=sum(p.numel() for p in layer.parameters()),
         parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        forward_seconds=statistics.median(t[0] for t in times) if times else 0.0,
-        backward_seconds=statistics.median(t[1] for t in times) if times else 0.0,
+        forward_seconds=min(t[0] for t in times) if times else 0.0,
+        backward_seconds=min(t[1] for t in times) if times else 0.0,
         saved_bytes=sum(saved.values()),
         output_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
                          if isinstance(t, torch.Tensor)),

@@ -1,0 +1,66 @@
+"""Profiling for balance: layers that start in place, one meaning of ``sample``, ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+
+
+class Heavy(nn.Module):
+    """A layer with about 30 times the work of a Linear(16, 16) on 64 rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(256, 256) / 16)
+        self.down = nn.Linear(256, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.repeat(1, 16)
+        for _ in range(6):
+            h = torch.tanh(h @ self.weight)
+        return self.down(h)
+
+
+def _heavy_last(count: int = 6) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(count - 1)], Heavy())
+
+
+def test_a_layer_starting_in_place_is_profiled() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.ReLU(inplace=True))
+    profiles = conveyor.profile_layers(model, torch.randn(4, 8), repeat=1)
+    assert [p.name for p in profiles] == ["0", "1", "2", "3"]
+    assert conveyor.balance_by_memory(model, torch.randn(4, 8), 2) == [2, 2]
+    assert sum(conveyor.balance_by_time(model, torch.randn(4, 8), 2)) == 4
+
+
+def test_all_zero_costs_balance_the_number_of_layers() -> None:
+    assert conveyor.solve_balance([0.0] * 6, 2) == [3, 3]
+    assert conveyor.solve_balance([0.0] * 7, 3) == [2, 2, 3]  # earlier cuts break ties
+
+
+def test_a_heavy_layer_gets_a_stage_of_its_own() -> None:
+    torch.manual_seed(0)
+    assert conveyor.balance_by_time(_heavy_last(), torch.randn(64, 16), 2) == [5, 1]
+
+
+def test_equal_layers_split_the_same_way_every_time() -> None:
+    answers = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(5)])
+        answers.add(tuple(conveyor.balance_by_time(model, torch.randn(32, 64), 2)))
+    assert answers == {(2, 3)}  # earlier cuts break ties
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(chunks: int) -> None:
+    torch.manual_seed(0)
+    model = _heavy_last()
+    microbatch = torch.randn(64, 16)
+    pipe = conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=chunks, balance="time",
+                             sample=microbatch, devices=["cpu"] * 2)
+    assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]
