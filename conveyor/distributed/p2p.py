@@ -1,20 +1,16 @@
 """Moving activations and gradients between processes with point-to-point ops.
 
-A message is a fixed header (24 int64s: kind, stage, micro-batch, sizes, and for a
-single tensor its dtype and shape) and a body: the tensors' bytes, after the pickled
-skeleton of a nested structure. Shapes travel with every message, so a later batch
-with another sequence length needs nothing special. Receives are posted in the order
-the sender sends, which the receiver knows from the table: no tags (NCCL has none).
+A message is a header of 24 int64s and a body; the header carries the shapes and
+dtypes, so a later batch with another sequence length needs nothing special (the layout
+is drawn below). Receives are posted in the order the sender sends, which the receiver
+knows from the table: no tags (NCCL has none).
 
 Waiting is what makes a pipeline slow. With gloo, data moves only once the receiver
 has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
 under load; three per message cost a 2-stage step 15%. So each peer always has a
 receive posted for its next message, and on gloo header and body travel as one
-*envelope* into it: gloo accepts a buffer larger than the message, and the buffer is
-as large as the largest message seen from that peer. Both sides track that capacity
-the same way, so a message that outgrows it goes as a header alone, then its body,
-and the next one fits. NCCL needs exact sizes (and overlaps on the GPU anyway): there
-the header goes first, then the body.
+*envelope* into it (drawn above :class:`P2PTransport`). NCCL needs exact sizes (and
+overlaps on the GPU anyway): there the header goes first, then the body.
 """
 
 from __future__ import annotations
@@ -37,6 +33,32 @@ from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
 
 __all__: list[str] = []
 
+# The layout of a message, as it lies in the receiver's buffer on gloo: an envelope,
+# header and body in one transfer into a receive posted as large as the largest
+# message yet from that peer (its capacity). NCCL sends the header and the body as two
+# messages of their exact sizes.
+#
+#   byte 0         192          192+S                                   192+BODY
+#   | header       | skeleton | pad | tensor 0 | pad | tensor 1 | pad |  unused  |
+#   | 24 int64s    |<---------------- body: BODY bytes --------------->| capacity |
+#
+# S, the skeleton's size, and each tensor's size are padded to 64 bytes, so every tensor
+# starts aligned and is viewed as its dtype where it lies. A single tensor (the common
+# case) has no skeleton and no padding: the header describes it and the body is its bytes.
+#
+#   header field   meaning
+#   0 code         0 activation, 1 gradient, 2 abort (the body is a pickled report)
+#   1 stage        the receiving stage                                (-1 in an abort)
+#   2 microbatch   the micro-batch                                    (-1 in an abort)
+#   3 body         BODY, the bytes after the header (padding included)
+#   4 skeleton     S: the value pickled with a _Slot (offset, dtype, shape, flag) in
+#                  place of each tensor; 0 for a single tensor
+#   5 inline       1: the body follows in this buffer; 0: it comes in a message of its own
+#   6 dtype        index into _DTYPES    \
+#   7 grad         requires_grad          |  a single tensor only (at most 12 dims,
+#   8 ndim         number of dims         |  a dtype in _DTYPES; anything else goes
+#   9-20 shape     one size per dim      /   with a skeleton)
+#   21-23          unused
 _INTS = 24
 _HEADER_BYTES = _INTS * 8
 _MAX_DIMS = 12
@@ -101,24 +123,76 @@ def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[in
     return header, pieces
 
 
-def _unpickle(data: torch.Tensor) -> Any:
+def _describe(header: Sequence[int]) -> str:
+    """The message a header announces, in words, for error messages."""
+    if header[_CODE] == _ABORT:
+        return "an abort report"
+    return (f"the {_KINDS.get(header[_CODE], '?')} of micro-batch {header[_MICROBATCH]} "
+            f"for stage {header[_STAGE]}")
+
+
+def _check_header(header: Sequence[int]) -> None:
+    """Raises ConveyorError unless ``header`` could be one that :func:`_encode` wrote."""
+    if len(header) != _INTS:
+        raise ConveyorError(f"a message header has {len(header)} fields, expected {_INTS}")
+    if header[_CODE] not in _KINDS and header[_CODE] != _ABORT:
+        raise ConveyorError(f"a message header has kind code {header[_CODE]}; known codes "
+                            f"are {_KINDS | {_ABORT: 'abort'}}: the message is corrupt or "
+                            "the ranks run different conveyor versions")
+    what = _describe(header)
+    if not 0 <= header[_SKELETON] <= header[_BODY]:
+        raise ConveyorError(f"the header of {what} gives a skeleton of {header[_SKELETON]} "
+                            f"bytes and a body of {header[_BODY]}: the message is corrupt")
+    if header[_SKELETON] or header[_CODE] == _ABORT:
+        return
+    ndim = header[_NDIM]
+    if not 0 <= header[_DTYPE] < len(_DTYPES) or not 0 <= ndim <= _MAX_DIMS:
+        raise ConveyorError(f"the header of {what} gives dtype code {header[_DTYPE]} and "
+                            f"{ndim} dims; known are codes 0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} "
+                            "dims: the message is corrupt")
+    shape = header[_SHAPE:_SHAPE + ndim]
+    size = math.prod(shape) * _DTYPES[header[_DTYPE]].itemsize
+    if min(shape, default=0) < 0 or size != header[_BODY]:
+        raise ConveyorError(f"the header of {what} gives shape {shape} of "
+                            f"{_DTYPES[header[_DTYPE]]} ({size} bytes) and a body of "
+                            f"{header[_BODY]} bytes: the message is corrupt")
+
+
+def _unpickle(data: torch.Tensor, what: str) -> Any:
     """The object pickled into a uint8 tensor (without numpy, which torch does not need)."""
-    return pickle.loads(bytes(data.cpu().tolist()))
+    try:
+        return pickle.loads(bytes(data.cpu().tolist()))
+    except Exception as exc:  # noqa: BLE001 - corrupt pickles raise many kinds of error
+        raise ConveyorError(f"the pickled part of {what} ({data.numel()} bytes) cannot be "
+                            f"read ({type(exc).__name__}: {exc}): the message is corrupt or "
+                            "truncated") from exc
 
 
 def _decode(header: list[int], body: torch.Tensor) -> Any:
-    """The value of a message from its header and body (tensors are views of the body)."""
+    """The value of a message from its header and body (tensors are views of the body).
+
+    Raises:
+        ConveyorError: the header is malformed, or the body is shorter than it says.
+    """
+    _check_header(header)
+    what = _describe(header)
+    if body.numel() < header[_BODY]:
+        raise ConveyorError(f"{what} is truncated: its header announces a body of "
+                            f"{header[_BODY]} bytes, {body.numel()} arrived")
     if header[_SKELETON] == 0:
         dtype = _DTYPES[header[_DTYPE]]
         shape = header[_SHAPE:_SHAPE + header[_NDIM]]
         tensor = body[:header[_BODY]].view(dtype).view(shape)
         return tensor.requires_grad_() if header[_GRAD] else tensor
-    skeleton = _unpickle(body[:header[_SKELETON]])
+    skeleton = _unpickle(body[:header[_SKELETON]], what)
 
     def fill(slot: _Slot) -> torch.Tensor:
         dtype = getattr(torch, slot.dtype)
         size = math.prod(slot.shape) * dtype.itemsize
         start = header[_SKELETON] + slot.offset
+        if start + size > header[_BODY]:
+            raise ConveyorError(f"{what} places a tensor of {size} bytes at byte {start} of "
+                                f"a body of {header[_BODY]}: the message is corrupt")
         tensor = body[start:start + size].view(dtype).view(slot.shape)
         return tensor.requires_grad_() if slot.requires_grad else tensor
 
@@ -139,6 +213,24 @@ def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         buffer[start + offset:start + offset + data.numel()] = data
     return buffer
+
+
+# How messages meet their receives, for rank 1 of GPipe on two stages and two
+# micro-batches whose activations are 4 KiB each. Both sides start a peer's capacity
+# at 192 bytes (a header) and raise it to the largest message seen, in the same order,
+# so they always agree whether the next message fits in one envelope:
+#
+#   rank 0 sends                           rank 1
+#                                          prepare(): expects act(1,0), act(1,1) from
+#                                            rank 0; posts a 192-byte receive
+#   0F0: 4288 > 192 bytes: header alone  -> lands in it (inline 0); posts 4096 bytes
+#        then the body (4096 bytes)      -> lands there; act(1,0) is decoded, capacity
+#                                            is now 4288; posts 4288 bytes for act(1,1)
+#   0F1: 4288 <= 4288: one envelope      -> lands whole in the posted receive (inline 1)
+#        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
+#
+# A failing rank sends an abort report in place of its next message to every peer, so
+# a waiting receive ends with PeerFailure instead of a timeout.
 
 
 @dataclass
@@ -286,6 +378,7 @@ class P2PTransport:
             self._wait(message.work, what)
             if message.header is None:
                 header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
+                _check_header(header)  # before trusting its body size with an allocation
                 if not header[_INLINE] and header[_BODY]:
                     message.header = header  # the body follows in a message of its own
                     message.buffer = torch.empty(header[_BODY], dtype=torch.uint8,
@@ -297,8 +390,8 @@ class P2PTransport:
             else:
                 header, body = message.header, message.buffer
             if header[_CODE] == _ABORT:
-                self._raise_failure(_unpickle(body[:header[_BODY]]),
-                                    what)
+                report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
+                self._raise_failure(report, what)
             arrived = (_KINDS.get(header[_CODE], "?"), header[_STAGE], header[_MICROBATCH])
             if arrived != message.key:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "

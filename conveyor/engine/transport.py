@@ -50,7 +50,10 @@ class Transport(Protocol):
 
 
 def deliver(tree: Any, device: torch.device, copy_streams: dict[Any, Any] | None = None) -> Any:
-    """Detached copies of the tensors of ``tree`` on ``device``, flags kept."""
+    """The tensors of ``tree`` detached, on ``device``, each with its ``requires_grad`` flag.
+
+    A tensor already on ``device`` is not copied: the delivery shares its memory.
+    """
 
     def move(t: torch.Tensor) -> torch.Tensor:
         out = _move(t.detach(), device, copy_streams)

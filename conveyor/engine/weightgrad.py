@@ -29,7 +29,13 @@ __all__: list[str] = []
 
 
 class WeightGradient:
-    """The deferred W of one stage and micro-batch: call :meth:`run` once."""
+    """The deferred W of one stage and micro-batch: call :meth:`run` once.
+
+    Args:
+        groups: per group of parameters, the nodes W starts from with the gradients
+            noted there in B, and the parameters it reaches from them.
+        pinned: nodes that must receive in W exactly the gradient noted in B.
+    """
 
     def __init__(self, groups: list[tuple[list[tuple[Node, tuple[Any, ...]]], list[torch.Tensor]]],
                  pinned: list[Node]) -> None:
@@ -39,31 +45,81 @@ class WeightGradient:
     def run(self) -> None:
         """Computes the weight gradients and adds them to each parameter's ``.grad``."""
         captured = {node: grads for group, _ in self._groups for node, grads in group}
+        # A pre-hook that returns gradients replaces what flowed into the node.
         handles = [node.register_prehook(lambda grads, fixed=captured[node]: fixed)
                    for node in self._pinned]
         try:
-            for edges_and_grads, params in self._groups:
-                edges, grads = [], []
-                for node, node_grads in edges_and_grads:
-                    for slot, grad in enumerate(node_grads):
-                        if grad is not None:
-                            edges.append(GradientEdge(node, slot))
-                            grads.append(grad)
+            for noted, params in self._groups:
+                edges, grads = _starts(noted)
                 if not edges:
                     continue
                 results = torch.autograd.grad(edges, params, grads, retain_graph=True,
                                               allow_unused=True)
-                for param, grad in zip(params, results):
-                    if grad is None:
-                        continue
-                    if param.grad is None:
-                        param.grad = grad
-                    else:
-                        param.grad += grad
+                _accumulate(params, results)
         finally:
             for handle in handles:
                 handle.remove()
             self._groups = []
+
+
+def _starts(noted: list[tuple[Node, tuple[Any, ...]]]) -> tuple[list[GradientEdge], list[Any]]:
+    """The edges into the noted nodes that carried a gradient, and those gradients."""
+    edges, grads = [], []
+    for node, node_grads in noted:
+        for slot, grad in enumerate(node_grads):
+            if grad is not None:
+                edges.append(GradientEdge(node, slot))
+                grads.append(grad)
+    return edges, grads
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Adds each gradient to its parameter's ``.grad``, as a full backward would."""
+    for param, grad in zip(params, grads):
+        if grad is None:
+            continue
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad += grad
+
+
+# How B and W divide one stage's autograd graph, for two Linear layers with a tanh
+# between them (``Linear(tanh(Linear(x)))``; the stage's input x is a leaf that
+# requires grad). Gradient flows down; ``*`` marks a capture node, where a parameter's
+# branch joins the input path::
+#
+#       output's grad_fn                                   (a root)
+#             |
+#       * AddmmBackward   <- g2 noted ---+-------------------+
+#             |                          |                   |
+#             |                      TBackward       AccumulateGrad(bias 2)
+#             |                          |
+#       TanhBackward             AccumulateGrad(weight 2)
+#             |
+#       * AddmmBackward   <- g1 noted ---+-------------------+
+#             |                          |                   |
+#             |                      TBackward       AccumulateGrad(bias 1)
+#             |                          |
+#       AccumulateGrad(x)        AccumulateGrad(weight 1)
+#
+#       input path                       parameter branches
+#       (B runs these)                   (W runs these, later)
+#
+# B is ``autograd.grad(outputs, inputs)``: autograd runs only the nodes on the way to
+# the inputs, computing just their input-side gradient (the Addmm nodes skip the weight
+# half), and a pre-hook on each capture node notes the gradient that arrives there
+# (g2 at the upper one, g1 at the lower). W is, per group of parameters,
+# ``autograd.grad(GradientEdge(capture node), params, noted gradient)``: the branch to
+# weight 2 and bias 2 from g2, the one to weight 1 and bias 1 from g1, each adding to
+# ``.grad``. Parameters whose capture nodes overlap form one group and one call; if
+# one capture node of a group lies below another (one weight used in both layers), W
+# would send the upper node's gradient down the input path into the lower one as well,
+# on top of what it is given there, so the lower node is pinned to the gradient B noted.
+# A parameter with no capture node (no input requires grad, or it feeds an output the
+# inputs do not reach) gets W from the roots, with the outputs' gradients.
+
+_Group = tuple[set[Node], list[Node]]  # capture nodes, and the nodes of their parameters
 
 
 def backward_input(
@@ -77,50 +133,80 @@ def backward_input(
 
     Returns:
         The input gradients (None where an input is unused) and the deferred W.
+
+    Raises:
+        ValueError: an output, a parameter or an input that requires grad is not part
+            of an autograd graph.
     """
     roots = [_node(t) for t in outputs]
     parents = _parents(roots)
-    input_nodes = [_node(t) for t in inputs if t.requires_grad]
-    on_input_path = _ancestors(input_nodes, parents)
-    param_nodes = {_node(p): p for p in params}
+    input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
+    param_of = {_node(p): p for p in params}
+    capture = {node: _capture_nodes(node, parents, input_path) for node in param_of}
+    groups, direct = _groups(capture)
+    input_grads, captured = _input_pass(outputs, grads, inputs,
+                                        [node for nodes, _ in groups for node in nodes])
 
-    # For each parameter, the nodes on the input path where its subgraph begins.
-    boundary: dict[Node, set[Node]] = {}
-    for node in param_nodes:
-        found: set[Node] = set()
-        seen, queue = {node}, [node]
-        while queue:
-            current = queue.pop()
-            for parent in parents.get(current, ()):
-                if parent in on_input_path:
-                    found.add(parent)
-                elif parent not in seen:
-                    seen.add(parent)
-                    queue.append(parent)
-        boundary[node] = found
+    work = [([(node, captured.get(node, ())) for node in nodes],
+             [param_of[node] for node in members]) for nodes, members in groups]
+    if direct:
+        output_grads = [g if g is not None else torch.ones_like(t) for t, g in zip(outputs, grads)]
+        work.append(([(root, (grad,)) for root, grad in zip(roots, output_grads)],
+                     [param_of[node] for node in direct]))
+    return input_grads, WeightGradient(work, _pinned(groups))
 
-    # Parameters that share a boundary node are computed together.
-    groups: list[tuple[set[Node], list[Node]]] = []
-    direct: list[Node] = []  # subgraph reached from the outputs without the input path
-    for node, found in boundary.items():
+
+def _capture_nodes(param: Node, parents: dict[Node, list[Node]],
+                   input_path: set[Node]) -> set[Node]:
+    """The nodes on the input path where the branch above ``param`` joins it."""
+    found: set[Node] = set()
+    seen, queue = {param}, [param]
+    while queue:
+        current = queue.pop()
+        for parent in parents.get(current, ()):
+            if parent in input_path:
+                found.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return found
+
+
+def _groups(capture: dict[Node, set[Node]]) -> tuple[list[_Group], list[Node]]:
+    """Parameters whose capture nodes overlap, merged into groups with disjoint capture
+    nodes (one W call each); and the parameters with no capture node at all."""
+    groups: list[_Group] = []
+    direct: list[Node] = []
+    for param, found in capture.items():
         if not found:
-            direct.append(node)
+            direct.append(param)
             continue
-        merged = [g for g in groups if g[0] & found]
-        nodes, members = set(found), [node]
+        merged = [group for group in groups if group[0] & found]
+        nodes, members = set(found), [param]
         for group in merged:
             nodes |= group[0]
             members += group[1]
             groups.remove(group)
         groups.append((nodes, members))
+    return groups, direct
 
+
+def _input_pass(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    capture: Sequence[Node],
+) -> tuple[list[torch.Tensor | None], dict[Node, tuple[Any, ...]]]:
+    """B itself: the gradients of ``inputs`` (None where none is wanted), and the
+    gradient that flowed into each of the ``capture`` nodes on the way."""
     captured: dict[Node, tuple[Any, ...]] = {}
-    handles = []
-    for nodes, _ in groups:
-        for node in nodes:
-            def note(node_grads: tuple[Any, ...], node: Node = node) -> None:
-                captured[node] = tuple(node_grads)
-            handles.append(node.register_prehook(note))
+
+    def note(node: Node) -> Any:
+        def hook(node_grads: tuple[Any, ...]) -> None:
+            captured[node] = tuple(node_grads)
+        return hook
+
+    handles = [node.register_prehook(note(node)) for node in capture]
     try:
         wanted = [t for t in inputs if t.requires_grad]
         input_grads: list[torch.Tensor | None] = [None] * len(inputs)
@@ -131,21 +217,18 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
+    return input_grads, captured
 
-    work = [([(node, captured.get(node, ())) for node in nodes],
-             [param_nodes[p] for p in members]) for nodes, members in groups]
-    if direct:
-        output_grads = [g if g is not None else torch.ones_like(t) for t, g in zip(outputs, grads)]
-        work.append(([(root, (grad,)) for root, grad in zip(roots, output_grads)],
-                     [param_nodes[p] for p in direct]))
-    # Within a group, a boundary node below another one would receive the gradient
-    # again through it in W: pin such nodes to the gradient noted in B.
+
+def _pinned(groups: Sequence[_Group]) -> list[Node]:
+    """The capture nodes that lie below another capture node of their group: W would
+    send them gradient again through it, so they are pinned to what B noted."""
     pinned = []
     for nodes, _ in groups:
         if len(nodes) > 1:
             below = set().union(*(_descendants(node) for node in nodes))
             pinned += [node for node in nodes if node in below]
-    return input_grads, WeightGradient(work, pinned)
+    return pinned
 
 
 def _node(t: torch.Tensor) -> Node:
