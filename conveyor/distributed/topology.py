@@ -5,7 +5,7 @@ column of one pipeline rank. With ``data_parallel=D`` the world of K·D processe
 DeviceMesh of shape (pipeline K, data D); global rank g is pipeline rank g // D and
 data replica g % D, so the replicas of a stage are neighbours (on one node when D
 divides the GPUs per node) and pipeline hops cross nodes. Messages between the ranks
-travel by :mod:`conveyor.p2p`.
+travel by :mod:`conveyor.distributed.p2p`.
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ def _profile_layer(
         return forward, time.perf_counter() - start, out
 
     _, _, out = run(measure_memory=True)
-    times = []
+    times: list[tuple[float, float]] = []
     while repeat and (len(times) < repeat or (sum(f + b for f, b in times) < _MIN_SECONDS
                                                and len(times) < _MAX_RUNS)):
         times.append(run(measure_memory=False)[:2])
