@@ -1,11 +1,11 @@
-"""Splitting a stage's backward into the input gradient (B) and the weight gradient (W).
+"""Splitting a stage's backward ``B`` into the input gradient (I) and the weight gradient (W).
 
 Zero-bubble schedules send the input gradient upstream first and compute weight
 gradients later, when the stage would otherwise wait. Backward through a stage's graph
 is split at the nodes where a parameter's subgraph joins the path to the stage's
 inputs (for ``y = x @ w.T``, the matmul's backward node):
 
-* B runs autograd from the outputs to the inputs only, and notes the gradient flowing
+* I runs autograd from the outputs to the inputs only, and notes the gradient flowing
   into each such node (a node pre-hook);
 * W runs autograd from those nodes, with the noted gradients, to the parameters.
 
@@ -72,7 +72,7 @@ def backward_input(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGradient]:
-    """Runs B: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
+    """Runs I: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
     ``inputs``, keeping the graph for the W that is returned.
 
     Returns:
@@ -139,7 +139,7 @@ def backward_input(
         work.append(([(root, (grad,)) for root, grad in zip(roots, output_grads)],
                      [param_nodes[p] for p in direct]))
     # Within a group, a boundary node below another one would receive the gradient
-    # again through it in W: pin such nodes to the gradient noted in B.
+    # again through it in W: pin such nodes to the gradient noted in I.
     pinned = []
     for nodes, _ in groups:
         if len(nodes) > 1:
