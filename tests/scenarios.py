@@ -56,13 +56,24 @@ def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tu
             torch.randint(0, VOCAB, (batch, length), generator=generator))
 
 
+# A 2-rank table mixing full and split backwards: micro-batch 0 backs up fully (B) on
+# stage 1 and split (I, W) on stage 0; micro-batch 1 the other way round; micro-batch 2
+# like 0; micro-batch 3 split on both stages.
+MIXED = """
+0F0 0F1 0I0 0F2 0B1 0F3 0W0 0I2 0I3 0W3 0W2
+1F0 1B0 1F1 1I1 1F2 1B2 1W1 1F3 1I3 1W3
+"""
+
+
 def cases(world: int) -> list[tuple[str, str, int]]:
-    """(model, schedule, virtual stages) run by the equivalence scenario."""
+    """(model, schedule, virtual stages) run by the equivalence scenario; "mixed" is
+    the table MIXED."""
     found = [(model, schedule, 1) for model in ("mlp", "lm")
              for schedule in ("gpipe", "1f1b", "zero-bubble")]
     found.append(("mlp", "interleaved-1f1b", 2))
     if world == 2:
         found.append(("lm", "interleaved-1f1b", 2))
+        found.append(("lm", "mixed", 1))
     return found
 
 
@@ -73,7 +84,9 @@ def _grads(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
 def scenario_equivalence(rank: int, world: int, out_dir: Path) -> None:
     for model_name, schedule, virtual in cases(world):
         model, loss_fn = case_model(model_name)
-        pipe = conveyor.Pipeline(model, chunks=4, schedule=schedule, virtual_stages=virtual,
+        table = (conveyor.schedules.parse(MIXED, name="mixed") if schedule == "mixed"
+                 else schedule)
+        pipe = conveyor.Pipeline(model, chunks=4, schedule=table, virtual_stages=virtual,
                                  loss_fn=loss_fn, checkpoint="except_last", timeout=30)
         x, y = case_batch(model_name)
         loss = pipe.step(x, y)

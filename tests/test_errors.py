@@ -144,6 +144,39 @@ def test_failure_in_backward_names_stage_and_micro_batch() -> None:
         out.sum().backward()
 
 
+@pytest.mark.timeout(30)
+def test_failure_in_an_input_gradient_says_input_gradient() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), FailsInBackward(), nn.Linear(3, 3))
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, balance=[1, 2],
+                             schedule=conveyor.schedules.parse("0F0 0F1 0B0 0B1\n"
+                                                               "1F0 1I0 1F1 1W0 1B1"),
+                             loss_fn=nn.functional.mse_loss, checkpoint="never")
+    with pytest.raises(conveyor.StageError,
+                       match=r"stage 1 failed in input gradient of micro-batch 0 \(1I0\): "
+                             r"ArithmeticError: backward exploded"):
+        pipe.step(torch.randn(4, 3), torch.randn(4, 3))
+
+
+class FailsWhenRecomputed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if conveyor.is_recomputing():
+            raise ValueError("not again")
+        return x
+
+
+@pytest.mark.timeout(30)
+def test_a_recomputation_failing_in_an_input_gradient_names_that_action() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), FailsWhenRecomputed(), nn.Linear(3, 3))
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, balance=[1, 2],
+                             schedule="zero-bubble", loss_fn=nn.functional.mse_loss,
+                             checkpoint="always")
+    with pytest.raises(conveyor.StageError,
+                       match=r"stage 1, layer 1 \(FailsWhenRecomputed\) failed on micro-batch "
+                             r"0 while recomputing for backward: ValueError: not again") as caught:
+        pipe.step(torch.randn(4, 3), torch.randn(4, 3))
+    assert caught.value.action == "1I0"
+
+
 def test_inplace_on_a_stage_input_explains_the_fix() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3))
     pipe = conveyor.GPipe(model, [1, 2], devices=["cpu"] * 2, chunks=2)

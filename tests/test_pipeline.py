@@ -13,7 +13,7 @@ from conveyor.errors import BalanceError, ConveyorError, ScheduleError
 from conveyor.distributed.instantiate import sequential
 from conveyor.errors import NonFiniteLossError
 from tests.models import relative_error
-from tests.scenarios import case_batch, case_model, deep_mlp, lm_loss, tied_lm
+from tests.scenarios import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm
 
 SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
              ("interleaved-1f1b", 2, 2)]
@@ -166,3 +166,26 @@ def test_a_custom_schedule_table_runs() -> None:
     loss_fn(reference(x), y).backward()
     for p, r in zip(pipe.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-10
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("model_name", ["mlp", "lm"])
+def test_a_table_mixing_full_and_split_backwards_equals_the_plain_model(
+        model_name: str, checkpoint: str) -> None:
+    # B on some micro-batches and stages, I then W on others (MIXED, in scenarios.py).
+    model, loss_fn = case_model(model_name)
+    reference = copy.deepcopy(model)
+    table = conveyor.schedules.parse(MIXED, name="mixed")
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=4, schedule=table,
+                             loss_fn=loss_fn, checkpoint=checkpoint)
+    x, y = case_batch(model_name)
+    loss = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    grads = {name: p.grad for name, p in pipe.named_parameters()}
+    assert grads.keys() == plain.keys()
+    for name, grad in grads.items():
+        assert grad is not None, name
+        assert relative_error(grad, plain[name].grad) <= 1e-10, name

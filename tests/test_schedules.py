@@ -52,6 +52,16 @@ def test_text_round_trips() -> None:
     table = gpipe(4, 3)
     assert parse(table.to_text(), name="gpipe") == table
     assert str(parse("0F0 0B0\n-")) == "0F0 0B0\n-"
+    split = zero_bubble_h1(3, 4)
+    assert parse(split.to_text(), name="zero-bubble") == split
+
+
+def test_input_gradient_has_its_own_kind() -> None:
+    table = parse("0F0 0F1 0I0 0B1 0W0")
+    assert table.columns[0][2] == Action(0, Kind.INPUT, 0)
+    assert table.columns[0][3] == Action(0, Kind.BACKWARD, 1)
+    assert str(table) == "0F0 0F1 0I0 0B1 0W0"
+    assert str(Action(3, Kind.INPUT, 11)) == "3I11"
 
 
 def test_actions_print_compactly_and_order_by_stage() -> None:
@@ -59,6 +69,23 @@ def test_actions_print_compactly_and_order_by_stage() -> None:
     assert dependencies(Action(1, Kind.BACKWARD, 2), gpipe(3, 3)) == (
         Action(1, Kind.FORWARD, 2), Action(2, Kind.BACKWARD, 2))
     assert dependencies(Action(0, Kind.FORWARD, 0), gpipe(3, 3)) == ()
+
+
+def test_a_backward_waits_for_whichever_backward_the_next_stage_runs() -> None:
+    # Micro-batch 0 is split on stage 1 and full on stage 0; micro-batch 1 the other way.
+    table = parse("0F0 0F1 0B0 0I1 0W1\n"
+                  "1F0 1F1 1I0 1B1 1W0")
+    assert dependencies(Action(0, Kind.BACKWARD, 0), table) == (
+        Action(0, Kind.FORWARD, 0), Action(1, Kind.INPUT, 0))
+    assert dependencies(Action(0, Kind.INPUT, 1), table) == (
+        Action(0, Kind.FORWARD, 1), Action(1, Kind.BACKWARD, 1))
+    assert dependencies(Action(1, Kind.WEIGHT, 0), table) == (Action(1, Kind.INPUT, 0),)
+    validate(table)
+    assert render_clock(layout_clock(table)) == (
+        "        0   1   2   3   4   5   6\n"
+        "rank 0  0F0 0F1 .   .   0B0 0I1 0W1\n"
+        "rank 1  .   1F0 1F1 1I0 1B1 1W0 ."
+    )
 
 
 def test_stage_ranks_follow_the_table() -> None:
@@ -107,10 +134,53 @@ def test_deadlock_shows_the_clock_and_who_waits_for_whom() -> None:
     )
 
 
-def test_split_backward_needs_every_weight_action() -> None:
-    with pytest.raises(ScheduleError, match=r"1 actions missing \(0W1\)"):
-        validate(parse("0F0 0F1 0B0 0W0 0B1"))
-    validate(parse("0F0 0F1 0B0 0W0 0B1 0W1"))
+def test_an_input_gradient_needs_its_weight_gradient() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        validate(parse("0F0 0F1 0I0 0W0 0I1"))
+    assert str(caught.value) == (
+        "schedule 'custom', rank 0, step 4: 0I1 computes only the input gradient and no "
+        "0W1 follows with the weight gradient: add 0W1 after it, or write 0B1 (full "
+        "backward) instead\n"
+        "  rank 0: 0F0 0F1 0I0 0W0 [0I1]"
+    )
+    validate(parse("0F0 0F1 0I0 0W0 0I1 0W1"))
+
+
+def test_a_weight_gradient_needs_its_input_gradient() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        validate(parse("0F0 0W0"))
+    assert str(caught.value) == (
+        "schedule 'custom', rank 0, step 1: 0W0 has no 0I0 to take the weight gradient "
+        "from; add 0I0 before it, or write 0B0 (full backward) instead\n"
+        "  rank 0: 0F0 [0W0]"
+    )
+    # B already computes the weight gradient: a W beside it is no longer read as "B's".
+    with pytest.raises(ScheduleError, match=r"rank 0, step 2: 0W0 has no 0I0 to take the "
+                                            r"weight gradient from; 0B0 already computes "
+                                            r"the weight gradient: drop 0W0, or split 0B0 "
+                                            r"into 0I0 and 0W0\n  rank 0: 0F0 0B0 \[0W0\]"):
+        validate(parse("0F0 0B0 0W0"))
+
+
+def test_a_weight_gradient_before_its_input_gradient() -> None:
+    with pytest.raises(ScheduleError, match=r"rank 0, step 1: 0W0 comes before 0I0 on its "
+                                            r"own rank\n  rank 0: 0F0 \[0W0\] 0I0"):
+        validate(parse("0F0 0W0 0I0"))
+
+
+def test_full_and_split_backward_of_one_microbatch() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        validate(parse("0F0 0F1 0B1 0B0\n1F0 1F1 1B1 1I0 1W0 1B0"))
+    assert str(caught.value) == (
+        "schedule 'custom', rank 1, step 5: 1B0 and 1I0 both run the backward of stage 1, "
+        "micro-batch 0: keep 1B0 (full backward) or 1I0 followed by 1W0 (split backward), "
+        "not both\n"
+        "  rank 0: 0F0 0F1 0B1 0B0\n"
+        "  rank 1: 1F0 1F1 1B1 1I0 1W0 [1B0]"
+    )
+    with pytest.raises(ScheduleError, match=r"step 3: 0I0 and 0B0 both run the backward of "
+                                            r"stage 0, micro-batch 0"):
+        validate(parse("0F0 0B0 0W0 0I0"))
 
 
 @pytest.mark.parametrize(
@@ -153,18 +223,19 @@ def test_interleaved_table_puts_stage_s_on_rank_s_mod_k() -> None:
 
 def test_zero_bubble_table_defers_weight_gradients_by_the_stage_index() -> None:
     assert zero_bubble_h1(3, 4).to_text() == (
-        "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3\n"
-        "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3\n"
-        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3"
+        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3\n"
+        "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3\n"
+        "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3"
     )
 
 
-def _peak_in_flight(column: tuple[Action, ...], split: bool) -> int:
+def _peak_in_flight(column: tuple[Action, ...]) -> int:
+    """Micro-batches held from F to B, or from F to the W after I."""
     held = peak = 0
     for action in column:
         if action.kind is Kind.FORWARD:
             held += 1
-        elif action.kind is Kind.WEIGHT or not split:
+        elif action.kind in (Kind.BACKWARD, Kind.WEIGHT):
             held -= 1
         peak = max(peak, held)
     return peak
@@ -180,9 +251,9 @@ def test_every_generated_table_is_valid(stages: int, microbatches: int) -> None:
             validate(build("interleaved-1f1b", stages, microbatches, virtual_stages=virtual))
     # Memory: GPipe holds M micro-batches, 1F1B at most K - k, ZB-H1 at most K (1F1B's peak).
     for k, column in enumerate(build("1f1b", stages, microbatches).columns):
-        assert _peak_in_flight(column, split=False) == min(stages - k, microbatches)
+        assert _peak_in_flight(column) == min(stages - k, microbatches)
     zero_bubble = build("zero-bubble", stages, microbatches)
-    assert max(_peak_in_flight(c, split=True) for c in zero_bubble.columns) == min(
+    assert max(_peak_in_flight(c) for c in zero_bubble.columns) == min(
         stages, microbatches)
 
 

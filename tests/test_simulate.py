@@ -8,6 +8,7 @@ import pytest
 from conveyor.errors import ScheduleError
 from conveyor.schedules import build, parse
 from conveyor.observe.simulate import CostModel, simulate
+from conveyor.observe.trace import Event, Timeline
 
 SIZES = [(k, m) for k in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 16, 32)]
 
@@ -54,6 +55,46 @@ def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(stages: int, microbatches: int
     work = 3 * microbatches
     assert zero_bubble.makespan - work == pytest.approx((one_f_one_b.makespan - work) / 3)
     assert max(zero_bubble.peak_inflight) == max(one_f_one_b.peak_inflight) == stages
+
+
+def test_each_action_is_charged_by_its_own_kind() -> None:
+    # F = 1, I = 2, W = 3, so a full B = I + W = 5; the micro-batches mix B and I + W.
+    table = parse("0F0 0F1 0F2 0I0 0W0 0B1 0B2\n"
+                  "1F0 1B0 1F1 1I1 1F2 1W1 1B2")
+    costs = CostModel((1.0, 1.0), (2.0, 2.0), (3.0, 3.0), (1.0, 10.0), (0.0,))
+    result = simulate(table, costs)
+    assert {e.label: (e.start, e.end) for e in result.timeline.events} == {
+        "0F0": (0, 1), "0F1": (1, 2), "0F2": (2, 3),
+        "1F0": (1, 2), "1B0": (2, 7), "1F1": (7, 8), "1I1": (8, 10), "1F2": (10, 11),
+        "1W1": (11, 14), "1B2": (14, 19),
+        "0I0": (7, 9), "0W0": (9, 12), "0B1": (12, 17), "0B2": (19, 24),
+    }
+    assert result.makespan == 24
+    assert result.timeline.bubble(0) == result.timeline.bubble(1) == 6 / 24
+    # Activations go with B, or with the W after I (not with I): stage 1 frees 1B0
+    # before 1F1 and still holds micro-batch 1 after 1I1, so 1F2 makes two.
+    assert result.peak_inflight == [3, 2]
+    assert result.peak_bytes == [3.0, 20.0]
+
+
+def test_costs_from_a_timeline_read_each_kind() -> None:
+    events = [Event(0, 0, "F", 0, 0, 1), Event(0, 0, "B", 0, 1, 6),
+              Event(0, 0, "F", 1, 6, 7), Event(0, 0, "B", 1, 7, 14),
+              Event(1, 1, "F", 0, 1, 3), Event(1, 1, "I", 0, 3, 5), Event(1, 1, "W", 0, 5, 9),
+              Event(1, 1, "F", 1, 9, 11), Event(1, 1, "B", 1, 11, 20, wait=1.0)]
+    costs = CostModel.from_timeline(Timeline(2, events), 2)
+    # Stage 0 ran full backwards only: all their time is "backward", so a B costs 6 as
+    # measured. Stage 1 ran I and W: those give backward and weight; its B costs I + W.
+    assert costs.forward == (1.0, 2.0)
+    assert costs.backward == (6.0, 2.0)
+    assert costs.weight == (0.0, 4.0)
+
+
+def test_chrome_traces_say_what_each_kind_computes() -> None:
+    trace = simulate(parse("0F0 0F1 0B0 0I1 0W1"), CostModel.uniform(1)).timeline.chrome_trace()
+    assert {e["name"]: e["args"]["action"] for e in trace["traceEvents"] if e["ph"] == "X"} == {
+        "0F0": "forward", "0F1": "forward", "0B0": "backward", "0I1": "input gradient",
+        "0W1": "weight gradient"}
 
 
 def test_communication_delays_every_hop() -> None:

@@ -1,4 +1,4 @@
-"""B then W gives exactly the gradients of one full backward."""
+"""I then W gives exactly the gradients of one full backward B."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_split_backward_equals_full_backward(name: str, input_requires_grad: boo
     out = stage(x_split)
     params = list(stage.parameters())
     input_grads, weight_work = backward_input([out], [grad], [x_split], params)
-    assert all(p.grad is None for p in params)  # B computed no weight gradient
+    assert all(p.grad is None for p in params)  # I computed no weight gradient
     if input_requires_grad:
         assert input_grads[0] is not None and x_ref.grad is not None
         assert relative_error(input_grads[0], x_ref.grad) <= 1e-12

@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--virtual-stages", type=int, default=1, help="V, for interleaved-1f1b")
     sub.add_argument("--costs", help="a JSON cost model (CostModel.to_dict())")
     sub.add_argument("--forward", type=float, default=1.0)
-    sub.add_argument("--backward", type=float, default=1.0, help="input-gradient pass")
-    sub.add_argument("--weight", type=float, default=1.0, help="weight-gradient pass")
+    sub.add_argument("--backward", type=float, default=1.0,
+                     help="input-gradient pass I (a full backward B costs backward + weight)")
+    sub.add_argument("--weight", type=float, default=1.0, help="weight-gradient pass W")
     sub.add_argument("--communication", type=float, default=0.0)
     sub.add_argument("--activation-bytes", type=float, default=1.0)
     sub.add_argument("--plot", help="draw the Gantt chart to this PNG")

@@ -299,7 +299,7 @@ class P2PTransport:
         s, m = action.stage, action.microbatch
         if action.kind is Kind.FORWARD and s + 1 < len(self.stage_ranks):
             return ("activation", s + 1, m), self.stage_ranks[s + 1]
-        if action.kind is Kind.BACKWARD and s > 0:
+        if action.kind in (Kind.BACKWARD, Kind.INPUT) and s > 0:  # W sends nothing
             return ("gradient", s - 1, m), self.stage_ranks[s - 1]
         return ("", -1, -1), None
 

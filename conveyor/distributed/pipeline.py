@@ -175,13 +175,12 @@ class Pipeline(KeepsPlacement):
                                "eval_step() for inference")
         last = self.schedule.num_stages - 1
         state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
-                               check_finite=self.check_finite,
-                               split_backward=self.schedule.split_backward)
+                               check_finite=self.check_finite)
         if last in self._stages:
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
             state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
-        self._run([Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT], state)
+        self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
         sum_tied_gradients(self._ties)
         average_across_replicas(list(self.parameters()), self.topology.data_group,
                                 self.topology.data_size)

@@ -4,10 +4,12 @@ Each rank walks its column of the table in order; in one process every rank is a
 thread, under torchrun a process runs its own rank's column. A forward action takes
 the micro-batch (stage 0) or receives the previous stage's activation, runs the stage
 and sends the result on (the last stage keeps it, or computes the loss); a backward
-action receives the gradient of the stage's output, back-propagates through the
-stage's graph of that micro-batch and sends the input gradient back; with split
-backward, ``W`` computes the weight gradients later. With GPipe on two stages and
-three micro-batches the ranks overlap like this (one tick per action)::
+action ``B`` receives the gradient of the stage's output, back-propagates through the
+stage's graph of that micro-batch (accumulating the weight gradients) and sends the
+input gradient back. ``I`` does the same but computes only the input gradient, and
+keeps what the weight gradient needs for the micro-batch's ``W``, which runs later.
+Each action's kind alone says what it does. With GPipe on two stages and three
+micro-batches the ranks overlap like this (one tick per action)::
 
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
     rank 1  .   1F0 1F1 1F2 1B2 1B1 1B0 .
@@ -29,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.engine.allocator import tune_malloc
-from conveyor.errors import ConveyorError, NonFiniteLossError
+from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recorder import Recorder
 from conveyor.schedules import Action, Kind
 from conveyor.engine.stage import Stage, failure
@@ -38,7 +40,8 @@ from conveyor.engine.weightgrad import WeightGradient, backward_input
 
 __all__: list[str] = []
 
-_KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradient"}
+_KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
+               Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
 
 
 @dataclass
@@ -55,7 +58,6 @@ class StepState:
         loss_scale: the weight of each micro-batch's loss in the batch's (its share
             of the samples), so that their sum is the loss of the whole batch.
         check_finite: raise if a micro-batch's loss is NaN or infinite.
-        split_backward: B computes input gradients only; W actions compute the weights'.
         outputs: the last stage's output per micro-batch (without a loss).
         losses: the last stage's unscaled loss per micro-batch, detached.
         output_grads: per micro-batch, gradients of the last stage's output leaves.
@@ -73,12 +75,12 @@ class StepState:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     loss_scale: Sequence[float] = ()
     check_finite: bool = False
-    split_backward: bool = False
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    #: per (stage, micro-batch), the weight gradient an ``I`` left for its ``W``.
     weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
 
 
@@ -183,12 +185,17 @@ class Executor:
             if action.kind is Kind.FORWARD:
                 self._forward(action, state)
             elif action.kind is Kind.BACKWARD:
-                self._backward(action, state)
+                self._backward(action, state, split=False)
+            elif action.kind is Kind.INPUT:
+                self._backward(action, state, split=True)
             else:
                 state.weight_work.pop((action.stage, action.microbatch)).run()
         except Aborted:
             raise
         except Exception as exc:
+            if type(exc) is StageError and (exc.stage, exc.microbatch) == (
+                    action.stage, action.microbatch):
+                exc.action = str(action)  # a stage recomputing cannot tell B from I
             error = failure(
                 exc,
                 f"stage {action.stage} failed in {_KIND_WORDS[action.kind]} of micro-batch "
@@ -261,7 +268,9 @@ class Executor:
         state.losses[m] = value
         return loss.reshape(()) * state.loss_scale[m]
 
-    def _backward(self, action: Action, state: StepState) -> None:
+    def _backward(self, action: Action, state: StepState, *, split: bool) -> None:
+        """``B`` (``split=False``): input and weight gradients at once. ``I``
+        (``split=True``): the input gradient; the weight gradient waits for ``W``."""
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
         inputs, outputs = state.saved.pop((s, m))
@@ -281,7 +290,7 @@ class Executor:
         input_leaves = pytree.tree_leaves(inputs)
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
-        if pairs and state.split_backward:
+        if pairs and split:
             found, state.weight_work[(s, m)] = backward_input(
                 [out for out, _ in pairs], [g for _, g in pairs], wanted,
                 stage.trainable_parameters())
@@ -292,7 +301,7 @@ class Executor:
             # 5-10% faster on CPU than collecting them with autograd.grad.
             torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
             found = [t.grad for t in wanted]
-        elif state.split_backward:
+        elif split:
             state.weight_work[(s, m)] = WeightGradient([], [])
         grads_by_leaf = iter(found)
         input_grads = [

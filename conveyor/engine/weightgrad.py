@@ -1,11 +1,11 @@
-"""Splitting a stage's backward into the input gradient (B) and the weight gradient (W).
+"""Splitting a stage's backward ``B`` into the input gradient (I) and the weight gradient (W).
 
 Zero-bubble schedules send the input gradient upstream first and compute weight
 gradients later, when the stage would otherwise wait. Backward through a stage's graph
 is split at the nodes where a parameter's subgraph joins the path to the stage's
 inputs (for ``y = x @ w.T``, the matmul's backward node):
 
-* B runs autograd from the outputs to the inputs only, and notes the gradient flowing
+* I runs autograd from the outputs to the inputs only, and notes the gradient flowing
   into each such node (a node pre-hook);
 * W runs autograd from those nodes, with the noted gradients, to the parameters.
 
@@ -33,8 +33,8 @@ class WeightGradient:
 
     Args:
         groups: per group of parameters, the nodes W starts from with the gradients
-            noted there in B, and the parameters it reaches from them.
-        pinned: nodes that must receive in W exactly the gradient noted in B.
+            noted there in I, and the parameters it reaches from them.
+        pinned: nodes that must receive in W exactly the gradient noted in I.
     """
 
     def __init__(self, groups: list[tuple[list[tuple[Node, tuple[Any, ...]]], list[torch.Tensor]]],
@@ -84,7 +84,7 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
             param.grad += grad
 
 
-# How B and W divide one stage's autograd graph, for two Linear layers with a tanh
+# How I and W divide one stage's autograd graph, for two Linear layers with a tanh
 # between them (``Linear(tanh(Linear(x)))``; the stage's input x is a leaf that
 # requires grad). Gradient flows down; ``*`` marks a capture node, where a parameter's
 # branch joins the input path::
@@ -104,9 +104,9 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 #       AccumulateGrad(x)        AccumulateGrad(weight 1)
 #
 #       input path                       parameter branches
-#       (B runs these)                   (W runs these, later)
+#       (I runs these)                   (W runs these, later)
 #
-# B is ``autograd.grad(outputs, inputs)``: autograd runs only the nodes on the way to
+# I is ``autograd.grad(outputs, inputs)``: autograd runs only the nodes on the way to
 # the inputs, computing just their input-side gradient (the Addmm nodes skip the weight
 # half), and a pre-hook on each capture node notes the gradient that arrives there
 # (g2 at the upper one, g1 at the lower). W is, per group of parameters,
@@ -115,7 +115,7 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 # ``.grad``. Parameters whose capture nodes overlap form one group and one call; if
 # one capture node of a group lies below another (one weight used in both layers), W
 # would send the upper node's gradient down the input path into the lower one as well,
-# on top of what it is given there, so the lower node is pinned to the gradient B noted.
+# on top of what it is given there, so the lower node is pinned to the gradient I noted.
 # A parameter with no capture node (no input requires grad, or it feeds an output the
 # inputs do not reach) gets W from the roots, with the outputs' gradients.
 
@@ -128,7 +128,7 @@ def backward_input(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGradient]:
-    """Runs B: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
+    """Runs I: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
     ``inputs``, keeping the graph for the W that is returned.
 
     Returns:
@@ -197,7 +197,7 @@ def _input_pass(
     inputs: Sequence[torch.Tensor],
     capture: Sequence[Node],
 ) -> tuple[list[torch.Tensor | None], dict[Node, tuple[Any, ...]]]:
-    """B itself: the gradients of ``inputs`` (None where none is wanted), and the
+    """I itself: the gradients of ``inputs`` (None where none is wanted), and the
     gradient that flowed into each of the ``capture`` nodes on the way."""
     captured: dict[Node, tuple[Any, ...]] = {}
 
@@ -222,7 +222,7 @@ def _input_pass(
 
 def _pinned(groups: Sequence[_Group]) -> list[Node]:
     """The capture nodes that lie below another capture node of their group: W would
-    send them gradient again through it, so they are pinned to what B noted."""
+    send them gradient again through it, so they are pinned to what I noted."""
     pinned = []
     for nodes, _ in groups:
         if len(nodes) > 1:

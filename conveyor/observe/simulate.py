@@ -6,7 +6,9 @@ rank). The result is the same :class:`~conveyor.trace.Timeline` the runtime reco
 with the makespan, each rank's bubble and the peak activations each stage holds. With
 uniform costs the textbook results come out exactly: GPipe's and 1F1B's bubble is
 (K-1)/(M+K-1), interleaving V stages per rank divides the bubble time by V, and ZB-H1's
-bubble is a third of 1F1B's when F, B and W take the same time. Pure Python.
+bubble is a third of 1F1B's when F, I and W take the same time. Each action is charged by
+its own kind, so a table may mix full (``B``) and split (``I`` + ``W``) backwards. Pure
+Python.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class CostModel:
 
     Attributes:
         forward: per stage, the forward of one micro-batch.
-        backward: per stage, the input-gradient pass; in a table without W actions the
-            backward costs ``backward + weight``.
-        weight: per stage, the weight-gradient pass.
+        backward: per stage, the input-gradient pass ``I``.
+        weight: per stage, the weight-gradient pass ``W``. A full backward ``B`` does
+            both and costs ``backward + weight``.
         activation_bytes: per stage, what one micro-batch's activations hold from its
-            forward until its backward (or weight gradient) is done.
+            forward until its ``B`` (or its ``W``, after an ``I``) is done.
         communication: per boundary s -> s+1 (S-1 entries), moving an activation or a
             gradient between two ranks.
     """
@@ -87,18 +89,25 @@ class CostModel:
                       activation_bytes: Sequence[float] | None = None) -> CostModel:
         """Per-stage mean compute of each kind of action in a measured timeline.
 
-        Time spent waiting or moving tensors is not compute and is left out; the
-        communication cost is taken as the mean measured transfer time.
+        A stage that ran split backwards gets the mean ``I`` as its ``backward`` and
+        the mean ``W`` as its ``weight``; a stage that ran only full backwards gets the
+        mean ``B`` as ``backward`` and no ``weight``, so that a ``B`` costs what it was
+        measured to. Time spent waiting or moving tensors is not compute and is left
+        out; the communication cost is taken as the mean measured transfer time.
         """
-        def mean(kind: str, stage: int) -> float:
+        def mean(kind: str, stage: int) -> float | None:
             values = [e.compute for e in timeline.events if e.kind == kind and e.stage == stage]
-            return sum(values) / len(values) if values else 0.0
+            return sum(values) / len(values) if values else None
+
+        def backward(stage: int) -> float:
+            split = mean(Kind.INPUT.value, stage)
+            return split if split is not None else mean(Kind.BACKWARD.value, stage) or 0.0
 
         transfers = [e.transfer for e in timeline.events if e.transfer > 0]
         move = sum(transfers) / len(transfers) if transfers else 0.0
-        return cls(tuple(mean("F", s) for s in range(stages)),
-                   tuple(mean("B", s) for s in range(stages)),
-                   tuple(mean("W", s) for s in range(stages)),
+        return cls(tuple(mean(Kind.FORWARD.value, s) or 0.0 for s in range(stages)),
+                   tuple(backward(s) for s in range(stages)),
+                   tuple(mean(Kind.WEIGHT.value, s) or 0.0 for s in range(stages)),
                    tuple(activation_bytes or [0.0] * stages),
                    (move,) * max(0, stages - 1))
 
@@ -144,7 +153,6 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
     """
     costs.check(schedule.num_stages)
     layout_clock(schedule)  # a deadlock does not depend on durations: report it first
-    split = schedule.split_backward
     ranks = schedule.stage_ranks
     end: dict[Action, float] = {}
     events: list[Event] = []
@@ -161,7 +169,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
                     break
                 start = max([free[rank]] + [end[d] + _transfer(d, action, ranks, costs)
                                             for d in needs])
-                finish = start + _duration(action, costs, split)
+                finish = start + _duration(action, costs)
                 end[action] = free[rank] = finish
                 events.append(Event(rank, action.stage, action.kind.value, action.microbatch,
                                     start, finish))
@@ -171,17 +179,19 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
         if not progressed:  # pragma: no cover - layout_clock would have raised
             raise ScheduleError(f"schedule {schedule.name!r} cannot progress")
     timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name)
-    inflight, peak_bytes = _memory(events, schedule, costs, split)
+    inflight, peak_bytes = _memory(events, schedule, costs)
     return Simulation(timeline, inflight, peak_bytes)
 
 
-def _duration(action: Action, costs: CostModel, split: bool) -> float:
+def _duration(action: Action, costs: CostModel) -> float:
     s = action.stage
     if action.kind is Kind.FORWARD:
         return costs.forward[s]
+    if action.kind is Kind.INPUT:
+        return costs.backward[s]
     if action.kind is Kind.WEIGHT:
         return costs.weight[s]
-    return costs.backward[s] + (0.0 if split else costs.weight[s])
+    return costs.backward[s] + costs.weight[s]  # B: input and weight gradients
 
 
 def _transfer(done: Action, action: Action, ranks: Sequence[int], costs: CostModel) -> float:
@@ -190,15 +200,19 @@ def _transfer(done: Action, action: Action, ranks: Sequence[int], costs: CostMod
     return costs.communication[min(done.stage, action.stage)]
 
 
-def _memory(events: list[Event], schedule: Schedule, costs: CostModel,
-            split: bool) -> tuple[list[int], list[float]]:
-    """Peak micro-batches per stage and bytes per rank held between F and B (or W)."""
-    release = "W" if split else "B"
+def _memory(events: list[Event], schedule: Schedule,
+            costs: CostModel) -> tuple[list[int], list[float]]:
+    """Peak micro-batches per stage and bytes per rank held between F and B (or W).
+
+    A micro-batch's activations go with its last backward action: its ``B``, or the
+    ``W`` that follows its ``I`` (which keeps the graph for it).
+    """
+    release = {Kind.BACKWARD.value, Kind.WEIGHT.value}
     changes = []  # (time, order, stage, rank, +1/-1); releases first at equal times
     for e in events:
-        if e.kind == "F":
+        if e.kind == Kind.FORWARD.value:
             changes.append((e.start, 1, e.stage, e.rank, 1))
-        elif e.kind == release:
+        elif e.kind in release:
             changes.append((e.end, 0, e.stage, e.rank, -1))
     held = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages

@@ -18,7 +18,9 @@ from typing import Any
 
 __all__ = ["Event", "Timeline", "plot_timelines"]
 
-_COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+_COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B3", "W": "#DD8452"}
+#: What each kind of action computes, in the legend and in Chrome traces.
+_WORDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class Timeline:
             trace.append({
                 "name": e.label, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": e.stage,
                 "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
-                "args": {"stage": e.stage, "microbatch": e.microbatch,
+                "args": {"action": _WORDS.get(e.kind, e.kind), "stage": e.stage,
+                         "microbatch": e.microbatch,
                          "wait_us": e.wait * 1e6, "transfer_us": e.transfer * 1e6},
             })
         return {"traceEvents": trace, "displayTimeUnit": "ms",
@@ -187,9 +190,10 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
         axis.set_title(f"{title}: {timeline.makespan * scale:.1f} {unit}, "
                        f"bubble {100 * timeline.mean_bubble:.1f}%", fontsize=10, loc="left")
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    handles = [Patch(color=c, label={"F": "forward", "B": "backward", "W": "weight grad"}[k])
-               for k, c in _COLOURS.items()]
-    figure.legend(handles=handles, loc="upper right", fontsize=8, ncol=3, frameon=False)
+    drawn = {e.kind for t in timelines for e in t.events}
+    handles = [Patch(color=c, label=f"{k}: {_WORDS[k]}")
+               for k, c in _COLOURS.items() if k in drawn]
+    figure.legend(handles=handles, loc="upper right", fontsize=8, ncol=4, frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -12,9 +12,9 @@ and 4 micro-batches::
 GPipe runs all forwards, then all backwards: M micro-batches of activations in flight.
 1F1B alternates once the pipeline is full: at most K - k in flight on stage k, the same
 bubble. Interleaved 1F1B gives each rank V stages (stage s on rank s mod K), dividing
-the bubble by about V. Zero-bubble (ZB-H1) splits backward into the input gradient
-``B`` and the weight gradient ``W``, and runs the ``W`` actions in what would be bubbles,
-holding no more micro-batches than 1F1B.
+the bubble by about V. Zero-bubble (ZB-H1) splits each full backward ``B`` into the
+input gradient ``I`` and the weight gradient ``W``, and runs the ``W`` actions in what
+would be bubbles, holding no more micro-batches than 1F1B.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ def _f(stage: int, microbatch: int) -> Action:
 
 def _b(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.BACKWARD, microbatch)
+
+
+def _i(stage: int, microbatch: int) -> Action:
+    return Action(stage, Kind.INPUT, microbatch)
 
 
 def _w(stage: int, microbatch: int) -> Action:
@@ -147,16 +151,16 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> 
 
 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B with backward split into B (input gradient) and W (weight gradient).
+    """ZB-H1: 1F1B with each backward split into I (input gradient) and W (weight gradient).
 
-    Stage s keeps 1F1B's order of forwards and input-gradient passes and lets s weight
-    gradients wait: W of micro-batch i runs after B of micro-batch i + s. So every stage
+    Stage s keeps 1F1B's order, with ``I`` where 1F1B has ``B``, and lets s weight
+    gradients wait: W of micro-batch i runs after I of micro-batch i + s. So every stage
     holds at most K micro-batches (1F1B's peak, on stage 0) and the waiting W's fill the
-    cool-down, where 1F1B's stages idle. With F, B and W of equal cost the bubble is a
+    cool-down, where 1F1B's stages idle. With F, I and W of equal cost the bubble is a
     third of 1F1B's (Qi et al., 2023)::
 
-        rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0W0 0F4 0B1 0W1 ...
-        rank 3  .   .   .   3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 ...
+        rank 0  0F0 0F1 0F2 0F3 .   .   .   0I0 0W0 0F4 0I1 0W1 ...
+        rank 3  .   .   .   3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 ...
 
     Raises:
         ScheduleError: ``stages`` or ``microbatches`` is below 1.
@@ -166,11 +170,13 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
         column: list[Action] = []
         waiting: list[int] = []  # micro-batches whose weight gradient waits
         for action in order:
-            column.append(action)
-            if action.kind is Kind.BACKWARD:
-                waiting.append(action.microbatch)
-                if len(waiting) > s:
-                    column.append(_w(s, waiting.pop(0)))
+            if action.kind is Kind.FORWARD:
+                column.append(action)
+                continue
+            column.append(_i(s, action.microbatch))  # 1F1B's B, split
+            waiting.append(action.microbatch)
+            if len(waiting) > s:
+                column.append(_w(s, waiting.pop(0)))
         column += [_w(s, m) for m in waiting]
         columns.append(tuple(column))
     return Schedule(tuple(columns), stages, microbatches, name="zero-bubble")

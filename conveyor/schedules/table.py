@@ -15,6 +15,12 @@ is the fill-drain picture of the paper::
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
     rank 1  .   1F0 1F1 1F2 1B2 1B1 1B0 .
 
+An action means the same thing whatever else the table holds: ``F`` is a forward,
+``B`` a full backward (input and weight gradients), and ``I`` then ``W`` the same
+backward split in two, the input gradient first so that it can travel upstream and the
+weight gradient later, in what would be a bubble. Tables may mix them: one micro-batch
+or stage with ``B``, another with ``I`` and ``W``.
+
 The functions that build tables live in :mod:`conveyor.schedules`. This module imports
 nothing from torch, so schedules can be built, printed, checked and simulated anywhere.
 """
@@ -46,10 +52,13 @@ __all__ = [
 class Kind(str, enum.Enum):
     """What an action does to one micro-batch on one stage."""
 
+    #: The forward pass.
     FORWARD = "F"
-    #: The backward pass; when a table also has ``W`` actions, only the input gradient.
+    #: The full backward pass: the input gradient, sent upstream, and the weight gradient.
     BACKWARD = "B"
-    #: The weight gradient, split from ``B`` so that it can fill bubbles (zero-bubble).
+    #: The input gradient only; the same micro-batch's ``W`` computes its weight gradient.
+    INPUT = "I"
+    #: The weight gradient left by ``I``, deferred so that it can fill bubbles (zero-bubble).
     WEIGHT = "W"
 
     def __str__(self) -> str:
@@ -68,7 +77,7 @@ class Action:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
 
-_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
 def _parse_action(token: str, where: str) -> Action:
@@ -76,7 +85,7 @@ def _parse_action(token: str, where: str) -> Action:
     if match is None:
         raise ScheduleError(
             f"{where}: {token!r} is not an action; write actions like 1F3 "
-            "(stage 1, forward, micro-batch 3), with kinds F, B or W"
+            "(stage 1, forward, micro-batch 3), with kinds F, B, I or W"
         )
     return Action(int(match[1]), Kind(match[2]), int(match[3]))
 
@@ -107,9 +116,18 @@ class Schedule:
         return len(self.columns)
 
     @cached_property
-    def split_backward(self) -> bool:
-        """Whether backward is split into input-gradient ``B`` and weight-gradient ``W``."""
-        return any(a.kind is Kind.WEIGHT for column in self.columns for a in column)
+    def actions(self) -> frozenset[Action]:
+        """Every action of the table, whatever its rank."""
+        return frozenset(a for column in self.columns for a in column)
+
+    def backward_of(self, stage: int, microbatch: int) -> Action:
+        """The action that computes ``stage``'s input gradient of ``microbatch``.
+
+        That is its ``I`` where the table splits this backward, else its ``B`` (also
+        when the table has neither: the validator then reports it missing).
+        """
+        split = Action(stage, Kind.INPUT, microbatch)
+        return split if split in self.actions else Action(stage, Kind.BACKWARD, microbatch)
 
     @cached_property
     def stage_ranks(self) -> tuple[int, ...]:
@@ -169,27 +187,27 @@ def check_size(**sizes: int) -> None:
 def dependencies(action: Action, schedule: Schedule) -> tuple[Action, ...]:
     """The actions whose results ``action`` consumes (on any rank).
 
-    ``F`` of stage s needs the activation of stage s-1; ``B`` needs its own forward and
-    the gradient from stage s+1; ``W`` needs its own ``B``.
+    ``F`` of stage s needs the activation of stage s-1. ``B`` and ``I`` need their own
+    forward and the gradient from stage s+1, which that stage's ``B`` or ``I`` of the
+    micro-batch sends (whichever the table has). ``W`` needs its own ``I``.
     """
     s, m = action.stage, action.microbatch
     if action.kind is Kind.FORWARD:
         return (Action(s - 1, Kind.FORWARD, m),) if s > 0 else ()
-    if action.kind is Kind.BACKWARD:
-        own = Action(s, Kind.FORWARD, m)
-        if s + 1 < schedule.num_stages:
-            return (own, Action(s + 1, Kind.BACKWARD, m))
-        return (own,)
-    return (Action(s, Kind.BACKWARD, m),)
+    if action.kind is Kind.WEIGHT:
+        return (Action(s, Kind.INPUT, m),)
+    own = Action(s, Kind.FORWARD, m)
+    if s + 1 < schedule.num_stages:
+        return (own, schedule.backward_of(s + 1, m))
+    return (own,)
 
 
 def validate(schedule: Schedule) -> None:
     """Checks that ``schedule`` is complete, consistent and free of deadlock.
 
     Every stage must live on one rank; every (stage, micro-batch) needs exactly one
-    ``F`` and one ``B`` (and one ``W``, if the table splits backward); and the table
-    must run to the end when each rank follows its column and waits for the results
-    it needs.
+    ``F`` and one backward: either ``B``, or ``I`` and ``W``; and the table must run to
+    the end when each rank follows its column and waits for the results it needs.
 
     Raises:
         ScheduleError: the first problem found, with the table and the failing step.
@@ -221,16 +239,18 @@ def validate(schedule: Schedule) -> None:
                     where,
                 )
             seen[action] = where
-            for needed in dependencies(action, schedule):
-                if needed.stage == action.stage and needed not in seen:
-                    _fail(schedule, f"{action} comes before {needed} on its own rank", where)
-    kinds = [Kind.FORWARD, Kind.BACKWARD] + ([Kind.WEIGHT] if schedule.split_backward else [])
+    _check_backward_kinds(schedule, seen)
+    for action, where in seen.items():
+        for needed in dependencies(action, schedule):
+            # A stage's actions share a rank; one in no column is reported missing below.
+            if needed.stage == action.stage and seen.get(needed, where) > where:
+                _fail(schedule, f"{action} comes before {needed} on its own rank", where)
     missing = [
-        Action(s, kind, m)
+        needed
         for s in range(schedule.num_stages)
-        for kind in kinds
         for m in range(schedule.num_microbatches)
-        if Action(s, kind, m) not in seen
+        for needed in (Action(s, Kind.FORWARD, m), schedule.backward_of(s, m))
+        if needed not in seen
     ]
     if missing:
         listed = " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
@@ -239,6 +259,33 @@ def validate(schedule: Schedule) -> None:
             f"({listed})\n{_render_text(schedule, None)}"
         )
     layout_clock(schedule)
+
+
+def _check_backward_kinds(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
+    """Each (stage, micro-batch) runs one backward: ``B``, or ``I`` and then ``W``.
+
+    ``seen`` maps each action to its (rank, step), in table order."""
+    for action, where in seen.items():
+        s, m = action.stage, action.microbatch
+        full = Action(s, Kind.BACKWARD, m)
+        split = Action(s, Kind.INPUT, m)
+        weight = Action(s, Kind.WEIGHT, m)
+        if action in (full, split) and (full in seen and split in seen):
+            later = max(full, split, key=seen.__getitem__)
+            earlier = split if later == full else full
+            _fail(schedule, f"{later} and {earlier} both run the backward of stage {s}, "
+                  f"micro-batch {m}: keep {full} (full backward) or {split} followed by "
+                  f"{weight} (split backward), not both", seen[later])
+        if action == weight and split not in seen:
+            fix = (f"{full} already computes the weight gradient: drop {weight}, or split "
+                   f"{full} into {split} and {weight}" if full in seen else
+                   f"add {split} before it, or write {full} (full backward) instead")
+            _fail(schedule, f"{weight} has no {split} to take the weight gradient from; "
+                  f"{fix}", where)
+        if action == split and weight not in seen:
+            _fail(schedule, f"{split} computes only the input gradient and no {weight} "
+                  f"follows with the weight gradient: add {weight} after it, or write "
+                  f"{full} (full backward) instead", where)
 
 
 def _fail(schedule: Schedule, problem: str, where: tuple[int, int]) -> None:
