@@ -13,17 +13,9 @@ from conveyor.schedules.builders import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from conveyor.schedules.table import (
-    Action,
-    Kind,
-    Schedule,
-    actions_of,
-    dependencies,
-    layout_clock,
-    parse,
-    render_clock,
-    validate,
-)
+from conveyor.schedules.clock import layout_clock, render_clock
+from conveyor.schedules.table import Action, Kind, Schedule, actions_of, dependencies, parse
+from conveyor.schedules.validator import validate
 
 __all__ = [
     "Action",

@@ -1,8 +1,8 @@
 """Schedules as data: the functions that build the action tables of each schedule.
 
-Each is a pure function of integers returning a :class:`~conveyor.table.Schedule`; the
+Each is a pure function of integers returning a :class:`~.table.Schedule`; the
 validator, the simulator, the renderers and every runtime read the same table. With
-one tick per action (the clock :func:`~conveyor.table.render_clock` draws), 4 stages
+one tick per action (the clock :func:`~.clock.render_clock` draws), 4 stages
 and 4 micro-batches::
 
     gpipe                                   1f1b (PipeDream-flush)
@@ -23,34 +23,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.table import (
-    Action,
-    Kind,
-    Schedule,
-    actions_of,
-    check_size,
-    dependencies,
-    layout_clock,
-    parse,
-    render_clock,
-    validate,
-)
+from conveyor.schedules.table import Action, Kind, Schedule, check_size
 
 __all__ = [
-    "Action",
-    "Kind",
     "SCHEDULES",
-    "Schedule",
-    "actions_of",
     "build",
-    "dependencies",
     "gpipe",
     "interleaved_1f1b",
-    "layout_clock",
     "one_f_one_b",
-    "parse",
-    "render_clock",
-    "validate",
     "zero_bubble_h1",
 ]
 

@@ -1,4 +1,4 @@
-"""The schedule table: actions, one ordered column per rank, and its one validator.
+"""The schedule table: actions, one ordered column per rank, and what each action needs.
 
 A schedule never decides anything at run time. It is a table: rank r runs the actions
 of ``schedule.columns[r]`` in order, and every runtime, the validator and the renderers
@@ -8,8 +8,8 @@ table for 2 stages and 3 micro-batches reads::
     0F0 0F1 0F2 0B2 0B1 0B0
     1F0 1F1 1F2 1B2 1B1 1B0
 
-Laid out on a clock where every action takes one tick (``render_clock``), the same table
-is the fill-drain picture of the paper::
+Laid out on a clock where every action takes one tick (:mod:`.clock`), the same table is
+the fill-drain picture of the paper::
 
             0   1   2   3   4   5   6   7
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
@@ -21,8 +21,9 @@ backward split in two, the input gradient first so that it can travel upstream a
 weight gradient later, in what would be a bubble. Tables may mix them: one micro-batch
 or stage with ``B``, another with ``I`` and ``W``.
 
-The functions that build tables live in :mod:`conveyor.schedules`. This module imports
-nothing from torch, so schedules can be built, printed, checked and simulated anywhere.
+The functions that build tables live in :mod:`.builders`, the one validator every table
+passes in :mod:`.validator`. This package imports nothing from torch, so schedules can be
+built, printed, checked and simulated anywhere.
 """
 
 from __future__ import annotations
@@ -35,18 +36,7 @@ from functools import cached_property
 
 from conveyor.errors import ScheduleError
 
-__all__ = [
-    "Action",
-    "Kind",
-    "Schedule",
-    "actions_of",
-    "check_size",
-    "dependencies",
-    "layout_clock",
-    "parse",
-    "render_clock",
-    "validate",
-]
+__all__ = ["Action", "Kind", "Schedule", "actions_of", "check_size", "dependencies", "parse"]
 
 
 class Kind(str, enum.Enum):
@@ -200,212 +190,6 @@ def dependencies(action: Action, schedule: Schedule) -> tuple[Action, ...]:
     if s + 1 < schedule.num_stages:
         return (own, schedule.backward_of(s + 1, m))
     return (own,)
-
-
-def validate(schedule: Schedule) -> None:
-    """Checks that ``schedule`` is complete, consistent and free of deadlock.
-
-    Every stage must live on one rank; every (stage, micro-batch) needs exactly one
-    ``F`` and one backward: either ``B``, or ``I`` and ``W``; and the table must run to
-    the end when each rank follows its column and waits for the results it needs.
-
-    Raises:
-        ScheduleError: the first problem found, with the table and the failing step.
-    """
-    check_size(num_stages=schedule.num_stages, num_microbatches=schedule.num_microbatches)
-    seen: dict[Action, tuple[int, int]] = {}
-    owner: dict[int, int] = {}
-    for rank, column in enumerate(schedule.columns):
-        for step, action in enumerate(column):
-            where = (rank, step)
-            if not (0 <= action.stage < schedule.num_stages) or not (
-                0 <= action.microbatch < schedule.num_microbatches
-            ):
-                _fail(
-                    schedule,
-                    f"{action} is outside the table's {schedule.num_stages} stages "
-                    f"and {schedule.num_microbatches} micro-batches",
-                    where,
-                )
-            if action in seen:
-                first = seen[action]
-                _fail(schedule, f"{action} appears twice (first at rank {first[0]}, "
-                      f"step {first[1]})", where)
-            if owner.setdefault(action.stage, rank) != rank:
-                _fail(
-                    schedule,
-                    f"stage {action.stage} runs on rank {owner[action.stage]} and "
-                    f"rank {rank}; each stage belongs to one rank",
-                    where,
-                )
-            seen[action] = where
-    _check_backward_kinds(schedule, seen)
-    for action, where in seen.items():
-        for needed in dependencies(action, schedule):
-            # A stage's actions share a rank; one in no column is reported missing below.
-            if needed.stage == action.stage and seen.get(needed, where) > where:
-                _fail(schedule, f"{action} comes before {needed} on its own rank", where)
-    missing = [
-        needed
-        for s in range(schedule.num_stages)
-        for m in range(schedule.num_microbatches)
-        for needed in (Action(s, Kind.FORWARD, m), schedule.backward_of(s, m))
-        if needed not in seen
-    ]
-    if missing:
-        listed = " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise ScheduleError(
-            f"schedule {schedule.name!r} is incomplete: {len(missing)} actions missing "
-            f"({listed})\n{_render_text(schedule, None)}"
-        )
-    layout_clock(schedule)
-
-
-def _check_backward_kinds(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
-    """Each (stage, micro-batch) runs one backward: ``B``, or ``I`` and then ``W``.
-
-    ``seen`` maps each action to its (rank, step), in table order."""
-    for action, where in seen.items():
-        s, m = action.stage, action.microbatch
-        full = Action(s, Kind.BACKWARD, m)
-        split = Action(s, Kind.INPUT, m)
-        weight = Action(s, Kind.WEIGHT, m)
-        if action in (full, split) and (full in seen and split in seen):
-            later = max(full, split, key=seen.__getitem__)
-            earlier = split if later == full else full
-            _fail(schedule, f"{later} and {earlier} both run the backward of stage {s}, "
-                  f"micro-batch {m}: keep {full} (full backward) or {split} followed by "
-                  f"{weight} (split backward), not both", seen[later])
-        if action == weight and split not in seen:
-            fix = (f"{full} already computes the weight gradient: drop {weight}, or split "
-                   f"{full} into {split} and {weight}" if full in seen else
-                   f"add {split} before it, or write {full} (full backward) instead")
-            _fail(schedule, f"{weight} has no {split} to take the weight gradient from; "
-                  f"{fix}", where)
-        if action == split and weight not in seen:
-            _fail(schedule, f"{split} computes only the input gradient and no {weight} "
-                  f"follows with the weight gradient: add {weight} after it, or write "
-                  f"{full} (full backward) instead", where)
-
-
-def _fail(schedule: Schedule, problem: str, where: tuple[int, int]) -> None:
-    rank, step = where
-    raise ScheduleError(
-        f"schedule {schedule.name!r}, rank {rank}, step {step}: {problem}\n"
-        f"{_render_text(schedule, where)}"
-    )
-
-
-def _render_text(schedule: Schedule, mark: tuple[int, int] | None) -> str:
-    """The text form with ``rank r:`` labels; the action at ``mark`` is bracketed."""
-    lines = []
-    for rank, column in enumerate(schedule.columns):
-        cells = [
-            f"[{a}]" if (rank, step) == mark else str(a) for step, a in enumerate(column)
-        ]
-        lines.append(f"  rank {rank}: " + (" ".join(cells) or "-"))
-    return "\n".join(lines)
-
-
-def layout_clock(schedule: Schedule) -> list[list[Action | None]]:
-    """Lays the table out on a clock where every action takes one tick.
-
-    An action starts at the first tick after the actions it depends on have finished
-    and its rank has finished the previous action of its column.
-
-    Returns:
-        ``grid[r][t]``: the action rank ``r`` runs at tick ``t``, or None when idle.
-
-    Raises:
-        ScheduleError: the table deadlocks; the message shows the clock up to the stall
-            and what every stuck rank waits for.
-    """
-    rank_of = {a: r for r, column in enumerate(schedule.columns) for a in column}
-    done: set[Action] = set()
-    position = [0] * schedule.num_ranks
-    grid: list[list[Action | None]] = [[] for _ in schedule.columns]
-    total = sum(len(column) for column in schedule.columns)
-    while len(done) < total:
-        ready = []
-        for rank, column in enumerate(schedule.columns):
-            step = position[rank]
-            if step < len(column) and all(d in done for d in dependencies(column[step], schedule)):
-                ready.append(column[step])
-        if not ready:
-            raise ScheduleError(_deadlock_message(schedule, grid, position, rank_of, done))
-        for rank in range(schedule.num_ranks):
-            column = schedule.columns[rank]
-            step = position[rank]
-            if step < len(column) and column[step] in ready:
-                grid[rank].append(column[step])
-                position[rank] += 1
-            else:
-                grid[rank].append(None)
-        done.update(ready)
-    return grid
-
-
-def _deadlock_message(
-    schedule: Schedule,
-    grid: list[list[Action | None]],
-    position: list[int],
-    rank_of: dict[Action, int],
-    done: set[Action],
-) -> str:
-    waits = []
-    stuck: list[Action | None] = []
-    for rank, column in enumerate(schedule.columns):
-        step = position[rank]
-        if step >= len(column):
-            stuck.append(None)
-            continue
-        action = column[step]
-        stuck.append(action)
-        pending = [d for d in dependencies(action, schedule) if d not in done]
-        named = ", ".join(
-            f"{d} (rank {rank_of[d]})" if d in rank_of else f"{d} (in no rank's column)"
-            for d in pending
-        )
-        waits.append(f"  rank {rank} waits at {action} for {named}")
-    tick = len(grid[0]) if grid else 0
-    picture = render_clock(grid, waiting=stuck)
-    return (
-        f"schedule {schedule.name!r} deadlocks at tick {tick}:\n"
-        + "\n".join(waits)
-        + "\n"
-        + picture
-    )
-
-
-def render_clock(
-    grid: Sequence[Sequence[Action | None]],
-    *,
-    waiting: Sequence[Action | None] | None = None,
-) -> str:
-    """Draws a clock grid as text, one row per rank; ``.`` is an idle tick.
-
-    Args:
-        grid: ``grid[r][t]`` as returned by :func:`layout_clock`.
-        waiting: optionally, per rank, an action drawn as ``>1B0`` after the last tick:
-            the action the rank is stuck on.
-    """
-    ticks = max((len(row) for row in grid), default=0)
-    extra = 1 if waiting is not None and any(w is not None for w in waiting) else 0
-    cells: list[list[str]] = []
-    for rank, row in enumerate(grid):
-        line = [str(a) if a is not None else "." for a in row] + ["."] * (ticks - len(row))
-        if extra:
-            stuck = waiting[rank] if waiting is not None else None
-            line.append(f">{stuck}" if stuck is not None else "")
-        cells.append(line)
-    width = max([len(str(ticks + extra))] + [len(c) for line in cells for c in line])
-    label = max(len(f"rank {len(grid) - 1}"), 4)
-    header = " " * label + "  " + " ".join(f"{t:<{width}}" for t in range(ticks + extra))
-    rows = [
-        f"{f'rank {r}':<{label}}  " + " ".join(f"{c:<{width}}" for c in line)
-        for r, line in enumerate(cells)
-    ]
-    return "\n".join(line.rstrip() for line in [header, *rows])
 
 
 def actions_of(schedule: Schedule, kinds: Iterable[Kind]) -> dict[int, list[Action]]:

@@ -1,0 +1,115 @@
+"""A table laid out on a clock where every action takes one tick, and drawn as text.
+
+The clock is how the validator finds deadlocks (a tick at which no rank can move) and
+how a table is pictured: the paper's fill-drain diagram is the GPipe table on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules.table import Action, Schedule, dependencies
+
+__all__ = ["layout_clock", "render_clock"]
+
+
+def layout_clock(schedule: Schedule) -> list[list[Action | None]]:
+    """Lays the table out on a clock where every action takes one tick.
+
+    An action starts at the first tick after the actions it depends on have finished
+    and its rank has finished the previous action of its column.
+
+    Returns:
+        ``grid[r][t]``: the action rank ``r`` runs at tick ``t``, or None when idle.
+
+    Raises:
+        ScheduleError: the table deadlocks; the message shows the clock up to the stall
+            and what every stuck rank waits for.
+    """
+    rank_of = {a: r for r, column in enumerate(schedule.columns) for a in column}
+    done: set[Action] = set()
+    position = [0] * schedule.num_ranks
+    grid: list[list[Action | None]] = [[] for _ in schedule.columns]
+    total = sum(len(column) for column in schedule.columns)
+    while len(done) < total:
+        ready = []
+        for rank, column in enumerate(schedule.columns):
+            step = position[rank]
+            if step < len(column) and all(d in done for d in dependencies(column[step], schedule)):
+                ready.append(column[step])
+        if not ready:
+            raise ScheduleError(_deadlock_message(schedule, grid, position, rank_of, done))
+        for rank in range(schedule.num_ranks):
+            column = schedule.columns[rank]
+            step = position[rank]
+            if step < len(column) and column[step] in ready:
+                grid[rank].append(column[step])
+                position[rank] += 1
+            else:
+                grid[rank].append(None)
+        done.update(ready)
+    return grid
+
+
+def _deadlock_message(
+    schedule: Schedule,
+    grid: list[list[Action | None]],
+    position: list[int],
+    rank_of: dict[Action, int],
+    done: set[Action],
+) -> str:
+    waits = []
+    stuck: list[Action | None] = []
+    for rank, column in enumerate(schedule.columns):
+        step = position[rank]
+        if step >= len(column):
+            stuck.append(None)
+            continue
+        action = column[step]
+        stuck.append(action)
+        pending = [d for d in dependencies(action, schedule) if d not in done]
+        named = ", ".join(
+            f"{d} (rank {rank_of[d]})" if d in rank_of else f"{d} (in no rank's column)"
+            for d in pending
+        )
+        waits.append(f"  rank {rank} waits at {action} for {named}")
+    tick = len(grid[0]) if grid else 0
+    picture = render_clock(grid, waiting=stuck)
+    return (
+        f"schedule {schedule.name!r} deadlocks at tick {tick}:\n"
+        + "\n".join(waits)
+        + "\n"
+        + picture
+    )
+
+
+def render_clock(
+    grid: Sequence[Sequence[Action | None]],
+    *,
+    waiting: Sequence[Action | None] | None = None,
+) -> str:
+    """Draws a clock grid as text, one row per rank; ``.`` is an idle tick.
+
+    Args:
+        grid: ``grid[r][t]`` as returned by :func:`layout_clock`.
+        waiting: optionally, per rank, an action drawn as ``>1B0`` after the last tick:
+            the action the rank is stuck on.
+    """
+    ticks = max((len(row) for row in grid), default=0)
+    extra = 1 if waiting is not None and any(w is not None for w in waiting) else 0
+    cells: list[list[str]] = []
+    for rank, row in enumerate(grid):
+        line = [str(a) if a is not None else "." for a in row] + ["."] * (ticks - len(row))
+        if extra:
+            stuck = waiting[rank] if waiting is not None else None
+            line.append(f">{stuck}" if stuck is not None else "")
+        cells.append(line)
+    width = max([len(str(ticks + extra))] + [len(c) for line in cells for c in line])
+    label = max(len(f"rank {len(grid) - 1}"), 4)
+    header = " " * label + "  " + " ".join(f"{t:<{width}}" for t in range(ticks + extra))
+    rows = [
+        f"{f'rank {r}':<{label}}  " + " ".join(f"{c:<{width}}" for c in line)
+        for r, line in enumerate(cells)
+    ]
+    return "\n".join(line.rstrip() for line in [header, *rows])

@@ -1,0 +1,118 @@
+"""The one validator every schedule table passes before anything runs it.
+
+A problem is reported with the table drawn and the failing step bracketed; a table
+that deadlocks, with the clock up to the stall and what every stuck rank waits for.
+"""
+
+from __future__ import annotations
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules.clock import layout_clock
+from conveyor.schedules.table import Action, Kind, Schedule, check_size, dependencies
+
+__all__ = ["validate"]
+
+
+def validate(schedule: Schedule) -> None:
+    """Checks that ``schedule`` is complete, consistent and free of deadlock.
+
+    Every stage must live on one rank; every (stage, micro-batch) needs exactly one
+    ``F`` and one backward: either ``B``, or ``I`` and ``W``; and the table must run to
+    the end when each rank follows its column and waits for the results it needs.
+
+    Raises:
+        ScheduleError: the first problem found, with the table and the failing step.
+    """
+    check_size(num_stages=schedule.num_stages, num_microbatches=schedule.num_microbatches)
+    seen: dict[Action, tuple[int, int]] = {}
+    owner: dict[int, int] = {}
+    for rank, column in enumerate(schedule.columns):
+        for step, action in enumerate(column):
+            where = (rank, step)
+            if not (0 <= action.stage < schedule.num_stages) or not (
+                0 <= action.microbatch < schedule.num_microbatches
+            ):
+                _fail(
+                    schedule,
+                    f"{action} is outside the table's {schedule.num_stages} stages "
+                    f"and {schedule.num_microbatches} micro-batches",
+                    where,
+                )
+            if action in seen:
+                first = seen[action]
+                _fail(schedule, f"{action} appears twice (first at rank {first[0]}, "
+                      f"step {first[1]})", where)
+            if owner.setdefault(action.stage, rank) != rank:
+                _fail(
+                    schedule,
+                    f"stage {action.stage} runs on rank {owner[action.stage]} and "
+                    f"rank {rank}; each stage belongs to one rank",
+                    where,
+                )
+            seen[action] = where
+    _check_backward_kinds(schedule, seen)
+    for action, where in seen.items():
+        for needed in dependencies(action, schedule):
+            # A stage's actions share a rank; one in no column is reported missing below.
+            if needed.stage == action.stage and seen.get(needed, where) > where:
+                _fail(schedule, f"{action} comes before {needed} on its own rank", where)
+    missing = [
+        needed
+        for s in range(schedule.num_stages)
+        for m in range(schedule.num_microbatches)
+        for needed in (Action(s, Kind.FORWARD, m), schedule.backward_of(s, m))
+        if needed not in seen
+    ]
+    if missing:
+        listed = " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} is incomplete: {len(missing)} actions missing "
+            f"({listed})\n{_render_text(schedule, None)}"
+        )
+    layout_clock(schedule)
+
+
+def _check_backward_kinds(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
+    """Each (stage, micro-batch) runs one backward: ``B``, or ``I`` and then ``W``.
+
+    ``seen`` maps each action to its (rank, step), in table order."""
+    for action, where in seen.items():
+        s, m = action.stage, action.microbatch
+        full = Action(s, Kind.BACKWARD, m)
+        split = Action(s, Kind.INPUT, m)
+        weight = Action(s, Kind.WEIGHT, m)
+        if action in (full, split) and (full in seen and split in seen):
+            later = max(full, split, key=seen.__getitem__)
+            earlier = split if later == full else full
+            _fail(schedule, f"{later} and {earlier} both run the backward of stage {s}, "
+                  f"micro-batch {m}: keep {full} (full backward) or {split} followed by "
+                  f"{weight} (split backward), not both", seen[later])
+        if action == weight and split not in seen:
+            fix = (f"{full} already computes the weight gradient: drop {weight}, or split "
+                   f"{full} into {split} and {weight}" if full in seen else
+                   f"add {split} before it, or write {full} (full backward) instead")
+            _fail(schedule, f"{weight} has no {split} to take the weight gradient from; "
+                  f"{fix}", where)
+        if action == split and weight not in seen:
+            _fail(schedule, f"{split} computes only the input gradient and no {weight} "
+                  f"follows with the weight gradient: add {weight} after it, or write "
+                  f"{full} (full backward) instead", where)
+
+
+def _fail(schedule: Schedule, problem: str, where: tuple[int, int]) -> None:
+    rank, step = where
+    raise ScheduleError(
+        f"schedule {schedule.name!r}, rank {rank}, step {step}: {problem}\n"
+        f"{_render_text(schedule, where)}"
+    )
+
+
+def _render_text(schedule: Schedule, mark: tuple[int, int] | None) -> str:
+    """The text form with ``rank r:`` labels; the action at ``mark`` is bracketed."""
+    lines = []
+    for rank, column in enumerate(schedule.columns):
+        cells = [
+            f"[{a}]" if (rank, step) == mark else str(a) for step, a in enumerate(column)
+        ]
+        lines.append(f"  rank {rank}: " + (" ".join(cells) or "-"))
+    return "\n".join(lines)
