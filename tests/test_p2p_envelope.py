@@ -1,6 +1,6 @@
 """A message between processes: header and body carry any value and give it back.
 
-These are the encoding helpers of :mod:`conveyor.distributed.p2p`, pure functions of
+These are the encoding helpers of :mod:`conveyor.distributed.envelope`, pure functions of
 tensors that need no process group; tests/test_distributed.py sends such messages
 between processes for real.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from conveyor.distributed.p2p import (
+from conveyor.distributed.envelope import (
     _ABORT,
     _BODY,
     _CODES,
@@ -197,7 +197,7 @@ def test_requires_grad_arrives_on_fresh_leaves(send: Send) -> None:
             assert leaf.is_leaf and leaf.grad_fn is None
 
 
-# ------------------------------------------------------------ the layout drawn in p2p
+# -------------------------------------------------------- the layout drawn in envelope
 
 
 def test_a_single_tensor_is_its_header_and_its_bytes() -> None:

@@ -1,0 +1,204 @@
+"""The envelope of a message between processes: a header of 24 int64s and a body.
+
+The header carries the kind, stage, micro-batch, sizes, and (for a single tensor) its
+dtype and shape, so a later batch with another sequence length needs nothing special;
+several tensors, or other values, travel with a pickled skeleton. Pure functions of
+tensors: :mod:`conveyor.distributed.p2p` moves the bytes, this module lays them out.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from conveyor.errors import ConveyorError
+
+__all__: list[str] = []
+
+
+# The layout of a message, as it lies in the receiver's buffer on gloo: an envelope,
+# header and body in one transfer into a receive posted as large as the largest
+# message yet from that peer (its capacity). NCCL sends the header and the body as two
+# messages of their exact sizes.
+#
+#   byte 0         192          192+S                                   192+BODY
+#   | header       | skeleton | pad | tensor 0 | pad | tensor 1 | pad |  unused  |
+#   | 24 int64s    |<---------------- body: BODY bytes --------------->| capacity |
+#
+# S, the skeleton's size, and each tensor's size are padded to 64 bytes, so every tensor
+# starts aligned and is viewed as its dtype where it lies. A single tensor (the common
+# case) has no skeleton and no padding: the header describes it and the body is its bytes.
+#
+#   header field   meaning
+#   0 code         0 activation, 1 gradient, 2 abort (the body is a pickled report)
+#   1 stage        the receiving stage                                (-1 in an abort)
+#   2 microbatch   the micro-batch                                    (-1 in an abort)
+#   3 body         BODY, the bytes after the header (padding included)
+#   4 skeleton     S: the value pickled with a _Slot (offset, dtype, shape, flag) in
+#                  place of each tensor; 0 for a single tensor
+#   5 inline       1: the body follows in this buffer; 0: it comes in a message of its own
+#   6 dtype        index into _DTYPES    \
+#   7 grad         requires_grad          |  a single tensor only (at most 12 dims,
+#   8 ndim         number of dims         |  a dtype in _DTYPES; anything else goes
+#   9-20 shape     one size per dim      /   with a skeleton)
+#   21-23          unused
+_INTS = 24
+_HEADER_BYTES = _INTS * 8
+_MAX_DIMS = 12
+_ALIGN = 64
+_CODES = {"activation": 0, "gradient": 1}
+_KINDS = {code: kind for kind, code in _CODES.items()}
+_ABORT = 2
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128]
+# header fields
+_CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a message's skeleton: where its bytes start, and what it is."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[int], list[Any]]:
+    """The header and the pieces of the body (byte tensors, or bytes) of a message."""
+    header = [0] * _INTS
+    header[_CODE], header[_STAGE], header[_MICROBATCH] = code, stage, microbatch
+    if isinstance(value, bytes):  # an abort report
+        header[_SKELETON] = header[_BODY] = len(value)
+        return header, [value]
+    if (isinstance(value, torch.Tensor) and value.dtype in _DTYPES
+            and value.dim() <= _MAX_DIMS):
+        header[_DTYPE], header[_GRAD] = _DTYPES.index(value.dtype), int(value.requires_grad)
+        header[_NDIM] = value.dim()
+        header[_SHAPE:_SHAPE + value.dim()] = list(value.shape)
+        header[_BODY] = value.numel() * value.element_size()
+        return header, [_bytes(value)]
+    tensors: list[torch.Tensor] = []
+    offsets = [0]
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(_bytes(t))
+        offsets.append(offsets[-1] + _padded(tensors[-1].numel()))
+        return _Slot(offsets[-2], str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                     t.requires_grad)
+
+    skeleton = pickle.dumps(pytree.tree_map_only(torch.Tensor, slot, value))
+    header[_SKELETON] = _padded(len(skeleton))
+    header[_BODY] = header[_SKELETON] + offsets[-1]
+    pieces: list[Any] = [skeleton]
+    for tensor, start in zip(tensors, offsets):
+        pieces.append((header[_SKELETON] + start, tensor))
+    return header, pieces
+
+
+def _describe(header: Sequence[int]) -> str:
+    """The message a header announces, in words, for error messages."""
+    if header[_CODE] == _ABORT:
+        return "an abort report"
+    return (f"the {_KINDS.get(header[_CODE], '?')} of micro-batch {header[_MICROBATCH]} "
+            f"for stage {header[_STAGE]}")
+
+
+def _check_header(header: Sequence[int]) -> None:
+    """Raises ConveyorError unless ``header`` could be one that :func:`_encode` wrote."""
+    if len(header) != _INTS:
+        raise ConveyorError(f"a message header has {len(header)} fields, expected {_INTS}")
+    if header[_CODE] not in _KINDS and header[_CODE] != _ABORT:
+        raise ConveyorError(f"a message header has kind code {header[_CODE]}; known codes "
+                            f"are {_KINDS | {_ABORT: 'abort'}}: the message is corrupt or "
+                            "the ranks run different conveyor versions")
+    what = _describe(header)
+    if not 0 <= header[_SKELETON] <= header[_BODY]:
+        raise ConveyorError(f"the header of {what} gives a skeleton of {header[_SKELETON]} "
+                            f"bytes and a body of {header[_BODY]}: the message is corrupt")
+    if header[_SKELETON] or header[_CODE] == _ABORT:
+        return
+    ndim = header[_NDIM]
+    if not 0 <= header[_DTYPE] < len(_DTYPES) or not 0 <= ndim <= _MAX_DIMS:
+        raise ConveyorError(f"the header of {what} gives dtype code {header[_DTYPE]} and "
+                            f"{ndim} dims; known are codes 0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} "
+                            "dims: the message is corrupt")
+    shape = header[_SHAPE:_SHAPE + ndim]
+    size = math.prod(shape) * _DTYPES[header[_DTYPE]].itemsize
+    if min(shape, default=0) < 0 or size != header[_BODY]:
+        raise ConveyorError(f"the header of {what} gives shape {shape} of "
+                            f"{_DTYPES[header[_DTYPE]]} ({size} bytes) and a body of "
+                            f"{header[_BODY]} bytes: the message is corrupt")
+
+
+def _unpickle(data: torch.Tensor, what: str) -> Any:
+    """The object pickled into a uint8 tensor (without numpy, which torch does not need)."""
+    try:
+        return pickle.loads(bytes(data.cpu().tolist()))
+    except Exception as exc:  # noqa: BLE001 - corrupt pickles raise many kinds of error
+        raise ConveyorError(f"the pickled part of {what} ({data.numel()} bytes) cannot be "
+                            f"read ({type(exc).__name__}: {exc}): the message is corrupt or "
+                            "truncated") from exc
+
+
+def _decode(header: list[int], body: torch.Tensor) -> Any:
+    """The value of a message from its header and body (tensors are views of the body).
+
+    Raises:
+        ConveyorError: the header is malformed, or the body is shorter than it says.
+    """
+    _check_header(header)
+    what = _describe(header)
+    if body.numel() < header[_BODY]:
+        raise ConveyorError(f"{what} is truncated: its header announces a body of "
+                            f"{header[_BODY]} bytes, {body.numel()} arrived")
+    if header[_SKELETON] == 0:
+        dtype = _DTYPES[header[_DTYPE]]
+        shape = header[_SHAPE:_SHAPE + header[_NDIM]]
+        tensor = body[:header[_BODY]].view(dtype).view(shape)
+        return tensor.requires_grad_() if header[_GRAD] else tensor
+    skeleton = _unpickle(body[:header[_SKELETON]], what)
+
+    def fill(slot: _Slot) -> torch.Tensor:
+        dtype = getattr(torch, slot.dtype)
+        size = math.prod(slot.shape) * dtype.itemsize
+        start = header[_SKELETON] + slot.offset
+        if start + size > header[_BODY]:
+            raise ConveyorError(f"{what} places a tensor of {size} bytes at byte {start} of "
+                                f"a body of {header[_BODY]}: the message is corrupt")
+        tensor = body[start:start + size].view(dtype).view(slot.shape)
+        return tensor.requires_grad_() if slot.requires_grad else tensor
+
+    return pytree.tree_map_only(_Slot, fill, skeleton)
+
+
+def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
+              device: torch.device) -> torch.Tensor:
+    """Header (optional) and body pieces laid out in one byte buffer."""
+    start = _HEADER_BYTES if with_header else 0
+    # Uninitialised: every byte read back is written below (padding is never read).
+    buffer = torch.empty(start + header[_BODY], dtype=torch.uint8, device=device)
+    if with_header:
+        buffer[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for piece in pieces:
+        offset, data = (0, piece) if not isinstance(piece, tuple) else piece
+        if isinstance(data, bytes):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer[start + offset:start + offset + data.numel()] = data
+    return buffer
