@@ -136,5 +136,6 @@ def test_every_public_error_is_exported_from_the_package() -> None:
 
 
 def test_public_names_all_resolve() -> None:
-    for name in conveyor.__all__:
-        assert getattr(conveyor, name) is not None
+    assert len(set(conveyor.__all__)) == len(conveyor.__all__) > 0  # each listed once
+    missing = [name for name in conveyor.__all__ if not hasattr(conveyor, name)]
+    assert not missing, f"conveyor.__all__ lists names the package lacks: {missing}"
