@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,6 +80,41 @@ def build(name: str, seed: int = 0, **kwargs: float) -> tuple[nn.Sequential, nn.
     return model, copy.deepcopy(model)
 
 
+class Repeated(nn.Module):
+    """One Linear and tanh applied ``times`` times: ``times`` times the work of a layer
+    with ``times=1``, with the same parameters."""
+
+    def __init__(self, width: int, times: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.times = times
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = torch.tanh(self.linear(x))
+        return x
+
+
+def one_costly_layer(layers: int, costly: int, *, times: int = 20,
+                     width: int = 128) -> nn.Sequential:
+    """``layers`` layers with as many parameters and equal work each, but layer ``costly``,
+    which does ``times`` as much work."""
+    return nn.Sequential(*[Repeated(width, times if i == costly else 1)
+                           for i in range(layers)])
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Times layers on one intra-op thread: on a busy machine, threads waiting for each
+    other add noise far larger than a small layer's time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def even_balance(model: nn.Sequential, stages: int) -> list[int]:
     return solve_balance([1.0] * len(model), stages)
 
@@ -87,6 +124,15 @@ def weighted_loss(output: torch.Tensor) -> torch.Tensor:
     weights = torch.randn(output.shape, dtype=output.dtype,
                           generator=torch.Generator().manual_seed(99)).to(output.device)
     return (output * weights).sum() + output.pow(2).sum() / 7
+
+
+def paired(*sequences: Iterable[Any]) -> list[tuple[Any, ...]]:
+    """``zip(*sequences)`` that fails unless they hold the same, non-zero number of items
+    (a plain zip of two empty lists, or of lists cut short, would check nothing)."""
+    lists = [list(s) for s in sequences]
+    lengths = [len(s) for s in lists]
+    assert lengths[0] > 0 and lengths == [lengths[0]] * len(lists), f"lengths {lengths}"
+    return list(zip(*lists))
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +145,8 @@ def assert_same_grads(pipe_params: Iterable[tuple[str, nn.Parameter]],
                       *, rtol: float = 1e-10) -> None:
     pipe_params, ref_params = list(pipe_params), list(ref_params)
     assert [n for n, _ in pipe_params] == [n for n, _ in ref_params]
-    for (name, p), (_, r) in zip(pipe_params, ref_params):
+    assert any(r.grad is not None for _, r in ref_params), "the reference has no gradient"
+    for (name, p), (_, r) in paired(pipe_params, ref_params):
         if r.grad is None:
             assert p.grad is None, name
             continue

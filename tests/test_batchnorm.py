@@ -10,7 +10,7 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.microbatch import split
-from tests.models import assert_same_grads, relative_error, weighted_loss
+from tests.models import assert_same_grads, paired, relative_error, weighted_loss
 
 
 def bn_model() -> nn.Sequential:
@@ -32,7 +32,7 @@ def images(batch: int = 12, seed: int = 0) -> torch.Tensor:
 
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
     assert [n for n, _ in a.named_buffers()] == [n for n, _ in b.named_buffers()]
-    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+    for (name, x), (_, y) in paired(a.named_buffers(), b.named_buffers()):
         if x.is_floating_point():
             assert relative_error(x, y) <= 1e-10, name
         else:

@@ -13,6 +13,7 @@ from torch import nn
 
 import conveyor
 from conveyor.cli import main
+from conveyor.schedules import build
 
 
 def test_simulate_prints_bubble_and_memory_as_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,12 +32,15 @@ def test_simulate_draws_and_traces(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "interleaved-1f1b: 2 ranks x 2 stages, 4 micro-batches" in out
     assert (tmp_path / "g.png").stat().st_size > 1000
     trace = json.loads((tmp_path / "t.json").read_text())
-    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"0F0", "3B3"}
+    table = build("interleaved-1f1b", 2, 4, virtual_stages=2)
+    assert sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == sorted(
+        str(a) for column in table.columns for a in column)  # every action, once
 
 
 def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from conveyor.observe.simulate import CostModel, simulate
+    from conveyor.schedules import dependencies
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
@@ -45,9 +49,23 @@ def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     with conveyor.record(pipe) as measured:
         pipe.step(x, y)
-    assert sorted(e.label for e in measured.events) == sorted(
-        str(a) for column in pipe.schedule.columns for a in column)
-    assert all(e.end >= e.start and e.wait >= 0 for e in measured.events)
+    table = pipe.schedule
+    events = {e.label: e for e in measured.events}
+    assert len(events) == len(measured.events) == sum(len(c) for c in table.columns)
+    for rank, column in enumerate(table.columns):
+        mine = sorted((e for e in measured.events if e.rank == rank), key=lambda e: e.start)
+        assert [e.label for e in mine] == [str(a) for a in column]  # in table order
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))  # one at a time
+        for action in column:
+            event = events[str(action)]
+            assert event.wait + event.transfer <= event.end - event.start, event
+            # An action waits exactly when it needs another rank's result (stage 1's
+            # forwards, stage 0's input-gradient backwards), and cannot end before
+            # that result's action began.
+            needs = [d for d in dependencies(action, table)
+                     if table.stage_ranks[d.stage] != rank]
+            assert (event.wait > 0) == bool(needs), event
+            assert all(event.end > events[str(d)].start for d in needs), event
     costs = CostModel.from_timeline(measured, 2)  # a measured run feeds the simulator
     predicted = simulate(pipe.schedule, costs).timeline
     assert type(predicted) is type(measured)
@@ -56,7 +74,7 @@ def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
     measured.save(path)
     assert main(["trace", str(path), "--plot", str(tmp_path / "run.png")]) == 0
     assert "measured zero-bubble" in capsys.readouterr().out
-    assert (tmp_path / "run.png").exists()
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_recording_covers_both_phases_of_gpipe() -> None:

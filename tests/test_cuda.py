@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import conveyor
-from tests.models import assert_same_grads, build, even_balance, sample, weighted_loss
+from tests.models import assert_same_grads, build, even_balance, paired, sample, weighted_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,7 +54,7 @@ def test_cuda_dropout_is_the_same_for_any_number_of_stages(checkpoint: str) -> N
         torch.manual_seed(5)
         weighted_loss(pipe(sample("transformer").cuda())).backward()
         grads.append([p.grad.clone() for p in pipe.parameters()])
-    for a, b in zip(*grads):
+    for a, b in paired(*grads):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-13)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conveyor.train.data import digits, text_corpus
+from tests.extras import require
 
 
 def test_the_text_corpus_is_real_python_split_by_file() -> None:
@@ -42,7 +43,7 @@ def test_the_unigram_baseline_is_the_cross_entropy_of_byte_frequencies() -> None
 
 
 def test_digits_are_grey_8x8_images_with_a_fixed_split() -> None:
-    pytest.importorskip("sklearn")
+    require("sklearn")
     (train_x, train_y), (test_x, test_y) = digits()
     assert train_x.shape[1:] == test_x.shape[1:] == (1, 8, 8)
     assert len(train_x) + len(test_x) == 1797 and len(test_x) == 360

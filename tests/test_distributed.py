@@ -140,6 +140,7 @@ def assert_every_rank_stops(outcome: Outcome, *, within: float, messages: list[s
     """Every rank exits non-zero in time, and rank r's output matches ``messages[r]``."""
     assert all(code not in (0, None) for code in outcome.returncodes), outcome.returncodes
     assert outcome.seconds < within, outcome.seconds
+    assert 0 < len(messages) <= len(outcome.outputs)  # a killed rank may leave none
     for output, message in zip(outcome.outputs, messages):
         assert re.search(message, output), output[-2000:]
 

@@ -11,6 +11,7 @@ from tests.models import (
     assert_same_grads,
     build,
     even_balance,
+    paired,
     relative_error,
     sample,
     weighted_loss,
@@ -148,7 +149,7 @@ def test_optimizer_step_equals_plain_step(checkpoint: str) -> None:
             opt.zero_grad()
             weighted_loss(net(x)).backward()
             opt.step()
-    for (name, p), r in zip(pipe.named_parameters(), reference.parameters()):
+    for (name, p), r in paired(pipe.named_parameters(), reference.parameters()):
         assert relative_error(p.detach(), r.detach()) <= 1e-10, name
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.extras import require
 from tests.multiprocess import run_command
 
 
@@ -27,7 +28,7 @@ def test_threads_and_torchrun_print_the_same_losses() -> None:
 
 @pytest.mark.timeout(300)
 def test_the_digits_example_learns() -> None:
-    pytest.importorskip("sklearn")
+    require("sklearn")
     result = run_command([sys.executable, "examples/digits.py", "--epochs", "2"])
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = float(result.stdout.strip().splitlines()[-1].split()[-1].rstrip("%"))

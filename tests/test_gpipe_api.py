@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import build, relative_error, sample, transformer
+from tests.models import build, paired, relative_error, sample, transformer
 
 
 def test_attributes() -> None:
@@ -69,26 +69,43 @@ def test_layer_name_clashing_with_an_attribute_is_refused() -> None:
         conveyor.GPipe(model, [1], devices=["cpu"])
 
 
+class Square(nn.Module):
+    """x * x, noting per call: batch size, whether autograd records, whether recomputing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x.shape[0], torch.is_grad_enabled(), conveyor.is_recomputing()))
+        return x * x
+
+
 def test_inference_under_no_grad_is_pipelined_without_a_graph() -> None:
-    recomputed = []
-
-    class Watch(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            recomputed.append(conveyor.is_recomputing())
-            return x * x
-
     model, plain = build("mlp", dropout=0.5)
-    model.append(Watch())
-    plain.append(Watch())
+    square = Square()
+    model.append(square)
+    plain.append(Square())
     pipe = conveyor.GPipe(model, [5, 4], devices=["cpu"] * 2, chunks=3, checkpoint="always")
     pipe.eval()
     plain.eval()
-    x = sample("mlp")
+    x = sample("mlp")  # 10 samples: micro-batches of 4, 3 and 3
     with torch.no_grad():
         out = pipe(x)
-    assert not out.requires_grad
-    assert relative_error(out, plain(x)) <= 1e-12
-    assert recomputed.count(True) == 0
+        expected = plain(x)
+    # One forward per micro-batch, on the stage's thread with autograd off: nothing
+    # recorded, so nothing to recompute, although checkpoint="always".
+    assert square.calls == [(4, False, False), (3, False, False), (3, False, False)]
+    assert out.grad_fn is None and not out.requires_grad
+    assert relative_error(out, expected) <= 1e-12
+    assert all(p.grad is None for p in pipe.parameters())
+
+    # The same call with autograd on records a graph, and backward recomputes each
+    # micro-batch: what no_grad above left out.
+    square.calls.clear()
+    pipe(x).sum().backward()
+    assert square.calls == [(4, True, False), (3, True, False), (3, True, False),
+                            (3, True, True), (3, True, True), (4, True, True)]
 
 
 def test_eval_with_grad_still_gives_plain_gradients() -> None:
@@ -98,7 +115,7 @@ def test_eval_with_grad_still_gives_plain_gradients() -> None:
     x = sample("cnn")
     pipe(x).sum().backward()
     plain(x).sum().backward()
-    for p, r in zip(pipe.parameters(), plain.parameters()):
+    for p, r in paired(pipe.parameters(), plain.parameters()):
         assert p.grad is not None and r.grad is not None
         assert relative_error(p.grad, r.grad) <= 1e-10
 
@@ -130,7 +147,7 @@ def test_autograd_grad_returns_plain_gradients_and_leaves_grad_alone() -> None:
         p.grad = torch.ones_like(p)
     grads = torch.autograd.grad(pipe(x).pow(2).sum(), list(pipe.parameters()))
     expected = torch.autograd.grad(plain(x).pow(2).sum(), list(plain.parameters()))
-    for p, g, e in zip(pipe.parameters(), grads, expected):
+    for p, g, e in paired(pipe.parameters(), grads, expected):
         assert relative_error(g, e) <= 1e-10
         assert torch.equal(p.grad, torch.ones_like(p))  # untouched
 
@@ -141,6 +158,6 @@ def test_backward_adds_to_existing_gradients() -> None:
     for _ in range(2):  # two backward passes accumulate, as in the plain model
         pipe(sample("mlp")).pow(2).sum().backward()
         plain(sample("mlp")).pow(2).sum().backward()
-    for p, r in zip(pipe.parameters(), plain.parameters()):
+    for p, r in paired(pipe.parameters(), plain.parameters()):
         assert p.grad is not None and r.grad is not None
         assert relative_error(p.grad, r.grad) <= 1e-10

@@ -12,6 +12,7 @@ from torch import nn
 import conveyor
 from conveyor.errors import BalanceError
 from conveyor.engine.partition import profile_layers, solve_balance, stage_costs, validate_balance
+from tests.models import one_costly_layer, one_cpu_thread
 
 
 def compositions(total: int, parts: int) -> list[list[int]]:
@@ -84,7 +85,20 @@ def test_profile_layers_counts_parameters_and_saved_activations() -> None:
     assert profiles[0].saved_bytes == 5 * 8 * 8
     assert profiles[1].saved_bytes == 5 * 16 * 8
     assert [p.output_bytes for p in profiles] == [5 * 16 * 8, 5 * 16 * 8, 5 * 4 * 8]
-    assert all(p.forward_seconds > 0 and p.backward_seconds >= 0 for p in profiles)
+    # Every layer here has work to time both ways (tanh's backward too).
+    assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in profiles)
+
+
+def test_profiled_time_follows_the_work() -> None:
+    model = one_costly_layer(6, 2, times=20)  # layer 2 does 20x the work of the others
+    with one_cpu_thread():
+        profiles = profile_layers(model, torch.randn(64, 128), repeat=3)
+    seconds = [p.forward_seconds + p.backward_seconds for p in profiles]
+    others = seconds[:2] + seconds[3:]
+    assert seconds[2] > 5 * max(others), seconds
+    assert profiles[2].forward_seconds > max(p.forward_seconds for p in profiles if p.name != "2")
+    assert profiles[2].backward_seconds > max(p.backward_seconds for p in profiles
+                                              if p.name != "2")
 
 
 def test_profiling_leaves_the_model_as_it_was() -> None:
@@ -100,13 +114,17 @@ def test_profiling_leaves_the_model_as_it_was() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_balance_by_time_and_memory_give_valid_balances() -> None:
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)], nn.Linear(32, 512),
-                          nn.ReLU(), nn.Linear(512, 32))
-    x = torch.randn(16, 32)
-    for balance in (conveyor.balance_by_time(model, x, 3, repeat=1),
-                    conveyor.balance_by_memory(model, x, 3)):
-        assert len(balance) == 3 and sum(balance) == len(model) and min(balance) >= 1
+@pytest.mark.parametrize(("layers", "costly", "stages", "expected"), [
+    (8, 3, 3, [3, 1, 4]), (5, 0, 2, [1, 4]), (5, 4, 2, [4, 1])])
+def test_balance_by_time_gives_a_costly_layer_a_stage_of_its_own(
+        layers: int, costly: int, stages: int, expected: list[int]) -> None:
+    # Every layer has the same parameters, but one does 20x the work: alone in a stage it
+    # sets the pace (20), with any neighbour it would be slower still; the other stages
+    # hold at most 4 layers (4 < 20), so this is the only balance with the least maximum.
+    model = one_costly_layer(layers, costly, times=20)
+    with one_cpu_thread():
+        assert conveyor.balance_by_time(model, torch.randn(64, 128), stages) == expected
+    assert conveyor.balance_by_params(model, stages) != expected  # parameters cannot see it
 
 
 def test_balance_by_memory_weighs_activations_and_parameters() -> None:

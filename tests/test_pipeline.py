@@ -12,7 +12,7 @@ import conveyor
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
 from conveyor.distributed.instantiate import sequential
 from conveyor.errors import NonFiniteLossError
-from tests.models import relative_error
+from tests.models import one_costly_layer, one_cpu_thread, paired, relative_error
 from tests.scenarios import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm
 
 SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
@@ -105,8 +105,9 @@ def test_layer_builder_and_meta_models_match_their_reference() -> None:
                              devices=["cpu"] * 3, chunks=2, loss_fn=nn.functional.mse_loss)
     torch.manual_seed(3)
     reference = sequential(lambda i: deep_mlp()[i], 12)
-    assert all(torch.equal(a, b) for a, b in zip(pipe.state_dict().values(),
-                                                  reference.state_dict().values()))
+    assert list(pipe.state_dict()) == list(reference.state_dict())
+    assert all(torch.equal(a, b) for a, b in paired(pipe.state_dict().values(),
+                                                     reference.state_dict().values()))
     with torch.device("meta"):
         meta = tied_lm()
     pipe = conveyor.Pipeline(meta, stages=2, devices=["cpu"] * 2, chunks=2, loss_fn=lm_loss)
@@ -115,14 +116,24 @@ def test_layer_builder_and_meta_models_match_their_reference() -> None:
 
 
 def test_balance_by_time_on_a_sample() -> None:
-    model, loss_fn = case_model("lm")
-    x, y = case_batch("lm")
-    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, loss_fn=loss_fn,
-                             balance="time", sample=x)
-    assert len(pipe.balance) == 2 and sum(pipe.balance) == len(model)
+    # Five layers with the same parameters; the last does 20x the work of the others.
+    model = one_costly_layer(5, 4, times=20)
+    x, y = torch.randn(128, 128), torch.randn(128, 128)
+    by_parameters = conveyor.Pipeline(copy.deepcopy(model), stages=2, devices=["cpu"] * 2, chunks=2,
+                                      loss_fn=nn.functional.mse_loss)
+    with one_cpu_thread():  # the sample is profiled as one micro-batch
+        by_time = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2,
+                                    loss_fn=nn.functional.mse_loss, balance="time", sample=x)
+    assert by_parameters.balance == [2, 3]
+    assert by_time.balance == [4, 1]  # the costly layer alone, the four others together
+    reference = copy.deepcopy(model)
+    by_time.step(x, y)
+    nn.functional.mse_loss(reference(x), y).backward()
+    for p, r in paired(by_time.parameters(), reference.parameters()):
+        assert relative_error(p.grad, r.grad) <= 1e-5
     with pytest.raises(BalanceError, match=r"balance='time' profiles the model on a batch"):
         conveyor.Pipeline(case_model("lm")[0], stages=2, devices=["cpu"] * 2, chunks=2,
-                          loss_fn=loss_fn, balance="time")
+                          loss_fn=lm_loss, balance="time")
 
 
 def test_bad_arguments_say_what_to_do() -> None:
@@ -164,7 +175,7 @@ def test_a_custom_schedule_table_runs() -> None:
     x, y = case_batch("mlp")
     pipe.step(x, y)
     loss_fn(reference(x), y).backward()
-    for p, r in zip(pipe.parameters(), reference.parameters()):
+    for p, r in paired(pipe.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-10
 
 

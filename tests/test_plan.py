@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.errors import BalanceError
-from conveyor.observe.plan import largest, parse_bytes, plan, rank_plans
+from conveyor.observe.plan import Plan, largest, parse_bytes, plan, rank_plans
 from conveyor.train.models import convnet_figures, transformer_figures
+from tests.models import paired
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,21 +86,59 @@ def test_memory_counts_parameters_optimizer_state_and_held_micro_batches() -> No
     gpipe = plan(figures, schedule="gpipe", rematerialize=False, **common)  # type: ignore[arg-type]
     one_f_one_b = plan(figures, schedule="1f1b", rematerialize=False, **common)  # type: ignore[arg-type]
     remat = plan(figures, schedule="gpipe", rematerialize=True, **common)  # type: ignore[arg-type]
-    for stage in gpipe.stages:
-        assert stage.parameter_bytes == 12 * stage.parameters
-    # 1F1B holds fewer micro-batches than GPipe on every stage but the first.
-    assert all(a.activation_bytes <= b.activation_bytes
-               for a, b in zip(one_f_one_b.stages, gpipe.stages))
-    assert sum(s.activation_bytes for s in remat.stages) < sum(
-        s.activation_bytes for s in gpipe.stages) / 3
+    assert gpipe.balance == one_f_one_b.balance == remat.balance  # cut by time, not memory
+    micro = 16 / 8  # samples per micro-batch
+    for k, (g, o, r) in enumerate(paired(gpipe.stages, one_f_one_b.stages, remat.stages)):
+        layers = figures[g.layers[0]:g.layers[1] + 1]
+        saved = sum(f.activation_bytes for f in layers)
+        output = layers[-1].output_bytes
+        assert g.parameter_bytes == 12 * g.parameters  # weight, gradient, RMSProp's square
+        # Without re-materialization each micro-batch in flight holds everything the
+        # stage's layers save, and its output. GPipe holds all 8 at once; 1F1B holds
+        # K - k = 4, 3, 2, 1 (the simulator's peak).
+        assert g.activation_bytes == pytest.approx(micro * 8 * (saved + output), rel=1e-12)
+        assert o.activation_bytes == pytest.approx(g.activation_bytes * (4 - k) / 8, rel=1e-12)
+        # With it, each of the 8 holds only the stage's input and output, plus what one
+        # micro-batch saves while it is recomputed: 5 to 7 times less here.
+        boundary = layers[0].input_bytes + output
+        assert r.activation_bytes == pytest.approx(micro * (8 * boundary + saved), rel=1e-12)
+        assert 5 * r.activation_bytes < g.activation_bytes
 
 
-def test_ranking_puts_fitting_plans_first_and_convnets_plan_too() -> None:
+def find(plans: list[Plan], schedule: str, chunks: int) -> Plan:
+    return next(p for p in plans if (p.schedule, p.chunks) == (schedule, chunks))
+
+
+def test_ranking_puts_fitting_plans_first_then_the_fastest() -> None:
     figures = convnet_figures(12, 32, image=64, classes=10)
     plans = rank_plans(figures, devices=2, memory=64 * 2**20, batch=32, optimizer="sgd")
-    fitting = [p.fits for p in plans]
-    assert fitting == sorted(fitting, reverse=True)
-    assert {p.schedule for p in plans} >= {"gpipe", "1f1b", "zero-bubble"}
+    fitting = [p for p in plans if p.fits]
+    assert 0 < len(fitting) < len(plans)
+    assert plans[:len(fitting)] == fitting
+    for group in (fitting, plans[len(fitting):]):
+        throughputs = [p.throughput for p in group]
+        assert throughputs == sorted(throughputs, reverse=True)
+    assert all(p.throughput == pytest.approx(32 / p.step_time, rel=1e-12) for p in plans)
+    assert {p.schedule for p in plans} == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
+    # More micro-batches shrink the bubble; interleaving shrinks it again.
+    order = [plans.index(find(plans, "1f1b", m)) for m in (32, 16, 8, 4, 2, 1)]
+    assert order == sorted(order)
+    assert find(plans, "interleaved-1f1b", 32).throughput > find(plans, "1f1b", 32).throughput
+
+
+def test_a_faster_plan_that_does_not_fit_ranks_below_one_that_fits() -> None:
+    figures = convnet_figures(12, 32, image=64, classes=10)
+    plans = rank_plans(figures, devices=2, memory=17 * 2**20, batch=32, optimizer="sgd")
+    # Interleaving is the fastest but needs more (18.2 MiB); zero-bubble needs what 1F1B
+    # needs at most (16.2 MiB) with a smaller bubble: the best that fits in 17 MiB.
+    interleaved = find(plans, "interleaved-1f1b", 32)
+    assert interleaved.throughput == max(p.throughput for p in plans)
+    assert not interleaved.fits
+    assert (plans[0].schedule, plans[0].chunks, plans[0].fits) == ("zero-bubble", 32, True)
+    one_f_one_b = find(plans, "1f1b", 32)
+    assert one_f_one_b.fits and max(one_f_one_b.rank_bytes) == max(plans[0].rank_bytes)
+    assert plans.index(one_f_one_b) > 0 and one_f_one_b.throughput < plans[0].throughput
+    assert plans.index(interleaved) > max(plans.index(p) for p in plans if p.fits)
 
 
 def test_bad_input() -> None:

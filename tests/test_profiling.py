@@ -7,25 +7,7 @@ import torch
 from torch import nn
 
 import conveyor
-
-
-class Heavy(nn.Module):
-    """A layer with about 30 times the work of a Linear(16, 16) on 64 rows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(256, 256) / 16)
-        self.down = nn.Linear(256, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.repeat(1, 16)
-        for _ in range(6):
-            h = torch.tanh(h @ self.weight)
-        return self.down(h)
-
-
-def _heavy_last(count: int = 6) -> nn.Sequential:
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(count - 1)], Heavy())
+from tests.models import one_costly_layer, one_cpu_thread
 
 
 def test_a_layer_starting_in_place_is_profiled() -> None:
@@ -42,25 +24,24 @@ def test_all_zero_costs_balance_the_number_of_layers() -> None:
     assert conveyor.solve_balance([0.0] * 7, 3) == [2, 2, 3]  # earlier cuts break ties
 
 
-def test_a_heavy_layer_gets_a_stage_of_its_own() -> None:
-    torch.manual_seed(0)
-    assert conveyor.balance_by_time(_heavy_last(), torch.randn(64, 16), 2) == [5, 1]
-
-
 def test_equal_layers_split_the_same_way_every_time() -> None:
-    answers = set()
-    for seed in range(8):
-        torch.manual_seed(seed)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(5)])
-        answers.add(tuple(conveyor.balance_by_time(model, torch.randn(32, 64), 2)))
+    with one_cpu_thread():
+        answers = {_equal_layers_split(seed) for seed in range(8)}
     assert answers == {(2, 3)}  # earlier cuts break ties
+
+
+def _equal_layers_split(seed: int) -> tuple[int, ...]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(5)])
+    return tuple(conveyor.balance_by_time(model, torch.randn(32, 64), 2))
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(chunks: int) -> None:
     torch.manual_seed(0)
-    model = _heavy_last()
-    microbatch = torch.randn(64, 16)
-    pipe = conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=chunks, balance="time",
-                             sample=microbatch, devices=["cpu"] * 2)
-    assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]
+    model = one_costly_layer(6, 5, times=20)
+    microbatch = torch.randn(64, 128)
+    with one_cpu_thread():
+        pipe = conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=chunks, balance="time",
+                                 sample=microbatch, devices=["cpu"] * 2)
+        assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]

@@ -11,7 +11,7 @@ from torch import nn
 import conveyor
 from conveyor.engine.microbatch import gather, split
 from conveyor.engine.rng import derive_seed, draw_step_seed
-from tests.models import assert_same_grads, build, even_balance, sample, weighted_loss
+from tests.models import assert_same_grads, build, even_balance, paired, sample, weighted_loss
 
 
 def seeded_reference(model: nn.Sequential, x: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:
@@ -69,7 +69,7 @@ def test_repeated_runs_are_identical() -> None:
         weighted_loss(pipe(sample("transformer"))).backward()
         results.append([p.grad.clone() for p in pipe.parameters()])
     for later in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+        assert all(torch.equal(a, b) for a, b in paired(results[0], later))
 
 
 def test_pipeline_leaves_the_global_generator_as_one_draw_moves_it() -> None:

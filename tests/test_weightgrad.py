@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.weightgrad import backward_input
-from tests.models import cnn, mlp, relative_error, transformer
+from tests.models import cnn, mlp, paired, relative_error, transformer
 
 
 class TiedTwice(nn.Module):
@@ -57,7 +57,7 @@ def test_split_backward_equals_full_backward(name: str, input_requires_grad: boo
     else:
         assert input_grads == [None]
     weight_work.run()
-    for (pname, p), r in zip(stage.named_parameters(), reference.parameters()):
+    for (pname, p), r in paired(stage.named_parameters(), reference.parameters()):
         assert p.grad is not None, pname
         assert relative_error(p.grad, r.grad) <= 1e-12, pname
 
@@ -65,7 +65,7 @@ def test_split_backward_equals_full_backward(name: str, input_requires_grad: boo
 def test_scalar_loss_and_accumulation_into_existing_gradients() -> None:
     stage, x = stage_and_input("mlp")
     reference = copy.deepcopy(stage)
-    for p, r in zip(stage.parameters(), reference.parameters()):
+    for p, r in paired(stage.parameters(), reference.parameters()):
         p.grad = torch.ones_like(p)
         r.grad = torch.ones_like(r)
     reference(x).pow(2).sum().backward()
@@ -73,5 +73,5 @@ def test_scalar_loss_and_accumulation_into_existing_gradients() -> None:
     loss = stage(x).pow(2).sum()
     _, weight_work = backward_input([loss], [None], [x], list(stage.parameters()))
     weight_work.run()
-    for p, r in zip(stage.parameters(), reference.parameters()):
+    for p, r in paired(stage.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-12
