@@ -6,7 +6,7 @@ Off by default. Turn it on with the ``conveyor`` logger (or this module's) at DE
 
 The executor asks :func:`enabled` once per run and takes a separate path when it is
 on, so the per-action loop pays nothing while it is off. A run logs one line when it
-starts, one per action and one when it ends::
+starts, one when each action ends, and one when it ends::
 
     run F+B on ranks 0, 1: 8 actions
     rank 0 0F0 micro-batch 0: 0.412 ms, in [2, 6] float32, out [2, 16] float32
