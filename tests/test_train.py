@@ -4,6 +4,7 @@ one-line errors for bad input, and the command end to end (threads and torchrun)
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import sys
@@ -20,6 +21,7 @@ from conveyor.train.data import text_corpus
 from conveyor.train.models import transformer_lm
 from conveyor.distributed.pipeline import Pipeline
 from conveyor.train.loop import next_byte_loss
+from conveyor.schedules import build
 from tests.multiprocess import run_command
 
 # T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds.
@@ -166,6 +168,24 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]
     assert saving.load(tmp_path, model=model, optimizer=optimizer)["step"] == 3
+
+
+def test_verbose_prints_every_action_of_a_step_to_stderr(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--steps", "1", "--sample-bytes", "0"]
+    assert train(tmp_path / "quiet", *flags) == 0
+    assert "micro-batch" not in capsys.readouterr().err
+
+    assert train(tmp_path / "loud", *flags, "--verbose") == 0
+    err = capsys.readouterr().err
+    for rank, column in enumerate(build("1f1b", 2, 2).columns):  # TINY's table
+        for action in column:
+            assert f"conveyor.engine.actionlog: rank {rank} {action} micro-batch " \
+                   f"{action.microbatch}: " in err, (action, err)
+    assert "run F+B on ranks 0, 1: 8 actions" in err
+    # How to run is not what to train: --resume must not inherit it, nor old runs miss it.
+    assert "verbose" not in json.loads((tmp_path / "loud" / "options.json").read_text())
+    assert not logging.getLogger("conveyor").isEnabledFor(logging.DEBUG)  # the command's only
 
 
 # -- bad input --------------------------------------------------------------------------

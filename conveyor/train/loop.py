@@ -12,12 +12,15 @@ under ``torchrun --nproc-per-node 2`` runs one stage per process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,8 @@ def train_command(args: argparse.Namespace) -> int:
     """``conveyor train``: errors end it with one line on stderr and a non-zero code."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return run(from_arguments(args), resume=args.resume)
+        with _verbose(getattr(args, "verbose", False)):
+            return run(from_arguments(args), resume=args.resume)
     except (ConfigError, saving.CheckpointError) as exc:
         if rank == 0:  # every rank read the same options and checkpoint
             print(f"conveyor train: error: {exc}", file=sys.stderr)
@@ -61,6 +65,30 @@ def train_command(args: argparse.Namespace) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _verbose(enabled: bool) -> Iterator[None]:
+    """With ``--verbose``: the ``conveyor`` logger at DEBUG, printing to stderr, while the
+    command runs (``logging.basicConfig`` for that logger alone). Under torchrun each
+    line starts with the process's rank; the messages name the pipeline rank."""
+    if not enabled:
+        yield
+        return
+    logger = logging.getLogger("conveyor")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    process = f"process {os.environ.get('RANK', '0')} " if world > 1 else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s.%(msecs)03d {process}%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def run(config: TrainConfig, *, resume: bool = False) -> int:
