@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -333,9 +334,15 @@ def test_data_parallel_pipelines_under_torchrun_match_one_pipeline(tmp_path: Pat
     result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "4", "-m", "conveyor", "train", *TINY,
                           "--data-parallel", "2", "--chunks", "1", "--steps", "3",
-                          "--sample-bytes", "0", "--out", str(tmp_path / "replicas")])
+                          "--sample-bytes", "0", "--out", str(tmp_path / "replicas"),
+                          "--verbose"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 stages x 2 replicas" in result.stdout
+    # --verbose: every process logs its own column, by its pipeline rank (0 or 1).
+    logged = set(re.findall(r"process (\d) conveyor\.engine\.actionlog: rank (\d) \2F0 ",
+                            result.stderr))
+    assert len(logged) == 4 and {p for p, _ in logged} == {"0", "1", "2", "3"}, logged
+    assert sorted(rank for _, rank in logged) == ["0", "0", "1", "1"]
     replicas = check_run_directory(tmp_path / "replicas", 3)
     assert train(tmp_path / "one", "--chunks", "2", "--steps", "3") == 0
     one = json.loads((tmp_path / "one" / "summary.json").read_text())

@@ -120,9 +120,10 @@ class ActionLog:
         """Logs the run's start, and its end with its duration (or its failure)."""
         kinds = "+".join(k.value for k in Kind
                          if any(a.kind is k for column in self._columns.values() for a in column))
-        ranks = ", ".join(str(r) for r, column in self._columns.items() if column)
+        busy = [str(r) for r, column in self._columns.items() if column]
         count = sum(len(column) for column in self._columns.values())
-        logger.debug("run %s on ranks %s: %d actions", kinds or "-", ranks or "-", count)
+        logger.debug("run %s on %s %s: %d actions", kinds or "-",
+                     "rank" if len(busy) == 1 else "ranks", ", ".join(busy) or "-", count)
         start = time.perf_counter()
         try:
             yield
