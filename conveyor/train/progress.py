@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress"]
+__all__: list[str] = []
 
 
 class Progress:

@@ -12,7 +12,7 @@ from typing import Any
 from conveyor.observe.trace import Timeline, plot_timelines
 from conveyor.train.options import TrainConfig
 
-__all__ = ["write_report"]
+__all__: list[str] = []
 
 
 def write_report(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigram: float,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from conveyor.distributed.pipeline import Pipeline
 
-__all__ = ["StopSignals", "agree"]
+__all__: list[str] = []
 
 
 class StopSignals:
