@@ -5,7 +5,8 @@ Off by default. Turn it on with the ``conveyor`` logger (or this module's) at DE
     logging.getLogger("conveyor").setLevel(logging.DEBUG)
 
 The executor asks :func:`enabled` once per run and takes a separate path when it is
-on, so the per-action loop pays nothing while it is off. A run logs one line when it
+on: while it is off, nothing of this module is built and an action costs one
+``is None`` test more than before (as for the recorder). A run logs one line when it
 starts, one when each action ends, and one when it ends::
 
     run F+B on ranks 0, 1: 8 actions
