@@ -4,7 +4,9 @@ one-line errors for bad input, and the command end to end (threads and torchrun)
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from conveyor.train.data import text_corpus
 from conveyor.train.models import transformer_lm
 from conveyor.distributed.pipeline import Pipeline
 from conveyor.train.loop import next_byte_loss
+from conveyor.schedules import build
 from tests.multiprocess import run_command
 
 # T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds. No
@@ -167,6 +170,24 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]
     assert saving.load(tmp_path, model=model, optimizer=optimizer)["step"] == 3
+
+
+def test_verbose_prints_every_action_of_a_step_to_stderr(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--steps", "1", "--sample-bytes", "0"]
+    assert train(tmp_path / "quiet", *flags) == 0
+    assert "micro-batch" not in capsys.readouterr().err
+
+    assert train(tmp_path / "loud", *flags, "--verbose") == 0
+    err = capsys.readouterr().err
+    for rank, column in enumerate(build("1f1b", 2, 2).columns):  # TINY's table
+        for action in column:
+            assert f"conveyor.engine.actionlog: rank {rank} {action} micro-batch " \
+                   f"{action.microbatch}: " in err, (action, err)
+    assert "run F+B on ranks 0, 1: 8 actions" in err
+    # How to run is not what to train: --resume must not inherit it, nor old runs miss it.
+    assert "verbose" not in json.loads((tmp_path / "loud" / "options.json").read_text())
+    assert not logging.getLogger("conveyor").isEnabledFor(logging.DEBUG)  # the command's only
 
 
 # -- bad input --------------------------------------------------------------------------
@@ -334,9 +355,15 @@ def test_data_parallel_pipelines_under_torchrun_match_one_pipeline(tmp_path: Pat
     result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "4", "-m", "conveyor", "train", *TINY,
                           "--data-parallel", "2", "--chunks", "1", "--steps", "3",
-                          "--sample-bytes", "0", "--out", str(tmp_path / "replicas")])
+                          "--sample-bytes", "0", "--out", str(tmp_path / "replicas"),
+                          "--verbose"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 stages x 2 replicas" in result.stdout
+    # --verbose: every process logs its own column, by its pipeline rank (0 or 1).
+    logged = set(re.findall(r"process (\d) conveyor\.engine\.actionlog: rank (\d) \2F0 ",
+                            result.stderr))
+    assert len(logged) == 4 and {p for p, _ in logged} == {"0", "1", "2", "3"}, logged
+    assert sorted(rank for _, rank in logged) == ["0", "0", "1", "1"]
     replicas = check_run_directory(tmp_path / "replicas", 3)
     assert train(tmp_path / "one", "--chunks", "2", "--steps", "3") == 0
     one = json.loads((tmp_path / "one" / "summary.json").read_text())

@@ -7,11 +7,14 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.engine.allocator import tune_malloc
 
 __all__ = ["main"]
+
+if TYPE_CHECKING:
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # add_subparsers()
 
 
 def _prepare_process() -> None:
@@ -30,10 +33,19 @@ def _lazy(module: str, function: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``conveyor`` parser: one sub-command each for demo, train, simulate, trace
+    and plan."""
     parser = argparse.ArgumentParser(prog="conveyor",
                                      description="GPipe for PyTorch: pipeline training.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_demo_parser, _train_parser, _simulate_parser, _trace_parser,
+                        _plan_parser):
+        add_command(commands)
+    return parser
 
+
+def _demo_parser(commands: _Commands) -> None:
+    """``conveyor demo``; its body is ``conveyor.train.demo.run``."""
     sub = commands.add_parser("demo", help="train a small model with GPipe on CPU threads "
                                            "and measure the speedup")
     sub.add_argument("--blocks", type=int, default=8, help="residual feed-forward blocks")
@@ -48,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--seed", type=int, default=0)
     sub.set_defaults(run=_lazy("conveyor.train.demo", "run"))
 
+
+def _train_parser(commands: _Commands) -> None:
+    """``conveyor train``; its flags are the options of ``conveyor.train.options``."""
     sub = commands.add_parser("train", help="train a Transformer language model on bundled "
                                             "text with a pipeline (threads, or torchrun)")
     from conveyor.train.options import add_arguments  # torch-free
@@ -55,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(sub)
     sub.set_defaults(run=_lazy("conveyor.train.loop", "train_command"))
 
+
+def _simulate_parser(commands: _Commands) -> None:
+    """``conveyor simulate``; its body is ``commands.simulate_command``."""
     sub = commands.add_parser("simulate", help="simulate a schedule: bubble, memory, timeline")
     sub.add_argument("--schedule", default="1f1b",
                      help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
@@ -73,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="print machine-readable figures")
     sub.set_defaults(run=_lazy("conveyor.cli.commands", "simulate_command"))
 
+
+def _trace_parser(commands: _Commands) -> None:
+    """``conveyor trace``; its body is ``commands.trace_command``."""
     sub = commands.add_parser("trace", help="show a recorded timeline (Timeline.save)")
     sub.add_argument("file")
     sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
@@ -80,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true")
     sub.set_defaults(run=_lazy("conveyor.cli.commands", "trace_command"))
 
+
+def _plan_parser(commands: _Commands) -> None:
+    """``conveyor plan``; its body is ``commands.plan_command``."""
     sub = commands.add_parser("plan", help="memory and schedule plan for a model family")
     sub.add_argument("--model", choices=["transformer", "convnet"], default="transformer")
     sub.add_argument("--layers", type=int, default=24, help="blocks (transformer) or cells")
@@ -101,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
     sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recorder import Recorder
@@ -116,11 +117,26 @@ class Executor:
     def run(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs ``columns[r]`` for every rank r given, each on its own thread.
 
-        A single busy rank runs in the calling thread.
+        A single busy rank runs in the calling thread. With the ``conveyor`` logger at
+        DEBUG, the run and each action are logged (see ``conveyor.engine.actionlog``).
 
         Raises:
             StageError: an action failed (or the typed error a stage raised).
         """
+        if not actionlog.enabled():  # asked once per run: the actions pay nothing
+            self._run(columns, state, None)
+            return
+        log = actionlog.ActionLog(self.transport, columns, state.inputs)
+        self.transport = log.transport  # notes what each action receives and sends
+        try:
+            with log.phase():
+                self._run(columns, state, log)
+        finally:
+            self.transport = log.transport.inner
+
+    def _run(self, columns: Mapping[int, Sequence[Action]], state: StepState,
+             log: actionlog.ActionLog | None) -> None:
+        """:meth:`run`, logging each action to ``log`` where there is one."""
         self.transport.reset()
         context = _ThreadState.capture(state.grad_enabled)
         devices = {self.stage_ranks[s]: stage.device for s, stage in self.stages.items()}
@@ -134,16 +150,23 @@ class Executor:
 
         recorder = self.recorder
 
+        def execute(rank: int, action: Action) -> None:
+            if recorder is None:
+                self._execute(action, state)
+            else:
+                recorder.measure(rank, action, lambda: self._execute(action, state))
+
         def work(rank: int) -> None:
             try:
                 with context.applied(devices[rank], cpu_threads), self._preserved_rng(rank):
                     for action in columns[rank]:
                         self.transport.poll()
-                        if recorder is None:
+                        if log is not None:
+                            log.action(rank, action, lambda: execute(rank, action))
+                        elif recorder is None:
                             self._execute(action, state)
                         else:
-                            recorder.measure(rank, action,
-                                             lambda: self._execute(action, state))
+                            execute(rank, action)
             except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller

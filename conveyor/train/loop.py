@@ -12,14 +12,16 @@ under ``torchrun --nproc-per-node 2`` runs one stage per process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import signal
 import sys
-import threading
 import time
-from dataclasses import asdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,11 @@ from conveyor.errors import ConfigError, ConveyorError
 from conveyor.train.models import transformer_lm
 from conveyor.distributed.pipeline import Pipeline
 from conveyor.observe.recording import record
-from conveyor.observe.trace import Timeline, plot_timelines
+from conveyor.observe.trace import Timeline
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
+from conveyor.train.progress import Progress
+from conveyor.train.report import write_report
+from conveyor.train.stopping import StopSignals, agree
 
 __all__: list[str] = []
 
@@ -43,49 +48,12 @@ def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class _Progress:
-    """A tqdm bar on a terminal when tqdm is installed, else a line every 10 seconds;
-    silent off rank 0."""
-
-    def __init__(self, total: int, start: int, show: bool) -> None:
-        self.show, self.bar, self.last = show, None, 0.0
-        if show and sys.stdout.isatty():  # in a log, lines now and then read better
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                                file=sys.stdout)
-            except ImportError:
-                pass
-
-    def update(self, step: int, figures: dict[str, str]) -> None:
-        if not self.show:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix(figures, refresh=False)
-            self.bar.update(1)
-        elif time.monotonic() - self.last > 10:
-            self.last = time.monotonic()
-            print(f"step {step}  " + "  ".join(f"{k} {v}" for k, v in figures.items()),
-                  flush=True)
-
-    def write(self, text: str) -> None:
-        if self.show:
-            if self.bar is not None:
-                self.bar.write(text)
-            else:
-                print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def train_command(args: argparse.Namespace) -> int:
     """``conveyor train``: errors end it with one line on stderr and a non-zero code."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        return run(from_arguments(args), resume=args.resume)
+        with _verbose(getattr(args, "verbose", False)):
+            return run(from_arguments(args), resume=args.resume)
     except (ConfigError, saving.CheckpointError) as exc:
         if rank == 0:  # every rank read the same options and checkpoint
             print(f"conveyor train: error: {exc}", file=sys.stderr)
@@ -99,13 +67,55 @@ def train_command(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _verbose(enabled: bool) -> Iterator[None]:
+    """With ``--verbose``: the ``conveyor`` logger at DEBUG, printing to stderr, while the
+    command runs (``logging.basicConfig`` for that logger alone). Under torchrun each
+    line starts with the process's rank; the messages name the pipeline rank."""
+    if not enabled:
+        yield
+        return
+    logger = logging.getLogger("conveyor")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    process = f"process {os.environ.get('RANK', '0')} " if world > 1 else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s.%(msecs)03d {process}%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
 def run(config: TrainConfig, *, resume: bool = False) -> int:
     """Trains as ``config`` says; returns the process exit code.
 
     Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
     checkpoint to resume from, and returns 128 + the signal's number.
+
+    Raises:
+        ConfigError: the options or ``--out`` do not allow the run (nothing is written).
+        CheckpointError: resuming, the checkpoint cannot be read or does not fit.
     """
     config.check()
+    _check_out(config, resume)
+    training = _Training.set_up(config, resume=resume)
+    training.announce()
+    with StopSignals() as signals:
+        stopped_by = training.train(signals)
+    if stopped_by:
+        return training.stop(stopped_by)
+    training.complete()
+    return 0
+
+
+def _check_out(config: TrainConfig, resume: bool) -> None:
+    """Raises ConfigError where the run would overwrite a checkpoint, resume from none,
+    or needs processes it was not launched with."""
     out = Path(config.out)
     if saving.exists(out) and not resume:
         raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
@@ -116,85 +126,153 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
         raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
                           f"{config.stages * config.data_parallel} with torchrun")
 
-    corpus = text_corpus()
-    model, pipe, optimizer, scheduler = _build(config)
-    replica, replicas = pipe.topology.data_rank, config.data_parallel
-    show = not dist.is_initialized() or dist.get_rank() == 0
-    start, history = 0, []
-    if resume:
-        extra = saving.load(out, model=pipe, optimizer=optimizer)
-        start, history = int(extra["step"]), list(extra["history"])
-        scheduler.load_state_dict(extra["scheduler"])
-        torch.set_rng_state(extra["rng"])
-    unigram = corpus.unigram_bits_per_byte()
-    if show:
+
+@dataclass
+class _Training:
+    """One run of ``conveyor train`` in this process: what it trains and how far it got."""
+
+    config: TrainConfig
+    corpus: TextCorpus
+    model: nn.Module  # the whole plain model (its layers live in the pipeline's stages)
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    show: bool  # this process prints: always in one process, rank 0 under torchrun
+    unigram: float  # held-out bits per byte of the unigram baseline
+    start: int = 0  # the first step this process takes (after the resumed one)
+    step: int = 0  # steps done
+    history: list[dict[str, Any]] = field(default_factory=list)
+    timeline: Timeline | None = None  # one recorded step, for the pictures
+    rate: float = 0.0  # tokens per second, smoothed
+    bubble: str = "?"  # of the recorded step
+    began: float = 0.0  # time.monotonic() at the first step
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.out)
+
+    @classmethod
+    def set_up(cls, config: TrainConfig, *, resume: bool) -> _Training:
+        """Builds the model, pipeline and optimizer; resuming, loads the checkpoint."""
+        corpus = text_corpus()
+        model, pipe, optimizer, scheduler = _build(config)
+        show = not dist.is_initialized() or dist.get_rank() == 0
+        training = cls(config, corpus, model, pipe, optimizer, scheduler, show,
+                       corpus.unigram_bits_per_byte())
+        if resume:
+            extra = saving.load(training.out, model=pipe, optimizer=optimizer)
+            training.start = training.step = int(extra["step"])
+            training.history = list(extra["history"])
+            scheduler.load_state_dict(extra["scheduler"])
+            torch.set_rng_state(extra["rng"])
+        return training
+
+    def announce(self) -> None:
+        """Writes the run's options (for ``--resume``) and says what it trains."""
+        if not self.show:
+            return
+        config, out = self.config, self.out
         out.mkdir(parents=True, exist_ok=True)
         (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
-        parameters = sum(p.numel() for p in model.parameters())  # the whole model's
+        parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
+        replicas = config.data_parallel
         layout = f"{config.stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
-              f"{config.width} ({parameters / 1e6:.2f}M parameters) on {len(corpus.train)} "
-              f"bytes of Python; {config.schedule}, {layout}, {config.chunks} micro-batches, "
-              f"balance {pipe.balance}; held-out unigram {unigram:.3f} bits/byte"
-              + (f"; resuming at step {start}" if start else ""), flush=True)
+              f"{config.width} ({parameters / 1e6:.2f}M parameters) on "
+              f"{len(self.corpus.train)} bytes of Python; {config.schedule}, {layout}, "
+              f"{config.chunks} micro-batches, balance {self.pipe.balance}; held-out unigram "
+              f"{self.unigram:.3f} bits/byte"
+              + (f"; resuming at step {self.start}" if self.start else ""), flush=True)
 
-    progress = _Progress(config.steps, start, show)
-    timeline: Timeline | None = None
-    began, step, tokens = time.monotonic(), start, config.batch * config.length
-    rate, bubble, stopped_by = 0.0, "?", 0
-    record_at = min(start + 2, config.steps - 1)  # a step after warm-up, for the pictures
-    with _StopSignals() as signals:
-        while step < config.steps:
-            inputs, targets = corpus.batch(step, config.batch, config.length, seed=config.seed)
-            inputs, targets = inputs[replica::replicas], targets[replica::replicas]
-            tick = time.perf_counter()
-            if step == record_at:
-                with record(pipe) as timeline:
-                    loss = pipe.step(inputs, targets)
-                bubble = f"{100 * timeline.mean_bubble:.0f}%"
-            else:
-                loss = pipe.step(inputs, targets)
-            pipe.clip_grad_norm_(1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            seconds = time.perf_counter() - tick
-            rate = tokens / seconds if not rate else 0.9 * rate + 0.1 * tokens / seconds
-            step += 1
-            entry: dict[str, Any] = {"step": step, "loss": loss.item()}
-            if step % config.eval_every == 0 or step == config.steps:
-                entry["heldout_bpb"] = evaluate(pipe, corpus, config)
-                progress.write(f"step {step}: held-out {entry['heldout_bpb']:.3f} bits/byte "
-                               f"(unigram {unigram:.3f})")
-            history.append(entry)
-            progress.update(step, {"bpb": f"{entry['loss'] / math.log(2):.3f}",
-                                   "tok/s": f"{rate:.0f}",
-                                   "bubble": bubble})
-            if step % config.save_every == 0:
-                _save(out, pipe, optimizer, scheduler, step, history, config)
-            # Every rank stops at the same step, whichever of them got the signal.
-            stopped_by, out_of_time = _agree(
-                pipe, signals.received, int(time.monotonic() - began > config.time_limit))
+    def train(self, signals: StopSignals) -> int:
+        """Steps until the last step, the time limit or a signal; returns the number of
+        the signal that stopped the run (0: none). Every rank stops at the same step."""
+        config = self.config
+        progress = Progress(config.steps, self.start, self.show)
+        self.began = time.monotonic()
+        record_at = min(self.start + 2, config.steps - 1)  # after warm-up, for the pictures
+        stopped_by = 0
+        while self.step < config.steps:
+            loss = self._step(record_it=self.step == record_at)
+            self._after_step(loss, progress)
+            stopped_by, out_of_time = agree(
+                self.pipe, signals.received,
+                int(time.monotonic() - self.began > config.time_limit))
             if stopped_by:
                 break
-            if out_of_time and step < config.steps:
-                progress.write(f"stopping at step {step}: --time-limit {config.time_limit:g} s")
+            if out_of_time and self.step < config.steps:
+                progress.write(f"stopping at step {self.step}: --time-limit "
+                               f"{config.time_limit:g} s")
                 break
-    progress.close()
-    if stopped_by:
-        _save(out, pipe, optimizer, scheduler, step, history, config)
-        if show:
-            print(f"stopped by {signal.Signals(stopped_by).name} after step {step}; "
-                  f"checkpoint saved in {out}, continue with --resume", flush=True)
-        return 128 + stopped_by
-    if history and "heldout_bpb" not in history[-1]:
-        history[-1]["heldout_bpb"] = evaluate(pipe, corpus, config)
-    _save(out, pipe, optimizer, scheduler, step, history, config)
-    sample = generate(pipe, corpus, config) if config.sample_bytes else ""
-    if show:
-        _finish(out, config, history, unigram, timeline, sample,
-                time.monotonic() - began, (step - start) * tokens)
-    return 0
+        progress.close()
+        return stopped_by
+
+    def _step(self, *, record_it: bool) -> float:
+        """One optimizer step on this step's batch (recorded if asked); returns its loss."""
+        config, pipe = self.config, self.pipe
+        replica, replicas = pipe.topology.data_rank, config.data_parallel
+        inputs, targets = self.corpus.batch(self.step, config.batch, config.length,
+                                            seed=config.seed)
+        inputs, targets = inputs[replica::replicas], targets[replica::replicas]
+        tick = time.perf_counter()
+        if record_it:
+            with record(pipe) as timeline:
+                loss = pipe.step(inputs, targets)
+            self.timeline, self.bubble = timeline, f"{100 * timeline.mean_bubble:.0f}%"
+        else:
+            loss = pipe.step(inputs, targets)
+        pipe.clip_grad_norm_(1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - tick
+        tokens = config.batch * config.length
+        self.rate = (tokens / seconds if not self.rate
+                     else 0.9 * self.rate + 0.1 * tokens / seconds)
+        self.step += 1
+        return float(loss.item())
+
+    def _after_step(self, loss: float, progress: Progress) -> None:
+        """Notes the step in the history and the progress; evaluates and saves when due."""
+        config = self.config
+        entry: dict[str, Any] = {"step": self.step, "loss": loss}
+        if self.step % config.eval_every == 0 or self.step == config.steps:
+            entry["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
+            progress.write(f"step {self.step}: held-out {entry['heldout_bpb']:.3f} bits/byte "
+                           f"(unigram {self.unigram:.3f})")
+        self.history.append(entry)
+        progress.update(self.step, {"bpb": f"{loss / math.log(2):.3f}",
+                                    "tok/s": f"{self.rate:.0f}",
+                                    "bubble": self.bubble})
+        if self.step % config.save_every == 0:
+            self.save()
+
+    def save(self) -> None:
+        """A checkpoint of this step: weights, optimizer, scheduler, random state, history."""
+        saving.save(self.out, model=self.pipe, optimizer=self.optimizer,
+                    extra={"step": self.step, "history": self.history,
+                           "scheduler": self.scheduler.state_dict(),
+                           "rng": torch.get_rng_state(), "config": asdict(self.config)})
+
+    def stop(self, number: int) -> int:
+        """Saves where signal ``number`` stopped the run; returns 128 + ``number``."""
+        self.save()
+        if self.show:
+            print(f"stopped by {signal.Signals(number).name} after step {self.step}; "
+                  f"checkpoint saved in {self.out}, continue with --resume", flush=True)
+        return 128 + number
+
+    def complete(self) -> None:
+        """Evaluates the last step (if not yet), saves, samples, writes the summary."""
+        config = self.config
+        if self.history and "heldout_bpb" not in self.history[-1]:
+            self.history[-1]["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
+        self.save()
+        sample = generate(self.pipe, self.corpus, config) if config.sample_bytes else ""
+        if self.show:
+            write_report(self.out, config, self.history, self.unigram, self.timeline,
+                         sample, time.monotonic() - self.began,
+                         (self.step - self.start) * config.batch * config.length)
 
 
 def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:
@@ -254,49 +332,6 @@ def stage_devices(config: TrainConfig) -> list[torch.device] | None:
     return devices
 
 
-class _StopSignals:
-    """SIGINT and SIGTERM ask the training loop to stop after the step in flight.
-
-    ``received`` is the number of the first such signal (0: none). A second Ctrl-C
-    interrupts at once, without saving (the last periodic checkpoint stays).
-    """
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGINT, signal.SIGTERM):
-                self.previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def _handle(self, number: int, frame: Any) -> None:
-        if self.received and number == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = self.received or number
-
-    def __exit__(self, *exc: object) -> None:
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-
-
-def _agree(pipe: Pipeline, *values: int) -> tuple[int, ...]:
-    """Each of ``values``, the largest over every process of the run."""
-    if not dist.is_initialized():
-        return values
-    flags = torch.tensor(values, device=pipe.topology.device)  # set under torchrun
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return tuple(int(v) for v in flags.tolist())
-
-
-def _save(out: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer, scheduler: Any,
-          step: int, history: list[dict[str, Any]], config: TrainConfig) -> None:
-    saving.save(out, model=pipe, optimizer=optimizer,
-                extra={"step": step, "history": history, "scheduler": scheduler.state_dict(),
-                       "rng": torch.get_rng_state(), "config": asdict(config)})
-
-
 @torch.no_grad()
 def evaluate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> float:
     """Held-out bits per byte, over ``eval_batches`` fixed batches."""
@@ -331,54 +366,3 @@ def generate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> str:
     return bytes(context[0].tolist()).decode("utf-8", errors="replace")
 
 
-def _finish(out: Path, config: TrainConfig, history: list[dict[str, Any]], unigram: float,
-            timeline: Timeline | None, sample: str, seconds: float, tokens: int) -> None:
-    """Writes the summary and pictures; ``tokens`` were trained on in ``seconds``."""
-    final = next(e["heldout_bpb"] for e in reversed(history) if "heldout_bpb" in e)
-    written = ["checkpoint", "summary.json"]
-    if timeline is not None:  # None when the resumed run had no step left to take
-        timeline.save(out / "step.timeline.json")
-        timeline.save_chrome_trace(out / "step.trace.json")
-        written += ["step.timeline.json", "step.trace.json"]
-    try:
-        _plot_curve(history, unigram, out / "curve.png")
-        written.append("curve.png")
-        if timeline is not None:
-            plot_timelines([timeline], out / "step.png",
-                           titles=[f"measured {config.schedule} step"])
-            written.append("step.png")
-    except ImportError:
-        print("matplotlib is not installed: no pictures (pip install 'conveyor[plots]')")
-    summary = {"heldout_bpb": final, "unigram_bpb": unigram, "steps": history[-1]["step"],
-               "final_loss": history[-1]["loss"], "seconds": seconds,
-               "tokens_per_second": tokens / seconds if seconds else 0.0,
-               "bubble": timeline.mean_bubble if timeline else None,
-               "config": asdict(config), "history": history, "sample": sample}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nheld-out {final:.3f} bits/byte against the unigram's {unigram:.3f}, after "
-          f"{history[-1]['step']} steps in {seconds:.0f} s")
-    print(f"wrote {out}/: {', '.join(written)}")
-    print("\nsample (pipelined inference, from a held-out prompt):\n" + sample)
-
-
-def _plot_curve(history: list[dict[str, Any]], unigram: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6.5, 3.6))
-    steps = [e["step"] for e in history]
-    axis.plot(steps, [e["loss"] / math.log(2) for e in history], color="#4C72B0", alpha=0.6,
-              label="training batch")
-    evaluated = [e for e in history if "heldout_bpb" in e]
-    axis.plot([e["step"] for e in evaluated], [e["heldout_bpb"] for e in evaluated], "o-",
-              color="#DD8452", label="held-out")
-    axis.axhline(unigram, color="grey", linestyle="--", label="unigram baseline")
-    axis.set_xlabel("step")
-    axis.set_ylabel("bits per byte")
-    axis.legend(fontsize=8)
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)

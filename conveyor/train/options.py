@@ -108,11 +108,15 @@ def _flag(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``conveyor train``: one per option, plus --config and --resume."""
+    """The flags of ``conveyor train``: one per option, plus --config, --resume and
+    --verbose, which say how to run rather than what to train (not saved with the run)."""
     parser.add_argument("--config", metavar="FILE",
                         help="JSON file of options (flags given as well take precedence)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run whose checkpoint is in --out")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log every action of the pipeline to stderr (the 'conveyor' "
+                             "logger at DEBUG)")
     for option in fields(TrainConfig):
         kind = type(option.default)
         parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,
