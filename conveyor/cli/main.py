@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def _prepare_process() -> None:
-    """Settings that only work before torch starts threads (see conveyor.allocator)."""
+    """Settings that only work before torch starts threads (see conveyor.engine.allocator)."""
     # Idle OpenMP threads of the main thread would otherwise spin on a core that a
     # stage thread needs; libgomp reads this when torch loads it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -10,7 +10,6 @@ the one whose stage costs are most even (least sum of squares).
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ __all__ = [
 # a fast layer's time is otherwise mostly noise.
 _MIN_SECONDS = 0.02
 _MAX_RUNS = 200
+# Stages whose measured times differ by less than this (relative) count as equal.
+_TIME_SLACK = 0.05
 
 
 def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -98,6 +99,14 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
         BalanceError: a cost is negative or not finite, or there are more stages than
             layers.
     """
+    return _balance(costs, stages, slack=0.0)
+
+
+def _balance(costs: Sequence[float], stages: int, *, slack: float) -> list[int]:
+    """:func:`solve_balance`; with ``slack`` > 0, any partition whose largest stage is
+    within ``slack`` (relative) of the least counts as optimal, and among those the one
+    with the most even numbers of layers wins: measured costs then cannot flip the
+    answer by noise."""
     num_layers = len(costs)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise BalanceError(f"the number of stages must be a positive integer, got {stages!r}")
@@ -114,15 +123,25 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
                            "finite and non-negative")
     if not bool(cost.any()):  # nothing to weigh: even out the number of layers
         cost = torch.ones_like(cost)
-    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), cost.cumsum(0)])
-    # segment[i, j] is the cost of layers i..j-1 (defined for i < j).
-    segment = prefix[None, :] - prefix[:, None]
+    segment = _segments(cost)
     valid = torch.ones_like(segment, dtype=torch.bool).triu(diagonal=1)
-
     worst = _solve(segment, valid, stages, combine=torch.maximum)[0]
-    within = valid & (segment <= worst)
-    _, cuts = _solve(segment.square(), within, stages, combine=torch.add)
+    within = valid & (segment <= worst * (1 + slack))
+    if slack:
+        # Integer squares of layer counts, plus a nudge below 1 in all towards earlier
+        # cuts (segment ends), so that no two partitions tie.
+        ends = torch.arange(num_layers + 1, dtype=torch.float64)[None, :]
+        evenness = _segments(torch.ones_like(cost)).square() + ends / (stages * num_layers + 1)
+    else:
+        evenness = segment.square()
+    _, cuts = _solve(evenness, within, stages, combine=torch.add)
     return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _segments(cost: torch.Tensor) -> torch.Tensor:
+    """``segment[i, j]``: the cost of layers i..j-1 (meaningful for i < j)."""
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), cost.cumsum(0)])
+    return prefix[None, :] - prefix[:, None]
 
 
 def _solve(
@@ -203,16 +222,8 @@ def balance_by_time(
         BalanceError: more stages than layers.
     """
     profiles = profile_layers(module, sample, repeat=repeat)
-    return solve_balance(_denoised([p.forward_seconds + p.backward_seconds
-                                    for p in profiles]), stages)
-
-
-def _denoised(seconds: Sequence[float]) -> list[float]:
-    """Times in units of a tenth of the median layer's time, rounded."""
-    unit = statistics.median(seconds) / 10
-    if unit <= 0:
-        return list(seconds)
-    return [float(round(s / unit)) for s in seconds]
+    return _balance([p.forward_seconds + p.backward_seconds for p in profiles], stages,
+                    slack=_TIME_SLACK)
 
 
 def balance_by_memory(
