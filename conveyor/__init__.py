@@ -130,14 +130,17 @@ class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(_MODULES[spec.name.partition(".")[2]])
-        self._own_spec = module.__spec__  # import sets __spec__ to the alias's; undone below
+        self._specs[spec.name] = module.__spec__  # importing the alias replaces it
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        # The module ran when it was imported under its own name: only restore its spec.
-        module.__spec__ = self._own_spec
+        # The module ran when it was imported under its own name: give back its spec.
+        module.__spec__ = self._specs.pop(module.__spec__.name if module.__spec__ else "", None)
 
 
 if not any(isinstance(finder, _ShortNames) for finder in sys.meta_path):

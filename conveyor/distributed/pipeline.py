@@ -31,14 +31,15 @@ from conveyor.distributed.topology import Topology
 from conveyor.engine.builder import NamedLayers, build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
+from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
+    stage_of_layer,
     sum_tied_gradients,
     tie_layers,
 )
-from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.errors import BalanceError, ConveyorError
 from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
@@ -117,7 +118,7 @@ class Pipeline(KeepsPlacement):
         tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]
         stage_layers = self._local_layers(source, starts)
-        self._ties = tie_layers(tied, stage_layers, _stage_of_layer(source.names, starts),
+        self._ties = tie_layers(tied, stage_layers, stage_of_layer(source.names, starts),
                                 {s: self._stage_device(s) for s in stage_layers})
         if self.topology.distributed:
             connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
@@ -270,10 +271,6 @@ def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
         return len(devices)
     raise BalanceError("give stages= (the number of pipeline ranks) or devices=, or run "
                        "under torchrun")
-
-
-def _stage_of_layer(names: Sequence[str], starts: Sequence[int]) -> dict[str, int]:
-    return {name: s for s in range(len(starts) - 1) for name in names[starts[s]:starts[s + 1]]}
 
 
 def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,

@@ -26,6 +26,7 @@ from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,
     find_ties,
+    stage_of_layer,
     sum_tied_gradients,
     tie_layers,
 )
@@ -96,14 +97,14 @@ class GPipe(KeepsPlacement):
         starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
         stage_layers = distinct_per_stage(
             {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))})
-        stage_of_layer = {name: s for s, named in stage_layers.items() for name, _ in named}
+        names = [name for name, _ in layers]
         # Ties are found on the model as given, before a stage's copies exist.
-        self._ties = tie_layers(find_ties(layers), stage_layers, stage_of_layer,
+        self._ties = tie_layers(find_ties(layers), stage_layers, stage_of_layer(names, starts),
                                 dict(enumerate(self.devices)))
         stages = build_stages(
             self,
             stage_layers,
-            names=[name for name, _ in layers],
+            names=names,
             first_layers=dict(enumerate(starts[:-1])),
             devices=dict(enumerate(self.devices)),
             concurrent=self.devices,

@@ -119,9 +119,7 @@ class Stage:
                 if error is exc:
                     raise
                 raise error from exc
-            self._check_output(x, offset, microbatch)
-            if rows is not None:
-                self._check_rows(x, rows, offset, microbatch)
+            self._check_output(x, rows, offset, microbatch)
         return x
 
     def _describe_layer(self, offset: int) -> str:
@@ -149,25 +147,27 @@ class Stage:
             layer=self.first_layer + offset,
         )
 
-    def _check_output(self, output: Any, offset: int, microbatch: int) -> None:
-        if isinstance(output, torch.Tensor):
-            return
-        for path, leaf in pytree.tree_flatten_with_path(output)[0]:
-            if leaf is None or isinstance(leaf, torch.Tensor):
-                continue
-            where = "" if not path else f" (at output{pytree.keystr(path)})"
-            raise LayerOutputError(
-                f"stage {self.index}, {self._describe_layer(offset)} returned "
-                f"{type(leaf).__name__}{where} on micro-batch {microbatch}; a layer must "
-                "return a tensor or a tuple/list/dict of tensors"
-            )
-
-    def _check_rows(self, output: Any, rows: tuple[int, torch.Size], offset: int,
-                    microbatch: int) -> None:
-        """Refuses an output whose batch dimension differs from the stage input's:
-        micro-batches are concatenated along dim 0, so the result would be wrong."""
-        got = _batch_rows(output)
-        if got is not None and got[0] == rows[0]:
+    def _check_output(self, output: Any, rows: tuple[int, torch.Size] | None, offset: int,
+                      microbatch: int) -> None:
+        """Refuses an output that is not tensors, or whose batch dimension differs from
+        the stage input's (``rows``; None: the input has none): micro-batches are
+        concatenated along dim 0, so the pipeline's result would be wrong."""
+        if isinstance(output, torch.Tensor):  # the common case, without flattening
+            got = (output.shape[0], output.shape) if output.dim() else None
+        else:
+            got = None
+            for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    if got is None and leaf.dim():
+                        got = leaf.shape[0], leaf.shape
+                elif leaf is not None:
+                    where = "" if not path else f" (at output{pytree.keystr(path)})"
+                    raise LayerOutputError(
+                        f"stage {self.index}, {self._describe_layer(offset)} returned "
+                        f"{type(leaf).__name__}{where} on micro-batch {microbatch}; a layer "
+                        "must return a tensor or a tuple/list/dict of tensors"
+                    )
+        if rows is None or (got is not None and got[0] == rows[0]):
             return
         found = f"{got[0]} rows (shape {list(got[1])})" if got is not None else "no batched tensor"
         raise LayerOutputError(

@@ -61,6 +61,11 @@ def find_ties(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, ...]]:
             if len({n.split(".", 1)[0] for n in names}) > 1]
 
 
+def stage_of_layer(names: Sequence[str], starts: Sequence[int]) -> dict[str, int]:
+    """The stage of every layer, by name; stage s holds layers ``starts[s]..starts[s+1]-1``."""
+    return {name: s for s in range(len(starts) - 1) for name in names[starts[s]:starts[s + 1]]}
+
+
 def distinct_per_stage(stage_layers: Mapping[int, NamedLayers]) -> dict[int, NamedLayers]:
     """The layers with a copy for each later stage that a layer object appears in again
     (one module used twice in an ``nn.Sequential``), so that every stage owns its layers;
