@@ -95,7 +95,7 @@ class Repeated(nn.Module):
         return x
 
 
-def one_costly_layer(layers: int, costly: int, *, times: int = 20,
+def one_costly_layer(layers: int, costly: int, *, times: int,
                      width: int = 128) -> nn.Sequential:
     """``layers`` layers with as many parameters and equal work each, but layer ``costly``,
     which does ``times`` as much work."""
