@@ -161,8 +161,9 @@ def test_bad_arguments_say_what_to_do() -> None:
     pipe = conveyor.Pipeline(mlp, stages=2, devices=["cpu"] * 2, chunks=2,
                              loss_fn=lambda out, y: (out - y) ** 2)
     x, y = case_batch("mlp")
-    with pytest.raises(ConveyorError, match=r"loss_fn must return a one-element tensor, got "
-                                            r"\(5, 3\) on micro-batch 0"):
+    with pytest.raises(ConveyorError, match=r"loss_fn must return a one-element tensor or a "
+                                            r"\(loss_sum, count\) pair, got \(5, 3\) on "
+                                            r"micro-batch 0"):
         pipe.step(x, y)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"use eval_step\(\) for inference"):
         pipe.step(x, y)

@@ -4,7 +4,8 @@ After a pipelined step each stage holds the gradients of its own parameters (tie
 weights' copies already summed, :mod:`conveyor.engine.ties`). Two things then need
 more than one rank:
 
-* data-parallel replicas of a stage average their gradients (as DDP would);
+* data-parallel replicas of a stage average their gradients (as DDP would), or, for a
+  ``(loss_sum, count)`` loss, sum them and divide by the count over every replica;
 * clipping by the global norm needs the norm over every stage, counting a tied weight
   once.
 """
@@ -24,16 +25,20 @@ __all__: list[str] = []
 _BUCKET_BYTES = 25 << 20  # as DDP's default bucket
 
 
-def average_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int) -> None:
-    """Averages gradients over the data-parallel replicas, in flattened buckets."""
+def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int,
+                           divisor: float) -> None:
+    """Sums gradients over the data-parallel replicas, in flattened buckets, and divides
+    them by ``divisor``: ``replicas`` to average them as DDP does, or the step's count of
+    a ``(loss_sum, count)`` loss over every replica."""
+    grads = [p.grad for p in params if p.grad is not None]
     if replicas == 1:
+        if divisor != 1:
+            for grad in grads:
+                grad.div_(divisor)
         return
     buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in the last bucket
-    for p in params:
-        grad = p.grad
-        if grad is None:
-            continue
+    for grad in grads:
         key = (grad.device, grad.dtype)
         bucket_list = buckets.setdefault(key, [[]])
         if filled.get(key, 0) > _BUCKET_BYTES:
@@ -42,11 +47,11 @@ def average_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas
         bucket_list[-1].append(grad)
         filled[key] = filled.get(key, 0) + grad.numel() * grad.element_size()
     for bucket_list in buckets.values():
-        for grads in bucket_list:
-            flat = _flatten_dense_tensors(grads)
+        for bucket in bucket_list:
+            flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=group)
-            flat /= replicas
-            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            flat /= divisor
+            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
 
 

@@ -11,7 +11,9 @@ The same script runs in one process (stages on threads, one device each) and und
 ``torchrun --nproc-per-node 4`` (one stage per process, activations and gradients over
 torch.distributed). The loss is computed per micro-batch at the last stage and weighted
 by the micro-batch's share of the batch, so for a loss that averages over samples the
-gradients equal those of the plain model on the whole batch.
+gradients equal those of the plain model on the whole batch; a loss averaged over a
+varying number of elements (tokens with padding) returns ``(loss_sum, count)`` instead,
+and is divided by the whole batch's count.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.gradients import average_across_replicas, clip_grad_norm
+from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource, draw_init_seed
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
+from conveyor.engine.accumulation import SetAside
 from conveyor.engine.builder import NamedLayers, build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
-from conveyor.engine.executor import Executor, StepState
+from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.ties import (
@@ -54,8 +57,9 @@ class Pipeline(KeepsPlacement):
         module: the model as an ``nn.Sequential`` (possibly on the meta device, to hold
             only local layers in memory), or a function that builds layer i (then give
             ``layers``).
-        loss_fn: ``loss_fn(output, target)`` for one micro-batch, averaging over its
-            samples (reduction="mean").
+        loss_fn: ``loss_fn(output, target)`` for one micro-batch: a scalar averaging
+            over its samples (reduction="mean"), or a pair ``(loss_sum, count)`` for a
+            loss averaged over a number of elements that varies (see :meth:`step`).
         chunks: the number of micro-batches M per batch.
         stages: the number of pipeline ranks K (default: the world size under
             torchrun, else the number of ``devices``).
@@ -82,7 +86,7 @@ class Pipeline(KeepsPlacement):
         self,
         module: nn.Sequential | LayerBuilder,
         *,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: LossFn,
         chunks: int,
         stages: int | None = None,
         layers: int | None = None,
@@ -100,6 +104,8 @@ class Pipeline(KeepsPlacement):
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
+        if isinstance(module, nn.Module):  # in the model's mode: train() or eval() to change
+            self.training = module.training
         self.loss_fn = loss_fn
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -161,15 +167,22 @@ class Pipeline(KeepsPlacement):
         """Forward and backward of one batch by the schedule; gradients accumulate.
 
         Every rank calls it with the batch (ranks that do not hold the first or last
-        stage may pass None for inputs or targets).
+        stage may pass None for inputs or targets). ``loss_fn`` returns, per
+        micro-batch, either a scalar that averages over its samples, weighted by the
+        micro-batch's share of the batch, or a pair ``(loss_sum, count)``: then the
+        batch's loss is the sum of ``loss_sum`` over all micro-batches (and data-parallel
+        replicas) divided by the sum of ``count``, exactly as for the plain model on the
+        whole batch (a token loss with padding: ``count`` is the number of real tokens).
 
         Returns:
-            The batch's loss (weighted mean over micro-batches), detached, as float64,
-            on every rank.
+            The batch's loss, detached, as float64, on every rank.
 
         Raises:
             StageError: a stage failed; on every rank, naming the stage and micro-batch.
             NonFiniteLossError: with ``check_finite``, a micro-batch's loss is NaN or inf.
+            ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
+
+        A step that raises leaves ``.grad`` as it was before the step.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
@@ -181,17 +194,19 @@ class Pipeline(KeepsPlacement):
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
             state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
-        self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
-        sum_tied_gradients(self._ties)
-        average_across_replicas(list(self.parameters()), self.topology.data_group,
-                                self.topology.data_size)
-        # float64 whatever the model's dtype: every rank must agree on it before the
-        # last stage has computed anything, and it keeps a float64 model's loss exact.
-        loss = torch.zeros((), dtype=torch.float64, device=self._device)
-        if last in self._stages:
-            loss = sum((state.losses[m].to(torch.float64) * state.loss_scale[m]
-                        for m in range(self.chunks)), loss).to(self._device)
-        return self._share_loss(loss)
+        params = list(self.parameters())
+        earlier = SetAside(params)  # this step's gradients alone, until they are reduced
+        try:
+            self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
+            loss, divisor = self._step_loss(state)
+            sum_tied_gradients(self._ties)
+            reduce_across_replicas(params, self.topology.data_group, self.topology.data_size,
+                                   divisor)
+        except BaseException:
+            earlier.restore()
+            raise
+        earlier.add_back()
+        return loss
 
     @torch.no_grad()
     def eval_step(self, inputs: Any) -> Any:
@@ -252,13 +267,38 @@ class Pipeline(KeepsPlacement):
                        group=topology.pipeline_group)
         return shared.to(value.device)
 
-    def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = self.from_last_stage(loss)
-        topology = self.topology
-        if topology.data_size > 1:
-            dist.all_reduce(loss, group=topology.data_group)
-            loss /= topology.data_size
-        return loss.detach()
+    def _step_loss(self, state: StepState) -> tuple[torch.Tensor, float]:
+        """The step's loss on every rank, and what its gradients are to be divided by
+        once summed over the data-parallel replicas (collectives: every rank calls it).
+
+        The last stage's rank shares ``[sum, count, paired]`` over the pipeline, and the
+        replicas add theirs up: float64 whatever the model's dtype, which every rank
+        must agree on before the last stage has computed anything, and which keeps a
+        float64 model's loss exact.
+        """
+        totals = torch.zeros(3, dtype=torch.float64, device=self._device)
+        if self.schedule.num_stages - 1 in self._stages:
+            losses = [state.losses[m].to(totals) for m in range(self.chunks)]
+            if state.counts:
+                counts = [state.counts[m].to(totals) for m in range(self.chunks)]
+                totals = torch.stack([sum(losses), sum(counts), totals.new_tensor(1.0)])
+            else:
+                scales = state.loss_scale
+                totals[0] = sum(loss * scale for loss, scale in zip(losses, scales))
+        totals = self.from_last_stage(totals)
+        replicas = self.topology.data_size
+        if replicas > 1:
+            dist.all_reduce(totals, group=self.topology.data_group)
+        if not totals[2]:  # scalar losses: the replicas' mean
+            return (totals[0] / replicas).detach(), replicas
+        count = float(totals[1])
+        if count <= 0:
+            raise ConveyorError(
+                f"loss_fn's counts add up to {count:g} over the whole batch"
+                f"{f' and its {replicas} replicas' if replicas > 1 else ''}, so the loss "
+                "(loss_sum / count) is undefined; every target is padding?"
+            )
+        return (totals[0] / count).detach(), count
 
 
 def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:

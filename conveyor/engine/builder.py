@@ -103,13 +103,16 @@ def new_step(microbatches: Sequence[Any], *, chunks: int, checkpoint: str,
         chunks: the number of micro-batches M.
         checkpoint: the recomputation mode, deciding which micro-batches recompute.
         grad_enabled: whether forward records graphs for a backward.
-        training: draws a fresh step seed for the random streams (None in eval mode).
+        training: whether the model is in training mode.
         options: the other fields of :class:`StepState` (loss, targets ...).
     """
     return StepState(
         inputs=microbatches,
         recompute=lambda m: recomputes(checkpoint, m, chunks),
         grad_enabled=grad_enabled,
-        step_seed=draw_step_seed() if training else None,
+        # Seeded whenever a backward may recompute, in eval mode too (a layer random
+        # in eval mode, MC dropout, must draw the same numbers again); inference in
+        # eval mode draws from torch's generators as the plain model does.
+        step_seed=draw_step_seed() if training or grad_enabled else None,
         **options,
     )

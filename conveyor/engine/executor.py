@@ -41,6 +41,9 @@ from conveyor.engine.weightgrad import WeightGradient, backward_input
 
 __all__: list[str] = []
 
+#: ``loss_fn(output, target)``: a one-element tensor, or a ``(loss_sum, count)`` pair.
+LossFn = Callable[[Any, Any], Any]
+
 _KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
                Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
 
@@ -56,11 +59,13 @@ class StepState:
         step_seed: the seed of this call's random streams (None: not seeded).
         targets: the micro-batches of targets, where the last stage runs a loss.
         loss_fn: ``loss_fn(output, target)`` at the last stage; None returns outputs.
-        loss_scale: the weight of each micro-batch's loss in the batch's (its share
-            of the samples), so that their sum is the loss of the whole batch.
+        loss_scale: the weight of each micro-batch's scalar loss in the batch's (its
+            share of the samples), so that their sum is the loss of the whole batch.
         check_finite: raise if a micro-batch's loss is NaN or infinite.
         outputs: the last stage's output per micro-batch (without a loss).
-        losses: the last stage's unscaled loss per micro-batch, detached.
+        losses: the last stage's unscaled loss per micro-batch, detached (for a
+            ``(loss_sum, count)`` pair, the sum).
+        counts: per micro-batch, the count of a ``(loss_sum, count)`` pair (float64).
         output_grads: per micro-batch, gradients of the last stage's output leaves.
         input_grads: per micro-batch, gradients of stage 0's input leaves.
 
@@ -73,11 +78,12 @@ class StepState:
     grad_enabled: bool
     step_seed: int | None
     targets: Sequence[Any] | None = None
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    loss_fn: LossFn | None = None
     loss_scale: Sequence[float] = ()
     check_finite: bool = False
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
@@ -270,26 +276,32 @@ class Executor:
             state.saved[(s, m)] = (inputs, outputs)
 
     def _loss(self, s: int, m: int, outputs: Any, state: StepState) -> torch.Tensor:
-        """The last stage's loss of micro-batch m, scaled by its share of the batch."""
+        """The last stage's loss of micro-batch m, as its backward starts from: scaled by
+        the micro-batch's share of the batch, or (a ``(loss_sum, count)`` pair) the sum
+        alone, divided by the whole step's count once every micro-batch is done."""
         assert state.loss_fn is not None and state.targets is not None
         targets = deliver(state.targets[m], self.stages[s].device)
         try:
-            loss = state.loss_fn(outputs, targets)
+            result = state.loss_fn(outputs, targets)
         except Exception as exc:
             raise ConveyorError(f"loss_fn failed on micro-batch {m}: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        loss, count = _loss_and_count(result, m)
+        if state.losses and (count is not None) != bool(state.counts):
             raise ConveyorError(
-                f"loss_fn must return a one-element tensor, got "
-                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
-                f" on micro-batch {m}; reduce over the samples (reduction='mean')"
+                f"loss_fn returned {'a (loss_sum, count) pair' if count is not None else 'a scalar'}"
+                f" for micro-batch {m} but not for micro-batch {next(iter(state.losses))}; "
+                "return the same kind of loss for every micro-batch"
             )
         value = loss.detach().reshape(())
         if state.check_finite and not math.isfinite(float(value)):
             raise NonFiniteLossError(f"the loss of micro-batch {m} is {float(value)} "
                                      f"(stage {s}); stopping before it reaches the weights")
         state.losses[m] = value
-        return loss.reshape(()) * state.loss_scale[m]
+        if count is None:
+            return loss.reshape(()) * state.loss_scale[m]
+        state.counts[m] = count
+        return loss.reshape(())
 
     def _backward(self, action: Action, state: StepState, *, split: bool) -> None:
         """``B`` (``split=False``): input and weight gradients at once. ``I``
@@ -367,3 +379,37 @@ class _ThreadState:
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
             yield
+
+
+def _loss_and_count(result: Any, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss tensor of micro-batch m, and the count of a ``(loss_sum, count)`` pair
+    as a float64 tensor (None for a plain scalar loss).
+
+    Raises:
+        ConveyorError: ``result`` is neither a one-element tensor nor such a pair.
+    """
+    count = None
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        result, count = result
+        if isinstance(count, torch.Tensor) and count.numel() == 1:
+            count = count.detach().reshape(()).to(torch.float64)
+        elif isinstance(count, (int, float)) and not isinstance(count, bool) and count >= 0:
+            count = torch.tensor(float(count), dtype=torch.float64)
+        else:
+            shown = (f"a tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor)
+                     else repr(count))
+            raise ConveyorError(
+                f"loss_fn returned a pair whose count is {shown} on micro-batch {m}; the "
+                "count must be a number >= 0 or a one-element tensor (e.g. the number of "
+                "tokens that are not padding)"
+            )
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        got = (tuple(result.shape) if isinstance(result, torch.Tensor)
+               else type(result).__name__)
+        raise ConveyorError(
+            f"loss_fn must return a one-element tensor or a (loss_sum, count) pair, got "
+            f"{got} on micro-batch {m}; reduce over the samples (reduction='mean'), or "
+            "return (loss summed over elements, number of elements)"
+        )
+    return result, count
+

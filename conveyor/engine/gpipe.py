@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from conveyor.engine.accumulation import SetAside
 from conveyor.engine.builder import build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
@@ -88,6 +89,7 @@ class GPipe(KeepsPlacement):
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
         layers = sequential_layers(module)
+        self.training = module.training  # in the model's mode: train() or eval() to change
         self.balance: list[int] = validate_balance(balance, len(layers))
         self.devices: list[torch.device] = resolve_devices(
             devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
@@ -227,16 +229,13 @@ class _Step:
         # Let the stages accumulate into fresh .grad fields, then hand the totals to
         # autograd: backward() adds them to the .grad set aside here, and
         # autograd.grad() returns them without touching .grad at all.
-        set_aside = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
+        earlier = SetAside(self.params)
         try:
             self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
             sum_tied_gradients(self.ties)
             param_grads = [p.grad for p in self.params]
         finally:
-            for p, grad in zip(self.params, set_aside):
-                p.grad = grad
+            earlier.restore()
         state.outputs.clear()
         input_grads: list[torch.Tensor | None] = []
         for i in self.wrt_inputs:

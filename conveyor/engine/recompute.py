@@ -75,26 +75,34 @@ class _Recomputation:
     """Context of one recomputation; entered again for each (split backward: twice).
 
     Recomputing runs batch norm's forward again, which would update its running
-    statistics a second time per micro-batch; they are snapshot on entry and put back
-    on exit.
+    statistics a second time per micro-batch. For the length of the recomputation each
+    normalisation layer works on copies of its buffers, and gets its own tensors back
+    on exit. Putting the tensors back, rather than copying old values into them, leaves
+    their version counters alone: a micro-batch that was not recomputed (under
+    ``except_last``, while other micro-batches recompute before its backward under
+    1F1B) still finds the running statistics its batch norm saved for backward as they
+    were.
     """
 
     def __init__(self, norms: Sequence[nn.Module]) -> None:
         self._norms = norms
-        self._saved: list[list[list[torch.Tensor]]] = []
+        self._saved: list[list[dict[str, torch.Tensor | None]]] = []
 
     def __enter__(self) -> None:
-        self._saved.append([[b.detach().clone() for b in m.buffers(recurse=False)]
-                            for m in self._norms])
+        originals = []
+        for module in self._norms:
+            buffers = dict(module._buffers)
+            originals.append(buffers)
+            for name, buffer in buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.detach().clone()
+        self._saved.append(originals)
         _local.depth = getattr(_local, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         _local.depth -= 1
-        saved = self._saved.pop()
-        with torch.no_grad():
-            for module, buffers in zip(self._norms, saved):
-                for buffer, value in zip(module.buffers(recurse=False), buffers):
-                    buffer.copy_(value)
+        for module, buffers in zip(self._norms, self._saved.pop()):
+            module._buffers.update(buffers)
 
 
 def checkpointed(function: Callable[[Any], Any], inputs: Any, norms: Sequence[nn.Module]) -> Any:
