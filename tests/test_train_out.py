@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import conveyor
 from conveyor.train import loop, saving
 from conveyor.train.outdir import RunLock
-from tests.multiprocess import ROOT
+from tests.multiprocess import ROOT, run_command
 from tests.test_train import TINY, checkpoint_state, one_error_line, train
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -80,7 +81,10 @@ def hold_lock(out: Path) -> subprocess.Popen[str]:
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    assert holder.stdout is not None
+    if holder.stdout.readline() != "held\n":
+        holder.kill()
+        raise AssertionError(f"the holder did not take the lock: {holder.communicate()}")
     return holder
 
 
@@ -99,7 +103,8 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(
         assert files_in(tmp_path) == before  # its temporary file too
     finally:
         holder.kill()  # as a crash would: the system drops the lock with the process
-        holder.wait()
+        holder.communicate()
+    assert (tmp_path / ".lock").exists()  # left by the kill, but nobody holds it
     live.unlink()
     assert train(tmp_path, "--steps", "1", "--sample-bytes", "0") == 0
     assert checkpoint_state(tmp_path)["extra"]["step"] == 1
@@ -117,7 +122,7 @@ def test_the_lock_is_released_and_removed_when_a_run_ends(
     assert not (tmp_path / "run" / ".lock").exists()
 
 
-def test_a_lock_refuses_a_second_holder_and_a_refused_run_leaves_no_folder(
+def test_a_lock_refuses_a_second_holder_and_removes_the_folders_it_made(
         tmp_path: Path) -> None:
     out = tmp_path / "a" / "b"
     with RunLock(out):
@@ -187,3 +192,22 @@ def test_temporary_files_of_a_killed_save_are_removed_at_the_next_start(
     assert other.read_text() == "keep me"
     assert checkpoint_state(tmp_path)["extra"]["step"] == 4
     assert saving.remove_temporaries(tmp_path) == []
+
+
+@pytest.mark.timeout(300)
+def test_under_torchrun_every_rank_stops_when_rank_0_is_refused(tmp_path: Path) -> None:
+    with RunLock(tmp_path):
+        before = files_in(tmp_path)
+        result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", "-m", "conveyor", "train", *TINY,
+                              "--steps", "1", "--out", str(tmp_path)])
+        assert files_in(tmp_path) == before
+    assert result.returncode != 0, result.stdout + result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("conveyor train")]
+    assert ours == [f"conveyor train: error: {tmp_path} is in use by another conveyor train "
+                    f"(pid {os.getpid()}); wait for it to end, or choose another --out"]
+    # Rank 1 does not write, but learns of the refusal and stops with the same code
+    # (torchrun's report; it may stop rank 0 itself once rank 1 has ended).
+    assert re.search(r"rank +: 1 \(local_rank: 1\)\n +exitcode +: 2 ", result.stderr), \
+        result.stderr
+    assert "training T(" not in result.stdout
