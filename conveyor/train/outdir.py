@@ -62,7 +62,7 @@ class RunLock:
     killed run never leaves a stale lock (a ``.lock`` file left by a kill means nothing
     by itself). The file holds the holder's pid and host, for the refusal's message.
     :meth:`release` removes the file, and the folders :meth:`acquire` made if they are
-    still empty: a run refused after taking the lock leaves nothing behind. As a
+    still empty: a run that stops on bad input after taking the lock leaves nothing. As a
     context manager it holds the lock for the block.
     """
 
@@ -71,10 +71,6 @@ class RunLock:
         self.path = out / LOCK_FILE
         self._handle: int | None = None
         self._made: list[Path] = []  # folders acquire() created, deepest last
-
-    @property
-    def held(self) -> bool:
-        return self._handle is not None
 
     def acquire(self) -> None:
         """Takes the lock at once, or refuses.
