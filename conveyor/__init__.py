@@ -34,6 +34,7 @@ from conveyor.errors import (
     ModelError,
     NonFiniteLossError,
     PeerFailure,
+    SaveError,
     ScheduleError,
     StageError,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "NonFiniteLossError",
     "PeerFailure",
     "Pipeline",
+    "SaveError",
     "Schedule",
     "ScheduleError",
     "StageError",

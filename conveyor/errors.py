@@ -14,6 +14,7 @@ __all__ = [
     "ModelError",
     "NonFiniteLossError",
     "PeerFailure",
+    "SaveError",
     "ScheduleError",
     "StageError",
 ]
@@ -89,7 +90,14 @@ class CheckpointError(ConveyorError, RuntimeError):
 
 
 class ConfigError(ConveyorError, ValueError):
-    """A training option is out of range or contradicts another one."""
+    """A training option is out of range or contradicts another one, or ``--out`` cannot
+    be used (a file, not writable, or in use by another run)."""
+
+
+class SaveError(ConveyorError, RuntimeError):
+    """A run's output (a checkpoint, its summary) could not be written, e.g. on a full
+    disk; the message says which checkpoint is still intact. The ``OSError`` is the
+    ``__cause__``."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

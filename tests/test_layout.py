@@ -95,7 +95,8 @@ def test_no_module_import_cycle() -> None:
 
 @pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.simulate",
                                     "conveyor.observe.simulate", "conveyor.trace",
-                                    "conveyor.train.options", "conveyor.cli"])
+                                    "conveyor.train.options", "conveyor.train.outdir",
+                                    "conveyor.cli"])
 def test_modules_that_import_no_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

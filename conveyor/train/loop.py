@@ -37,6 +37,7 @@ from conveyor.distributed.pipeline import Pipeline
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
+from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress
 from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree
@@ -49,7 +50,9 @@ def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``conveyor train``: errors end it with one line on stderr and a non-zero code."""
+    """``conveyor train``: errors end it with one line on stderr and a non-zero code: 2
+    for options or an ``--out`` that cannot be used (nothing written), 1 for a failure
+    on the way (a stage, a peer, a save that the disk refused)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         with _verbose(getattr(args, "verbose", False)):
@@ -97,34 +100,45 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
     Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
     checkpoint to resume from, and returns 128 + the signal's number.
 
+    ``--out`` is checked before any work, and locked while the run lasts: in one
+    process at once, under torchrun by rank 0 once every process has joined.
+
     Raises:
-        ConfigError: the options or ``--out`` do not allow the run (nothing is written).
+        ConfigError: the options or ``--out`` do not allow the run, or another run holds
+            ``--out`` (nothing is written).
         CheckpointError: resuming, the checkpoint cannot be read or does not fit.
+        SaveError: a checkpoint or the summary could not be written (a full disk).
     """
     config.check()
-    _check_out(config, resume)
-    training = _Training.set_up(config, resume=resume)
-    training.announce()
-    with StopSignals() as signals:
-        stopped_by = training.train(signals)
-    if stopped_by:
-        return training.stop(stopped_by)
-    training.complete()
-    return 0
+    check_usable(Path(config.out))
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if config.data_parallel > 1 and one_process:
+        raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
+                          f"{config.stages * config.data_parallel} with torchrun")
+    lock = RunLock(Path(config.out))
+    try:
+        if one_process:
+            lock.acquire()
+        _check_checkpoint(Path(config.out), resume)
+        training = _Training.set_up(config, resume=resume, lock=lock)
+        training.announce()
+        with StopSignals() as signals:
+            stopped_by = training.train(signals)
+        if stopped_by:
+            return training.stop(stopped_by)
+        training.complete()
+        return 0
+    finally:
+        lock.release()
 
 
-def _check_out(config: TrainConfig, resume: bool) -> None:
-    """Raises ConfigError where the run would overwrite a checkpoint, resume from none,
-    or needs processes it was not launched with."""
-    out = Path(config.out)
+def _check_checkpoint(out: Path, resume: bool) -> None:
+    """Raises ConfigError where the run would overwrite a checkpoint or resume from none."""
     if saving.exists(out) and not resume:
         raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
                           "or choose another --out")
     if resume and not saving.exists(out):
         raise ConfigError(f"--resume: there is no checkpoint in {out}")
-    if config.data_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
-                          f"{config.stages * config.data_parallel} with torchrun")
 
 
 @dataclass
@@ -146,34 +160,49 @@ class _Training:
     rate: float = 0.0  # tokens per second, smoothed
     bubble: str = "?"  # of the recorded step
     began: float = 0.0  # time.monotonic() at the first step
+    saved: int | None = None  # the step of the newest checkpoint in --out
+
+    @property
+    def intact(self) -> str:  # what a failed save leaves, for its message
+        return ("there is no checkpoint yet" if self.saved is None
+                else f"the checkpoint of step {self.saved} is intact")
 
     @property
     def out(self) -> Path:
         return Path(self.config.out)
 
     @classmethod
-    def set_up(cls, config: TrainConfig, *, resume: bool) -> _Training:
-        """Builds the model, pipeline and optimizer; resuming, loads the checkpoint."""
+    def set_up(cls, config: TrainConfig, *, resume: bool, lock: RunLock) -> _Training:
+        """Builds the model, pipeline and optimizer; resuming, loads the checkpoint.
+        Under torchrun, takes ``lock`` once the processes can agree on it."""
         corpus = text_corpus()
         model, pipe, optimizer, scheduler = _build(config)
         show = not dist.is_initialized() or dist.get_rank() == 0
+        if dist.is_initialized():
+            lock.acquire_together(writer=show, agree=lambda value: agree(pipe, value)[0])
         training = cls(config, corpus, model, pipe, optimizer, scheduler, show,
                        corpus.unigram_bits_per_byte())
         if resume:
             extra = saving.load(training.out, model=pipe, optimizer=optimizer)
-            training.start = training.step = int(extra["step"])
+            training.start = training.step = training.saved = int(extra["step"])
             training.history = list(extra["history"])
             scheduler.load_state_dict(extra["scheduler"])
             torch.set_rng_state(extra["rng"])
         return training
 
     def announce(self) -> None:
-        """Writes the run's options (for ``--resume``) and says what it trains."""
+        """Clears what a killed save left, writes the run's options (for ``--resume``),
+        and says what it trains."""
         if not self.show:
             return
         config, out = self.config, self.out
-        out.mkdir(parents=True, exist_ok=True)
-        (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
+        stale = saving.remove_temporaries(out)  # under the lock: no save of another run
+        if stale:
+            print(f"removed {len(stale)} temporary file{'s' * (len(stale) > 1)} of an "
+                  f"interrupted save: {', '.join(p.name for p in stale)}", flush=True)
+        with writing(OPTIONS_FILE, out, self.intact):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
         replicas = config.data_parallel
         layout = f"{config.stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
@@ -192,19 +221,19 @@ class _Training:
         self.began = time.monotonic()
         record_at = min(self.start + 2, config.steps - 1)  # after warm-up, for the pictures
         stopped_by = 0
-        while self.step < config.steps:
-            loss = self._step(record_it=self.step == record_at)
-            self._after_step(loss, progress)
-            stopped_by, out_of_time = agree(
-                self.pipe, signals.received,
-                int(time.monotonic() - self.began > config.time_limit))
-            if stopped_by:
-                break
-            if out_of_time and self.step < config.steps:
-                progress.write(f"stopping at step {self.step}: --time-limit "
-                               f"{config.time_limit:g} s")
-                break
-        progress.close()
+        with contextlib.closing(progress):
+            while self.step < config.steps:
+                loss = self._step(record_it=self.step == record_at)
+                self._after_step(loss, progress)
+                stopped_by, out_of_time = agree(
+                    self.pipe, signals.received,
+                    int(time.monotonic() - self.began > config.time_limit))
+                if stopped_by:
+                    break
+                if out_of_time and self.step < config.steps:
+                    progress.write(f"stopping at step {self.step}: --time-limit "
+                                   f"{config.time_limit:g} s")
+                    break
         return stopped_by
 
     def _step(self, *, record_it: bool) -> float:
@@ -248,11 +277,17 @@ class _Training:
             self.save()
 
     def save(self) -> None:
-        """A checkpoint of this step: weights, optimizer, scheduler, random state, history."""
-        saving.save(self.out, model=self.pipe, optimizer=self.optimizer,
-                    extra={"step": self.step, "history": self.history,
-                           "scheduler": self.scheduler.state_dict(),
-                           "rng": torch.get_rng_state(), "config": asdict(self.config)})
+        """A checkpoint of this step: weights, optimizer, scheduler, random state, history.
+
+        Raises:
+            SaveError: it could not be written; the previous checkpoint is intact.
+        """
+        with writing(f"the checkpoint of step {self.step}", self.out, self.intact):
+            saving.save(self.out, model=self.pipe, optimizer=self.optimizer,
+                        extra={"step": self.step, "history": self.history,
+                               "scheduler": self.scheduler.state_dict(),
+                               "rng": torch.get_rng_state(), "config": asdict(self.config)})
+        self.saved = self.step
 
     def stop(self, number: int) -> int:
         """Saves where signal ``number`` stopped the run; returns 128 + ``number``."""
@@ -270,9 +305,10 @@ class _Training:
         self.save()
         sample = generate(self.pipe, self.corpus, config) if config.sample_bytes else ""
         if self.show:
-            write_report(self.out, config, self.history, self.unigram, self.timeline,
-                         sample, time.monotonic() - self.began,
-                         (self.step - self.start) * config.batch * config.length)
+            with writing("the summary", self.out, self.intact):
+                write_report(self.out, config, self.history, self.unigram, self.timeline,
+                             sample, time.monotonic() - self.began,
+                             (self.step - self.start) * config.batch * config.length)
 
 
 def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:

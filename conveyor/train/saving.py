@@ -6,7 +6,8 @@ position, so a checkpoint written by 2 stages resumes on 4, or loads into the pl
 model. Writes are atomic: in one process a file is written beside its final name and
 moved into place; under torchrun each save is a torch.distributed.checkpoint directory
 and a ``latest`` pointer is replaced once every rank has written. A crash mid-write
-leaves the previous checkpoint as it was.
+leaves the previous checkpoint as it was; a process killed mid-write also leaves its
+temporary file, which :func:`remove_temporaries` clears.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from torch import nn
 
 from conveyor.errors import CheckpointError, ConveyorError
 
-__all__ = ["CheckpointError", "exists", "load", "load_weights", "save"]
+__all__ = ["CheckpointError", "exists", "load", "load_weights", "remove_temporaries", "save"]
 
 _FILE = "checkpoint.pt"
 _DIRECTORY = "checkpoint"
+# A save writes beside its final name first: ".checkpoint-<random>.tmp" in one process,
+# "checkpoint/.latest.tmp" (the pointer) under torchrun.
+_TEMPORARY = (".checkpoint-", ".tmp")
+_POINTER_TEMPORARY = ".latest.tmp"
 
 
 def _distributed() -> bool:
@@ -47,6 +52,10 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
 
     Returns:
         The path of the checkpoint (a file, or under torchrun a directory).
+
+    Raises:
+        OSError: the checkpoint could not be written (a full disk, ...); the previous
+            one is intact, and no temporary file is left behind.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -54,7 +63,8 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
              "extra": extra}
     if not _distributed():
         path = directory / _FILE
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
+        prefix, suffix = _TEMPORARY
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
         try:
             with os.fdopen(handle, "wb") as file:
                 torch.save(state, file)
@@ -72,7 +82,7 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
     dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target))
     dist.barrier()
     if dist.get_rank() == 0:
-        pointer = root / ".latest.tmp"
+        pointer = root / _POINTER_TEMPORARY
         pointer.write_text(target.name)
         os.replace(pointer, root / "latest")
         kept = sorted(p.name for p in root.glob("step-*"))[-2:]  # the newest two
@@ -81,6 +91,23 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
                 shutil.rmtree(old)
     dist.barrier()
     return target
+
+
+def remove_temporaries(directory: str | Path) -> list[Path]:
+    """Removes the temporary files that saves into ``directory`` killed midway left
+    behind (a crash or an error removes its own). Call it only while no save into
+    ``directory`` runs: it would take that save's file away.
+
+    Returns:
+        The files removed, sorted.
+    """
+    directory = Path(directory)
+    prefix, suffix = _TEMPORARY
+    stale = sorted([*directory.glob(f"{prefix}*{suffix}"),
+                    *directory.glob(f"{_DIRECTORY}/{_POINTER_TEMPORARY}")])
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def load(directory: str | Path, *, model: nn.Module,
