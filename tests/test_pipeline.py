@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -180,6 +181,34 @@ def test_a_custom_schedule_table_runs() -> None:
     loss_fn(reference(x), y).backward()
     for p, r in paired(pipe.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-10
+
+
+class CountsCalls(nn.Module):
+    """A Linear and tanh that counts its forward calls, and its recomputations apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls: Counter[str] = Counter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls["recompute" if conveyor.is_recomputing() else "forward"] += 1
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "mixed"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_recomputed_micro_batch_is_recomputed_once(schedule: str, checkpoint: str) -> None:
+    # Split backwards too (zero-bubble, and the I/W half of MIXED): I and W share one
+    # rebuilt graph.
+    model = nn.Sequential(CountsCalls(), CountsCalls()).double()
+    table = conveyor.schedules.parse(MIXED, name="mixed") if schedule == "mixed" else schedule
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=4, schedule=table,
+                             checkpoint=checkpoint, loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64))
+    recomputed = {"always": 4, "except_last": 3, "never": 0}[checkpoint]
+    for layer in model:
+        assert layer.calls == Counter(forward=4, recompute=recomputed) - Counter(), schedule
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

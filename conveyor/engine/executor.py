@@ -86,7 +86,7 @@ class StepState:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     #: per (stage, micro-batch), the weight gradient an ``I`` left for its ``W``.
     weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
 
@@ -260,20 +260,17 @@ class Executor:
             inputs = deliver(state.inputs[m], stage.device)
         else:
             inputs = self._recv("activation", s, m)
-        outputs = stage.forward(
-            inputs,
-            m,
-            step_seed=state.step_seed,
-            recompute=state.grad_enabled and state.recompute(m),
-        )
+        recompute = state.grad_enabled and state.recompute(m)
+        outputs = stage.forward(inputs, m, step_seed=state.step_seed, recompute=recompute)
+        loss = None
         if self._is_last(s) and state.loss_fn is not None:
-            outputs = self._loss(s, m, outputs, state)
+            loss = self._loss(s, m, outputs, state)
         elif self._is_last(s):
             state.outputs[m] = outputs
         else:
             self._send("activation", s + 1, m, outputs)
         if state.grad_enabled:
-            state.saved[(s, m)] = (inputs, outputs)
+            state.saved[(s, m)] = _Saved(inputs, outputs, loss, recompute)
 
     def _loss(self, s: int, m: int, outputs: Any, state: StepState) -> torch.Tensor:
         """The last stage's loss of micro-batch m, as its backward starts from: scaled by
@@ -308,10 +305,11 @@ class Executor:
         (``split=True``): the input gradient; the weight gradient waits for ``W``."""
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
-        inputs, outputs = state.saved.pop((s, m))
+        saved = state.saved.pop((s, m))
+        inputs = saved.inputs
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
-        if self._is_last(s) and state.loss_fn is not None:
-            pairs = [(outputs, None)] if outputs.requires_grad else []  # the scaled loss
+        if saved.loss is not None:
+            pairs = [(saved.loss, None)] if saved.loss.requires_grad else []
         else:
             if self._is_last(s):
                 grads = state.output_grads.pop(m)
@@ -319,9 +317,11 @@ class Executor:
                 grads = self._recv("gradient", s, m)
             pairs = [
                 (out, grad)
-                for out, grad in zip(pytree.tree_leaves(outputs), grads)
+                for out, grad in zip(pytree.tree_leaves(saved.outputs), grads)
                 if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
             ]
+        if pairs and split and saved.recomputed:
+            pairs = self._rebuilt(stage, m, saved, pairs, state)
         input_leaves = pytree.tree_leaves(inputs)
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
@@ -347,6 +347,43 @@ class Executor:
             state.input_grads[m] = input_grads
         else:
             self._send("gradient", s - 1, m, input_grads)
+
+
+    def _rebuilt(self, stage: Stage, m: int, saved: _Saved,
+                 pairs: list[tuple[torch.Tensor, torch.Tensor | None]],
+                 state: StepState) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``pairs`` (output, gradient) moved onto a graph of the stage rebuilt now.
+
+        A split backward of a recomputed micro-batch rebuilds the stage's graph here,
+        once, and I and W both use it; left to torch.utils.checkpoint, each of the two
+        backward calls would recompute the stage. A loss at the last stage is first
+        back-propagated to the stage's outputs (its own graph was kept).
+        """
+        leaves = pytree.tree_leaves(saved.outputs)
+        positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+        if saved.loss is not None:
+            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = torch.autograd.grad(saved.loss, wanted, allow_unused=True)
+            pairs = [(t, g) for t, g in zip(wanted, grads) if g is not None]
+        outputs = pytree.tree_leaves(stage.recompute(saved.inputs, m, step_seed=state.step_seed))
+        return [(outputs[positions[id(out)]], grad) for out, grad in pairs]
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What a forward keeps for its micro-batch's backward.
+
+    Attributes:
+        inputs: the stage's input, detached leaves.
+        outputs: the stage's output (with only ``inputs`` saved, if ``recomputed``).
+        loss: at the last stage, the loss backward starts from (None: the outputs).
+        recomputed: whether the stage's graph is rebuilt for backward.
+    """
+
+    inputs: Any
+    outputs: Any
+    loss: torch.Tensor | None
+    recomputed: bool
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ with two additions: layers can ask :func:`is_recomputing`, and running statistic
 normalisation layers (batch norm) are not updated a second time by the recomputation.
 Random numbers are replayed by :mod:`conveyor.rng`, so the checkpoint does not stash
 generator states itself.
+
+torch.utils.checkpoint rebuilds the graph inside each backward call that needs it. A
+split backward is two calls, I and later W, so it would recompute the stage twice; the
+executor rebuilds that graph itself instead, once, under :class:`Recomputation`, and
+keeps it from I to W (see ``Executor._rebuilt``).
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ def running_stat_layers(layers: nn.Module) -> list[nn.Module]:
     ]
 
 
-class _Recomputation:
-    """Context of one recomputation; entered again for each (split backward: twice).
+class Recomputation:
+    """Context of one recomputation (entered again for each).
 
     Recomputing runs batch norm's forward again, which would update its running
     statistics a second time per micro-batch. For the length of the recomputation each
@@ -112,5 +117,5 @@ def checkpointed(function: Callable[[Any], Any], inputs: Any, norms: Sequence[nn
         inputs,
         use_reentrant=False,
         preserve_rng_state=False,
-        context_fn=lambda: (contextlib.nullcontext(), _Recomputation(norms)),
+        context_fn=lambda: (contextlib.nullcontext(), Recomputation(norms)),
     )

@@ -20,7 +20,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.recompute import checkpointed, is_recomputing, running_stat_layers
+from conveyor.engine.recompute import (
+    checkpointed,
+    is_recomputing,
+    Recomputation,
+    running_stat_layers,
+)
 from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
 from conveyor.engine.rng import LayerRandomness
 
@@ -99,6 +104,12 @@ class Stage:
         if recompute and torch.is_grad_enabled():
             return checkpointed(run, inputs, self._norms)
         return run(inputs)
+
+    def recompute(self, inputs: Any, microbatch: int, *, step_seed: int | None) -> Any:
+        """The forward of :meth:`forward` again, recording the whole graph: the same
+        random numbers, and batch norm's running statistics left as they are."""
+        with Recomputation(self._norms), torch.enable_grad():
+            return self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
         rows = _batch_rows(x)
