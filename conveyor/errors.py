@@ -36,7 +36,8 @@ class MicroBatchError(ConveyorError, ValueError):
 
 
 class ScheduleError(ConveyorError, ValueError):
-    """A schedule table is malformed, incomplete or deadlocks."""
+    """A schedule table is malformed, incomplete or deadlocks, or a cost model cannot
+    drive it."""
 
 
 class LayerOutputError(ConveyorError, TypeError):
@@ -89,7 +90,8 @@ class CheckpointError(ConveyorError, RuntimeError):
 
 
 class ConfigError(ConveyorError, ValueError):
-    """A training option is out of range or contradicts another one."""
+    """A command's option (``conveyor train``, ``conveyor simulate``) is out of range or
+    contradicts another one."""
 
 
 def add_note(exc: BaseException, note: str) -> None:
