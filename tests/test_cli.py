@@ -165,6 +165,23 @@ def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize(("content", "message"), [
+    (None, r"cannot read run.json: No such file or directory"),
+    ("{", r"run.json is not a timeline \(Timeline.save writes one\): JSONDecodeError"),
+    ('{"events": []}', r"run.json is not a timeline .*KeyError\('num_ranks'\)"),
+])
+def test_trace_ends_an_unreadable_file_with_one_line_and_code_2(
+        content: str | None, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / "run.json").write_text(content)
+    assert main(["trace", "run.json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert re.match(r"conveyor trace: error: " + message, err), err
+
+
 def test_recording_covers_both_phases_of_gpipe() -> None:
     pipe = conveyor.GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1],
                           devices=["cpu"] * 2, chunks=2)

@@ -227,13 +227,26 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
 
 
 def trace_command(args: argparse.Namespace) -> int:
+    """``conveyor trace``: a file it cannot read or write ends it with one line on stderr
+    and code 2."""
+    from conveyor.errors import ConfigError
     from conveyor.observe.trace import Timeline, plot_timelines
 
-    timeline = Timeline.load(args.file)
-    if args.plot:
-        plot_timelines([timeline], args.plot)
-    if args.chrome:
-        timeline.save_chrome_trace(args.chrome)
+    try:
+        try:
+            timeline = Timeline.load(args.file)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{args.file} is not a timeline (Timeline.save writes one): "
+                              f"{exc!r}") from None
+        if args.plot:
+            _write(args.plot, lambda path: plot_timelines([timeline], path))
+        if args.chrome:
+            _write(args.chrome, timeline.save_chrome_trace)
+    except ConfigError as exc:
+        print(f"conveyor trace: error: {exc}", file=sys.stderr)
+        return 2
     breakdown = timeline.breakdown()
     if args.json:
         print(json.dumps({"makespan": timeline.makespan, "bubble": timeline.mean_bubble,
