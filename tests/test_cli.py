@@ -182,6 +182,18 @@ def test_trace_ends_an_unreadable_file_with_one_line_and_code_2(
     assert re.match(r"conveyor trace: error: " + message, err), err
 
 
+def test_trace_shows_a_simulated_timeline_in_its_own_unit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.observe.simulate import CostModel, simulate
+
+    simulate(build("1f1b", 2, 4), CostModel.uniform(2)).timeline.save(tmp_path / "u.json")
+    assert main(["trace", str(tmp_path / "u.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "simulated 1f1b: 15.0 units, 16 actions, bubble 20.0%"
+    assert lines[1].split() == ["compute", "units", "transfer", "units", "waiting", "units",
+                                "between", "units", "imbalance", "units"]
+
+
 def test_recording_covers_both_phases_of_gpipe() -> None:
     pipe = conveyor.GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1],
                           devices=["cpu"] * 2, chunks=2)

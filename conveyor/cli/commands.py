@@ -63,6 +63,7 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    """Checks the options, simulates, draws and writes what was asked, prints the figures."""
     from conveyor.errors import ConfigError
     from conveyor.observe.simulate import simulate
     from conveyor.observe.trace import plot_timelines
@@ -100,8 +101,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _cost_flags(args: argparse.Namespace) -> dict[str, float | None]:
-    """The cost flags given, checked; the defaults for those left out (or the flags
-    given, when a --costs file gives every cost: then a flag is a mistake)."""
+    """The cost flags, checked, with the defaults for those left out.
+
+    Raises:
+        ConfigError: a cost is negative or not finite, a cost flag is given beside
+            --costs (the file gives every cost), or F, I and W are all 0.
+    """
     from conveyor.errors import ConfigError
 
     given = {name: getattr(args, name) for name in _COST_FLAGS
@@ -195,6 +200,17 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
                      else _size(peak)])
     print(_table(["", "stages", "busy", "bubble", "most micro-batches held",
                   "peak activations"], rows))
+    notes = _notes(args, flags, unit, counting=counting)
+    print("\n" + "\n".join(textwrap.fill(note, 88, subsequent_indent="  ")
+                            for note in notes))
+    grid = layout_clock(table)
+    if len(grid[0]) <= 48:
+        print("\nthe order of actions, one tick each (not to scale):\n" + render_clock(grid))
+
+
+def _notes(args: argparse.Namespace, flags: dict[str, float | None], unit: str, *,
+           counting: bool) -> list[str]:
+    """What the printed figures are: the unit of time, and what each memory column counts."""
     v = args.virtual_stages
     if args.costs:
         notes = [f"times as the cost model {args.costs} gives them"
@@ -219,11 +235,7 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
             "rank's layers (--activation-bytes)"
         notes.append("peak activations: the most activation bytes a rank held at once, "
                      f"from the bytes of one micro-batch of each {per}.")
-    print("\n" + "\n".join(textwrap.fill(note, 88, subsequent_indent="  ")
-                            for note in notes))
-    grid = layout_clock(table)
-    if len(grid[0]) <= 48:
-        print("\nthe order of actions, one tick each (not to scale):\n" + render_clock(grid))
+    return notes
 
 
 def trace_command(args: argparse.Namespace) -> int:
@@ -252,12 +264,13 @@ def trace_command(args: argparse.Namespace) -> int:
         print(json.dumps({"makespan": timeline.makespan, "bubble": timeline.mean_bubble,
                           "breakdown": breakdown}, indent=2))
         return 0
-    rows = [[f"rank {r}"] + [f"{1e3 * v:.1f}" for v in part.values()]
+    scale, unit = (1e3, "ms") if timeline.unit == "s" else (1.0, timeline.unit)
+    rows = [[f"rank {r}"] + [f"{scale * v:.1f}" for v in part.values()]
             for r, part in enumerate(breakdown)]
-    print(f"{timeline.source} {timeline.name}: {1e3 * timeline.makespan:.1f} ms, "
+    print(f"{timeline.source} {timeline.name}: {scale * timeline.makespan:.1f} {unit}, "
           f"{len(timeline.events)} actions, bubble {100 * timeline.mean_bubble:.1f}%")
-    print(_table(["", "compute ms", "transfer ms", "waiting ms", "between ms",
-                  "imbalance ms"], rows))
+    parts = ("compute", "transfer", "waiting", "between", "imbalance")  # breakdown's keys
+    print(_table([""] + [f"{part} {unit}" for part in parts], rows))
     return 0
 
 
