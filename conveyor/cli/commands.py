@@ -82,7 +82,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot:
         axis = None if args.costs else _axis_label(flags)
         _write(args.plot, lambda path: plot_timelines(
-            [result.timeline], path, titles=[f"simulated {table.name} ({shape})"],
+            [result.timeline], path, titles=[f"simulated {table.name} step ({shape})"],
             xlabel=axis))
     if args.trace:
         _write(args.trace, result.timeline.save_chrome_trace)

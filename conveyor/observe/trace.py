@@ -191,7 +191,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
         _draw_bars(axis, timeline, scale)
         axis.set_xlim(0, max(longest if shared else timeline.makespan * scale, 1e-12))
         title = titles[index] if titles else f"{timeline.source} {timeline.name}"
-        axis.set_title(f"{title}: step {timeline.makespan * scale:.4g} {unit}, "
+        axis.set_title(f"{title}: {timeline.makespan * scale:.4g} {unit}, "
                        f"bubble {100 * timeline.mean_bubble:.1f}%", fontsize=10, loc="left")
         if not shared or index == len(timelines) - 1:
             axis.set_xlabel(xlabel or f"time ({unit})")
