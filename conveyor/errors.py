@@ -37,7 +37,8 @@ class MicroBatchError(ConveyorError, ValueError):
 
 
 class ScheduleError(ConveyorError, ValueError):
-    """A schedule table is malformed, incomplete or deadlocks."""
+    """A schedule table is malformed, incomplete or deadlocks, or a cost model cannot
+    drive it."""
 
 
 class LayerOutputError(ConveyorError, TypeError):
@@ -90,8 +91,9 @@ class CheckpointError(ConveyorError, RuntimeError):
 
 
 class ConfigError(ConveyorError, ValueError):
-    """A training option is out of range or contradicts another one, or ``--out`` cannot
-    be used (a file, not writable, or in use by another run)."""
+    """A command's option (``conveyor train``, ``conveyor simulate``) is out of range or
+    contradicts another one, or ``--out`` cannot be used (a file, not writable, or in use
+    by another run)."""
 
 
 class SaveError(ConveyorError, RuntimeError):

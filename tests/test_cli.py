@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +30,99 @@ def test_simulate_draws_and_traces(tmp_path: Path, capsys: pytest.CaptureFixture
                  "--virtual-stages", "2", "--plot", str(tmp_path / "g.png"),
                  "--trace", str(tmp_path / "t.json")]) == 0
     out = capsys.readouterr().out
-    assert "interleaved-1f1b: 2 ranks x 2 stages, 4 micro-batches" in out
+    assert "interleaved-1f1b: 2 ranks, 2 stages each, 4 micro-batches; step 13.5 units" in out
     assert (tmp_path / "g.png").stat().st_size > 1000
     trace = json.loads((tmp_path / "t.json").read_text())
     table = build("interleaved-1f1b", 2, 4, virtual_stages=2)
     assert sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == sorted(
         str(a) for column in table.columns for a in column)  # every action, once
+
+
+def simulate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["simulate", "--json", *args]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def test_interleaving_simulates_the_same_model_faster_than_1f1b(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Each of a rank's V stages holds 1/V of its layers, so it costs 1/V of a rank's work.
+    plain = simulate_json(capsys, "--schedule", "1f1b", "--stages", "4", "--chunks", "8")
+    interleaved = simulate_json(capsys, "--schedule", "interleaved-1f1b", "--stages", "4",
+                                "--chunks", "8", "--virtual-stages", "2")
+    assert plain["makespan"] == pytest.approx(33)  # 3 M + 3 (K - 1)
+    assert interleaved["makespan"] == pytest.approx(28.5)  # 3 M + 3 (K - 1) / V
+    assert interleaved["bubble"] == pytest.approx(3 / 19)  # (K - 1) / (V M + K - 1)
+    assert plain["unit"] == interleaved["unit"] == "units"
+
+
+def test_simulate_says_what_its_figures_are(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--schedule", "interleaved-1f1b", "--stages", "4", "--chunks",
+                 "8", "--virtual-stages", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("interleaved-1f1b: 4 ranks, 2 stages each, 8 micro-batches; "
+                          "step 28.5 units, bubble 15.8% (textbook (K-1)/(VM+K-1) = 15.8%)")
+    rank0 = next(line for line in out.splitlines() if line.startswith("rank 0"))
+    assert rank0.split() == ["rank", "0", "0,", "4", "24", "units", "15.8%", "stage", "0:",
+                             "8,", "stage", "4:", "4", "5.5", "micro-batches"]
+    notes = " ".join(out.split())  # as one line, whatever the wrapping
+    assert ("time: in units of one rank's forward of a micro-batch; per micro-batch one "
+            "rank's layers take F=1, I=1, W=1 (a full backward B=I+W=2). Each of a rank's 2 "
+            "stages does 1/2 of that.") in notes
+    assert ("peak activations: the most activations a rank held at once, in micro-batches' "
+            "worth of one rank's layers") in notes
+    assert main(["simulate", "--stages", "2", "--chunks", "4",
+                 "--activation-bytes", "3e6"]) == 0
+    rank0 = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("rank 0"))
+    assert rank0.endswith("5.72 MiB")  # 2 micro-batches of 3 MB
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--schedule", "bogus"], r"unknown schedule 'bogus'; choose one of 'gpipe', '1f1b'"),
+    (["--stages", "0"], r"--stages must be at least 1, got 0"),
+    (["--chunks", "-3"], r"--chunks must be at least 1, got -3"),
+    (["--virtual-stages", "0"], r"--virtual-stages must be at least 1, got 0"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--chunks", "6"],
+     r"interleaved 1F1B needs a multiple of 4 micro-batches \(one group per rank\); got 6"),
+    (["--virtual-stages", "2"], r"schedule '1f1b' has one stage per rank"),
+    (["--forward", "-1"], r"--forward must be a finite number of at least 0, got -1.0"),
+    (["--backward", "nan"], r"--backward must be a finite number of at least 0, got nan"),
+    (["--communication", "inf"], r"--communication must be a finite number of at least 0"),
+    (["--activation-bytes", "-5"], r"--activation-bytes must be a finite number of at least 0"),
+    (["--forward", "0", "--backward", "0", "--weight", "0"],
+     r"--forward, --backward and --weight are all 0: there is nothing to simulate"),
+    (["--costs", "missing.json"], r"cannot read the cost model missing.json: "),
+    (["--costs", "four.json", "--forward", "2"],
+     r"--costs gives every cost; leave out --forward"),
+    (["--costs", "four.json", "--stages", "2"],
+     r"the cost model must give 2 values per stage"),
+    (["--plot", "no/such/dir/g.png"], r"cannot write no/such/dir/g.png: "),
+])
+def test_simulate_ends_bad_input_with_one_line_and_code_2(
+        argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.observe.simulate import CostModel
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "four.json").write_text(json.dumps(CostModel.uniform(4).to_dict()))
+    assert main(["simulate", "--stages", "4", "--chunks", "8", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("conveyor simulate: error: "), err
+    assert re.search(message, err), err
+
+
+def test_a_cost_model_file_drives_simulate_in_its_own_unit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.observe.simulate import CostModel
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(CostModel.uniform(2, forward=0.01, backward=0.01,
+                                                 weight=0.01, unit="s").to_dict()))
+    result = simulate_json(capsys, "--stages", "2", "--chunks", "2", "--costs", str(path))
+    assert result["unit"] == "s" and result["makespan"] == pytest.approx(0.09)
+    assert main(["simulate", "--stages", "2", "--chunks", "2", "--costs", str(path)]) == 0
+    assert "step 90 ms" in capsys.readouterr().out
 
 
 def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
@@ -75,6 +163,35 @@ def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
     assert main(["trace", str(path), "--plot", str(tmp_path / "run.png")]) == 0
     assert "measured zero-bubble" in capsys.readouterr().out
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, r"cannot read run.json: No such file or directory"),
+    ("{", r"run.json is not a timeline \(Timeline.save writes one\): JSONDecodeError"),
+    ('{"events": []}', r"run.json is not a timeline .*KeyError\('num_ranks'\)"),
+])
+def test_trace_ends_an_unreadable_file_with_one_line_and_code_2(
+        content: str | None, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / "run.json").write_text(content)
+    assert main(["trace", "run.json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert re.match(r"conveyor trace: error: " + message, err), err
+
+
+def test_trace_shows_a_simulated_timeline_in_its_own_unit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.observe.simulate import CostModel, simulate
+
+    simulate(build("1f1b", 2, 4), CostModel.uniform(2)).timeline.save(tmp_path / "u.json")
+    assert main(["trace", str(tmp_path / "u.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "simulated 1f1b: 15.0 units, 16 actions, bubble 20.0%"
+    assert lines[1].split() == ["compute", "units", "transfer", "units", "waiting", "units",
+                                "between", "units", "imbalance", "units"]
 
 
 def test_recording_covers_both_phases_of_gpipe() -> None:

@@ -37,13 +37,36 @@ def test_1f1b_holds_k_micro_batches_where_gpipe_holds_m(stages: int, microbatche
 def test_interleaving_divides_the_bubble_by_v(stages: int, groups: int, virtual: int) -> None:
     microbatches = stages * groups
     plain = simulate(build("1f1b", stages, microbatches), CostModel.uniform(stages))
-    # V stages per rank, each doing 1/V of the rank's work.
-    share = 1.0 / virtual
-    interleaved = simulate(
-        build("interleaved-1f1b", stages, microbatches, virtual_stages=virtual),
-        CostModel.uniform(stages * virtual, forward=share, backward=share, weight=share))
+    table = build("interleaved-1f1b", stages, microbatches, virtual_stages=virtual)
+    interleaved = simulate(table, CostModel.per_rank(table))  # each stage 1/V of a rank
     work = 3 * microbatches
     assert interleaved.makespan - work == pytest.approx((plain.makespan - work) / virtual)
+
+
+def test_per_rank_costs_give_each_of_v_stages_a_vth_of_the_ranks_work() -> None:
+    table = build("interleaved-1f1b", 4, 8, virtual_stages=2)
+    costs = CostModel.per_rank(table, forward=1.0, backward=2.0, weight=4.0,
+                               activation_bytes=10.0, communication=0.25)
+    assert costs.forward == (0.5,) * 8
+    assert costs.backward == (1.0,) * 8
+    assert costs.weight == (2.0,) * 8
+    assert costs.activation_bytes == (5.0,) * 8
+    assert costs.communication == (0.25,) * 7  # a boundary moves the same tensor
+    assert costs.unit == "units"
+    assert CostModel.per_rank(build("1f1b", 4, 8)) == CostModel.uniform(4)
+
+
+def test_interleaving_the_same_model_is_faster_than_1f1b_and_holds_more() -> None:
+    # 4 ranks, 8 micro-batches: the same layers as 4 stages, or as 8 stages of half.
+    plain_table = build("1f1b", 4, 8)
+    table = build("interleaved-1f1b", 4, 8, virtual_stages=2)
+    plain = simulate(plain_table, CostModel.per_rank(plain_table))
+    interleaved = simulate(table, CostModel.per_rank(table))
+    assert plain.makespan == pytest.approx(33)  # 3 M + 3 (K - 1)
+    assert interleaved.makespan == pytest.approx(28.5)  # 3 M + 3 (K - 1) / V
+    assert interleaved.bubble == pytest.approx(3 / 19)  # (K - 1) / (V M + K - 1)
+    assert plain.peak_bytes[0] == pytest.approx(4)  # K micro-batches of rank 0's layers
+    assert interleaved.peak_bytes[0] == pytest.approx(5.5)  # 8 + 3 halves at once
 
 
 @pytest.mark.parametrize(("stages", "microbatches"),
@@ -126,3 +149,52 @@ def test_cost_models_round_trip_and_must_fit_the_table(tmp_path) -> None:  # typ
     assert CostModel.load(path) == costs
     with pytest.raises(ScheduleError, match=r"must give 3 values per stage"):
         simulate(build("gpipe", 3, 2), costs)
+
+
+@pytest.mark.parametrize(("field", "value"), [("forward", -1.0), ("backward", float("nan")),
+                                              ("weight", float("inf")),
+                                              ("activation_bytes", -2.0)])
+def test_costs_must_be_finite_and_not_negative(field: str, value: float) -> None:
+    values = CostModel.uniform(2).to_dict()
+    values[field][1] = value
+    with pytest.raises(ScheduleError, match=rf"the cost model's {field} of stage 1 is "
+                                            rf"{value}; every cost must be a finite number "
+                                            r"of at least 0"):
+        simulate(build("gpipe", 2, 2), CostModel.from_dict(values))
+    values = CostModel.uniform(2).to_dict()
+    values["communication"][0] = -1.0
+    with pytest.raises(ScheduleError, match=r"communication of boundary 0 is -1.0"):
+        simulate(build("gpipe", 2, 2), CostModel.from_dict(values))
+
+
+def test_timelines_keep_the_cost_models_unit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    abstract = simulate(build("1f1b", 2, 2), CostModel.uniform(2)).timeline
+    assert abstract.unit == "units"
+    seconds = CostModel((1e-3, 1e-3), (1e-3, 1e-3), (0.0, 0.0), (1.0, 1.0), (0.0,))
+    measured = simulate(build("1f1b", 2, 2), seconds).timeline
+    assert measured.unit == "s"
+    assert CostModel.from_timeline(measured, 2).unit == "s"
+    assert CostModel.from_timeline(abstract, 2).unit == "units"
+    abstract.save(tmp_path / "t.json")
+    assert Timeline.load(tmp_path / "t.json").unit == "units"
+    assert Timeline.from_dict({"num_ranks": 1, "events": []}).unit == "s"  # older files
+
+
+def test_a_cost_model_file_that_cannot_be_read_says_which_and_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ScheduleError, match=r"cannot read the cost model .*missing.json: "):
+        CostModel.load(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"forward": [1.0]')
+    with pytest.raises(ScheduleError, match=r"broken.json: .*not JSON"):
+        CostModel.load(broken)
+    partial = tmp_path / "partial.json"
+    partial.write_text('{"forward": [1.0], "backward": [1.0]}')
+    with pytest.raises(ScheduleError, match=r"partial.json: .*lacks 'weight', "
+                                            r"'activation_bytes', 'communication'"):
+        CostModel.load(partial)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"forward": ["fast"], "backward": [1], "weight": [1], '
+                     '"activation_bytes": [1], "communication": []}')
+    with pytest.raises(ScheduleError, match=r"wrong.json: forward must be a list of numbers"):
+        CostModel.load(wrong)

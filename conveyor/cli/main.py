@@ -78,14 +78,25 @@ def _simulate_parser(commands: _Commands) -> None:
                      help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
     sub.add_argument("--stages", type=int, required=True, help="pipeline ranks K")
     sub.add_argument("--chunks", type=int, required=True, help="micro-batches M")
-    sub.add_argument("--virtual-stages", type=int, default=1, help="V, for interleaved-1f1b")
-    sub.add_argument("--costs", help="a JSON cost model (CostModel.to_dict())")
-    sub.add_argument("--forward", type=float, default=1.0)
-    sub.add_argument("--backward", type=float, default=1.0,
-                     help="input-gradient pass I (a full backward B costs backward + weight)")
-    sub.add_argument("--weight", type=float, default=1.0, help="weight-gradient pass W")
-    sub.add_argument("--communication", type=float, default=0.0)
-    sub.add_argument("--activation-bytes", type=float, default=1.0)
+    sub.add_argument("--virtual-stages", type=int, default=1,
+                     help="stages per rank V, for interleaved-1f1b; each does 1/V of a "
+                          "rank's work")
+    sub.add_argument("--costs", metavar="FILE",
+                     help="a JSON cost model, one value per stage (CostModel.to_dict()); "
+                          "instead of the five flags below")
+    costs = "one rank's layers, per micro-batch, in units of your choice"
+    sub.add_argument("--forward", type=float, metavar="X",
+                     help=f"forward of {costs} (default 1: the unit)")
+    sub.add_argument("--backward", type=float, metavar="X",
+                     help="input-gradient pass I of the same layers (default 1); a full "
+                          "backward B costs backward + weight")
+    sub.add_argument("--weight", type=float, metavar="X",
+                     help="weight-gradient pass W of the same layers (default 1)")
+    sub.add_argument("--communication", type=float, metavar="X",
+                     help="moving an activation or a gradient between ranks (default 0)")
+    sub.add_argument("--activation-bytes", type=float, metavar="BYTES",
+                     help="what one micro-batch's activations of one rank's layers hold "
+                          "(default: count in micro-batches' worth)")
     sub.add_argument("--plot", help="draw the Gantt chart to this PNG")
     sub.add_argument("--trace", help="write a Chrome trace to this JSON file")
     sub.add_argument("--json", action="store_true", help="print machine-readable figures")

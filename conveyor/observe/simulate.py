@@ -9,11 +9,19 @@ uniform costs the textbook results come out exactly: GPipe's and 1F1B's bubble i
 bubble is a third of 1F1B's when F, I and W take the same time. Each action is charged by
 its own kind, so a table may mix full (``B``) and split (``I`` + ``W``) backwards. Pure
 Python.
+
+Costs are per stage. To compare schedules on one model, give every rank the same layers
+with :meth:`CostModel.per_rank`: a rank that runs V stages (interleaved 1F1B) has 1/V of
+its layers in each, so each stage costs 1/V of the rank's figures::
+
+    1f1b, K=2          rank 0  [ F 1 ]              (each stage: a rank's layers)
+    interleaved, V=2   rank 0  [F 0.5]..[F 0.5]     (stages 0 and 2: half each)
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,9 +35,12 @@ from conveyor.observe.trace import Event, Timeline
 __all__ = ["CostModel", "Simulation", "simulate"]
 
 
+_LISTS = ("forward", "backward", "weight", "activation_bytes", "communication")
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """What each stage's actions cost, in seconds (or any unit) and bytes.
+    """What each stage's actions cost, in time and bytes.
 
     Attributes:
         forward: per stage, the forward of one micro-batch.
@@ -40,6 +51,9 @@ class CostModel:
             forward until its ``B`` (or its ``W``, after an ``I``) is done.
         communication: per boundary s -> s+1 (S-1 entries), moving an activation or a
             gradient between two ranks.
+        unit: what the times are in: ``"s"`` for seconds (measured, or estimated from
+            FLOPs), anything else names an abstract unit (``"units"``: relative costs,
+            as in :meth:`uniform`). Timelines and pictures carry it.
     """
 
     forward: tuple[float, ...]
@@ -47,21 +61,42 @@ class CostModel:
     weight: tuple[float, ...]
     activation_bytes: tuple[float, ...]
     communication: tuple[float, ...]
+    unit: str = "s"
 
     @classmethod
     def uniform(cls, stages: int, *, forward: float = 1.0, backward: float = 1.0,
                 weight: float = 1.0, activation_bytes: float = 1.0,
-                communication: float = 0.0) -> CostModel:
-        """The same costs on every stage."""
+                communication: float = 0.0, unit: str = "units") -> CostModel:
+        """The same costs on every one of ``stages`` stages (relative units by default)."""
         return cls((forward,) * stages, (backward,) * stages, (weight,) * stages,
-                   (activation_bytes,) * stages, (communication,) * max(0, stages - 1))
+                   (activation_bytes,) * stages, (communication,) * max(0, stages - 1),
+                   unit)
+
+    @classmethod
+    def per_rank(cls, schedule: Schedule, *, forward: float = 1.0, backward: float = 1.0,
+                 weight: float = 1.0, activation_bytes: float = 1.0,
+                 communication: float = 0.0, unit: str = "units") -> CostModel:
+        """One model's layers spread evenly over the ranks of ``schedule``.
+
+        The figures are what one rank's layers cost per micro-batch. A rank that runs V
+        stages holds 1/V of its layers in each, so each of those stages costs 1/V of
+        them, in time and in activation bytes; a transfer moves the same tensor
+        whatever the split. So schedules with and without interleaving compare on the
+        same model, and with one stage per rank this is :meth:`uniform`.
+        """
+        shares = [1 / len(schedule.stages_of(r)) for r in schedule.stage_ranks]
+        return cls(tuple(forward * v for v in shares), tuple(backward * v for v in shares),
+                   tuple(weight * v for v in shares),
+                   tuple(activation_bytes * v for v in shares),
+                   (communication,) * max(0, schedule.num_stages - 1), unit)
 
     @property
     def num_stages(self) -> int:
         return len(self.forward)
 
     def check(self, stages: int) -> None:
-        """Raises ScheduleError unless the model describes ``stages`` stages."""
+        """Raises ScheduleError unless the model describes ``stages`` stages with finite
+        costs of at least 0."""
         sizes = {"forward": len(self.forward), "backward": len(self.backward),
                  "weight": len(self.weight), "activation_bytes": len(self.activation_bytes)}
         wrong = {k: v for k, v in sizes.items() if v != stages}
@@ -71,19 +106,61 @@ class CostModel:
                 f"communication times for a {stages}-stage table; got {sizes} and "
                 f"{len(self.communication)} communication times"
             )
+        for name in _LISTS:
+            where = "boundary" if name == "communication" else "stage"
+            for index, value in enumerate(getattr(self, name)):
+                if not (math.isfinite(value) and value >= 0):
+                    raise ScheduleError(
+                        f"the cost model's {name} of {where} {index} is {value}; every "
+                        "cost must be a finite number of at least 0"
+                    )
 
-    def to_dict(self) -> dict[str, list[float]]:
-        return {k: list(v) for k, v in asdict(self).items()}
+    def to_dict(self) -> dict[str, Any]:
+        """The five lists and the unit, as plain data (``from_dict`` reads it back)."""
+        return {**{k: list(getattr(self, k)) for k in _LISTS}, "unit": self.unit}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        return cls(**{k: tuple(float(x) for x in data[k]) for k in
-                      ("forward", "backward", "weight", "activation_bytes", "communication")})
+        """Reads ``to_dict``'s form; ``unit`` may be left out (seconds).
+
+        Raises:
+            ScheduleError: a list is missing or holds something other than numbers.
+        """
+        missing = [k for k in _LISTS if k not in data]
+        if missing:
+            raise ScheduleError("the cost model lacks " + ", ".join(map(repr, missing))
+                                + "; it needs the lists " + ", ".join(_LISTS))
+        lists = {}
+        for key in _LISTS:
+            try:
+                lists[key] = tuple(float(x) for x in data[key])
+            except (TypeError, ValueError):
+                raise ScheduleError(f"{key} must be a list of numbers, got "
+                                    f"{data[key]!r}") from None
+        return cls(**lists, unit=str(data.get("unit", "s")))
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        """Reads a JSON file with the five lists (see ``to_dict``)."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Reads a JSON file with the five lists (see ``to_dict``).
+
+        Raises:
+            ScheduleError: the file cannot be read, is not JSON, or lacks a list.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ScheduleError(f"cannot read the cost model {path}: "
+                                f"{exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ScheduleError(f"cannot read the cost model {path}: not JSON ({exc})") \
+                from None
+        if not isinstance(data, dict):
+            raise ScheduleError(f"cannot read the cost model {path}: expected a JSON object "
+                                f"with the lists {', '.join(_LISTS)}")
+        try:
+            return cls.from_dict(data)
+        except ScheduleError as exc:
+            raise ScheduleError(f"cannot read the cost model {path}: {exc}") from None
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, stages: int, *,
@@ -110,7 +187,7 @@ class CostModel:
                    tuple(backward(s) for s in range(stages)),
                    tuple(mean(Kind.WEIGHT.value, s) or 0.0 for s in range(stages)),
                    tuple(activation_bytes or [0.0] * stages),
-                   (move,) * max(0, stages - 1))
+                   (move,) * max(0, stages - 1), timeline.unit)
 
 
 @dataclass
@@ -119,8 +196,10 @@ class Simulation:
 
     Attributes:
         timeline: every action's start and end.
-        peak_inflight: per stage, the most micro-batches whose activations it held at once.
-        peak_bytes: per rank, the most activation bytes held at once.
+        peak_inflight: per stage, the most micro-batches whose activations it held at
+            once (each stage's own peak; a rank's stages may peak at different times).
+        peak_bytes: per rank, the most activation bytes its stages held together at
+            once: the sum over held micro-batches of their stage's ``activation_bytes``.
     """
 
     timeline: Timeline
@@ -139,8 +218,8 @@ class Simulation:
     def summary(self) -> dict[str, Any]:
         """The figures as plain data (what ``conveyor simulate --json`` prints)."""
         ranks = range(self.timeline.num_ranks)
-        return {"schedule": self.timeline.name, "makespan": self.makespan,
-                "bubble": self.bubble,
+        return {"schedule": self.timeline.name, "unit": self.timeline.unit,
+                "makespan": self.makespan, "bubble": self.bubble,
                 "bubble_per_rank": [self.timeline.bubble(r) for r in ranks],
                 "peak_inflight": self.peak_inflight, "peak_bytes": self.peak_bytes}
 
@@ -150,7 +229,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
 
     Raises:
         ScheduleError: the table deadlocks (the message shows who waits for whom), or
-            the cost model does not fit the table.
+            the cost model does not fit the table or has a negative or non-finite cost.
     """
     costs.check(schedule.num_stages)
     layout_clock(schedule)  # a deadlock does not depend on durations: report it first
@@ -179,7 +258,8 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
                 progressed = True
         if not progressed:  # pragma: no cover - layout_clock would have raised
             raise ScheduleError(f"schedule {schedule.name!r} cannot progress")
-    timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name)
+    timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name,
+                        unit=costs.unit)
     inflight, peak_bytes = _memory(events, schedule, costs)
     return Simulation(timeline, inflight, peak_bytes)
 

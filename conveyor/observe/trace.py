@@ -1,7 +1,8 @@
 """Timelines: what each rank did when, simulated or measured, and ways to look at them.
 
 A :class:`Timeline` is a list of :class:`Event` (rank, stage, kind, micro-batch, start,
-end; measured events also say how long they waited for a neighbour and moved tensors).
+end; measured events also say how long they waited for a neighbour and moved tensors),
+with its unit of time: seconds when measured, or a simulator's cost units.
 The simulator and the runtime's recorder produce the same record, so predicted and
 measured steps can be compared, exported to Chrome's trace format (open in Perfetto or
 chrome://tracing) and drawn as Gantt charts one above the other. Pure Python;
@@ -25,7 +26,7 @@ _WORDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight g
 
 @dataclass(frozen=True)
 class Event:
-    """One action of one rank, in seconds from the start of the step.
+    """One action of one rank, in the timeline's unit (seconds when measured).
 
     Attributes:
         wait: of the duration, the time spent waiting for a neighbour's message.
@@ -57,12 +58,15 @@ class Timeline:
     Attributes:
         source: "simulated" or "measured".
         name: the schedule's name.
+        unit: the unit of every time: ``"s"`` (seconds: measured, or simulated from
+            seconds), or the name of a simulator's abstract unit (``"units"``).
     """
 
     num_ranks: int
     events: list[Event] = field(default_factory=list)
     source: str = "measured"
     name: str = ""
+    unit: str = "s"
 
     @property
     def origin(self) -> float:
@@ -77,7 +81,7 @@ class Timeline:
         return max(e.end for e in self.events) - self.origin
 
     def busy(self, rank: int) -> float:
-        """Seconds rank ``rank`` spent computing."""
+        """The time rank ``rank`` spent computing."""
         return sum(e.compute for e in self.events if e.rank == rank)
 
     def bubble(self, rank: int) -> float:
@@ -112,12 +116,12 @@ class Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {"num_ranks": self.num_ranks, "source": self.source, "name": self.name,
-                "events": [asdict(e) for e in self.events]}
+                "unit": self.unit, "events": [asdict(e) for e in self.events]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeline:
         return cls(num_ranks=data["num_ranks"], source=data.get("source", "measured"),
-                   name=data.get("name", ""),
+                   name=data.get("name", ""), unit=data.get("unit", "s"),
                    events=[Event(**e) for e in data["events"]])
 
     def save(self, path: str | Path) -> None:
@@ -129,7 +133,8 @@ class Timeline:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def chrome_trace(self) -> dict[str, Any]:
-        """The Chrome trace event format: a process per rank, times in microseconds."""
+        """The Chrome trace event format: a process per rank, times in microseconds (of
+        a timeline in abstract units, one unit is drawn as a second)."""
         origin = self.origin
         trace = [{"name": "process_name", "ph": "M", "pid": rank,
                   "args": {"name": f"rank {rank}"}} for rank in range(self.num_ranks)]
@@ -142,17 +147,25 @@ class Timeline:
                          "wait_us": e.wait * 1e6, "transfer_us": e.transfer * 1e6},
             })
         return {"traceEvents": trace, "displayTimeUnit": "ms",
-                "otherData": {"source": self.source, "schedule": self.name}}
+                "otherData": {"source": self.source, "schedule": self.name,
+                              "unit": self.unit}}
 
     def save_chrome_trace(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.chrome_trace()) + "\n")
 
 
+_IDLE = "#E6E6E6"  # the band behind a rank's actions: what shows through is idle time
+
+
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
-                   titles: Sequence[str] | None = None) -> None:
+                   titles: Sequence[str] | None = None, xlabel: str | None = None) -> None:
     """Draws Gantt charts, one above the other on the same time axis, to a PNG.
 
-    Waiting within an action is drawn hatched. Needs matplotlib.
+    A rank is a row of actions on a grey band as long as the step, so its idle time
+    (the bubble) shows grey; waiting for a neighbour within a measured action is
+    hatched. Each action is labelled where the label fits, and the legend names only
+    what is drawn. Seconds are shown as ms or s; another unit by its name, or as
+    ``xlabel`` says (``conveyor simulate`` says what its unit is).
 
     Raises:
         ImportError: matplotlib is not installed (``pip install conveyor[plots]``).
@@ -166,34 +179,98 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("drawing timelines needs matplotlib: pip install "
                           "'conveyor[plots]'") from exc
-    span = max(t.makespan for t in timelines) or 1.0
-    scale, unit = (1e3, "ms") if span < 10 else (1.0, "s")
-    height = sum(max(1, t.num_ranks) * 0.45 + 0.9 for t in timelines)
-    figure, axes = plt.subplots(len(timelines), 1, figsize=(12, max(2.5, height)),
-                                sharex=True, squeeze=False)
-    for index, (timeline, axis) in enumerate(zip(timelines, axes[:, 0])):
-        origin = timeline.origin
-        for e in timeline.events:
-            y = timeline.num_ranks - 1 - e.rank
-            left, width = (e.start - origin) * scale, (e.end - e.start) * scale
-            axis.barh(y, width, left=left, height=0.8, color=_COLOURS.get(e.kind, "grey"),
-                      edgecolor="white", linewidth=0.5)
-            if e.wait > 0:
-                axis.barh(y, e.wait * scale, left=left, height=0.8, color="white",
-                          alpha=0.6, hatch="///", edgecolor="grey", linewidth=0)
-            if width > span * scale / 60:
-                axis.text(left + width / 2, y, e.label, ha="center", va="center",
-                          fontsize=7, color="white")
-        axis.set_yticks(range(timeline.num_ranks))
-        axis.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    scales = [_time_scale(t) for t in timelines]
+    shared = len(set(scales)) == 1  # one axis only for one unit
+    legend_in, rows_in = 0.3, sum(max(1, t.num_ranks) * 0.45 + 0.9 for t in timelines)
+    height = max(2.5, rows_in + legend_in)
+    figure, axes = plt.subplots(len(timelines), 1, figsize=(_width(timelines), height),
+                                sharex=shared, squeeze=False)
+    longest = max(t.makespan * scale for t, (scale, _) in zip(timelines, scales, strict=True))
+    for index, (timeline, axis) in enumerate(zip(timelines, axes[:, 0], strict=True)):
+        scale, unit = scales[index]
+        _draw_bars(axis, timeline, scale)
+        axis.set_xlim(0, max(longest if shared else timeline.makespan * scale, 1e-12))
         title = titles[index] if titles else f"{timeline.source} {timeline.name}"
-        axis.set_title(f"{title}: {timeline.makespan * scale:.1f} {unit}, "
+        axis.set_title(f"{title}: {timeline.makespan * scale:.4g} {unit}, "
                        f"bubble {100 * timeline.mean_bubble:.1f}%", fontsize=10, loc="left")
-    axes[-1, 0].set_xlabel(f"time ({unit})")
-    drawn = {e.kind for t in timelines for e in t.events}
-    handles = [Patch(color=c, label=f"{k}: {_WORDS[k]}")
-               for k, c in _COLOURS.items() if k in drawn]
-    figure.legend(handles=handles, loc="upper right", fontsize=8, ncol=4, frameon=False)
-    figure.tight_layout(rect=(0, 0, 1, 0.96))
+        if not shared or index == len(timelines) - 1:
+            axis.set_xlabel(xlabel or f"time ({unit})")
+    figure.legend(handles=[Patch(facecolor=colour, edgecolor=edge, hatch=hatch, label=label)
+                           for label, colour, edge, hatch in _legend(timelines)],
+                  loc="lower center", ncol=6, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, legend_in / height, 1, 1))
+    for timeline, axis, (scale, _) in zip(timelines, axes[:, 0], scales, strict=True):
+        _draw_labels(axis, timeline, scale)  # once the layout says how wide a bar is
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _time_scale(timeline: Timeline) -> tuple[float, str]:
+    """The factor and the name of the unit a timeline is drawn in: ms or s for seconds,
+    an abstract unit as it is."""
+    if timeline.unit != "s":
+        return 1.0, timeline.unit
+    return (1e3, "ms") if timeline.makespan < 10 else (1.0, "s")
+
+
+def _width(timelines: Sequence[Timeline]) -> float:
+    """Inches wide enough for a short action's label (12 to 20)."""
+    spans = [(e.end - e.start) / t.makespan for t in timelines for e in t.events
+             if t.makespan > 0 and e.end > e.start]
+    if not spans:
+        return 12.0
+    short = sorted(spans)[len(spans) // 10]  # most actions are at least this long
+    return min(20.0, max(12.0, 0.24 / short + 1.5))
+
+
+def _legend(timelines: Sequence[Timeline]) -> list[tuple[str, str, str, str | None]]:
+    """(label, colour, edge colour, hatch) of what the charts show, in drawing order:
+    the kinds of action present, idle time where a rank has some, and waiting within
+    an action where a measured one waited."""
+    drawn = {e.kind for t in timelines for e in t.events}
+    entries: list[tuple[str, str, str, str | None]] = [
+        (f"{k}: {_WORDS[k]}", c, c, None) for k, c in _COLOURS.items() if k in drawn]
+    entries += [(f"{k}: {k}", "grey", "grey", None) for k in sorted(drawn - set(_COLOURS))]
+    if any(t.bubble(r) > 1e-9 for t in timelines for r in range(t.num_ranks)):
+        entries.append(("idle (bubble)", _IDLE, _IDLE, None))
+    if any(e.wait > 0 for t in timelines for e in t.events):
+        entries.append(("waiting for a neighbour", "white", "grey", "///"))
+    return entries
+
+
+def _draw_bars(axis: Any, timeline: Timeline, scale: float) -> None:
+    """One row per rank: the step's grey band, each action, its waiting hatched."""
+    origin = timeline.origin
+    for rank in range(timeline.num_ranks):
+        axis.barh(timeline.num_ranks - 1 - rank, timeline.makespan * scale, left=0,
+                  height=0.8, color=_IDLE, linewidth=0)
+    for e in timeline.events:
+        y = timeline.num_ranks - 1 - e.rank
+        left, width = (e.start - origin) * scale, (e.end - e.start) * scale
+        axis.barh(y, width, left=left, height=0.8, color=_COLOURS.get(e.kind, "grey"),
+                  edgecolor="white", linewidth=0.5)
+        if e.wait > 0:
+            axis.barh(y, e.wait * scale, left=left, height=0.8, color="white",
+                      alpha=0.6, hatch="///", edgecolor="grey", linewidth=0)
+    axis.set_yticks(range(timeline.num_ranks))
+    axis.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+
+
+def _draw_labels(axis: Any, timeline: Timeline, scale: float) -> None:
+    """Writes each action's label (``1F3``) in its bar, in the largest font that fits
+    (7 to 5 points), or not at all."""
+    from matplotlib.textpath import TextPath
+
+    left, right = axis.get_xlim()
+    pixels = axis.get_window_extent().width / (right - left)  # per unit of time
+    points = 72 / axis.figure.dpi
+    origin = timeline.origin
+    for e in timeline.events:
+        width = (e.end - e.start) * scale
+        for size in (7, 6, 5):
+            text = TextPath((0, 0), e.label, size=size).get_extents().width / points
+            if text + 4 <= width * pixels:
+                axis.text((e.start - origin) * scale + width / 2,
+                          timeline.num_ranks - 1 - e.rank, e.label, ha="center",
+                          va="center", fontsize=size, color="white")
+                break
