@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import conveyor
@@ -54,6 +55,29 @@ def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tu
                 torch.randn(batch, 3, dtype=torch.float64, generator=generator))
     return (torch.randint(0, VOCAB, (batch, length), generator=generator),
             torch.randint(0, VOCAB, (batch, length), generator=generator))
+
+
+PAD = -100  # the target of a padded position
+
+
+def padded_batch(seed: int = 1, batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets whose rows end in padding of very different lengths: the
+    last micro-batches are mostly padding."""
+    x, y = case_batch("lm", batch=batch, seed=seed)
+    y = y.clone()
+    for row in range(batch):
+        y[row, max(1, 7 - row):] = PAD
+    return x, y
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD,
+                            reduction="sum")
+    return total, (targets != PAD).sum()
+
+
+def plain_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 # A 2-rank table mixing full and split backwards: micro-batch 0 backs up fully (B) on
@@ -106,7 +130,14 @@ def scenario_data_parallel(rank: int, world: int, out_dir: Path) -> None:
     x, y = case_batch("lm", batch=12)
     replica = pipe.topology.data_rank
     loss = pipe.step(x[replica::2], y[replica::2])
-    torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"rank{rank}.pt")
+    result = {"loss": loss, "grads": _grads(pipe)}
+    # Then a token loss whose padding differs between the replicas (replica 1 holds the
+    # more padded rows), its gradients added to the first step's.
+    pipe.loss_fn = token_loss
+    x, y = padded_batch(batch=12)
+    result["token_loss"] = pipe.step(x[replica::2], y[replica::2])
+    result["accumulated"] = _grads(pipe)
+    torch.save(result, out_dir / f"rank{rank}.pt")
 
 
 def scenario_initialisation(rank: int, world: int, out_dir: Path) -> None:

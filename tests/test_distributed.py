@@ -14,7 +14,7 @@ import torch
 
 from tests.models import relative_error
 from tests.multiprocess import Outcome, launch
-from tests.scenarios import case_batch, case_model, cases
+from tests.scenarios import case_batch, case_model, cases, padded_batch, plain_token_loss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,6 +82,21 @@ def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) 
     for result in results:  # both replicas of a stage hold the averaged gradients
         for name, grad in result["grads"].items():  # type: ignore[attr-defined]
             assert relative_error(grad, expected[name]) <= 1e-10, name
+    # The token loss: its sum over both replicas divided by their total count (the
+    # replicas' counts differ), its gradients added to the first step's.
+    model, _ = case_model("lm")
+    x, y = padded_batch(batch=12)
+    token_expected = plain_token_loss(model(x), y)
+    token_expected.backward()
+    for result in results:
+        assert abs(float(result["token_loss"]) - token_expected.item()) <= (  # type: ignore[arg-type]
+            1e-10 * token_expected.item())
+    accumulated: dict[str, torch.Tensor] = {}
+    for result in results:
+        accumulated.update(result["accumulated"])  # type: ignore[arg-type]
+    assert sorted(accumulated) == sorted(expected)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert relative_error(accumulated[name], expected[name] + p.grad) <= 1e-10, name
 
 
 def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:

@@ -15,13 +15,19 @@ from torch import nn
 import conveyor
 from conveyor.engine.microbatch import split
 from tests.models import assert_same_grads, paired, relative_error
-from tests.scenarios import case_batch, case_model
+from tests.scenarios import (
+    PAD,
+    case_batch,
+    case_model,
+    padded_batch,
+    plain_token_loss,
+    token_loss,
+)
 
 MODES = ["always", "except_last", "never"]
 # (schedule, virtual stages, ranks): every schedule on two ranks.
 SCHEDULES = [("gpipe", 1, 2), ("1f1b", 1, 2), ("zero-bubble", 1, 2), ("interleaved-1f1b", 2, 2)]
 CHUNKS = 4
-PAD = -100
 
 
 # --------------------------------------------------------------------- batch norm
@@ -208,26 +214,6 @@ def test_eval_mode_inference_draws_from_torch_generators_like_the_plain_model() 
 
 
 # ---------------------------------------------------------- token losses, padding
-
-def padded_batch(seed: int = 1, batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and targets whose rows end in padding of very different lengths: the
-    last micro-batches are mostly padding."""
-    x, y = case_batch("lm", batch=batch, seed=seed)
-    y = y.clone()
-    for row in range(batch):
-        y[row, max(1, 7 - row):] = PAD
-    return x, y
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD,
-                            reduction="sum")
-    return total, (targets != PAD).sum()
-
-
-def plain_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD)
-
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize(("schedule", "virtual", "ranks"), SCHEDULES)

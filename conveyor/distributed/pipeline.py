@@ -18,7 +18,7 @@ and is divided by the whole batch's count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -278,13 +278,12 @@ class Pipeline(KeepsPlacement):
         """
         totals = torch.zeros(3, dtype=torch.float64, device=self._device)
         if self.schedule.num_stages - 1 in self._stages:
-            losses = [state.losses[m].to(totals) for m in range(self.chunks)]
+            losses = torch.stack([state.losses[m] for m in range(self.chunks)]).to(totals)
             if state.counts:
-                counts = [state.counts[m].to(totals) for m in range(self.chunks)]
-                totals = torch.stack([sum(losses), sum(counts), totals.new_tensor(1.0)])
+                counts = torch.stack([state.counts[m] for m in range(self.chunks)]).to(totals)
+                totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
             else:
-                scales = state.loss_scale
-                totals[0] = sum(loss * scale for loss, scale in zip(losses, scales))
+                totals[0] = (losses * losses.new_tensor(state.loss_scale)).sum()
         totals = self.from_last_stage(totals)
         replicas = self.topology.data_size
         if replicas > 1:

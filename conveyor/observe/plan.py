@@ -18,7 +18,7 @@ forward, recomputation one more forward; the schedule's simulation gives the ste
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch

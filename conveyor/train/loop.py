@@ -31,6 +31,7 @@ from torch import nn
 
 from conveyor.train import saving
 from conveyor.train.data import TextCorpus, text_corpus
+from conveyor.train.language import evaluate, generate, summed_next_byte_loss
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.train.models import transformer_lm
 from conveyor.distributed.pipeline import Pipeline
@@ -43,10 +44,6 @@ from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree
 
 __all__: list[str] = []
-
-
-def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -320,7 +317,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     devices=stage_devices(config), data_parallel=config.data_parallel,
-                    loss_fn=next_byte_loss)
+                    loss_fn=summed_next_byte_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
 
     def rate(step: int) -> float:
@@ -366,39 +363,3 @@ def stage_devices(config: TrainConfig) -> list[torch.device] | None:
                               f"{torch.cuda.device_count()} CUDA devices)")
         devices.append(device)
     return devices
-
-
-@torch.no_grad()
-def evaluate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> float:
-    """Held-out bits per byte, over ``eval_batches`` fixed batches."""
-    pipe.eval()
-    total = torch.zeros((), dtype=torch.float64)
-    for index in range(config.eval_batches):
-        inputs, targets = corpus.batch(index, config.batch, config.length, seed=config.seed,
-                                       heldout=True)
-        logits = pipe.eval_step(inputs)
-        if logits is not None:
-            total += next_byte_loss(logits.float(), targets.to(logits.device)).double().cpu()
-    pipe.train()
-    total = pipe.from_last_stage(total)
-    return float(total) / config.eval_batches / math.log(2)
-
-
-@torch.no_grad()
-def generate(pipe: Pipeline, corpus: TextCorpus, config: TrainConfig) -> str:
-    """Continues a held-out prompt by sampling (temperature 0.8) with pipelined inference:
-    ``chunks`` samples at once, one per micro-batch; returns the first."""
-    pipe.eval()
-    generator = torch.Generator().manual_seed(config.seed)
-    context = corpus.prompt(min(48, config.length)).repeat(config.chunks, 1)
-    for _ in range(config.sample_bytes):
-        logits = pipe.eval_step(context[:, -config.length:])
-        chosen = torch.zeros(config.chunks, 1, dtype=torch.long)
-        if logits is not None:
-            probabilities = torch.softmax(logits[:, -1].float().cpu() / 0.8, dim=-1)
-            chosen = torch.multinomial(probabilities, 1, generator=generator)
-        context = torch.cat([context, pipe.from_last_stage(chosen)], dim=1)
-    pipe.train()
-    return bytes(context[0].tolist()).decode("utf-8", errors="replace")
-
-
