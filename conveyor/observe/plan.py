@@ -11,8 +11,11 @@ Per stage, memory is parameters times the optimizer's bytes per parameter (weigh
 gradients and state: 12 for RMSProp, as in the paper), plus activations: the
 micro-batches a stage holds at once (simulated for the schedule) times what each holds,
 all of its saved activations without re-materialization, its input and output with it
-(plus one micro-batch recomputed). Time is FLOPs over an assumed rate, backward twice
-forward, recomputation one more forward; the schedule's simulation gives the step time.
+(plus the micro-batches recomputed at once: one for a full backward, those between an
+``I`` and its ``W`` for a split one, which keeps the rebuilt graph for ``W``). Time is
+FLOPs over an assumed rate, backward twice forward (``I`` and ``W`` one each),
+recomputation one more forward, paid once per micro-batch by its ``B`` or ``I``; the
+schedule's simulation gives the step time.
 """
 
 from __future__ import annotations
@@ -197,7 +200,10 @@ def plan(figures: Sequence[LayerFigures], *, devices: int, memory: float, batch:
         saved = sum(f.activation_bytes for f in group)
         boundary = group[0].input_bytes + group[-1].output_bytes
         if rematerialize:
-            activations = micro * (held * boundary + saved)
+            # One micro-batch rebuilt at a time for B; a split backward keeps what its I
+            # rebuilt until its W, so zero-bubble holds several.
+            rebuilt = max(1, simulation.peak_split[s])
+            activations = micro * (held * boundary + rebuilt * saved)
         else:
             activations = micro * held * (saved + group[-1].output_bytes)
         parameters = sum(f.parameters for f in group)

@@ -200,11 +200,15 @@ class Simulation:
             once (each stage's own peak; a rank's stages may peak at different times).
         peak_bytes: per rank, the most activation bytes its stages held together at
             once: the sum over held micro-batches of their stage's ``activation_bytes``.
+        peak_split: per stage, the most micro-batches between the start of an ``I`` and
+            the end of its ``W`` at once. With recomputation, each holds the graph its
+            ``I`` rebuilt (all the stage's activations) until its ``W``.
     """
 
     timeline: Timeline
     peak_inflight: list[int]
     peak_bytes: list[float]
+    peak_split: list[int]
 
     @property
     def makespan(self) -> float:
@@ -221,7 +225,8 @@ class Simulation:
         return {"schedule": self.timeline.name, "unit": self.timeline.unit,
                 "makespan": self.makespan, "bubble": self.bubble,
                 "bubble_per_rank": [self.timeline.bubble(r) for r in ranks],
-                "peak_inflight": self.peak_inflight, "peak_bytes": self.peak_bytes}
+                "peak_inflight": self.peak_inflight, "peak_bytes": self.peak_bytes,
+                "peak_split": self.peak_split}
 
 
 def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
@@ -261,7 +266,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
     timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name,
                         unit=costs.unit)
     inflight, peak_bytes = _memory(events, schedule, costs)
-    return Simulation(timeline, inflight, peak_bytes)
+    return Simulation(timeline, inflight, peak_bytes, _split_windows(events, schedule))
 
 
 def _duration(action: Action, costs: CostModel) -> float:
@@ -305,3 +310,18 @@ def _memory(events: list[Event], schedule: Schedule,
         peak[stage] = max(peak[stage], held[stage])
         peak_bytes[rank] = max(peak_bytes[rank], held_bytes[rank])
     return peak, peak_bytes
+
+
+def _split_windows(events: list[Event], schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches between the start of an ``I`` and the end of
+    its ``W`` at once."""
+    changes = sorted((e.start, 1, e.stage, 1) if e.kind == Kind.INPUT.value
+                     else (e.end, 0, e.stage, -1)
+                     for e in events if e.kind in (Kind.INPUT.value, Kind.WEIGHT.value))
+    open_now = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for _, _, stage, delta in changes:
+        open_now[stage] += delta
+        peak[stage] = max(peak[stage], open_now[stage])
+    return peak
+
