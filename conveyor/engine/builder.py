@@ -83,6 +83,26 @@ def build_stages(
     return stages
 
 
+def adopt(owner: nn.Module, model: nn.Module) -> None:
+    """Registers ``model``'s children, parameters and buffers on ``owner`` under their
+    own names, so that ``owner.state_dict()`` has the model's keys.
+
+    Raises:
+        ModelError: a name would shadow an attribute or method of ``owner``.
+    """
+    children = dict(model.named_children())
+    params = dict(model.named_parameters(recurse=False))
+    buffers = dict(model.named_buffers(recurse=False))
+    _check_layer_names(owner, [*children, *params, *buffers])
+    for name, child in children.items():
+        owner.add_module(name, child)
+    for name, param in params.items():
+        owner.register_parameter(name, param)
+    for name, buffer in buffers.items():
+        owner.register_buffer(name, buffer,
+                              persistent=name not in model._non_persistent_buffers_set)
+
+
 def _check_layer_names(owner: nn.Module, names: Sequence[str]) -> None:
     for name in names:
         if hasattr(owner, name):

@@ -18,9 +18,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import build_stages, check_options, new_step
+from conveyor.engine.builder import adopt, build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
+from conveyor.engine.graph import split_model
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
 from conveyor.engine.ties import (
@@ -32,7 +33,8 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport
-from conveyor.errors import LayerOutputError
+from conveyor.engine.stage import Stage
+from conveyor.errors import BalanceError, LayerOutputError
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 
 __all__ = ["GPipe"]
@@ -78,9 +80,11 @@ class GPipe(KeepsPlacement):
 
     def __init__(
         self,
-        module: nn.Sequential,
-        balance: Sequence[int],
+        module: nn.Module,
+        balance: Sequence[int] | None = None,
         *,
+        split_at: Sequence[str] | None = None,
+        sample: Any = None,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
@@ -88,14 +92,33 @@ class GPipe(KeepsPlacement):
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
-        layers = sequential_layers(module)
-        self.training = module.training  # in the model's mode: train() or eval() to change
-        self.balance: list[int] = validate_balance(balance, len(layers))
-        self.devices: list[torch.device] = resolve_devices(
-            devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
+        self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
+        if split_at is None:
+            stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
+        else:
+            stages = self._cut_graph(module, balance, split_at, sample, devices,
+                                     deferred_batch_norm)
+        self._stages = list(stages.values())
+        self.partitions.extend(stage.layers for stage in self._stages)
+        self._schedule = gpipe(len(self.balance), chunks)
+        validate(self._schedule)
+        self._executor = Executor(stages, self._schedule.stage_ranks,
+                                  LocalTransport(self.devices))
+
+    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None,
+                    devices: Sequence[Device] | None,
+                    deferred_batch_norm: bool) -> dict[int, Stage]:
+        """The stages of an ``nn.Sequential`` cut by ``balance``."""
+        layers = sequential_layers(module)
+        if balance is None:
+            raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
+                               "split_at= (submodule names) and sample= for any module")
+        self.balance: list[int] = validate_balance(balance, len(layers))
+        self.devices: list[torch.device] = resolve_devices(
+            devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
         starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
         stage_layers = distinct_per_stage(
             {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))})
@@ -103,7 +126,7 @@ class GPipe(KeepsPlacement):
         # Ties are found on the model as given, before a stage's copies exist.
         self._ties = tie_layers(find_ties(layers), stage_layers, stage_of_layer(names, starts),
                                 dict(enumerate(self.devices)))
-        stages = build_stages(
+        return build_stages(
             self,
             stage_layers,
             names=names,
@@ -112,12 +135,35 @@ class GPipe(KeepsPlacement):
             concurrent=self.devices,
             deferred_batch_norm=deferred_batch_norm,
         )
-        self._stages = list(stages.values())
-        self.partitions.extend(stage.layers for stage in self._stages)
-        self._schedule = gpipe(len(self.balance), chunks)
-        validate(self._schedule)
-        self._executor = Executor(stages, self._schedule.stage_ranks,
-                                  LocalTransport(self.devices))
+
+    def _cut_graph(self, module: nn.Module, balance: Sequence[int] | None,
+                   split_at: Sequence[str], sample: Any, devices: Sequence[Device] | None,
+                   deferred_batch_norm: bool) -> dict[int, Stage]:
+        """The stages of any module, traced on ``sample`` and cut at ``split_at``."""
+        if balance is not None:
+            raise BalanceError("give balance= or split_at=, not both")
+        if sample is None:
+            raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
+                               "micro-batch as the model takes it>")
+        if deferred_batch_norm:
+            raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
+                               "balance=; a traced model's batch norms update per micro-batch")
+        count = len(split_at) + 1
+        self.balance = [1] * count
+        self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
+        split = split_model(module, sample, split_at, self.devices)
+        self._ties = split.ties
+        stages = build_stages(
+            self,
+            {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names, split.stages))},
+            names=split.names,
+            first_layers={k: k for k in range(count)},
+            devices=dict(enumerate(self.devices)),
+            concurrent=self.devices,
+            deferred_batch_norm=False,
+        )
+        adopt(self, module)
+        return stages
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)

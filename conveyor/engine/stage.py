@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.batchnorm import DeferredBatchNorm
+from conveyor.engine.graph import GraphStage
 from conveyor.engine.recompute import (
     checkpointed,
     is_recomputing,
@@ -83,7 +84,9 @@ class Stage:
         return f"Stage({self.index}, layers {self.first_layer}-{last}, {self.device})"
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.layers.parameters() if p.requires_grad]
+        params = [p for layer in self.layers for p in (
+            layer.bound_parameters() if isinstance(layer, GraphStage) else layer.parameters())]
+        return [p for p in params if p.requires_grad]
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
                 recompute: bool) -> Any:
@@ -130,7 +133,8 @@ class Stage:
                 if error is exc:
                     raise
                 raise error from exc
-            self._check_output(x, rows, offset, microbatch)
+            if not isinstance(layer, GraphStage):  # values crossing stages may broadcast
+                self._check_output(x, rows, offset, microbatch)
         return x
 
     def _describe_layer(self, offset: int) -> str:
