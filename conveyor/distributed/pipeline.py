@@ -31,9 +31,10 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import NamedLayers, build_stages, check_options, new_step
+from conveyor.engine.builder import NamedLayers, adopt, build_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
+from conveyor.engine.graph import split_model
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.ties import (
@@ -44,7 +45,8 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.errors import BalanceError, ConveyorError
+from conveyor.engine.stage import Stage
+from conveyor.errors import BalanceError, ConveyorError, ModelError
 from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
 
 __all__ = ["Pipeline"]
@@ -84,13 +86,14 @@ class Pipeline(KeepsPlacement):
 
     def __init__(
         self,
-        module: nn.Sequential | LayerBuilder,
+        module: nn.Module | LayerBuilder,
         *,
         loss_fn: LossFn,
         chunks: int,
         stages: int | None = None,
         layers: int | None = None,
         balance: Sequence[int] | str | None = None,
+        split_at: Sequence[str] | None = None,
         sample: Any = None,
         schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
@@ -115,11 +118,24 @@ class Pipeline(KeepsPlacement):
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
         self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
-        source = LayerSource(module, layers)
-        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
+        if split_at is None:
+            self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
+                                            tie_weights, deferred_batch_norm)
+        else:
+            self._stages = self._cut_graph(module, balance, split_at, sample,
+                                           deferred_batch_norm)
+        self._transport = self._make_transport(timeout)
+        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+
+    def _cut_layers(self, source: LayerSource, balance: Sequence[int] | str | None, sample: Any,
+                    tie_weights: Sequence[Sequence[str]],
+                    deferred_batch_norm: bool) -> dict[int, Stage]:
+        """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
+        ``balance``."""
+        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
         # Found on the model as given: materialising gives layers new Parameter objects.
         tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]
@@ -128,15 +144,48 @@ class Pipeline(KeepsPlacement):
                                 {s: self._stage_device(s) for s in stage_layers})
         if self.topology.distributed:
             connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
-        self._stages = build_stages(
+        return build_stages(
             self, stage_layers, names=source.names,
             first_layers={s: starts[s] for s in stage_layers},
             devices={s: self._stage_device(s) for s in stage_layers},
-            concurrent=self.devices if topology is None else [self.devices[0]],
+            concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
             deferred_batch_norm=deferred_batch_norm,
         )
-        self._transport = self._make_transport(timeout)
-        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+
+    def _cut_graph(self, module: nn.Module | LayerBuilder, balance: Sequence[int] | str | None,
+                   split_at: Sequence[str], sample: Any,
+                   deferred_batch_norm: bool) -> dict[int, Stage]:
+        """This process's stages of any module, traced on ``sample`` (one micro-batch)
+        and cut at ``split_at``."""
+        count = self.schedule.num_stages
+        if not isinstance(module, nn.Module):
+            raise ModelError("split_at= cuts a model object; give the nn.Module itself")
+        if balance is not None:
+            raise BalanceError("give balance= or split_at=, not both")
+        if sample is None:
+            raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
+                               "micro-batch as the model takes it>")
+        if deferred_batch_norm:
+            raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
+                               "balance=; a traced model's batch norms update per micro-batch")
+        if len(split_at) + 1 != count:
+            raise BalanceError(f"split_at gives {len(split_at) + 1} stages but the schedule "
+                               f"has {count} (ranks x virtual stages)")
+        if self.topology.distributed:
+            raise ModelError("split_at= runs in one process for now: under torchrun, give "
+                             "an nn.Sequential (or a layer builder) with balance=")
+        self.balance = [1] * count
+        split = split_model(module, sample, split_at,
+                            [self._stage_device(s) for s in range(count)])
+        self._ties = split.ties
+        stages = build_stages(
+            self, {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names,
+                                                                            split.stages))},
+            names=split.names, first_layers={k: k for k in range(count)},
+            devices={s: self._stage_device(s) for s in range(count)},
+            concurrent=self.devices, deferred_batch_norm=False)
+        adopt(self, module)
+        return stages
 
     def _stage_device(self, stage: int) -> torch.device:
         return self.devices[self.schedule.stage_ranks[stage]]

@@ -112,10 +112,10 @@ class GPipe(KeepsPlacement):
                     devices: Sequence[Device] | None,
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of an ``nn.Sequential`` cut by ``balance``."""
-        layers = sequential_layers(module)
         if balance is None:
             raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
                                "split_at= (submodule names) and sample= for any module")
+        layers = sequential_layers(module)
         self.balance: list[int] = validate_balance(balance, len(layers))
         self.devices: list[torch.device] = resolve_devices(
             devices, len(self.balance), what=f"balance has {len(self.balance)} stages")

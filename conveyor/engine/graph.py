@@ -26,7 +26,7 @@ Values that skip stages are relayed through the stages between (sent on by each)
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,7 +231,7 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
-          originals: dict[str, torch.Tensor], aliases: dict[int, list[str]], tied_copies: dict[tuple[int, int], tuple[nn.Module, str]],
+          originals: Mapping[str, torch.Tensor], aliases: dict[int, list[str]], tied_copies: dict[tuple[int, int], tuple[nn.Module, str]],
           ties: list[TiedParameter]) -> list[_Binding]:
     """Stage k's parameters, buffers and constants, placed on ``device``; a parameter a
     lower stage uses too gets a copy here, under another of its names."""
@@ -259,8 +259,8 @@ def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
             if tensor.device != device:
                 tensor.data = tensor.data.to(device)
             # Under a name that still holds it (a tie's other names may hold copies).
-            holder = next(n for n in aliases[id(tensor)] if model.get_parameter(n) is tensor)
-            owner_name, _, attribute = holder.rpartition(".")
+            held_as = next(n for n in aliases[id(tensor)] if model.get_parameter(n) is tensor)
+            owner_name, _, attribute = held_as.rpartition(".")
             bindings.append(_Binding(name, "parameter", model.get_submodule(owner_name),
                                      attribute))
             continue
@@ -422,6 +422,16 @@ class GraphStage(nn.Module):
                 if binding.kind == "parameter":
                     param = _read(binding)
                     found.setdefault(id(param), param)
+        return list(found.values())
+
+    def bound_modules(self) -> list[nn.Module]:
+        """The modules whose parameters or buffers this stage reads (its batch norms
+        among them, whose running statistics a recomputation must leave alone)."""
+        found: dict[int, nn.Module] = {}
+        for program in self.programs.values():
+            for binding in program.bindings:
+                if binding.owner is not None:
+                    found.setdefault(id(binding.owner), binding.owner)
         return list(found.values())
 
     def forward(self, live: Any) -> Any:

@@ -76,7 +76,9 @@ class Stage:
         self.first_layer = first_layer
         self.device = device
         self.randomness = randomness
-        self._norms = running_stat_layers(layers)
+        self._norms = running_stat_layers(layers) + [
+            norm for layer in layers if isinstance(layer, GraphStage)
+            for module in layer.bound_modules() for norm in running_stat_layers(module)]
         self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
 
     def __repr__(self) -> str:
