@@ -158,6 +158,7 @@ def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
     # after all 16 forwards. The news passes from rank to rank as each polls, one
     # forward of rank 0 per rank in between: rank r runs at most world - 1 - r forwards
     # after the failure (0F3 alone with 2 ranks), world - r here to allow one late poll.
+    assert outcome.returncodes == [1] * world  # the error, not a crash on the way out
     assert "rank 0 stopped before its next action" in outcome.outputs[0]
     counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert counts[0]["waited"], counts

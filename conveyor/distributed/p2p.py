@@ -65,7 +65,10 @@ __all__: list[str] = []
 #        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
 #
 # A failing rank sends an abort report in place of its next message to every peer, so
-# a waiting receive ends with PeerFailure instead of a timeout.
+# a waiting receive ends with PeerFailure instead of a timeout, and a rank busy with
+# other work sees the report before its next action (poll), whoever it came from. The
+# report's header names the failing rank, stage and micro-batch, in case its body is
+# lost with the failed process; each rank passes the report on when it stops.
 
 
 @dataclass
@@ -311,7 +314,12 @@ class P2PTransport:
     # ------------------------------------------------------------ ending
 
     def abort(self, error: BaseException | None) -> None:
-        """Tells every peer that sends to or receives from us that this rank stopped."""
+        """Tells every peer that sends to or receives from us that this rank stopped.
+
+        On gloo it then waits (at most ``timeout``) until every receive still posted
+        has its answer, each peer's message or abort report, which comes within an
+        action of that peer: no watcher thread may be left inside gloo at exit.
+        """
         self.local.abort(error)
         if self._aborted:
             return
@@ -329,6 +337,8 @@ class P2PTransport:
                 self._send_message(rank, *_encode_abort(report))
             except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
                 pass
+        if self._watcher is not None:
+            self._watcher.settle(self.timeout.total_seconds())
 
     def finish(self) -> None:
         """Waits until every message this rank sent has been taken by its receiver."""

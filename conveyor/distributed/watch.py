@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from typing import Any
 
 __all__: list[str] = []
@@ -38,6 +39,10 @@ class Watched:
     def is_completed(self) -> bool:
         """Whether the receive has finished (arrived, or failed): a flag, no waiting."""
         return self._done.is_set()
+
+    def done(self, timeout: float) -> bool:
+        """Whether the receive finishes within ``timeout`` seconds (errors aside)."""
+        return self._done.wait(max(0.0, timeout))
 
     def wait(self, timeout: datetime.timedelta) -> None:
         """Waits until the receive has finished.
@@ -70,6 +75,7 @@ class Watcher:
 
     def __init__(self) -> None:
         self._queues: dict[int, queue.SimpleQueue[Watched | None]] = {}
+        self._last: dict[int, Watched] = {}
 
     def watch(self, peer: int, work: Any) -> Watched:
         """``work``, a receive from ``peer``, watched from now on."""
@@ -80,13 +86,31 @@ class Watcher:
             threading.Thread(target=_serve, args=(pending,), daemon=True,
                              name=f"conveyor-recv-from-{peer}").start()
         pending.put(watched)
+        self._last[peer] = watched
         return watched
+
+    def settle(self, timeout: float) -> bool:
+        """Waits, at most ``timeout`` seconds in all, until every receive posted so far
+        has finished; whether they all have.
+
+        A watcher thread must not be inside gloo's wait when the interpreter exits:
+        a daemon thread that comes back from C++ then is ended by a forced unwind, and
+        the process aborts ("terminate called without an active exception"). After a
+        failure every peer answers a posted receive, with its message or its own abort
+        report, so a failed rank settles before it lets its error go.
+        """
+        deadline = time.monotonic() + timeout
+        for watched in list(self._last.values()):
+            if not watched.is_completed() and not watched.done(deadline - time.monotonic()):
+                return False
+        return True
 
     def close(self) -> None:
         """Ends every thread once it is done with what it waits on."""
         for pending in self._queues.values():
             pending.put(None)
         self._queues.clear()
+        self._last.clear()
 
 
 def _serve(pending: queue.SimpleQueue[Watched | None]) -> None:
