@@ -161,7 +161,7 @@ def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
     assert outcome.returncodes == [1] * world  # the error, not a crash on the way out
     assert "rank 0 stopped before its next action" in outcome.outputs[0]
     counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    assert counts[0]["waited"], counts
+    assert counts[0]["forwards"] <= 3 or counts[0]["waited"], counts  # 0F3 waited for it
     assert counts[-1]["forwards"] == 3, counts  # F0 F1, and F2 raised
     for rank, count in enumerate(counts[:-1]):
         assert count["after_failure"] <= world - rank, (rank, counts)

@@ -200,8 +200,9 @@ RUNS: dict[str, tuple[Callable[[nn.Sequential], nn.Module], Callable[[Any, torch
 @pytest.mark.parametrize("face", list(RUNS))
 def test_a_failing_stage_stops_the_others_before_their_next_action(face: str) -> None:
     # GPipe order: stage 0 runs 0F0 ... 0F15 without waiting for stage 1, so only an
-    # abort checked before each action stops it. Stage 1 fails in 1F0; 0F1 waits until
-    # rank 1 has stopped; 0F2 must not start.
+    # abort checked before each action stops it. Stage 1 fails in 1F0, which needs 0F0
+    # alone; 0F1, if the abort has not stopped stage 0 already, waits until rank 1 has
+    # stopped; 0F2 must not start.
     failing = FailsWhileArmed()
     counter = CountsForwards(failing)
     model = nn.Sequential(nn.Linear(4, 4), counter, failing, nn.Linear(4, 4))
@@ -213,8 +214,9 @@ def test_a_failing_stage_stops_the_others_before_their_next_action(face: str) ->
                              r"ValueError: injected failure") as caught:
         run(pipe, x)
     assert (caught.value.stage, caught.value.microbatch) == (1, 0)
-    assert counter.waited, "stage 1 did not fail and stop within 10 s of 0F1"
-    assert counter.calls == 2, f"stage 0 ran {counter.calls - 2} forwards after the abort"
+    assert counter.calls in (1, 2), f"stage 0 ran {counter.calls} forwards, not 0F0 (0F1)"
+    if counter.calls == 2:
+        assert counter.waited, "stage 1 did not fail and stop within 10 s of 0F1"
     # The abort is cleared: the next call runs every micro-batch.
     failing.armed, counter.gated, counter.calls = False, False, 0
     run(pipe, x)
