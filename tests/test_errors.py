@@ -182,7 +182,8 @@ def _run_eval_step(pipe: conveyor.Pipeline, x: torch.Tensor) -> None:
     pipe.eval_step(x)
 
 
-RUNS: dict[str, tuple[Callable[[nn.Sequential], nn.Module], Callable[[Any, torch.Tensor], None]]] = {
+Build = Callable[[nn.Sequential], nn.Module]
+RUNS: dict[str, tuple[Build, Callable[[Any, torch.Tensor], None]]] = {
     "GPipe": (lambda model: conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=16),
               _run_gpipe),
     "GPipe no_grad": (lambda model: conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2,
