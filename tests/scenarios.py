@@ -6,6 +6,7 @@ same plain model and batch to compare with.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -178,17 +179,32 @@ def _nan_on_marker(loss_fn: Any) -> Any:
 
 
 class Fails(nn.Module):
-    """Identity, except on rank ``fail_rank``: raises, dies, or has the wrong width."""
+    """Identity, except on rank ``fail_rank``: raises, dies, or has the wrong width.
 
-    def __init__(self, how: str, fail_rank: int) -> None:
+    With a ``marker`` (for "raise"), the failing rank creates that file just before it
+    raises, and every other rank counts in ``after_failure`` the forwards it starts once
+    the file exists. Rank 0, which receives no activations and so would run ahead, makes
+    its 4th forward wait for the file and each later one last 0.2 s: time for the
+    failure to reach it, so that a rank which never checks runs on and one which checks
+    before each action stops within a forward or two (one per rank in between).
+    """
+
+    def __init__(self, how: str, fail_rank: int, marker: Path | None = None) -> None:
         super().__init__()
-        self.how, self.fail_rank = how, fail_rank
+        self.how, self.fail_rank, self.marker = how, fail_rank, marker
         self.calls = 0
+        self.after_failure = 0
+        self.waited = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if int(os.environ["RANK"]) == self.fail_rank and not conveyor.is_recomputing():
-            self.calls += 1
+        if conveyor.is_recomputing():
+            return x
+        rank = int(os.environ["RANK"])
+        self.calls += 1
+        if rank == self.fail_rank:
             if self.how == "raise" and self.calls == 3:
+                if self.marker is not None:
+                    self.marker.touch()
                 raise ValueError("injected failure")
             if self.how == "kill" and self.calls == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -196,24 +212,49 @@ class Fails(nn.Module):
                 time.sleep(60)
             if self.how == "shape":
                 return x[:, :4]
+        elif self.marker is not None:
+            if rank == 0 and self.calls == 4:
+                deadline = time.monotonic() + 30
+                while not self.marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                self.waited = self.marker.exists()
+            if self.marker.exists():
+                self.after_failure += 1
+                if rank == 0:
+                    time.sleep(0.2)
         return x
 
 
-def _fault(how: str, rank: int, world: int) -> None:
+def _fault(how: str, rank: int, world: int, out_dir: Path | None = None) -> None:
     """Each stage is Linear, Linear, Fails; the last rank fails (for "shape": rank 0,
-    whose output then reaches stage 1 two features short)."""
+    whose output then reaches stage 1 two features short), under 1F1B with 4
+    micro-batches. With ``out_dir`` (for "raise"), GPipe with 16 micro-batches instead,
+    where rank 0 need not wait for the failing rank: each rank writes ``rank{r}.json``
+    with its forwards, those started after the failure, and whether rank 0 waited for it.
+    """
     fail_rank = 0 if how == "shape" else world - 1
+    marker = None if out_dir is None else out_dir / "failed"
     layers: list[nn.Module] = []
     for _ in range(world):
-        layers += [nn.Linear(6, 6), nn.Linear(6, 6), Fails(how, fail_rank)]
-    pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=4, schedule="1f1b",
+        layers += [nn.Linear(6, 6), nn.Linear(6, 6), Fails(how, fail_rank, marker)]
+    chunks = 4 if out_dir is None else 16
+    pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=chunks,
+                             schedule="1f1b" if out_dir is None else "gpipe",
                              balance=[3] * world, loss_fn=nn.functional.mse_loss,
                              timeout=4 if how == "hang" else 15)
-    pipe.step(torch.randn(8, 6), torch.randn(8, 6))
+    try:
+        pipe.step(torch.randn(2 * chunks, 6), torch.randn(2 * chunks, 6))
+    finally:
+        if out_dir is not None:
+            fails = [m for m in pipe.modules() if isinstance(m, Fails) and m.calls]
+            counts = {"forwards": sum(m.calls for m in fails),
+                      "after_failure": sum(m.after_failure for m in fails),
+                      "waited": any(m.waited for m in fails)}
+            (out_dir / f"rank{rank}.json").write_text(json.dumps(counts))
 
 
 def scenario_fault_raise(rank: int, world: int, out_dir: Path) -> None:
-    _fault("raise", rank, world)
+    _fault("raise", rank, world, out_dir)
 
 
 def scenario_fault_kill(rank: int, world: int, out_dir: Path) -> None:

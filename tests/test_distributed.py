@@ -6,6 +6,7 @@ what they wrote with the plain model, built here from the same functions.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -167,6 +168,18 @@ def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
               "ValueError: injected failure"
     assert_every_rank_stops(outcome, within=60,
                             messages=[f"rank {world - 1} failed"] * (world - 1) + [failing])
+    # GPipe, 16 micro-batches: the ranks before the failing one never wait for it in
+    # forward, yet each stops at its next action once the failure has reached it, not
+    # after all 16 forwards. The news passes from rank to rank as each polls, one
+    # forward of rank 0 per rank in between: rank r runs at most world - 1 - r forwards
+    # after the failure (0F3 alone with 2 ranks), world - r here to allow one late poll.
+    assert outcome.returncodes == [1] * world  # the error, not a crash on the way out
+    assert "rank 0 stopped before its next action" in outcome.outputs[0]
+    counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert counts[0]["forwards"] <= 3 or counts[0]["waited"], counts  # 0F3 waited for it
+    assert counts[-1]["forwards"] == 3, counts  # F0 F1, and F2 raised
+    for rank, count in enumerate(counts[:-1]):
+        assert count["after_failure"] <= world - rank, (rank, counts)
 
 
 def test_a_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:

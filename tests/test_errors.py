@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -116,6 +120,108 @@ def test_layer_raising_mid_pipeline_names_stage_layer_and_micro_batch(stages: in
     assert isinstance(caught.value.__cause__, ValueError)
     # The pipeline is usable again after the failure.
     assert pipe(torch.zeros(8, 3)).shape == (8, 3)
+
+
+class FailsWhileArmed(nn.Module):
+    """Raises on every forward while ``armed`` (noting its thread, then setting
+    ``raised``); the identity once disarmed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+        self.raised = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.thread = threading.current_thread()
+            self.raised.set()
+            raise ValueError("injected failure")
+        return x
+
+
+class CountsForwards(nn.Module):
+    """The identity, counting its forwards (recomputations aside). While ``gated``, the
+    second forward first waits until ``failing`` has raised and its rank's thread has
+    ended: by then that rank has aborted the step, so whatever stage 0 runs later ran
+    after the abort. ``waited`` says the wait happened (an error here would be lost
+    behind stage 1's)."""
+
+    def __init__(self, failing: FailsWhileArmed) -> None:
+        super().__init__()
+        self.failing = [failing]  # in a list: not a submodule of this layer
+        self.calls = 0
+        self.gated = True
+        self.waited = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not conveyor.is_recomputing():
+            self.calls += 1
+        failing = self.failing[0]
+        if self.gated and self.calls == 2 and failing.raised.wait(10):
+            assert failing.thread is not None
+            failing.thread.join(10)
+            self.waited = not failing.thread.is_alive()
+        return x
+
+
+def _run_gpipe(pipe: conveyor.GPipe, x: torch.Tensor) -> None:
+    pipe(x).sum().backward()
+
+
+def _run_gpipe_no_grad(pipe: conveyor.GPipe, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        pipe(x)
+
+
+def _run_step(pipe: conveyor.Pipeline, x: torch.Tensor) -> None:
+    pipe.step(x, torch.zeros_like(x))
+
+
+def _run_eval_step(pipe: conveyor.Pipeline, x: torch.Tensor) -> None:
+    pipe.eval_step(x)
+
+
+Build = Callable[[nn.Sequential], nn.Module]
+RUNS: dict[str, tuple[Build, Callable[[Any, torch.Tensor], None]]] = {
+    "GPipe": (lambda model: conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=16),
+              _run_gpipe),
+    "GPipe no_grad": (lambda model: conveyor.GPipe(model, [2, 2], devices=["cpu"] * 2,
+                                                   chunks=16), _run_gpipe_no_grad),
+    "Pipeline step": (lambda model: conveyor.Pipeline(
+        model, stages=2, devices=["cpu"] * 2, chunks=16, balance=[2, 2], schedule="gpipe",
+        loss_fn=nn.functional.mse_loss), _run_step),
+    "Pipeline eval_step": (lambda model: conveyor.Pipeline(
+        model, stages=2, devices=["cpu"] * 2, chunks=16, balance=[2, 2], schedule="gpipe",
+        loss_fn=nn.functional.mse_loss), _run_eval_step),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("face", list(RUNS))
+def test_a_failing_stage_stops_the_others_before_their_next_action(face: str) -> None:
+    # GPipe order: stage 0 runs 0F0 ... 0F15 without waiting for stage 1, so only an
+    # abort checked before each action stops it. Stage 1 fails in 1F0, which needs 0F0
+    # alone; 0F1, if the abort has not stopped stage 0 already, waits until rank 1 has
+    # stopped; 0F2 must not start.
+    failing = FailsWhileArmed()
+    counter = CountsForwards(failing)
+    model = nn.Sequential(nn.Linear(4, 4), counter, failing, nn.Linear(4, 4))
+    build, run = RUNS[face]
+    pipe = build(model)
+    x = torch.randn(16, 4)
+    with pytest.raises(conveyor.StageError,
+                       match=r"stage 1, layer 2 \(FailsWhileArmed\) failed on micro-batch 0: "
+                             r"ValueError: injected failure") as caught:
+        run(pipe, x)
+    assert (caught.value.stage, caught.value.microbatch) == (1, 0)
+    assert counter.calls in (1, 2), f"stage 0 ran {counter.calls} forwards, not 0F0 (0F1)"
+    if counter.calls == 2:
+        assert counter.waited, "stage 1 did not fail and stop within 10 s of 0F1"
+    # The abort is cleared: the next call runs every micro-batch.
+    failing.armed, counter.gated, counter.calls = False, False, 0
+    run(pipe, x)
+    assert counter.calls == 16
 
 
 class BadBackward(torch.autograd.Function):

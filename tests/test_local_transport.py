@@ -117,6 +117,18 @@ def test_reset_clears_an_abort(transport: LocalTransport) -> None:
     assert torch.equal(receive.result(), torch.ones(2))
 
 
+def test_poll_raises_after_an_abort_until_reset(transport: LocalTransport) -> None:
+    transport.poll()  # nothing aborted: returns
+    transport.send("activation", 1, 0, torch.zeros(2))
+    transport.poll()  # a message waiting for its receive is no reason to stop
+    transport.abort(RuntimeError("stage 1 failed"))
+    with pytest.raises(Aborted, match="^another rank failed; this rank stops before its "
+                                      "next action$"):
+        transport.poll()
+    transport.reset()
+    transport.poll()
+
+
 def test_reset_empties_the_boxes(transport: LocalTransport) -> None:
     transport.send("activation", 1, 0, torch.zeros(2))  # left over from an aborted run
     transport.reset()

@@ -25,9 +25,11 @@ from conveyor.distributed.envelope import (
     _NDIM,
     _SHAPE,
     _SKELETON,
+    _abort_summary,
     _assemble,
     _decode,
     _encode,
+    _encode_abort,
     _padded,
     _unpickle,
 )
@@ -233,6 +235,18 @@ def test_an_abort_report_is_a_pickle_read_back_as_it_was() -> None:
     received = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
     assert received[:3] == [_ABORT, -1, -1]
     assert _unpickle(buffer[_HEADER_BYTES:_HEADER_BYTES + received[_BODY]], "a report") == report
+
+
+def test_an_abort_header_tells_where_the_failure_started_without_its_body() -> None:
+    report = {"rank": 3, "error": "ValueError: injected", "stage": 6, "microbatch": 2,
+              "action": "6F2"}
+    header, pieces = _encode_abort(report)
+    buffer = _assemble(header, pieces, with_header=True, device=CPU)
+    received = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
+    assert _unpickle(buffer[_HEADER_BYTES:_HEADER_BYTES + received[_BODY]], "a report") == report
+    assert _abort_summary(received, "Connection closed by peer") == {
+        "rank": 3, "error": "its report was lost: Connection closed by peer", "stage": 6,
+        "microbatch": 2, "action": "?"}
 
 
 # ------------------------------------------------------------ malformed messages

@@ -37,8 +37,8 @@ __all__: list[str] = []
 #
 #   header field   meaning
 #   0 code         0 activation, 1 gradient, 2 abort (the body is a pickled report)
-#   1 stage        the receiving stage                                (-1 in an abort)
-#   2 microbatch   the micro-batch                                    (-1 in an abort)
+#   1 stage        the receiving stage         (in an abort: the stage that failed, or -1)
+#   2 microbatch   the micro-batch             (in an abort: its micro-batch, or -1)
 #   3 body         BODY, the bytes after the header (padding included)
 #   4 skeleton     S: the value pickled with a _Slot (offset, dtype, shape, flag) in
 #                  place of each tensor; 0 for a single tensor
@@ -47,7 +47,9 @@ __all__: list[str] = []
 #   7 grad         requires_grad          |  a single tensor only (at most 12 dims,
 #   8 ndim         number of dims         |  a dtype in _DTYPES; anything else goes
 #   9-20 shape     one size per dim      /   with a skeleton)
-#   21-23          unused
+#   21 origin      in an abort: the rank whose failure it reports (kept if the body is
+#                  lost, when that rank exits before its receiver takes the body)
+#   22-23          unused
 _INTS = 24
 _HEADER_BYTES = _INTS * 8
 _MAX_DIMS = 12
@@ -60,6 +62,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex128]
 # header fields
 _CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
+_ORIGIN = 21
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,21 @@ def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[in
     for tensor, start in zip(tensors, offsets):
         pieces.append((header[_SKELETON] + start, tensor))
     return header, pieces
+
+
+def _encode_abort(report: dict[str, Any]) -> tuple[list[int], list[Any]]:
+    """The message of an abort report: the whole report pickled in the body, and where
+    the failure started (rank, stage, micro-batch) in the header too."""
+    header, pieces = _encode(_ABORT, report["stage"], report["microbatch"],
+                             pickle.dumps(report))
+    header[_ORIGIN] = report["rank"]
+    return header, pieces
+
+
+def _abort_summary(header: Sequence[int], lost: str) -> dict[str, Any]:
+    """The report an abort's header alone tells, for when its body was ``lost``."""
+    return {"rank": header[_ORIGIN], "error": f"its report was lost: {lost}",
+            "stage": header[_STAGE], "microbatch": header[_MICROBATCH], "action": "?"}
 
 
 def _describe(header: Sequence[int]) -> str:

@@ -16,7 +16,7 @@ overlaps on the GPU anyway): there the header goes first, then the body.
 from __future__ import annotations
 
 import datetime
-import pickle
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,13 +34,16 @@ from conveyor.distributed.envelope import (
     _KINDS,
     _MICROBATCH,
     _STAGE,
+    _abort_summary,
     _assemble,
     _check_header,
     _decode,
     _encode,
+    _encode_abort,
     _unpickle,
 )
 from conveyor.distributed.topology import Topology
+from conveyor.distributed.watch import Watcher
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Kind
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
@@ -62,7 +65,10 @@ __all__: list[str] = []
 #        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
 #
 # A failing rank sends an abort report in place of its next message to every peer, so
-# a waiting receive ends with PeerFailure instead of a timeout.
+# a waiting receive ends with PeerFailure instead of a timeout, and a rank busy with
+# other work sees the report before its next action (poll), whoever it came from. The
+# report's header names the failing rank, stage and micro-batch, in case its body is
+# lost with the failed process; each rank passes the report on when it stops.
 
 
 @dataclass
@@ -92,6 +98,11 @@ class P2PTransport:
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
+        # gloo cannot tell without waiting whether a receive has arrived: threads wait
+        # for this rank, so that poll() between actions sees a peer's abort report.
+        self._watcher = Watcher() if self.envelopes else None
+        if self._watcher is not None:
+            weakref.finalize(self, self._watcher.close)
         self.local = LocalTransport([devices.get(s, self.device)
                                      for s in range(len(self.stage_ranks))])
         self._expected: dict[int, list[tuple[str, int, int]]] = {}
@@ -179,14 +190,29 @@ class P2PTransport:
             return
         size = self._capacity_in.get(peer, _HEADER_BYTES) if self.envelopes else _HEADER_BYTES
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._incoming[peer] = _Incoming(self._expected[peer][position], buffer,
+                                         self._irecv(peer, buffer))
+
+    def _irecv(self, peer: int, buffer: torch.Tensor) -> Any:
+        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo."""
         work = dist.irecv(buffer, self.topology.global_rank(peer),
                           group=self.topology.pipeline_group)
-        self._incoming[peer] = _Incoming(self._expected[peer][position], buffer, work)
+        return work if self._watcher is None else self._watcher.watch(peer, work)
 
     def poll(self) -> None:
-        """Moves every incoming message on as far as it can without waiting."""
+        """Moves every incoming message on as far as it can without waiting.
+
+        Raises:
+            PeerFailure: a peer's abort report has arrived, from whichever peer: this
+                rank stops before its next action, as a receive from that peer would.
+        """
         for peer in list(self._incoming):
             self._advance(peer, wait=False)
+
+    def _poll_after(self, what: str) -> None:
+        """:meth:`poll`, once this rank has received ``what``: a failure it brings says so."""
+        for peer in list(self._incoming):
+            self._advance(peer, wait=False, stopped=f"stopped after receiving {what}")
 
     def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
         source_stage = stage - 1 if kind == "activation" else stage + 1
@@ -195,19 +221,41 @@ class P2PTransport:
             return self.local.recv(kind, stage, microbatch)
         key = (kind, stage, microbatch)
         what = f"the {kind} of micro-batch {microbatch} from stage {source_stage} (rank {source})"
+        if key in self._stash:
+            return self._stash.pop(key)
         while key not in self._stash:
             if source not in self._incoming:
                 raise ConveyorError(f"rank {source} never sends {what} in this table")
             self._advance(source, wait=True, what=what)
+        # While this rank waited for ``source``, another peer may have failed: stop now
+        # rather than compute and send to a rank that is gone.
+        self._poll_after(what)
         return self._stash.pop(key)
 
-    def _advance(self, peer: int, *, wait: bool, what: str = "a message") -> None:
-        """Moves ``peer``'s message on; with ``wait``, until it has arrived whole."""
+    def _advance(self, peer: int, *, wait: bool, what: str = "a message",
+                 stopped: str | None = None) -> None:
+        """Moves ``peer``'s message on; with ``wait``, until it has arrived whole.
+
+        Without ``wait``, the body of an abort report whose header has arrived is still
+        waited for: its sender sent it right behind the header, and the report is what
+        this rank raises. ``stopped`` says, in that failure's message, where this rank
+        stopped (by default waiting for ``what``, or before its next action).
+        """
+        if stopped is None:
+            stopped = (f"stopped waiting for {what}" if wait
+                       else "stopped before its next action")
         message = self._incoming.get(peer)
         while message is not None:
             if not wait and not message.work.is_completed():
                 return
-            self._wait(message.work, what)
+            try:
+                self._wait(message.work, what)
+            except PeerFailure as lost:
+                if message.header is None or message.header[_CODE] != _ABORT:
+                    raise
+                # The failed rank exited before this one took its report's body.
+                text = str(lost.__cause__ or lost).splitlines()[0]
+                self._raise_failure(_abort_summary(message.header, text), stopped)
             if message.header is None:
                 header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
                 _check_header(header)  # before trusting its body size with an allocation
@@ -215,15 +263,16 @@ class P2PTransport:
                     message.header = header  # the body follows in a message of its own
                     message.buffer = torch.empty(header[_BODY], dtype=torch.uint8,
                                                  device=self.device)
-                    message.work = dist.irecv(message.buffer, self.topology.global_rank(peer),
-                                              group=self.topology.pipeline_group)
+                    message.work = self._irecv(peer, message.buffer)
+                    if header[_CODE] == _ABORT:
+                        wait, what = True, f"the abort report of rank {peer}"
                     continue
                 body = message.buffer[_HEADER_BYTES:]
             else:
                 header, body = message.header, message.buffer
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
-                self._raise_failure(report, what)
+                self._raise_failure(report, stopped)
             arrived = (_KINDS.get(header[_CODE], "?"), header[_STAGE], header[_MICROBATCH])
             if arrived != message.key:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "
@@ -235,10 +284,12 @@ class P2PTransport:
             self._post(peer)
             return
 
-    def _raise_failure(self, report: dict[str, Any], what: str) -> None:
+    def _raise_failure(self, report: dict[str, Any], stopped: str) -> None:
+        """Raises the failure a peer reported; ``stopped`` says where this rank stopped
+        ("stopped waiting for ...", "stopped before its next action")."""
         failure = PeerFailure(
             f"rank {report['rank']} failed ({report['error']}); rank "
-            f"{self.topology.pipeline_rank} stopped waiting for {what}",
+            f"{self.topology.pipeline_rank} {stopped}",
             stage=report["stage"], microbatch=report["microbatch"], action=report["action"],
         )
         failure.report = report
@@ -263,7 +314,12 @@ class P2PTransport:
     # ------------------------------------------------------------ ending
 
     def abort(self, error: BaseException | None) -> None:
-        """Tells every peer that sends to or receives from us that this rank stopped."""
+        """Tells every peer that sends to or receives from us that this rank stopped.
+
+        On gloo it then waits (at most ``timeout``) until every receive still posted
+        has its answer, each peer's message or abort report, which comes within an
+        action of that peer: no watcher thread may be left inside gloo at exit.
+        """
         self.local.abort(error)
         if self._aborted:
             return
@@ -278,9 +334,11 @@ class P2PTransport:
                       "action": getattr(error, "action", "?")}
         for rank in sorted(self._peers):
             try:
-                self._send_message(rank, *_encode(_ABORT, -1, -1, pickle.dumps(report)))
+                self._send_message(rank, *_encode_abort(report))
             except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
                 pass
+        if self._watcher is not None:
+            self._watcher.settle(self.timeout.total_seconds())
 
     def finish(self) -> None:
         """Waits until every message this rank sent has been taken by its receiver."""

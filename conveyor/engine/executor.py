@@ -14,8 +14,9 @@ micro-batches the ranks overlap like this (one tick per action)::
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
     rank 1  .   1F0 1F1 1F2 1B2 1B1 1B0 .
 
-If any action raises, the transport is aborted, every rank stops at its next receive,
-and the first error is raised in the caller, naming the stage and micro-batch.
+If any action raises, the transport is aborted and every rank stops before its next
+action (the transport's ``poll``) or at the receive it waits in, whichever comes first;
+the first error is raised in the caller, naming the stage and micro-batch.
 """
 
 from __future__ import annotations

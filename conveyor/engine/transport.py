@@ -46,7 +46,12 @@ class Transport(Protocol):
         """Completes what the run still has in flight (sends) once its actions are done."""
 
     def poll(self) -> None:
-        """Moves messages on without waiting (called between actions)."""
+        """Moves messages on without waiting (called before every action).
+
+        Raises:
+            Aborted: the step was aborted here (another thread's rank failed).
+            PeerFailure: a peer's failure has arrived; this rank stops too.
+        """
 
 
 def deliver(tree: Any, device: torch.device, copy_streams: dict[Any, Any] | None = None) -> Any:
@@ -129,4 +134,12 @@ class LocalTransport:
         """Nothing is in flight between threads once every action has run."""
 
     def poll(self) -> None:
-        """Threads hand over messages directly; nothing to move on."""
+        """Raises :class:`Aborted` once the step is aborted, so that every rank stops
+        before its next action (threads hand over messages directly: nothing to move).
+
+        The executor calls this before every action: a plain read of the flag, without
+        the lock. A rank that reads it just before another sets it runs one more action
+        and stops at the next check, or at a receive, which reads it under the lock.
+        """
+        if self._aborted:
+            raise Aborted("another rank failed; this rank stops before its next action")

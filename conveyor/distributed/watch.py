@@ -1,0 +1,118 @@
+"""Gloo receives waited for on threads, so that an arrival can be checked without waiting.
+
+Between actions a rank asks whether a message has come from any peer (an abort report,
+above all), and must not wait to find out. NCCL's ``Work.is_completed()`` answers
+that; gloo's stays False until someone calls ``wait()`` on the work, and a ``wait``
+with a short timeout closes every connection of the group. So on gloo a
+:class:`Watcher` keeps a thread per peer that waits on that peer's receives, one after
+the other as they are posted, and marks each done: asking is then reading a flag::
+
+    main thread     posts irecv R1 --watch--> . . . . . is_completed()? no . . yes: decode R1
+    watcher thread                    R1.wait() ......... arrived: done.set()
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Any
+
+__all__: list[str] = []
+
+
+class Watched:
+    """A posted receive that a watcher thread waits on, answering like the work itself.
+
+    Args:
+        work: what ``dist.irecv`` returned.
+    """
+
+    __slots__ = ("work", "_done", "_error")
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the receive has finished (arrived, or failed): a flag, no waiting."""
+        return self._done.is_set()
+
+    def done(self, timeout: float) -> bool:
+        """Whether the receive finishes within ``timeout`` seconds (errors aside)."""
+        return self._done.wait(max(0.0, timeout))
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        """Waits until the receive has finished.
+
+        Raises:
+            TimeoutError: it has not after ``timeout`` (the receive stays posted).
+            RuntimeError: the receive failed (gloo's error, e.g. the peer is gone).
+        """
+        if not self._done.wait(timeout.total_seconds()):
+            raise TimeoutError(f"timed out after {timeout.total_seconds():g} s")
+        if self._error is not None:
+            raise self._error
+
+    def run(self) -> None:
+        """Waits for the receive; called on the watcher thread."""
+        try:
+            self.work.wait()  # no timeout here: the group's own applies
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+class Watcher:
+    """One daemon thread per peer, waiting on that peer's receives in the order posted.
+
+    A peer has one receive posted at a time (the next is posted once the last is
+    decoded), so its thread is idle or waits on exactly the one posted.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[int, queue.SimpleQueue[Watched | None]] = {}
+        self._last: dict[int, Watched] = {}
+
+    def watch(self, peer: int, work: Any) -> Watched:
+        """``work``, a receive from ``peer``, watched from now on."""
+        watched = Watched(work)
+        pending = self._queues.get(peer)
+        if pending is None:
+            pending = self._queues[peer] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(pending,), daemon=True,
+                             name=f"conveyor-recv-from-{peer}").start()
+        pending.put(watched)
+        self._last[peer] = watched
+        return watched
+
+    def settle(self, timeout: float) -> bool:
+        """Waits, at most ``timeout`` seconds in all, until every receive posted so far
+        has finished; whether they all have.
+
+        A watcher thread must not be inside gloo's wait when the interpreter exits:
+        a daemon thread that comes back from C++ then is ended by a forced unwind, and
+        the process aborts ("terminate called without an active exception"). After a
+        failure every peer answers a posted receive, with its message or its own abort
+        report, so a failed rank settles before it lets its error go.
+        """
+        deadline = time.monotonic() + timeout
+        for watched in list(self._last.values()):
+            if not watched.is_completed() and not watched.done(deadline - time.monotonic()):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Ends every thread once it is done with what it waits on."""
+        for pending in self._queues.values():
+            pending.put(None)
+        self._queues.clear()
+        self._last.clear()
+
+
+def _serve(pending: queue.SimpleQueue[Watched | None]) -> None:
+    while (watched := pending.get()) is not None:
+        watched.run()
