@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
+from conveyor.engine.graphstage import as_call
 from conveyor.engine.microbatch import split
 from conveyor.errors import BalanceError, ModelError
 from tests.extras import require
@@ -139,7 +140,7 @@ def plain_run(name: str, model: nn.Module, inputs: Any, targets: Any) -> tuple[t
     """The plain model's loss on the whole batch, and its output; batch norm (ResNet)
     over the same micro-batches, as the pipeline normalises them."""
     def call(batch: Any) -> Any:
-        args, kwargs = conveyor.engine.graph.as_call(batch)
+        args, kwargs = as_call(batch)
         return model(*args, **kwargs)
 
     if name == "resnet":
@@ -218,7 +219,7 @@ def test_gpipe_splits_the_model_as_constructed(name: str) -> None:
     stages = len(split_at) + 1
     pipe = conveyor.GPipe(model, split_at=split_at, sample=sample_of(inputs),
                           devices=["cpu"] * stages, chunks=CHUNKS)
-    args, kwargs = conveyor.engine.graph.as_call(inputs)
+    args, kwargs = as_call(inputs)
     result = pipe(inputs)
     plain_loss(name, result, targets).backward()
     plain_run(name, reference, inputs, targets)[0].backward()

@@ -5,8 +5,8 @@ on a sample micro-batch (``torch.export``, non-strict: the model's own Python ru
 fake tensors, so shape logic such as a rotary embedding's is evaluated rather than
 traced symbolically), in training and in eval mode. Every operation of the graph knows
 the module it ran in; stage k begins at the first operation inside ``split_at[k-1]``
-(torch's ``SplitPoint.BEGINNING``). Each stage becomes a :class:`GraphStage`, a layer
-that conveyor's engine runs like any other:
+(torch's ``SplitPoint.BEGINNING``). Each stage becomes a :class:`~conveyor.engine.graphstage.GraphStage`,
+a layer that conveyor's engine runs like any other:
 
 * stage 0 takes the micro-batch as the model takes it (a tensor, a tuple of positional
   arguments or a dict of keyword arguments); a later stage takes a dict of the values
@@ -17,8 +17,9 @@ that conveyor's engine runs like any other:
   parameter used by several stages (tied embeddings) becomes a copy per stage, under
   the other names it has in the model, and :mod:`conveyor.engine.ties` keeps the copies
   equal;
-* batch norm's running statistics, which the graph computes as new values, replace the
-  buffers after each forward (not after a recomputation).
+* batch norm's running statistics update as in the plain model, once per micro-batch
+  (a recomputation works on copies); where torch.export turns an update into a new
+  value, that value replaces the buffer after the forward.
 
 Values that skip stages are relayed through the stages between (sent on by each).
 """
@@ -35,23 +36,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
-from conveyor.engine.recompute import is_recomputing
+from conveyor.engine.graphstage import Binding, GraphStage, Plan, StageProgram, as_call
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
-
-
-def as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A micro-batch as the model's arguments: a tuple is positional, a dict keywords,
-    anything else the one positional argument."""
-    if isinstance(batch, tuple):
-        return batch, {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return (batch,), {}
 
 
 def trace(model: nn.Module, sample: Any) -> ExportedProgram:
@@ -87,28 +78,6 @@ def trace(model: nn.Module, sample: Any) -> ExportedProgram:
             "values) cannot be traced: move it out of forward, or give the model as an "
             "nn.Sequential with balance="
         ) from exc
-
-
-@dataclass
-class _Binding:
-    """A parameter, buffer or constant a stage's graph reads, and where it lives."""
-
-    placeholder: str
-    kind: str  # "parameter", "buffer" or "constant"
-    owner: nn.Module | None  # the module holding it (None: a constant)
-    attribute: str
-    constant: torch.Tensor | None = None
-
-
-@dataclass
-class _Plan:
-    """One traced program (one mode) cut into stages."""
-
-    program: ExportedProgram
-    stage_of: dict[fx.Node, int]
-    live_in: list[list[fx.Node]]  # per stage, the values it receives (stage 0: none)
-    uses: dict[str, set[int]]  # placeholder of a parameter/buffer -> the stages using it
-    fixed_sizes: list[dict[int, int]]  # per user input, the dims the trace fixed: size
 
 
 @dataclass
@@ -167,11 +136,11 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
         for k, stage in enumerate(split.stages):
             bindings = _bind(model, plan, k, devices[k], originals, aliases, tied_copies,
                              split.ties)
-            stage.programs[training] = _StageProgram(model, plan, k, stages, bindings)
+            stage.programs[training] = StageProgram(model, plan, k, stages, bindings)
     return split
 
 
-def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> _Plan:
+def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
     """Assigns every operation of ``program`` to a stage, and finds what crosses."""
     graph = program.graph
     stage_of: dict[fx.Node, int] = {}
@@ -218,7 +187,7 @@ def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> _Plan:
             value = next(n for n in graph.nodes if n.name == spec.arg.name).meta.get("val")
             fixed_sizes.append({d: size for d, size in enumerate(getattr(value, "shape", ()))
                                 if isinstance(size, int)})
-    return _Plan(program, stage_of, live_in, uses, fixed_sizes)
+    return Plan(program, stage_of, live_in, uses, fixed_sizes)
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
@@ -230,9 +199,9 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     return found
 
 
-def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
+def _bind(model: nn.Module, plan: Plan, k: int, device: torch.device,
           originals: Mapping[str, torch.Tensor], aliases: dict[int, list[str]], tied_copies: dict[tuple[int, int], tuple[nn.Module, str]],
-          ties: list[TiedParameter]) -> list[_Binding]:
+          ties: list[TiedParameter]) -> list[Binding]:
     """Stage k's parameters, buffers and constants, placed on ``device``; a parameter a
     lower stage uses too gets a copy here, under another of its names."""
     bindings = []
@@ -244,7 +213,7 @@ def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
             value = plan.program.constants[spec.target]
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
-            bindings.append(_Binding(name, "constant", None, "", value))
+            bindings.append(Binding(name, "constant", None, "", value))
             continue
         owner_name, _, attribute = spec.target.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -252,7 +221,7 @@ def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
             buffer = getattr(owner, attribute)
             if buffer.device != device:
                 owner._buffers[attribute] = buffer.to(device)
-            bindings.append(_Binding(name, "buffer", owner, attribute))
+            bindings.append(Binding(name, "buffer", owner, attribute))
             continue
         tensor = originals[spec.target]
         if min(plan.uses[name]) == k:
@@ -261,7 +230,7 @@ def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
             # Under a name that still holds it (a tie's other names may hold copies).
             held_as = next(n for n in aliases[id(tensor)] if model.get_parameter(n) is tensor)
             owner_name, _, attribute = held_as.rpartition(".")
-            bindings.append(_Binding(name, "parameter", model.get_submodule(owner_name),
+            bindings.append(Binding(name, "parameter", model.get_submodule(owner_name),
                                      attribute))
             continue
         key = (id(tensor), k)
@@ -269,7 +238,7 @@ def _bind(model: nn.Module, plan: _Plan, k: int, device: torch.device,
             tied_copies[key] = _tied_copy(model, tensor, spec.target, sorted(plan.uses[name]),
                                           k, device, aliases, ties)
         holder, held = tied_copies[key]
-        bindings.append(_Binding(name, "parameter", holder, held))
+        bindings.append(Binding(name, "parameter", holder, held))
     return bindings
 
 
@@ -301,138 +270,3 @@ def _tied_copy(model: nn.Module, tensor: torch.Tensor, target: str, stages: list
     return owner, attribute
 
 
-class _StageProgram:
-    """Stage k of one traced program: its graph and what it reads and returns."""
-
-    def __init__(self, model: nn.Module, plan: _Plan, k: int, stages: int,
-                 bindings: list[_Binding]) -> None:
-        program = plan.program
-        signature = program.graph_signature
-        self.first, self.last = k == 0, k == stages - 1
-        self.bindings = bindings
-        self.in_spec = program.call_spec.in_spec
-        self.out_spec = program.call_spec.out_spec
-        self.fixed_sizes = plan.fixed_sizes
-        self.receives = [node.name for node in plan.live_in[k]]
-        self.sends = [] if self.last else [node.name for node in plan.live_in[k + 1]]
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        placeholders = {node.name: node for node in program.graph.nodes
-                        if node.op == "placeholder"}
-        for binding in bindings:
-            env[placeholders[binding.placeholder]] = graph.placeholder(binding.placeholder)
-        if self.first:
-            for spec in signature.input_specs:
-                if spec.kind == InputKind.USER_INPUT:
-                    env[placeholders[spec.arg.name]] = graph.placeholder(spec.arg.name)
-        for node in plan.live_in[k]:
-            env[node] = graph.placeholder(node.name)
-        output = None
-        for node in program.graph.nodes:
-            if node.op == "output":
-                output = node
-            elif node.op != "placeholder" and plan.stage_of[node] == k:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-        assert output is not None
-        returned = list(output.args[0])
-        # Buffers the stage updates (batch norm's running statistics): owner, name.
-        self.mutations: list[tuple[nn.Module, str]] = []
-        results: list[Any] = []
-        for spec, value in zip(signature.output_specs, returned):
-            if spec.kind == OutputKind.BUFFER_MUTATION and isinstance(value, fx.Node) and \
-                    plan.stage_of.get(value) == k:
-                owner_name, _, attribute = spec.target.rpartition(".")
-                self.mutations.append((model.get_submodule(owner_name), attribute))
-                results.append(env[value])
-        self.user_outputs = [value for spec, value in zip(signature.output_specs, returned)
-                             if spec.kind == OutputKind.USER_OUTPUT]
-        if self.last:
-            results += [env[v] if isinstance(v, fx.Node) else v for v in self.user_outputs]
-        else:
-            results += [env[v] for v in plan.live_in[k + 1]]
-        graph.output(tuple(results))
-        self.module = fx.GraphModule(program.graph_module, graph)
-
-    def __call__(self, live: Any) -> Any:
-        values = [_read(b) for b in self.bindings]
-        if self.first:
-            args, kwargs = as_call(live)
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            if spec != self.in_spec:
-                raise ModelError(
-                    f"the pipeline was traced on inputs structured as {self.in_spec}, but "
-                    f"this micro-batch is {spec}; call it with the sample's structure")
-            self._check_shapes(leaves)
-            inputs = leaves
-        else:
-            inputs = [live[name] for name in self.receives]
-        results = list(self.module(*values, *inputs))
-        if self.mutations and not is_recomputing():
-            for (owner, attribute), value in zip(self.mutations, results):
-                # Replaced, not copied into: a micro-batch's backward may still need the
-                # tensor its forward read.
-                owner._buffers[attribute] = value.detach()
-        results = results[len(self.mutations):]
-        if self.last:
-            return pytree.tree_unflatten(results, self.out_spec)
-        return dict(zip(self.sends, results))
-
-    def _check_shapes(self, leaves: list[Any]) -> None:
-        """Refuses an input whose size differs in a dimension the trace fixed: the graph
-        would compute with the traced size."""
-        for index, (leaf, fixed) in enumerate(zip(leaves, self.fixed_sizes)):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            for d, size in fixed.items():
-                if leaf.shape[d] != size:
-                    raise ModelError(
-                        f"input {index} has size {leaf.shape[d]} in dim {d}, but the model's "
-                        f"trace fixed it to {size} (the model's code depends on it); give "
-                        "inputs of that size, or trace on a sample of the size you will use")
-
-
-def _read(binding: _Binding) -> Any:
-    if binding.owner is None:
-        return binding.constant
-    return getattr(binding.owner, binding.attribute)
-
-
-class GraphStage(nn.Module):
-    """Stage k of a traced model, as one layer: a micro-batch (stage 0) or a dict of the
-    values crossing into it, to the dict it hands on (or the model's output, last).
-
-    It holds no parameters of its own (they stay in the model, under the model's names):
-    :meth:`bound_parameters` lists those it reads.
-    """
-
-    def __init__(self, index: int, stages: int) -> None:
-        super().__init__()
-        self.index = index
-        self.stages = stages
-        self.programs: dict[bool, _StageProgram] = {}  # by training mode
-
-    def extra_repr(self) -> str:
-        return f"stage {self.index} of {self.stages}"
-
-    def bound_parameters(self) -> list[nn.Parameter]:
-        """The parameters this stage reads, in training mode (the same in eval)."""
-        found: dict[int, nn.Parameter] = {}
-        for program in self.programs.values():
-            for binding in program.bindings:
-                if binding.kind == "parameter":
-                    param = _read(binding)
-                    found.setdefault(id(param), param)
-        return list(found.values())
-
-    def bound_modules(self) -> list[nn.Module]:
-        """The modules whose parameters or buffers this stage reads (its batch norms
-        among them, whose running statistics a recomputation must leave alone)."""
-        found: dict[int, nn.Module] = {}
-        for program in self.programs.values():
-            for binding in program.bindings:
-                if binding.owner is not None:
-                    found.setdefault(id(binding.owner), binding.owner)
-        return list(found.values())
-
-    def forward(self, live: Any) -> Any:
-        return self.programs[self.training](live)

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.graph import GraphStage
+from conveyor.engine.graphstage import GraphStage
 from conveyor.engine.recompute import (
     checkpointed,
     is_recomputing,

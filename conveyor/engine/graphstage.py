@@ -1,0 +1,195 @@
+"""A traced stage at run time: :class:`GraphStage`, the layer that runs stage k of a
+model cut by :mod:`conveyor.engine.graph`.
+
+Stage 0 takes the micro-batch as the model takes it, a later stage the dict of values
+crossing into it; each hands on the values later stages use, and the last returns what
+the model returns. Parameters and buffers are read from the model's own modules at each
+call (a batch norm's running statistics are current; a recomputation reads the copies
+:class:`conveyor.engine.recompute.Recomputation` puts in their place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from conveyor.engine.recompute import is_recomputing
+from conveyor.errors import ModelError
+
+__all__: list[str] = []
+
+
+def as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A micro-batch as the model's arguments: a tuple is positional, a dict keywords,
+    anything else the one positional argument."""
+    if isinstance(batch, tuple):
+        return batch, {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    return (batch,), {}
+
+
+@dataclass
+class Binding:
+    """A parameter, buffer or constant a stage's graph reads, and where it lives."""
+
+    placeholder: str
+    kind: str  # "parameter", "buffer" or "constant"
+    owner: nn.Module | None  # the module holding it (None: a constant)
+    attribute: str
+    constant: torch.Tensor | None = None
+
+
+@dataclass
+class Plan:
+    """One traced program (one mode) cut into stages."""
+
+    program: ExportedProgram
+    stage_of: dict[fx.Node, int]
+    live_in: list[list[fx.Node]]  # per stage, the values it receives (stage 0: none)
+    uses: dict[str, set[int]]  # placeholder of a parameter/buffer -> the stages using it
+    fixed_sizes: list[dict[int, int]]  # per user input, the dims the trace fixed: size
+
+
+class StageProgram:
+    """Stage k of one traced program: its graph and what it reads and returns."""
+
+    def __init__(self, model: nn.Module, plan: Plan, k: int, stages: int,
+                 bindings: list[Binding]) -> None:
+        program = plan.program
+        signature = program.graph_signature
+        self.first, self.last = k == 0, k == stages - 1
+        self.bindings = bindings
+        self.in_spec = program.call_spec.in_spec
+        self.out_spec = program.call_spec.out_spec
+        self.fixed_sizes = plan.fixed_sizes
+        self.receives = [node.name for node in plan.live_in[k]]
+        self.sends = [] if self.last else [node.name for node in plan.live_in[k + 1]]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        placeholders = {node.name: node for node in program.graph.nodes
+                        if node.op == "placeholder"}
+        for binding in bindings:
+            env[placeholders[binding.placeholder]] = graph.placeholder(binding.placeholder)
+        if self.first:
+            for spec in signature.input_specs:
+                if spec.kind == InputKind.USER_INPUT:
+                    env[placeholders[spec.arg.name]] = graph.placeholder(spec.arg.name)
+        for node in plan.live_in[k]:
+            env[node] = graph.placeholder(node.name)
+        output = None
+        for node in program.graph.nodes:
+            if node.op == "output":
+                output = node
+            elif node.op != "placeholder" and plan.stage_of[node] == k:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        assert output is not None
+        returned = list(output.args[0])
+        # Buffers the stage updates (batch norm's running statistics): owner, name.
+        self.mutations: list[tuple[nn.Module, str]] = []
+        results: list[Any] = []
+        for spec, value in zip(signature.output_specs, returned):
+            if spec.kind == OutputKind.BUFFER_MUTATION and isinstance(value, fx.Node) and \
+                    plan.stage_of.get(value) == k:
+                owner_name, _, attribute = spec.target.rpartition(".")
+                self.mutations.append((model.get_submodule(owner_name), attribute))
+                results.append(env[value])
+        self.user_outputs = [value for spec, value in zip(signature.output_specs, returned)
+                             if spec.kind == OutputKind.USER_OUTPUT]
+        if self.last:
+            results += [env[v] if isinstance(v, fx.Node) else v for v in self.user_outputs]
+        else:
+            results += [env[v] for v in plan.live_in[k + 1]]
+        graph.output(tuple(results))
+        self.module = fx.GraphModule(program.graph_module, graph)
+
+    def __call__(self, live: Any) -> Any:
+        values = [_read(b) for b in self.bindings]
+        if self.first:
+            args, kwargs = as_call(live)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            if spec != self.in_spec:
+                raise ModelError(
+                    f"the pipeline was traced on inputs structured as {self.in_spec}, but "
+                    f"this micro-batch is {spec}; call it with the sample's structure")
+            self._check_shapes(leaves)
+            inputs = leaves
+        else:
+            inputs = [live[name] for name in self.receives]
+        results = list(self.module(*values, *inputs))
+        if self.mutations and not is_recomputing():
+            for (owner, attribute), value in zip(self.mutations, results):
+                # Replaced, not copied into: a micro-batch's backward may still need the
+                # tensor its forward read.
+                owner._buffers[attribute] = value.detach()
+        results = results[len(self.mutations):]
+        if self.last:
+            return pytree.tree_unflatten(results, self.out_spec)
+        return dict(zip(self.sends, results))
+
+    def _check_shapes(self, leaves: list[Any]) -> None:
+        """Refuses an input whose size differs in a dimension the trace fixed: the graph
+        would compute with the traced size."""
+        for index, (leaf, fixed) in enumerate(zip(leaves, self.fixed_sizes)):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            for d, size in fixed.items():
+                if leaf.shape[d] != size:
+                    raise ModelError(
+                        f"input {index} has size {leaf.shape[d]} in dim {d}, but the model's "
+                        f"trace fixed it to {size} (the model's code depends on it); give "
+                        "inputs of that size, or trace on a sample of the size you will use")
+
+
+def _read(binding: Binding) -> Any:
+    if binding.owner is None:
+        return binding.constant
+    return getattr(binding.owner, binding.attribute)
+
+
+class GraphStage(nn.Module):
+    """Stage k of a traced model, as one layer: a micro-batch (stage 0) or a dict of the
+    values crossing into it, to the dict it hands on (or the model's output, last).
+
+    It holds no parameters of its own (they stay in the model, under the model's names):
+    :meth:`bound_parameters` lists those it reads.
+    """
+
+    def __init__(self, index: int, stages: int) -> None:
+        super().__init__()
+        self.index = index
+        self.stages = stages
+        self.programs: dict[bool, StageProgram] = {}  # by training mode
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index} of {self.stages}"
+
+    def bound_parameters(self) -> list[nn.Parameter]:
+        """The parameters this stage reads, in training mode (the same in eval)."""
+        found: dict[int, nn.Parameter] = {}
+        for program in self.programs.values():
+            for binding in program.bindings:
+                if binding.kind == "parameter":
+                    param = _read(binding)
+                    found.setdefault(id(param), param)
+        return list(found.values())
+
+    def bound_modules(self) -> list[nn.Module]:
+        """The modules whose parameters or buffers this stage reads (its batch norms
+        among them, whose running statistics a recomputation must leave alone)."""
+        found: dict[int, nn.Module] = {}
+        for program in self.programs.values():
+            for binding in program.bindings:
+                if binding.owner is not None:
+                    found.setdefault(id(binding.owner), binding.owner)
+        return list(found.values())
+
+    def forward(self, live: Any) -> Any:
+        return self.programs[self.training](live)
