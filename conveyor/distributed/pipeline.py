@@ -31,10 +31,15 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import NamedLayers, adopt, build_stages, check_options, new_step
+from conveyor.engine.builder import (
+    NamedLayers,
+    build_stages,
+    build_traced_stages,
+    check_options,
+    new_step,
+)
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
-from conveyor.engine.graph import split_model
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.ties import (
@@ -160,14 +165,6 @@ class Pipeline(KeepsPlacement):
         count = self.schedule.num_stages
         if not isinstance(module, nn.Module):
             raise ModelError("split_at= cuts a model object; give the nn.Module itself")
-        if balance is not None:
-            raise BalanceError("give balance= or split_at=, not both")
-        if sample is None:
-            raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
-                               "micro-batch as the model takes it>")
-        if deferred_batch_norm:
-            raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
-                               "balance=; a traced model's batch norms update per micro-batch")
         if len(split_at) + 1 != count:
             raise BalanceError(f"split_at gives {len(split_at) + 1} stages but the schedule "
                                f"has {count} (ranks x virtual stages)")
@@ -175,16 +172,10 @@ class Pipeline(KeepsPlacement):
             raise ModelError("split_at= runs in one process for now: under torchrun, give "
                              "an nn.Sequential (or a layer builder) with balance=")
         self.balance = [1] * count
-        split = split_model(module, sample, split_at,
-                            [self._stage_device(s) for s in range(count)])
-        self._ties = split.ties
-        stages = build_stages(
-            self, {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names,
-                                                                            split.stages))},
-            names=split.names, first_layers={k: k for k in range(count)},
-            devices={s: self._stage_device(s) for s in range(count)},
-            concurrent=self.devices, deferred_batch_norm=False)
-        adopt(self, module)
+        stages, self._ties = build_traced_stages(
+            self, module, split_at=split_at, sample=sample, balance=balance,
+            deferred_batch_norm=deferred_batch_norm,
+            devices=[self._stage_device(s) for s in range(count)], concurrent=self.devices)
         return stages
 
     def _stage_device(self, stage: int) -> torch.device:

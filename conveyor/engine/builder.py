@@ -19,11 +19,13 @@ from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.executor import StepState
+from conveyor.engine.graph import split_model
 from conveyor.engine.microbatch import microbatch_sizes
 from conveyor.engine.recompute import recomputes, validate_mode
 from conveyor.engine.rng import LayerRandomness, draw_step_seed
 from conveyor.engine.stage import Partition, Stage
-from conveyor.errors import ModelError
+from conveyor.engine.ties import TiedParameter
+from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
 
@@ -81,6 +83,44 @@ def build_stages(
         stages[s] = Stage(s, layers, first_layer=first_layers[s], device=device,
                           randomness=randomness)
     return stages
+
+
+def build_traced_stages(
+    owner: nn.Module,
+    module: nn.Module,
+    *,
+    split_at: Sequence[str],
+    sample: Any,
+    balance: Any,
+    deferred_batch_norm: bool,
+    devices: Sequence[torch.device],
+    concurrent: Sequence[torch.device],
+) -> tuple[dict[int, Stage], list[TiedParameter]]:
+    """Traces ``module`` on ``sample``, cuts it at ``split_at`` (stage k on
+    ``devices[k]``), builds every stage and registers the model's own modules on
+    ``owner``; returns the stages and the ties found in the graph.
+
+    Raises:
+        BalanceError: ``balance`` given too, no ``sample``, or deferred batch norm.
+        ModelError: the model cannot be traced or cut there (see ``split_model``).
+    """
+    if balance is not None:
+        raise BalanceError("give balance= or split_at=, not both")
+    if sample is None:
+        raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
+                           "micro-batch as the model takes it>")
+    if deferred_batch_norm:
+        raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
+                           "balance=; a traced model's batch norms update per micro-batch")
+    split = split_model(module, sample, split_at, devices)
+    count = len(split.stages)
+    stages = build_stages(
+        owner, {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names,
+                                                                         split.stages))},
+        names=split.names, first_layers={k: k for k in range(count)},
+        devices=dict(enumerate(devices)), concurrent=concurrent, deferred_batch_norm=False)
+    adopt(owner, module)
+    return stages, split.ties
 
 
 def adopt(owner: nn.Module, model: nn.Module) -> None:

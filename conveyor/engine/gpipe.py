@@ -18,10 +18,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import adopt, build_stages, check_options, new_step
+from conveyor.engine.builder import build_stages, build_traced_stages, check_options, new_step
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
-from conveyor.engine.graph import split_model
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
 from conveyor.engine.ties import (
@@ -140,29 +139,13 @@ class GPipe(KeepsPlacement):
                    split_at: Sequence[str], sample: Any, devices: Sequence[Device] | None,
                    deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of any module, traced on ``sample`` and cut at ``split_at``."""
-        if balance is not None:
-            raise BalanceError("give balance= or split_at=, not both")
-        if sample is None:
-            raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
-                               "micro-batch as the model takes it>")
-        if deferred_batch_norm:
-            raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
-                               "balance=; a traced model's batch norms update per micro-batch")
         count = len(split_at) + 1
         self.balance = [1] * count
         self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
-        split = split_model(module, sample, split_at, self.devices)
-        self._ties = split.ties
-        stages = build_stages(
-            self,
-            {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names, split.stages))},
-            names=split.names,
-            first_layers={k: k for k in range(count)},
-            devices=dict(enumerate(self.devices)),
-            concurrent=self.devices,
-            deferred_batch_norm=False,
-        )
-        adopt(self, module)
+        stages, self._ties = build_traced_stages(
+            self, module, split_at=split_at, sample=sample, balance=balance,
+            deferred_batch_norm=deferred_batch_norm, devices=self.devices,
+            concurrent=self.devices)
         return stages
 
     def extra_repr(self) -> str:
