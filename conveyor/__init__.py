@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         solve_balance,
     )
     from conveyor.engine.recompute import is_recomputing
+    from conveyor.engine.weights import initialize
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
@@ -70,6 +71,7 @@ _LAZY = {
     "profile_layers": "conveyor.engine.partition",
     "solve_balance": "conveyor.engine.partition",
     "GPipe": "conveyor.engine.gpipe",
+    "initialize": "conveyor.engine.weights",
     "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
@@ -112,6 +114,7 @@ __all__ = [
     "balance_by_params",
     "balance_by_time",
     "convert_deferred_batch_norm",
+    "initialize",
     "is_recomputing",
     "plot_timelines",
     "profile_layers",

@@ -303,3 +303,45 @@ def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
     torch.save({"step": extra["step"], "saved": saved, "loaded": pipe.state_dict(),
                 "optimizer_steps": [float(s["step"]) for s in optimizer.state.values()]},
                out_dir / f"rank{rank}.pt")
+
+
+# Split at (2 ranks) per model of tests/test_any_model.py; the U-Net also as four stages
+# on two ranks (interleaved), its first level's output crossing three stages.
+ANY_MODEL_SPLITS = {"unet": ["up1"], "gpt2": ["transformer.h.2"], "llama": ["model.layers.2"],
+                    "bert": ["bert.encoder.layer.1"], "resnet": ["resnet.encoder.stages.1"]}
+ANY_MODEL_CASES = [(name, schedule, split_at, 1) for name, split_at in ANY_MODEL_SPLITS.items()
+                   for schedule in ("gpipe", "1f1b", "zero-bubble")]
+ANY_MODEL_CASES.append(("unet", "interleaved-1f1b", ["down2", "up2", "up1"], 2))
+
+
+def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
+    """Models nobody here wrote, as constructed, split over the ranks: each model built
+    whole on every rank (the same weights), then GPT-2 built on the meta device with
+    weights read from a file, and Llama on the meta device initialised by its own
+    initialiser."""
+    from tests.test_any_model import CHUNKS, build, gpt2, llama, loss_of, sample_of
+
+    for name, schedule, split_at, virtual in ANY_MODEL_CASES:
+        model, _, _, inputs, targets = build(name)
+        pipe = conveyor.Pipeline(model, split_at=split_at, sample=sample_of(inputs),
+                                 chunks=CHUNKS, schedule=schedule, virtual_stages=virtual,
+                                 loss_fn=loss_of(name), timeout=60)
+        loss = pipe.step(inputs, targets)
+        torch.save({"loss": loss, "grads": _grads(pipe), "state": list(pipe.state_dict())},
+                   out_dir / f"{name}-{schedule}-rank{rank}.pt")
+    model, _, inputs, targets = gpt2()
+    with torch.device("meta"):
+        meta = type(model)(model.config).double()
+    pipe = conveyor.Pipeline(meta, split_at=ANY_MODEL_SPLITS["gpt2"], sample=sample_of(inputs),
+                             chunks=CHUNKS, schedule="1f1b", loss_fn=loss_of("gpt2"),
+                             weights=out_dir / "gpt2.safetensors", timeout=60)
+    loss = pipe.step(inputs, targets)
+    torch.save({"loss": loss, "grads": _grads(pipe), "state": pipe.state_dict()},
+               out_dir / f"gpt2-meta-rank{rank}.pt")
+    model, _, inputs, _ = llama()
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    torch.manual_seed(5)
+    pipe = conveyor.Pipeline(meta, split_at=ANY_MODEL_SPLITS["llama"], sample=sample_of(inputs),
+                             chunks=CHUNKS, loss_fn=loss_of("llama"), timeout=60)
+    torch.save(pipe.state_dict(), out_dir / f"llama-meta-rank{rank}.pt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,8 @@ from conveyor.engine.microbatch import split
 from conveyor.errors import BalanceError, ModelError
 from tests.extras import require
 from tests.models import relative_error
-from tests.scenarios import PAD
+from tests.multiprocess import launch
+from tests.scenarios import ANY_MODEL_CASES, PAD
 
 CHUNKS = 4
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble"]
@@ -150,6 +152,24 @@ def plain_run(name: str, model: nn.Module, inputs: Any, targets: Any) -> tuple[t
     return plain_loss(name, result, targets), result
 
 
+def plain_step(name: str, reference: nn.Module, inputs: Any, targets: Any) -> torch.Tensor:
+    """The plain model's loss on the whole batch, its gradients in ``reference``."""
+    expected, result = plain_run(name, reference, inputs, targets)
+    if name in ("llama", "gpt2", "bert"):
+        # The pipeline back-propagates the summed token loss and divides the gradients by
+        # the count at the end; so does the reference here. (Llama's RMSNorm computes in
+        # float32 even in a float64 model, so dividing before backward instead differs at
+        # float32's precision, in the plain model alone as well.)
+        total, count = loss_of(name)(result, targets)
+        total.backward()
+        for param in reference.parameters():
+            if param.grad is not None:
+                param.grad /= count
+    else:
+        expected.backward()
+    return expected.detach()
+
+
 def build(name: str) -> tuple[nn.Module, nn.Module, list[str], Any, Any]:
     torch.manual_seed(0)
     model, split_at, inputs, targets = MODELS[name]()
@@ -192,19 +212,7 @@ def test_pipeline_splits_the_model_as_constructed(name: str, schedule: str) -> N
                              stages=stages, devices=["cpu"] * stages, chunks=CHUNKS,
                              schedule=schedule, loss_fn=loss_of(name))
     loss = pipe.step(inputs, targets)
-    expected, result = plain_run(name, reference, inputs, targets)
-    if name in ("llama", "gpt2", "bert"):
-        # The pipeline back-propagates the summed token loss and divides the gradients by
-        # the count at the end; so does the reference here. (Llama's RMSNorm computes in
-        # float32 even in a float64 model, so dividing before backward instead differs at
-        # float32's precision, in the plain model alone as well.)
-        total, count = loss_of(name)(result, targets)
-        total.backward()
-        for param in reference.parameters():
-            if param.grad is not None:
-                param.grad /= count
-    else:
-        expected.backward()
+    expected = plain_step(name, reference, inputs, targets)
     assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
     assert_model_grads(pipe, reference)
     # The model's own names, and the plain model's state dict, running statistics too.
@@ -284,3 +292,80 @@ def test_bad_split_points_say_what_to_do() -> None:
     with pytest.raises(BalanceError, match=r"split_at gives 2 stages but the schedule has 3"):
         conveyor.Pipeline(model, split_at=["up2"], sample=sample, stages=3,
                           devices=["cpu"] * 3, chunks=2, loss_fn=F.mse_loss)
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of two processes running every case of scenario_any_model."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("any_model")
+    model, *_ = build("gpt2")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()
+               if k != "lm_head.weight"}, out / "gpt2.safetensors")  # as Hugging Face saves it
+    outcome = launch("any_model", 2, out, timeout=600)
+    assert outcome.returncodes == [0, 0], "\n".join(outcome.outputs)
+    return out
+
+
+def assert_rank_grads(results: list[dict[str, Any]], reference: nn.Module) -> None:
+    """Each rank's gradients are the plain model's under the same names, and the ranks
+    hold every parameter of the plain model between them."""
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    scale = torch.stack([p.grad.norm() for p in reference.parameters()]).norm()
+    held = set()
+    for result in results:
+        for name, grad in result["grads"].items():
+            expected = plain[name].grad
+            error = float((grad - expected).norm() / max(expected.norm(), 1e-6 * scale))
+            assert error <= 1e-10, f"{name}: relative error {error:.3g}"
+            held.add(id(plain[name]))
+    assert held == {id(p) for p in reference.parameters()}
+
+
+@pytest.mark.parametrize("case", ANY_MODEL_CASES, ids=lambda case: f"{case[0]}-{case[1]}")
+def test_under_torchrun_each_rank_holds_its_stage(torchrun: Path, case: tuple[Any, ...]) -> None:
+    name, schedule, _, _ = case
+    _, reference, _, inputs, targets = build(name)
+    expected = plain_step(name, reference, inputs, targets)
+    results = [torch.load(torchrun / f"{name}-{schedule}-rank{r}.pt") for r in range(2)]
+    for result in results:
+        assert abs(result["loss"].item() - expected.item()) <= 1e-10 * abs(expected.item())
+    assert_rank_grads(results, reference)
+    # Between them the ranks' state dicts have the plain model's keys, in its order.
+    keys = list(reference.state_dict())
+    held = [key for result in results for key in result["state"]]
+    assert set(held) == set(keys)
+    for result in results:
+        assert result["state"] == [key for key in keys if key in result["state"]]
+
+
+def test_under_torchrun_a_meta_model_reads_its_rank_s_weights(torchrun: Path) -> None:
+    _, reference, _, inputs, targets = build("gpt2")
+    expected = plain_step("gpt2", reference, inputs, targets)
+    results = [torch.load(torchrun / f"gpt2-meta-rank{r}.pt") for r in range(2)]
+    assert abs(results[0]["loss"].item() - expected.item()) <= 1e-10 * abs(expected.item())
+    assert_rank_grads(results, reference)
+    plain = reference.state_dict()
+    for result in results:
+        for key, value in result["state"].items():
+            assert torch.equal(value, plain[key]), key
+    # Rank 0 holds the embedding and the first blocks only; the head is rank 1's copy.
+    assert "transformer.h.3.mlp.c_fc.weight" not in results[0]["state"]
+    assert "transformer.wte.weight" not in results[1]["state"]
+    assert "lm_head.weight" in results[1]["state"]
+
+
+def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Path) -> None:
+    model, *_ = llama()
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    torch.manual_seed(5)
+    expected = conveyor.initialize(meta).state_dict()
+    found = {}
+    for rank in range(2):
+        found.update(torch.load(torchrun / f"llama-meta-rank{rank}.pt"))
+    assert set(found) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(found[key], value), key
+    assert found["model.layers.0.mlp.up_proj.weight"].std() > 0.01  # not left empty

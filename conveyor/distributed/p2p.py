@@ -44,9 +44,9 @@ from conveyor.distributed.envelope import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
+from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Kind
-from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
 
 __all__: list[str] = []
 

@@ -37,11 +37,13 @@ from conveyor.engine.builder import (
     build_traced_stages,
     check_options,
     new_step,
+    refuse_initialisation,
 )
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
+from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -50,9 +52,10 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.engine.stage import Stage
+from conveyor.engine.weights import InitFn, Weights
 from conveyor.errors import BalanceError, ConveyorError, ModelError
-from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
+from conveyor.schedules import Kind, Schedule, actions_of, validate
+from conveyor.schedules import build as build_schedule
 
 __all__ = ["Pipeline"]
 
@@ -73,8 +76,12 @@ class Pipeline(KeepsPlacement):
         layers: the number of layers, when ``module`` is a function.
         balance: layers per stage (K·V entries); None evens out parameters; "time"
             evens out forward+backward time measured on ``sample``.
-        sample: one micro-batch to profile for ``balance="time"`` (as for
-            ``conveyor.balance_by_time``).
+        split_at: for any ``nn.Module`` (possibly built on the meta device): the
+            qualified names of the submodules where stages 1, 2, ... begin
+            (``["model.layers.2"]``); K·V - 1 names. The model is traced on ``sample``.
+        sample: one micro-batch as the model takes it (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments): traced for ``split_at`` (every
+            rank passes it), or profiled for ``balance="time"``.
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
@@ -87,6 +94,12 @@ class Pipeline(KeepsPlacement):
         check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
         timeout: seconds a rank waits for another before giving up with an error.
         deferred_batch_norm: batch-norm statistics over the whole mini-batch.
+        init_fn: with ``split_at`` and a model on the meta device, ``init_fn(module)``
+            initialises each module of the rank's stages (default: the model's
+            ``_init_weights`` if it has one, as Hugging Face models do, else each
+            module's ``reset_parameters()``).
+        weights: with ``split_at``, a ``state_dict`` or a checkpoint file of the plain
+            model (``.safetensors`` or ``torch.save``); each rank reads its own tensors.
     """
 
     def __init__(
@@ -109,6 +122,8 @@ class Pipeline(KeepsPlacement):
         check_finite: bool = False,
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
+        init_fn: InitFn | None = None,
+        weights: Weights | None = None,
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
@@ -127,11 +142,12 @@ class Pipeline(KeepsPlacement):
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
         if split_at is None:
+            refuse_initialisation(init_fn, weights)
             self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
                                             tie_weights, deferred_batch_norm)
         else:
             self._stages = self._cut_graph(module, balance, split_at, sample,
-                                           deferred_batch_norm)
+                                           deferred_batch_norm, init_fn, weights)
         self._transport = self._make_transport(timeout)
         self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
 
@@ -158,24 +174,28 @@ class Pipeline(KeepsPlacement):
         )
 
     def _cut_graph(self, module: nn.Module | LayerBuilder, balance: Sequence[int] | str | None,
-                   split_at: Sequence[str], sample: Any,
-                   deferred_batch_norm: bool) -> dict[int, Stage]:
+                   split_at: Sequence[str], sample: Any, deferred_batch_norm: bool,
+                   init_fn: InitFn | None, weights: Weights | None) -> dict[int, Stage]:
         """This process's stages of any module, traced on ``sample`` (one micro-batch)
-        and cut at ``split_at``."""
+        and cut at ``split_at``; under torchrun, each rank gives storage only to the
+        tensors of its own stages."""
         count = self.schedule.num_stages
         if not isinstance(module, nn.Module):
             raise ModelError("split_at= cuts a model object; give the nn.Module itself")
         if len(split_at) + 1 != count:
             raise BalanceError(f"split_at gives {len(split_at) + 1} stages but the schedule "
                                f"has {count} (ranks x virtual stages)")
-        if self.topology.distributed:
-            raise ModelError("split_at= runs in one process for now: under torchrun, give "
-                             "an nn.Sequential (or a layer builder) with balance=")
         self.balance = [1] * count
+        local = [s for s in range(count) if not self.topology.distributed
+                 or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
         stages, self._ties = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
             deferred_batch_norm=deferred_batch_norm,
-            devices=[self._stage_device(s) for s in range(count)], concurrent=self.devices)
+            devices={s: self._stage_device(s) for s in local},
+            concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
+            init_fn=init_fn, weights=weights)
+        if self.topology.distributed:
+            connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
         return stages
 
     def _stage_device(self, stage: int) -> torch.device:

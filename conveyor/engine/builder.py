@@ -25,6 +25,7 @@ from conveyor.engine.recompute import recomputes, validate_mode
 from conveyor.engine.rng import LayerRandomness, draw_step_seed
 from conveyor.engine.stage import Partition, Stage
 from conveyor.engine.ties import TiedParameter
+from conveyor.engine.weights import InitFn, Weights
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
@@ -93,12 +94,15 @@ def build_traced_stages(
     sample: Any,
     balance: Any,
     deferred_batch_norm: bool,
-    devices: Sequence[torch.device],
+    devices: Mapping[int, torch.device],
     concurrent: Sequence[torch.device],
+    init_fn: InitFn | None = None,
+    weights: Weights | None = None,
 ) -> tuple[dict[int, Stage], list[TiedParameter]]:
-    """Traces ``module`` on ``sample``, cuts it at ``split_at`` (stage k on
-    ``devices[k]``), builds every stage and registers the model's own modules on
-    ``owner``; returns the stages and the ties found in the graph.
+    """Traces ``module`` on ``sample``, cuts it at ``split_at``, builds the stages listed
+    in ``devices`` (stage k on ``devices[k]``; under torchrun, this rank's) and registers
+    the model's own modules on ``owner``; returns the stages and the ties found in the
+    graph (every tie, with this process's copies).
 
     Raises:
         BalanceError: ``balance`` given too, no ``sample``, or deferred batch norm.
@@ -108,19 +112,29 @@ def build_traced_stages(
         raise BalanceError("give balance= or split_at=, not both")
     if sample is None:
         raise BalanceError("split_at= traces the model to cut it: pass sample=<a "
-                           "micro-batch as the model takes it>")
+                           "micro-batch as the model takes it> (every rank, under torchrun)")
     if deferred_batch_norm:
         raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
                            "balance=; a traced model's batch norms update per micro-batch")
-    split = split_model(module, sample, split_at, devices)
-    count = len(split.stages)
+    split = split_model(module, sample, split_at, devices, init_fn=init_fn, weights=weights)
     stages = build_stages(
-        owner, {k: [(name, stage)] for k, (name, stage) in enumerate(zip(split.names,
-                                                                         split.stages))},
-        names=split.names, first_layers={k: k for k in range(count)},
-        devices=dict(enumerate(devices)), concurrent=concurrent, deferred_batch_norm=False)
+        owner, {k: [(split.names[k], stage)] for k, stage in split.stages.items()},
+        names=split.names, first_layers={k: k for k in split.stages},
+        devices=devices, concurrent=concurrent, deferred_batch_norm=False)
     adopt(owner, module)
     return stages, split.ties
+
+
+def refuse_initialisation(init_fn: Any, weights: Any) -> None:
+    """Refuses ``init_fn=``/``weights=`` where they have no effect (no ``split_at=``).
+
+    Raises:
+        BalanceError: either is given.
+    """
+    if init_fn is not None or weights is not None:
+        raise BalanceError("init_fn= and weights= initialise a model split with split_at=; "
+                           "an nn.Sequential on the meta device initialises each layer by "
+                           "its reset_parameters()")
 
 
 def adopt(owner: nn.Module, model: nn.Module) -> None:

@@ -33,12 +33,12 @@ import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
-from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recorder import Recorder
-from conveyor.schedules import Action, Kind
 from conveyor.engine.stage import Stage, failure
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.engine.weightgrad import WeightGradient, backward_input
+from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
+from conveyor.schedules import Action, Kind
 
 __all__: list[str] = []
 

@@ -18,11 +18,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import build_stages, build_traced_stages, check_options, new_step
+from conveyor.engine.builder import (
+    build_stages,
+    build_traced_stages,
+    check_options,
+    new_step,
+    refuse_initialisation,
+)
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
+from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,
@@ -32,7 +39,7 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport
-from conveyor.engine.stage import Stage
+from conveyor.engine.weights import InitFn, Weights
 from conveyor.errors import BalanceError, LayerOutputError
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 
@@ -40,7 +47,8 @@ __all__ = ["GPipe"]
 
 
 class GPipe(KeepsPlacement):
-    """Wraps an ``nn.Sequential`` so that it trains as a GPipe pipeline.
+    """Wraps a model so that it trains as a GPipe pipeline: an ``nn.Sequential`` cut by
+    ``balance``, or any module cut at named submodules (``split_at``).
 
     Example::
 
@@ -56,10 +64,15 @@ class GPipe(KeepsPlacement):
     over ``pipe.parameters()`` keeps the copies equal and steps as the plain model.
 
     Args:
-        module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
-            their stages' devices.
+        module: the model: an ``nn.Sequential`` of layers with ``balance``, or any
+            module with ``split_at`` (then it may be built on the meta device). Its
+            tensors are moved to their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
             ``conveyor.balance_by_time`` and friends to compute one.
+        split_at: qualified names of the submodules where stages 1, 2, ... begin
+            (``["transformer.h.2"]``); the model is traced on ``sample`` to cut it.
+        sample: one micro-batch as the model takes it (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments), for ``split_at``.
         devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.
@@ -68,6 +81,11 @@ class GPipe(KeepsPlacement):
             ``"always"``, ``"except_last"`` (default, as the paper) or ``"never"``.
         deferred_batch_norm: make batch norms update running statistics once per step
             from the whole mini-batch, rather than once per micro-batch.
+        init_fn: with ``split_at`` and a model on the meta device, ``init_fn(module)``
+            initialises each module (default: the model's ``_init_weights`` if it has
+            one, as Hugging Face models do, else each module's ``reset_parameters()``).
+        weights: with ``split_at``, a ``state_dict`` or a checkpoint file of the plain
+            model (``.safetensors`` or ``torch.save``) to load the meta tensors from.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -88,6 +106,8 @@ class GPipe(KeepsPlacement):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        init_fn: InitFn | None = None,
+        weights: Weights | None = None,
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
@@ -96,10 +116,11 @@ class GPipe(KeepsPlacement):
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
         if split_at is None:
+            refuse_initialisation(init_fn, weights)
             stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
         else:
             stages = self._cut_graph(module, balance, split_at, sample, devices,
-                                     deferred_batch_norm)
+                                     deferred_batch_norm, init_fn, weights)
         self._stages = list(stages.values())
         self.partitions.extend(stage.layers for stage in self._stages)
         self._schedule = gpipe(len(self.balance), chunks)
@@ -137,15 +158,16 @@ class GPipe(KeepsPlacement):
 
     def _cut_graph(self, module: nn.Module, balance: Sequence[int] | None,
                    split_at: Sequence[str], sample: Any, devices: Sequence[Device] | None,
-                   deferred_batch_norm: bool) -> dict[int, Stage]:
+                   deferred_batch_norm: bool, init_fn: InitFn | None,
+                   weights: Weights | None) -> dict[int, Stage]:
         """The stages of any module, traced on ``sample`` and cut at ``split_at``."""
         count = len(split_at) + 1
         self.balance = [1] * count
         self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
         stages, self._ties = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
-            deferred_batch_norm=deferred_batch_norm, devices=self.devices,
-            concurrent=self.devices)
+            deferred_batch_norm=deferred_batch_norm, devices=dict(enumerate(self.devices)),
+            concurrent=self.devices, init_fn=init_fn, weights=weights)
         return stages
 
     def extra_repr(self) -> str:

@@ -21,11 +21,16 @@ a layer that conveyor's engine runs like any other:
   (a recomputation works on copies); where torch.export turns an update into a new
   value, that value replaces the buffer after the forward.
 
+Under torchrun each rank builds only its own stages: it traces the whole model (built on
+the meta device, that costs no memory), gives storage and values only to the tensors its
+stages read (:mod:`conveyor.engine.weights`) and drops the others from the model.
+
 Values that skip stages are relayed through the stages between (sent on by each).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +44,8 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from conveyor.engine.graphstage import Binding, GraphStage, Plan, StageProgram, as_call
-from conveyor.engine.ties import TiedParameter
+from conveyor.engine.ties import TiedParameter, equalize
+from conveyor.engine.weights import InitFn, Placement, Weights, draw_init_seed, fill
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
@@ -82,37 +88,47 @@ def trace(model: nn.Module, sample: Any) -> ExportedProgram:
 
 @dataclass
 class SplitModel:
-    """A model cut into stages: the stages, and what the pipeline must know of them.
+    """A model cut into stages: the stages this process builds, and what the pipeline
+    must know of them.
 
     Attributes:
-        stages: one :class:`GraphStage` per stage, in order.
-        ties: parameters used by several stages, with their copies.
-        names: the names of the stages (layer names for the engine).
+        count: the number of stages.
+        stages: this process's stages, a :class:`GraphStage` by stage index.
+        ties: parameters used by several stages (every one, with this process's copies).
     """
 
-    stages: list[GraphStage]
+    count: int
+    stages: dict[int, GraphStage] = field(default_factory=dict)
     ties: list[TiedParameter] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
-        return [f"stage{k}" for k in range(len(self.stages))]
+        """The names of all stages (layer names for the engine)."""
+        return [f"stage{k}" for k in range(self.count)]
 
 
 def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
-                devices: Sequence[torch.device]) -> SplitModel:
-    """Traces ``model`` on ``sample`` (one micro-batch) in training and eval mode and
-    cuts it at ``split_at``, placing stage k on ``devices[k]``.
+                devices: Mapping[int, torch.device], *, init_fn: InitFn | None = None,
+                weights: Weights | None = None) -> SplitModel:
+    """Traces ``model`` on ``sample`` (one micro-batch) in training and eval mode, cuts it
+    at ``split_at`` and builds the stages listed in ``devices``, stage k on
+    ``devices[k]``.
+
+    The tensors those stages read move to their devices (a model built on the meta device
+    gets storage for them alone, and values from ``weights``, ``init_fn`` or its own
+    initialiser: :mod:`conveyor.engine.weights`); tensors of stages built elsewhere are
+    removed from the model, which keeps the model's names for what it holds.
 
     Raises:
         ModelError: a name in ``split_at`` is not a submodule, is never called, or comes
-            out of order; tracing failed.
-        BalanceError: ``devices`` does not give one device per stage.
+            out of order; tracing failed; a meta tensor has no way to get a value.
+        BalanceError: ``devices`` names a stage the split does not have.
     """
     split_at = list(split_at)
-    stages = len(split_at) + 1
-    if len(devices) != stages:
-        raise BalanceError(f"split_at gives {stages} stages but devices lists "
-                           f"{len(devices)}; give one device per stage")
+    count = len(split_at) + 1
+    if not set(devices) <= set(range(count)):
+        raise BalanceError(f"split_at gives {count} stages, so stages 0..{count - 1}; "
+                           f"devices were given for {sorted(devices)}")
     for name in split_at:
         try:
             model.get_submodule(name)
@@ -120,24 +136,75 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
             raise ModelError(f"split_at names {name!r}, which is not a submodule of "
                              f"{type(model).__name__}; use names from "
                              "model.named_modules()") from None
+    traced_on = _device_of(model)
+    if traced_on.type == "meta":
+        sample = pytree.tree_map(
+            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, sample)
     was_training = model.training
     plans = {}
     try:
         for training in (True, False):
             model.train(training)
-            plans[training] = _cut(trace(model, sample), split_at, stages)
+            plans[training] = _cut(trace(model, sample), split_at, count)
     finally:
         model.train(was_training)
-    aliases = _aliases(model)
     originals = dict(model.named_parameters(remove_duplicate=False))
-    split = SplitModel([GraphStage(k, stages) for k in range(stages)])
-    tied_copies: dict[tuple[int, int], tuple[nn.Module, str]] = {}
-    for training, plan in plans.items():
-        for k, stage in enumerate(split.stages):
-            bindings = _bind(model, plan, k, devices[k], originals, aliases, tied_copies,
-                             split.ties)
-            stage.programs[training] = StageProgram(model, plan, k, stages, bindings)
+    binder = _Binder(model, plans, originals, devices)
+    split = SplitModel(count, ties=binder.ties)
+    for k in sorted(devices):
+        stage = split.stages[k] = GraphStage(k, count)
+        for training, plan in plans.items():
+            stage.programs[training] = program = StageProgram(model, plan, k, count,
+                                                              binder.bind(plan, k))
+            _move_device_arguments(program.module, traced_on, devices[k])
+    binder.place_unused(devices)
+    replaced = fill(model, binder.placement, init_fn=init_fn, weights=weights,
+                    init_seed=draw_init_seed())
+    for tie in split.ties:
+        tie.copies = [replaced.get(id(c), c) for c in tie.copies]  # type: ignore[misc]
+        equalize(tie)
+    _drop_others(model, binder.placement)
     return split
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device a model's tensors are on (meta if any is): the one it is traced on."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        return torch.device("meta")
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _move_device_arguments(module: fx.GraphModule, traced_on: torch.device,
+                           device: torch.device) -> None:
+    """Makes the tensors a stage creates (``arange``, ``to``, ...) on the device it
+    runs on rather than the device the model was traced on, in its graph and in the
+    graphs it calls (a region under ``torch.autocast``), which become its own."""
+    if device == traced_on:
+        return
+
+    def moved(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == traced_on else value
+
+    for node in module.graph.nodes:
+        node.args = pytree.tree_map(moved, node.args)
+        node.kwargs = pytree.tree_map(moved, node.kwargs)
+    module.recompile()
+    for name, child in list(module.named_children()):
+        if isinstance(child, fx.GraphModule):
+            own = copy.deepcopy(child)
+            setattr(module, name, own)
+            _move_device_arguments(own, traced_on, device)
+
+
+def _drop_others(model: nn.Module, placement: Placement) -> None:
+    """Removes from ``model`` the tensors this process does not hold (stages on other
+    ranks), so that its parameters and ``state_dict`` are this process's own."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and not placement.holds(tensor):
+                    table[name] = None
 
 
 def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
@@ -190,83 +257,134 @@ def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
     return Plan(program, stage_of, live_in, uses, fixed_sizes)
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of every parameter and buffer object of ``model``."""
-    found: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        found.setdefault(id(tensor), []).append(name)
-    return found
+class _Binder:
+    """Binds the stages' graphs to the model's tensors: each stage reads a parameter,
+    buffer or constant where the model keeps it; a parameter several stages use (tied
+    embeddings) is read by the lowest of them under the name that holds it and by each
+    other through a copy installed under another of its names."""
 
+    def __init__(self, model: nn.Module, plans: Mapping[bool, Plan],
+                 originals: Mapping[str, torch.Tensor],
+                 devices: Mapping[int, torch.device]) -> None:
+        self.model = model
+        self.originals = originals
+        self.devices = devices
+        self.placement = Placement({})
+        self.aliases: dict[int, list[str]] = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
+            self.aliases.setdefault(id(tensor), []).append(name)
+        self.ties: list[TiedParameter] = []
+        self._tie_names: dict[int, dict[int, str]] = {}  # tensor -> stage -> its name
+        self._ties_by_tensor: dict[int, TiedParameter] = {}
+        self._copies: dict[tuple[int, int], tuple[nn.Module, str]] = {}
+        self._used: set[int] = set()
+        self._find_ties(plans)
 
-def _bind(model: nn.Module, plan: Plan, k: int, device: torch.device,
-          originals: Mapping[str, torch.Tensor], aliases: dict[int, list[str]], tied_copies: dict[tuple[int, int], tuple[nn.Module, str]],
-          ties: list[TiedParameter]) -> list[Binding]:
-    """Stage k's parameters, buffers and constants, placed on ``device``; a parameter a
-    lower stage uses too gets a copy here, under another of its names."""
-    bindings = []
-    for spec in plan.program.graph_signature.input_specs:
-        name = spec.arg.name
-        if spec.kind == InputKind.USER_INPUT or k not in plan.uses.get(name, ()):
-            continue
-        if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            value = plan.program.constants[spec.target]
-            if isinstance(value, torch.Tensor):
-                value = value.to(device)
-            bindings.append(Binding(name, "constant", None, "", value))
-            continue
-        owner_name, _, attribute = spec.target.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        if spec.kind == InputKind.BUFFER:
-            buffer = getattr(owner, attribute)
-            if buffer.device != device:
-                owner._buffers[attribute] = buffer.to(device)
-            bindings.append(Binding(name, "buffer", owner, attribute))
-            continue
-        tensor = originals[spec.target]
-        if min(plan.uses[name]) == k:
-            if tensor.device != device:
-                tensor.data = tensor.data.to(device)
-            # Under a name that still holds it (a tie's other names may hold copies).
-            held_as = next(n for n in aliases[id(tensor)] if model.get_parameter(n) is tensor)
-            owner_name, _, attribute = held_as.rpartition(".")
-            bindings.append(Binding(name, "parameter", model.get_submodule(owner_name),
-                                     attribute))
-            continue
+    def _find_ties(self, plans: Mapping[bool, Plan]) -> None:
+        """Every parameter several stages use, with a name per stage: the same on every
+        rank, whichever stages it builds."""
+        stages_of: dict[str, set[int]] = {}
+        for plan in plans.values():
+            for spec in plan.program.graph_signature.input_specs:
+                used_by = plan.uses.get(spec.arg.name, set())
+                if spec.kind == InputKind.BUFFER and used_by:
+                    self._used.add(id(self.model.get_buffer(spec.target)))
+                if spec.kind == InputKind.PARAMETER:
+                    stages_of.setdefault(spec.target, set()).update(used_by)
+        for target, used_by in stages_of.items():
+            tensor = self.originals[target]
+            if used_by:
+                self._used.add(id(tensor))
+            if len(used_by) < 2 or id(tensor) in self._tie_names:
+                continue
+            stages = sorted(used_by)
+            held = self._holding_name(tensor)
+            spare = [n for n in self.aliases[id(tensor)] if n != held]
+            if len(spare) < len(stages) - 1:
+                raise ModelError(
+                    f"parameter {held!r} is used by stages {stages} under "
+                    f"{len(spare) + 1} name(s), so not every stage's copy can have a name "
+                    "of its own; move the split so that fewer stages use it, or tie it "
+                    "through two modules (as an embedding and a head)")
+            names = [held, *spare[:len(stages) - 1]]
+            self._tie_names[id(tensor)] = dict(zip(stages, names))
+            self._ties_by_tensor[id(tensor)] = tie = TiedParameter(
+                names=tuple(names), stages=tuple(stages), counted=stages[0] in self.devices)
+            self.ties.append(tie)
+
+    def _holding_name(self, tensor: torch.Tensor) -> str:
+        """A name under which ``tensor`` is still the model's (a tie's other names may
+        hold copies by now)."""
+        return next(n for n in self.aliases[id(tensor)]
+                    if self.model.get_parameter(n) is tensor)
+
+    def bind(self, plan: Plan, k: int) -> list[Binding]:
+        """Stage k's parameters, buffers and constants, placed on its device."""
+        device = self.devices[k]
+        bindings = []
+        for spec in plan.program.graph_signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == InputKind.USER_INPUT or k not in plan.uses.get(name, ()):
+                continue
+            if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                bindings.append(Binding(name, "constant", None, "",
+                                        _constant(plan, spec.target, device)))
+                continue
+            owner_name, _, attribute = spec.target.rpartition(".")
+            if spec.kind == InputKind.BUFFER:
+                owner = self.model.get_submodule(owner_name)
+                self.placement.devices[id(getattr(owner, attribute))] = device
+                bindings.append(Binding(name, "buffer", owner, attribute))
+                continue
+            tensor = self.originals[spec.target]
+            names = self._tie_names.get(id(tensor))
+            if names is None or k == min(names):
+                owner_name, _, attribute = self._holding_name(tensor).rpartition(".")
+                owner = self.model.get_submodule(owner_name)
+                if names is not None and id(tensor) not in self.placement.devices:
+                    self._ties_by_tensor[id(tensor)].copies.append(getattr(owner, attribute))
+                self.placement.devices[id(tensor)] = device
+            else:
+                owner, attribute = self._copy(tensor, names[k], k)
+            bindings.append(Binding(name, "parameter", owner, attribute))
+        return bindings
+
+    def _copy(self, tensor: torch.Tensor, name: str, k: int) -> tuple[nn.Module, str]:
+        """Stage k's copy of a tied ``tensor``, installed under ``name``."""
         key = (id(tensor), k)
-        if key not in tied_copies:
-            tied_copies[key] = _tied_copy(model, tensor, spec.target, sorted(plan.uses[name]),
-                                          k, device, aliases, ties)
-        holder, held = tied_copies[key]
-        bindings.append(Binding(name, "parameter", holder, held))
-    return bindings
+        if key not in self._copies:
+            owner_name, _, attribute = name.rpartition(".")
+            owner = self.model.get_submodule(owner_name)
+            value = (torch.empty_like(tensor) if tensor.is_meta  # given a value by fill()
+                     else tensor.detach().to(self.devices[k], copy=True))
+            copy = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            setattr(owner, attribute, copy)
+            self.placement.devices[id(copy)] = self.devices[k]
+            self.placement.aliases[id(copy)] = self.aliases[id(tensor)]
+            self._ties_by_tensor[id(tensor)].copies.append(copy)
+            self._copies[key] = owner, attribute
+        return self._copies[key]
+
+    def place_unused(self, devices: Mapping[int, torch.device]) -> None:
+        """Tensors no stage reads (an unused head, a buffer of an unused module) stay
+        with stage 0, so that the model's state_dict keeps every key somewhere."""
+        if 0 not in devices:
+            return
+        bound = set(self.placement.devices) | self._used
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            if id(tensor) not in bound:
+                self.placement.devices[id(tensor)] = devices[0]
 
 
-def _tied_copy(model: nn.Module, tensor: torch.Tensor, target: str, stages: list[int], k: int,
-               device: torch.device, aliases: dict[int, list[str]],
-               ties: list[TiedParameter]) -> tuple[nn.Module, str]:
-    """A copy of ``tensor`` for stage k, installed under one of its other names."""
-    names = aliases.get(id(tensor), [target])
-    used = {n for tie in ties for n in tie.names[1:]}
-    spare = [n for n in names if n != names[0] and n not in used]
-    if not spare:
+def _constant(plan: Plan, target: str, device: torch.device) -> Any:
+    """A constant the traced graph reads (a tensor made in forward), on ``device``."""
+    value = plan.program.constants[target]
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_meta:
         raise ModelError(
-            f"parameter {names[0]!r} is used by stages {stages} under one name, so a copy "
-            f"for stage {k} would have no name of its own; move the split so that one "
-            "stage uses it, or tie it through two modules (as an embedding and a head)")
-    owner_name, _, attribute = spare[0].rpartition(".")
-    owner = model.get_submodule(owner_name)
-    copy = nn.Parameter(tensor.detach().to(device, copy=True), requires_grad=tensor.requires_grad)
-    setattr(owner, attribute, copy)
-    tie = next((t for t in ties if t.copies and t.copies[0] is tensor), None)
-    if tie is None:
-        assert isinstance(tensor, nn.Parameter)
-        tie = TiedParameter(names=(names[0],), stages=(stages[0],), copies=[tensor],
-                            counted=True)
-        ties.append(tie)
-    tie.names = (*tie.names, spare[0])
-    tie.stages = (*tie.stages, k)
-    tie.copies.append(copy)
-    return owner, attribute
-
-
+            f"the model's forward makes a tensor constant ({target}) that, traced on the "
+            "meta device, has no value; build the model on a real device, or make the "
+            "constant a buffer of the module (register_buffer) so it is initialised")
+    return value.to(device)

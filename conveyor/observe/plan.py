@@ -29,11 +29,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from conveyor.errors import BalanceError
 from conveyor.engine.microbatch import batch_size
 from conveyor.engine.partition import sequential_layers, solve_balance
-from conveyor.schedules import build
+from conveyor.errors import BalanceError
 from conveyor.observe.simulate import CostModel, simulate
+from conveyor.schedules import build
 
 __all__ = [
     "OPTIMIZER_BYTES",

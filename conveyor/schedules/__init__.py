@@ -14,7 +14,14 @@ from conveyor.schedules.builders import (
     zero_bubble_h1,
 )
 from conveyor.schedules.clock import layout_clock, render_clock
-from conveyor.schedules.table import Action, Kind, Schedule, actions_of, dependencies, parse
+from conveyor.schedules.table import (
+    Action,
+    Kind,
+    Schedule,
+    actions_of,
+    dependencies,
+    parse,
+)
 from conveyor.schedules.validator import validate
 
 __all__ = [

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.train.models import feed_forward_stack
-from conveyor.engine.partition import solve_balance
 from conveyor.engine.gpipe import GPipe
+from conveyor.engine.partition import solve_balance
+from conveyor.train.models import feed_forward_stack
 
 __all__: list[str] = []
 

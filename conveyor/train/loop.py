@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.distributed.pipeline import Pipeline
+from conveyor.errors import ConfigError, ConveyorError
+from conveyor.observe.recording import record
+from conveyor.observe.trace import Timeline
 from conveyor.train import saving
 from conveyor.train.data import TextCorpus, text_corpus
 from conveyor.train.language import evaluate, generate, summed_next_byte_loss
-from conveyor.errors import ConfigError, ConveyorError
 from conveyor.train.models import transformer_lm
-from conveyor.distributed.pipeline import Pipeline
-from conveyor.observe.recording import record
-from conveyor.observe.trace import Timeline
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
 from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress
