@@ -18,9 +18,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 import transformers
+from conveyor.data import text_corpus
 
 import conveyor
-from conveyor.data import text_corpus
 
 LENGTH = 64
 BATCH = 16

@@ -10,33 +10,17 @@ unpartitioned for reference.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from conveyor.engine.partition import sequential_layers
-from conveyor.engine.rng import derive_seed
+from conveyor.engine.weights import draw_init_seed, reset_of, seeded
 
 __all__ = ["LayerBuilder", "sequential"]
 
 LayerBuilder = Callable[[int], nn.Module]
-_INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-batch seeds
-
-
-def draw_init_seed() -> int:
-    """The seed all layer initialisations derive from, drawn from torch's generator."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-
-
-@contextlib.contextmanager
-def _seeded(init_seed: int, index: int, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        seed = derive_seed(init_seed, index, _INIT_STREAM)
-        torch.manual_seed(seed)
-        yield
 
 
 def is_meta(layer: nn.Module) -> bool:
@@ -55,7 +39,7 @@ def materialize(layer: nn.Module, index: int, *, device: torch.device, init_seed
         return layer.to(device)
     for module in layer.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if own and _initialiser(module) is None:
+        if own and reset_of(module) is None:
             raise TypeError(
                 f"layer {index} ({name}) was built on the meta device, but its "
                 f"{type(module).__name__} has parameters or buffers and no "
@@ -63,27 +47,18 @@ def materialize(layer: nn.Module, index: int, *, device: torch.device, init_seed
                 "layer i instead"
             )
     layer.to_empty(device=device)
-    with _seeded(init_seed, index, device), torch.no_grad():
+    with seeded(init_seed, index, device), torch.no_grad():
         for module in layer.modules():
-            reset = _initialiser(module)
+            reset = reset_of(module)
             if reset is not None:
                 reset()
     return layer
 
 
-def _initialiser(module: nn.Module) -> Callable[[], None] | None:
-    # nn.MultiheadAttention keeps its initialisation in _reset_parameters.
-    for name in ("reset_parameters", "_reset_parameters"):
-        reset = getattr(module, name, None)
-        if callable(reset):
-            return reset
-    return None
-
-
 def build(builder: LayerBuilder, index: int, *, device: torch.device,
           init_seed: int) -> nn.Module:
     """Layer ``index`` from ``builder``, created on ``device`` under its own seed."""
-    with _seeded(init_seed, index, device), device:
+    with seeded(init_seed, index, device), device:
         layer = builder(index)
     if not isinstance(layer, nn.Module):
         raise TypeError(f"the layer builder returned {type(layer).__name__} for layer "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
-from conveyor.distributed.instantiate import LayerBuilder, LayerSource, draw_init_seed
+from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
@@ -52,7 +52,7 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.engine.weights import InitFn, Weights
+from conveyor.engine.weights import InitFn, Weights, draw_init_seed
 from conveyor.errors import BalanceError, ConveyorError, ModelError
 from conveyor.schedules import Kind, Schedule, actions_of, validate
 from conveyor.schedules import build as build_schedule

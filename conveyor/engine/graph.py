@@ -45,7 +45,14 @@ from torch.export.graph_signature import InputKind
 
 from conveyor.engine.graphstage import Binding, GraphStage, Plan, StageProgram, as_call
 from conveyor.engine.ties import TiedParameter, equalize
-from conveyor.engine.weights import InitFn, Placement, Weights, draw_init_seed, fill
+from conveyor.engine.weights import (
+    InitFn,
+    Placement,
+    Weights,
+    draw_init_seed,
+    fill,
+    tensor_slots,
+)
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
@@ -200,11 +207,9 @@ def _move_device_arguments(module: fx.GraphModule, traced_on: torch.device,
 def _drop_others(model: nn.Module, placement: Placement) -> None:
     """Removes from ``model`` the tensors this process does not hold (stages on other
     ranks), so that its parameters and ``state_dict`` are this process's own."""
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and not placement.holds(tensor):
-                    table[name] = None
+    for table, name, tensor in tensor_slots(model):
+        if not placement.holds(tensor):
+            table[name] = None
 
 
 def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:

@@ -135,11 +135,9 @@ def _untied(model: nn.Module, meta: set[int]) -> Iterator[None]:
     (a pipeline stage may hold a copy instead).
     """
     slots: dict[int, list[tuple[dict[str, Any], str]]] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and id(tensor) in meta:
-                    slots.setdefault(id(tensor), []).append((table, name))
+    for table, name, tensor in tensor_slots(model):
+        if id(tensor) in meta:
+            slots.setdefault(id(tensor), []).append((table, name))
     shared = {key: found for key, found in slots.items() if len(found) > 1}
     originals = {key: found[0][0][found[0][1]] for key, found in shared.items()}
     for key, found in shared.items():
@@ -161,22 +159,20 @@ def _materialize(model: nn.Module, placement: Placement) -> dict[int, torch.Tens
     module holding it, by an empty tensor on its device (and ``placement`` updated);
     returns those replacements, by ``id`` of the meta tensor they replace."""
     replaced: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None or not placement.holds(tensor):
-                    continue
-                if id(tensor) in replaced:
-                    table[name] = replaced[id(tensor)]
-                    continue
-                device = placement.devices[id(tensor)]
-                if tensor.is_meta:
-                    empty = torch.empty_like(tensor, device=device)
-                    table[name] = replaced[id(tensor)] = (
-                        nn.Parameter(empty, requires_grad=tensor.requires_grad)
-                        if isinstance(tensor, nn.Parameter) else empty)
-                elif tensor.device != device:
-                    tensor.data = tensor.data.to(device)
+    for table, name, tensor in tensor_slots(model):
+        if not placement.holds(tensor):
+            continue
+        if id(tensor) in replaced:
+            table[name] = replaced[id(tensor)]
+            continue
+        device = placement.devices[id(tensor)]
+        if tensor.is_meta:
+            empty = torch.empty_like(tensor, device=device)
+            table[name] = replaced[id(tensor)] = (
+                nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter) else empty)
+        elif tensor.device != device:
+            tensor.data = tensor.data.to(device)
     for key, new in replaced.items():
         placement.devices[id(new)] = placement.devices.pop(key)
         if key in placement.aliases:
@@ -192,15 +188,17 @@ def _initialiser_of(model: nn.Module,
     own = getattr(model, "_init_weights", None)
     if callable(own):  # Hugging Face models: handles every module type they use
         return lambda module: lambda: own(module)
+    return reset_of
 
-    def reset(module: nn.Module) -> Callable[[], Any] | None:
-        # nn.MultiheadAttention keeps its initialisation in _reset_parameters.
-        for name in ("reset_parameters", "_reset_parameters"):
-            method = getattr(module, name, None)
-            if callable(method):
-                return method
-        return None
-    return reset
+
+def reset_of(module: nn.Module) -> Callable[[], Any] | None:
+    """The module's own initialisation (``reset_parameters``), if it has one."""
+    # nn.MultiheadAttention keeps its initialisation in _reset_parameters.
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def _load(model: nn.Module, placement: Placement, meta: set[int], weights: Weights) -> None:
@@ -250,6 +248,18 @@ def _reader(weights: Weights) -> Iterator[Callable[[str], torch.Tensor | None]]:
     if not isinstance(state, Mapping):
         raise ModelError(f"{path} holds a {type(state).__name__}, not a state_dict")
     yield state.get
+
+
+def tensor_slots(model: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Every place a module of ``model`` holds a parameter or buffer: (its module's
+    table, its name there, the tensor); a tensor held by several modules, once each."""
+    found = []
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            found += [(table, name, tensor) for name, tensor in table.items()
+                      if tensor is not None]
+    return found
 
 
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
