@@ -36,6 +36,7 @@ from conveyor.errors import (
     PeerFailure,
     SaveError,
     ScheduleError,
+    SkipError,
     StageError,
 )
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         solve_balance,
     )
     from conveyor.engine.recompute import is_recomputing
+    from conveyor.engine.skip import isolate, pop, skippable, stash, verify_skips
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
@@ -70,6 +72,11 @@ _LAZY = {
     "profile_layers": "conveyor.engine.partition",
     "solve_balance": "conveyor.engine.partition",
     "GPipe": "conveyor.engine.gpipe",
+    "isolate": "conveyor.engine.skip",
+    "pop": "conveyor.engine.skip",
+    "skippable": "conveyor.engine.skip",
+    "stash": "conveyor.engine.skip",
+    "verify_skips": "conveyor.engine.skip",
     "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
@@ -106,6 +113,7 @@ __all__ = [
     "SaveError",
     "Schedule",
     "ScheduleError",
+    "SkipError",
     "StageError",
     "Timeline",
     "balance_by_memory",
@@ -113,11 +121,16 @@ __all__ = [
     "balance_by_time",
     "convert_deferred_batch_norm",
     "is_recomputing",
+    "isolate",
     "plot_timelines",
+    "pop",
     "profile_layers",
     "record",
+    "skippable",
     "solve_balance",
+    "stash",
     "tune_malloc",
+    "verify_skips",
 ]
 
 

@@ -42,6 +42,7 @@ from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
+from conveyor.engine.skip import split_at_skips
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -127,20 +128,29 @@ class Pipeline(KeepsPlacement):
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
         if split_at is None:
-            self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
-                                            tie_weights, deferred_batch_norm)
+            self._stages = self._cut_layers(module, LayerSource(module, layers), balance,
+                                            sample, tie_weights, deferred_batch_norm)
         else:
             self._stages = self._cut_graph(module, balance, split_at, sample,
                                            deferred_batch_norm)
         self._transport = self._make_transport(timeout)
         self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
 
-    def _cut_layers(self, source: LayerSource, balance: Sequence[int] | str | None, sample: Any,
+    def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
+                    balance: Sequence[int] | str | None, sample: Any,
                     tie_weights: Sequence[Sequence[str]],
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
         ``balance``."""
         self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
+        split_at = split_at_skips(source.layers_if_known(), self.balance, sample=sample,
+                                  deferred_batch_norm=deferred_batch_norm,
+                                  distributed=self.topology.distributed)
+        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
+            balance = self.balance
+            stages = self._cut_graph(module, None, split_at, sample, False)
+            self.balance = balance
+            return stages
         # Found on the model as given: materialising gives layers new Parameter objects.
         tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]

@@ -23,6 +23,7 @@ from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
+from conveyor.engine.skip import split_at_skips
 from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,
@@ -96,7 +97,7 @@ class GPipe(KeepsPlacement):
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
         if split_at is None:
-            stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
+            stages = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
         else:
             stages = self._cut_graph(module, balance, split_at, sample, devices,
                                      deferred_batch_norm)
@@ -107,7 +108,7 @@ class GPipe(KeepsPlacement):
         self._executor = Executor(stages, self._schedule.stage_ranks,
                                   LocalTransport(self.devices))
 
-    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None,
+    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None, sample: Any,
                     devices: Sequence[Device] | None,
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of an ``nn.Sequential`` cut by ``balance``."""
@@ -116,6 +117,12 @@ class GPipe(KeepsPlacement):
                                "split_at= (submodule names) and sample= for any module")
         layers = sequential_layers(module)
         self.balance: list[int] = validate_balance(balance, len(layers))
+        split_at = split_at_skips(layers, self.balance, sample=sample,
+                                  deferred_batch_norm=deferred_batch_norm)
+        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
+            stages = self._cut_graph(module, None, split_at, sample, devices, False)
+            self.balance = validate_balance(balance, len(layers))
+            return stages
         self.devices: list[torch.device] = resolve_devices(
             devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
         starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
