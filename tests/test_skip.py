@@ -16,7 +16,7 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.skip import _store, skips_of, split_at_skips
-from conveyor.errors import BalanceError, SkipError
+from conveyor.errors import BalanceError, ModelError, SkipError
 from tests.models import relative_error
 
 CHUNKS = 4
@@ -116,6 +116,20 @@ def test_a_skip_across_two_stages_equals_the_plain_model(schedule: str) -> None:
     assert list(pipe.state_dict()) == list(reference.state_dict())
 
 
+def test_balance_by_time_profiles_layers_that_stash_and_pop() -> None:
+    """Profiling runs each layer alone, several times: a pop reads its stash's value."""
+    model, reference, inputs, targets = long_skip()
+    pipe = conveyor.Pipeline(model, balance="time", stages=2, devices=["cpu"] * 2,
+                             chunks=CHUNKS, sample=inputs[:2].detach(), loss_fn=F.mse_loss)
+    assert sum(pipe.balance) == 5 and len(pipe.balance) == 2
+    assert not _store.values
+    loss = pipe.step(inputs.detach(), targets)
+    expected = F.mse_loss(reference(inputs.detach()), targets)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * expected.item()
+    assert_same_grads(pipe, reference)
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_gpipe_sends_the_skip_and_its_gradient_in_every_checkpoint_mode(
         checkpoint: str) -> None:
@@ -202,6 +216,12 @@ def test_where_each_skip_goes() -> None:
                                            r"'2' pops it on stage 1: conveyor traces the "
                                            r"layers to send it; pass sample="):
         split_at_skips(far, [1, 2], sample=None, deferred_batch_norm=False)
+    with pytest.raises(ModelError, match=r"pops it on stage 1; skips between stages run in "
+                                         r"one process for now: under torchrun, choose a "
+                                         r"balance that keeps each stash and pop on one stage"):
+        split_at_skips(far, [1, 2], sample=None, deferred_batch_norm=False, distributed=True)
+    assert split_at_skips(far, [3], sample=None, deferred_batch_norm=False,
+                          distributed=True) is None
 
 
 def isolate_all(module: nn.Module, namespace: str) -> nn.Module:
@@ -280,6 +300,10 @@ def test_a_skip_across_stages_needs_a_sample_and_per_microbatch_batch_norm() -> 
                                            r"'4' pops it on stage 2: .* pass sample="):
         conveyor.Pipeline(model, balance=[2, 2, 1], stages=3, devices=["cpu"] * 3,
                           chunks=CHUNKS, loss_fn=F.mse_loss)
+    with pytest.raises(ModelError, match=r"a traced nn.Sequential takes one argument: give "
+                                         r"each micro-batch as a tensor or a list of tensors, "
+                                         r"not a tuple"):
+        conveyor.GPipe(model, balance=[2, 2, 1], sample=(inputs[:2],), devices=["cpu"] * 3)
     with pytest.raises(BalanceError, match=r"drop deferred_batch_norm=True"):
         conveyor.GPipe(model, balance=[2, 2, 1], sample=inputs[:2], devices=["cpu"] * 3,
                        deferred_batch_norm=True)

@@ -75,7 +75,8 @@ class Pipeline(KeepsPlacement):
         balance: layers per stage (K·V entries); None evens out parameters; "time"
             evens out forward+backward time measured on ``sample``.
         sample: one micro-batch to profile for ``balance="time"`` (as for
-            ``conveyor.balance_by_time``).
+            ``conveyor.balance_by_time``), or to trace an ``nn.Sequential`` whose skips
+            (``conveyor.skippable``) cross stages.
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else

@@ -60,7 +60,9 @@ class GPipe(KeepsPlacement):
         module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
             their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
-            ``conveyor.balance_by_time`` and friends to compute one.
+            ``conveyor.balance_by_time`` and friends to compute one. Where a layer pops
+            a value (``conveyor.skippable``) that a layer of an earlier stage stashed,
+            the layers are traced on ``sample`` and cut where the balance says.
         devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.

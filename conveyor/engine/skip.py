@@ -54,15 +54,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.engine.partition import sequential_layers
 from conveyor.errors import BalanceError, ModelError, SkipError
 
 __all__ = ["isolate", "pop", "skippable", "stash", "verify_skips"]
 
 M = TypeVar("M", bound=nn.Module)
-Key = tuple["str | None", str]  # (namespace, name)
+Key = tuple[str | None, str]  # (namespace, name)
 
 _DECLARED = "_conveyor_skips"  # on a skippable class: its _Declared
 _NAMESPACES = "_conveyor_skip_namespaces"  # on an isolated layer: name -> namespace
@@ -91,6 +92,7 @@ class _Store(threading.local):
     def __init__(self) -> None:
         self.values: dict[Key, Any] = {}
         self.calls: list[_Call] = []
+        self.profiling = False  # see profiling()
 
 
 _store = _Store()
@@ -171,6 +173,8 @@ def pop(name: str) -> Any:
                         "an earlier layer of the nn.Sequential must stash it in the same "
                         "namespace (conveyor.verify_skips(model) checks the whole model)")
     call.popped.add(name)
+    if _store.profiling:
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, _store.values[key])
     return _store.values.pop(key)
 
 
@@ -233,6 +237,8 @@ def verify_skips(model: nn.Module) -> None:
         SkipError: the layers that do not match, each with what to do.
         TypeError: ``model`` is not an ``nn.Sequential``.
     """
+    from conveyor.engine.partition import sequential_layers  # which profiles with ours
+
     skips_of(sequential_layers(model))
 
 
@@ -295,7 +301,8 @@ def split_at_skips(layers: Sequence[tuple[str, nn.Module]], balance: Sequence[in
         SkipError: the stashes and pops do not match.
         BalanceError: a skip crosses stages but ``sample`` is missing, or
             ``deferred_batch_norm`` is asked for.
-        ModelError: a skip crosses stages of a pipeline under torchrun.
+        ModelError: a skip crosses stages of a pipeline under torchrun, or ``sample`` is
+            a tuple or dict (a traced model's arguments, not one layer input).
     """
     skips = skips_of(layers)
     stage_of = [k for k, count in enumerate(balance) for _ in range(count)]
@@ -306,19 +313,36 @@ def split_at_skips(layers: Sequence[tuple[str, nn.Module]], balance: Sequence[in
     where = (f"layer {skip.stash_path!r} stashes {_label(skip.key)} on stage "
              f"{stage_of[skip.stashed_by]} and layer {skip.pop_path!r} pops it on stage "
              f"{stage_of[skip.popped_by]}")
-    if sample is None:
-        raise BalanceError(f"{where}: conveyor traces the layers to send it; pass "
-                           "sample=<one micro-batch as the model takes it>")
-    if deferred_batch_norm:
-        raise BalanceError(f"{where}, so the layers are traced, and a traced model's batch "
-                           "norms update per micro-batch: drop deferred_batch_norm=True, or "
-                           "choose a balance that keeps each stash and pop on one stage")
     if distributed:
         raise ModelError(f"{where}; skips between stages run in one process for now: "
                          "under torchrun, choose a balance that keeps each stash and pop "
                          "on one stage")
+    if sample is None:
+        raise BalanceError(f"{where}: conveyor traces the layers to send it; pass "
+                           "sample=<one micro-batch as the model takes it>")
+    if isinstance(sample, (tuple, dict)):  # a traced model takes these as its arguments
+        raise ModelError(f"{where}, so the layers are traced, and a traced nn.Sequential "
+                         "takes one argument: give each micro-batch as a tensor or a list "
+                         f"of tensors, not a {type(sample).__name__}")
+    if deferred_batch_norm:
+        raise BalanceError(f"{where}, so the layers are traced, and a traced model's batch "
+                           "norms update per micro-batch: drop deferred_batch_norm=True, or "
+                           "choose a balance that keeps each stash and pop on one stage")
     starts = [sum(balance[:k]) for k in range(1, len(balance))]
     return [layers[start][0] for start in starts]
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[None]:
+    """Layers run one at a time, several times each (``profile_layers``): a pop reads,
+    detached, the value its stash left last rather than taking it; nothing stays after.
+    """
+    saved = _store.values, _store.profiling
+    _store.values, _store.profiling = {}, True
+    try:
+        yield
+    finally:
+        _store.values, _store.profiling = saved
 
 
 @contextlib.contextmanager
