@@ -64,6 +64,13 @@ class PopIndex(Dense):
         return self.linear(x) * F.one_hot(conveyor.pop("index"), 6).to(x.dtype)
 
 
+class Mode(Dense):
+    """Computes another function in eval mode: the eval trace is a program of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) if self.training else torch.sin(self.linear(x))
+
+
 def build(*layers: nn.Module) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor, torch.Tensor]:
     """The model, its plain copy, a batch (requiring grad) and targets, in float64."""
     torch.manual_seed(0)
@@ -76,7 +83,7 @@ def build(*layers: nn.Module) -> tuple[nn.Sequential, nn.Sequential, torch.Tenso
 
 def long_skip() -> tuple[nn.Sequential, nn.Sequential, torch.Tensor, torch.Tensor]:
     """Layer 0 stashes, layer 4 pops: with balance [2, 2, 1] the skip crosses two stages."""
-    return build(Stash(), Dense(), Dense(), Dense(), Pop())
+    return build(Stash(), Dense(), Mode(), Dense(), Pop())
 
 
 def assert_same_grads(pipe: nn.Module, reference: nn.Module) -> None:
@@ -85,6 +92,14 @@ def assert_same_grads(pipe: nn.Module, reference: nn.Module) -> None:
     for name, param in pipe.named_parameters():
         assert param.grad is not None and plain[name].grad is not None, name
         assert relative_error(param.grad, plain[name].grad) <= 1e-10, name
+
+
+def assert_cut(pipe: conveyor.GPipe, model: nn.Sequential, balance: list[int]) -> None:
+    """Stage k reads the parameters of the layers the balance gives it, and no others."""
+    starts = [sum(balance[:k]) for k in range(len(balance) + 1)]
+    for k, partition in enumerate(pipe.partitions):
+        expected = {id(p) for layer in model[starts[k]:starts[k + 1]] for p in layer.parameters()}
+        assert {id(p) for p in partition[0].bound_parameters()} == expected, k
 
 
 def test_the_layer_list_runs_as_a_plain_model() -> None:
@@ -136,6 +151,7 @@ def test_gpipe_sends_the_skip_and_its_gradient_in_every_checkpoint_mode(
     model, reference, inputs, targets = long_skip()
     pipe = conveyor.GPipe(model, balance=[2, 2, 1], sample=inputs[:2], devices=["cpu"] * 3,
                           chunks=CHUNKS, checkpoint=checkpoint)
+    assert_cut(pipe, model, [2, 2, 1])
     plain_inputs = inputs.detach().clone().requires_grad_()
     F.mse_loss(pipe(inputs), targets).backward()
     F.mse_loss(reference(plain_inputs), targets).backward()
@@ -154,6 +170,10 @@ def test_1to3_under_every_balance(balance: list[int]) -> None:
     model, reference, inputs, targets = build(Stash(), Dense(), Pop())
     pipe = conveyor.GPipe(model, balance=balance, sample=inputs[:2],
                           devices=["cpu"] * len(balance), chunks=CHUNKS)
+    if len(balance) == 1:  # the skip stays in the one stage: nothing is traced
+        assert [type(layer) for layer in pipe.partitions[0]] == [Stash, Dense, Pop]
+    else:
+        assert_cut(pipe, model, balance)
     F.mse_loss(pipe(inputs.detach()), targets).backward()
     F.mse_loss(reference(inputs.detach()), targets).backward()
     assert_same_grads(pipe, reference)
@@ -233,7 +253,16 @@ def test_verify_names_every_layer_that_does_not_match() -> None:
     class StashTwo(Dense):
         pass
 
-    conveyor.verify_skips(nn.Sequential(Stash(), Pop(), Stash(), Pop()))
+    @conveyor.skippable(pop=["skip"], stash=["next"])
+    class Relay(Dense):
+        pass
+
+    @conveyor.skippable(pop=["next"])
+    class PopNext(Dense):
+        pass
+
+    conveyor.verify_skips(nn.Sequential(Stash(), Pop(), Stash(), Pop()))  # names reused
+    conveyor.verify_skips(nn.Sequential(Stash(), Relay(), PopNext()))
     cases = {
         (Pop(),): r"layer '0' pops 'skip', but no layer before it stashes it",
         (Stash(),): r"layer '0' stashes 'skip', but no later layer pops it",
@@ -255,7 +284,7 @@ def test_verify_names_every_layer_that_does_not_match() -> None:
     with pytest.raises(SkipError, match=r"write stash=\['skip'\]"):
         conveyor.skippable(stash="skip")
     with pytest.raises(TypeError, match=r"decorates an nn.Module class"):
-        conveyor.skippable(stash=["skip"])(print)  # type: ignore[type-var]
+        conveyor.skippable(stash=["skip"])(print)  # type: ignore[arg-type]
 
 
 def test_stash_and_pop_check_what_the_layer_declares() -> None:
@@ -277,11 +306,18 @@ def test_stash_and_pop_check_what_the_layer_declares() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + conveyor.pop("skip")
 
+    @conveyor.skippable(pop=["skip"])
+    class StashUndeclared(Dense):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            conveyor.stash("skip", x)
+            return x
+
     x = torch.zeros(2, 6)
     for layer, message in [
             (Silent(), r"Silent declares stash=\['skip'\] but its forward did not stash"),
             (Twice(), r"Twice stashes 'skip' twice in one call"),
             (Undeclared(), r"Undeclared pops 'skip', which its class does not declare \(pop"),
+            (StashUndeclared(), r"StashUndeclared stashes 'skip', which its class does not"),
             (Pop(), r"Pop pops 'skip', but nothing stashed it")]:
         with pytest.raises(SkipError, match=message):
             layer(x)

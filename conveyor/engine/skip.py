@@ -386,7 +386,8 @@ def _check_declared(layer: nn.Module, name: str, verb: str) -> None:
     declared = _declared(layer)
     names: frozenset[str] = frozenset() if declared is None else getattr(declared, verb)
     if name not in names:
-        raise SkipError(f"{_kind(layer)} {verb}s {name!r}, which its class does not declare "
+        does = "stashes" if verb == "stash" else "pops"
+        raise SkipError(f"{_kind(layer)} {does} {name!r}, which its class does not declare "
                         f"({verb}={sorted(names)}); add it: @conveyor.skippable({verb}=[...])")
 
 
