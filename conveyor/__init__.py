@@ -36,6 +36,7 @@ from conveyor.errors import (
     PeerFailure,
     SaveError,
     ScheduleError,
+    SkipError,
     StageError,
 )
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     )
     from conveyor.engine.recompute import is_recomputing
     from conveyor.engine.weights import initialize
+    from conveyor.engine.skip import isolate, pop, skippable, stash, verify_skips
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
@@ -72,6 +74,11 @@ _LAZY = {
     "solve_balance": "conveyor.engine.partition",
     "GPipe": "conveyor.engine.gpipe",
     "initialize": "conveyor.engine.weights",
+    "isolate": "conveyor.engine.skip",
+    "pop": "conveyor.engine.skip",
+    "skippable": "conveyor.engine.skip",
+    "stash": "conveyor.engine.skip",
+    "verify_skips": "conveyor.engine.skip",
     "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
@@ -108,6 +115,7 @@ __all__ = [
     "SaveError",
     "Schedule",
     "ScheduleError",
+    "SkipError",
     "StageError",
     "Timeline",
     "balance_by_memory",
@@ -116,11 +124,16 @@ __all__ = [
     "convert_deferred_batch_norm",
     "initialize",
     "is_recomputing",
+    "isolate",
     "plot_timelines",
+    "pop",
     "profile_layers",
     "record",
+    "skippable",
     "solve_balance",
+    "stash",
     "tune_malloc",
+    "verify_skips",
 ]
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "PeerFailure",
     "SaveError",
     "ScheduleError",
+    "SkipError",
     "StageError",
 ]
 
@@ -30,6 +31,12 @@ class BalanceError(ConveyorError, ValueError):
 
 class ModelError(ConveyorError, ValueError):
     """The model cannot be pipelined as given (e.g. a layer name shadows an attribute)."""
+
+
+class SkipError(ModelError):
+    """The skip connections of an ``nn.Sequential`` do not match: a pop with no earlier
+    stash, a stash never popped, a name stashed again before it is popped, or a
+    ``stash``/``pop`` a layer's ``@skippable`` does not declare."""
 
 
 class MicroBatchError(ConveyorError, ValueError):

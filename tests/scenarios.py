@@ -317,9 +317,10 @@ ANY_MODEL_CASES.append(("unet", "interleaved-1f1b", ["down2", "up2", "up1"], 2))
 def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
     """Models nobody here wrote, as constructed, split over the ranks: each model built
     whole on every rank (the same weights), then GPT-2 built on the meta device with
-    weights read from a file, and Llama on the meta device initialised by its own
-    initialiser."""
+    weights read from a file, Llama on the meta device initialised by its own
+    initialiser, and an nn.Sequential whose skip connection crosses the ranks."""
     from tests.test_any_model import CHUNKS, build, gpt2, llama, loss_of, sample_of
+    from tests.test_skip import long_skip
 
     for name, schedule, split_at, virtual in ANY_MODEL_CASES:
         model, _, _, inputs, targets = build(name)
@@ -345,3 +346,8 @@ def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
     pipe = conveyor.Pipeline(meta, split_at=ANY_MODEL_SPLITS["llama"], sample=sample_of(inputs),
                              chunks=CHUNKS, loss_fn=loss_of("llama"), timeout=60)
     torch.save(pipe.state_dict(), out_dir / f"llama-meta-rank{rank}.pt")
+    model, _, inputs, targets = long_skip()  # an nn.Sequential whose skip crosses ranks
+    pipe = conveyor.Pipeline(model, balance=[2, 3], chunks=CHUNKS, schedule="1f1b",
+                             sample=inputs[:2].detach(), loss_fn=F.mse_loss, timeout=60)
+    loss = pipe.step(inputs.detach(), targets)
+    torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"skip-rank{rank}.pt")

@@ -369,3 +369,14 @@ def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Pat
     for key, value in expected.items():
         assert torch.equal(found[key], value), key
     assert found["model.layers.0.mlp.up_proj.weight"].std() > 0.01  # not left empty
+
+
+def test_under_torchrun_a_skip_of_a_layer_list_crosses_ranks(torchrun: Path) -> None:
+    from tests.test_skip import long_skip
+
+    _, reference, inputs, targets = long_skip()
+    expected = F.mse_loss(reference(inputs.detach()), targets)
+    expected.backward()
+    results = [torch.load(torchrun / f"skip-rank{r}.pt") for r in range(2)]
+    assert abs(results[1]["loss"].item() - expected.item()) <= 1e-10 * expected.item()
+    assert_rank_grads(results, reference)

@@ -44,6 +44,7 @@ from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.stage import Stage
+from conveyor.engine.skip import split_at_skips
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -81,7 +82,8 @@ class Pipeline(KeepsPlacement):
             (``["model.layers.2"]``); K·V - 1 names. The model is traced on ``sample``.
         sample: one micro-batch as the model takes it (a tensor, a tuple of positional
             arguments or a dict of keyword arguments): traced for ``split_at`` (every
-            rank passes it), or profiled for ``balance="time"``.
+            rank passes it), profiled for ``balance="time"``, or traced to cut an
+            ``nn.Sequential`` whose skips (``conveyor.skippable``) cross stages.
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
@@ -143,20 +145,28 @@ class Pipeline(KeepsPlacement):
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
         if split_at is None:
             refuse_initialisation(init_fn, weights)
-            self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
-                                            tie_weights, deferred_batch_norm)
+            self._stages = self._cut_layers(module, LayerSource(module, layers), balance,
+                                            sample, tie_weights, deferred_batch_norm)
         else:
             self._stages = self._cut_graph(module, balance, split_at, sample,
                                            deferred_batch_norm, init_fn, weights)
         self._transport = self._make_transport(timeout)
         self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
 
-    def _cut_layers(self, source: LayerSource, balance: Sequence[int] | str | None, sample: Any,
+    def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
+                    balance: Sequence[int] | str | None, sample: Any,
                     tie_weights: Sequence[Sequence[str]],
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
         ``balance``."""
         self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
+        split_at = split_at_skips(source.layers_if_known(), self.balance, sample=sample,
+                                  deferred_batch_norm=deferred_batch_norm)
+        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
+            balance = self.balance
+            stages = self._cut_graph(module, None, split_at, sample, False, None, None)
+            self.balance = balance
+            return stages
         # Found on the model as given: materialising gives layers new Parameter objects.
         tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
         starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]

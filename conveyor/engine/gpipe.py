@@ -30,6 +30,7 @@ from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
 from conveyor.engine.stage import Stage
+from conveyor.engine.skip import split_at_skips
 from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,
@@ -68,11 +69,13 @@ class GPipe(KeepsPlacement):
             module with ``split_at`` (then it may be built on the meta device). Its
             tensors are moved to their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
-            ``conveyor.balance_by_time`` and friends to compute one.
+            ``conveyor.balance_by_time`` and friends to compute one. Where a layer pops
+            a value (``conveyor.skippable``) that a layer of an earlier stage stashed,
+            the layers are traced on ``sample`` and cut where the balance says.
         split_at: qualified names of the submodules where stages 1, 2, ... begin
             (``["transformer.h.2"]``); the model is traced on ``sample`` to cut it.
         sample: one micro-batch as the model takes it (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments), for ``split_at``.
+            arguments or a dict of keyword arguments), for ``split_at`` or skips.
         devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.
@@ -117,7 +120,7 @@ class GPipe(KeepsPlacement):
         self.partitions: list[nn.Sequential] = []
         if split_at is None:
             refuse_initialisation(init_fn, weights)
-            stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
+            stages = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
         else:
             stages = self._cut_graph(module, balance, split_at, sample, devices,
                                      deferred_batch_norm, init_fn, weights)
@@ -128,7 +131,7 @@ class GPipe(KeepsPlacement):
         self._executor = Executor(stages, self._schedule.stage_ranks,
                                   LocalTransport(self.devices))
 
-    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None,
+    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None, sample: Any,
                     devices: Sequence[Device] | None,
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of an ``nn.Sequential`` cut by ``balance``."""
@@ -137,6 +140,13 @@ class GPipe(KeepsPlacement):
                                "split_at= (submodule names) and sample= for any module")
         layers = sequential_layers(module)
         self.balance: list[int] = validate_balance(balance, len(layers))
+        split_at = split_at_skips(layers, self.balance, sample=sample,
+                                  deferred_batch_norm=deferred_batch_norm)
+        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
+            stages = self._cut_graph(module, None, split_at, sample, devices, False, None,
+                                      None)
+            self.balance = validate_balance(balance, len(layers))
+            return stages
         self.devices: list[torch.device] = resolve_devices(
             devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
         starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]

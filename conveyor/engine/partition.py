@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from conveyor.engine import skip
 from conveyor.errors import BalanceError
 
 __all__ = [
@@ -260,7 +261,7 @@ def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> li
     device = next(module.parameters(), torch.empty(0)).device
     x = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
     profiles = []
-    with _preserved_state(module, device):
+    with _preserved_state(module, device), skip.profiling():
         for name, layer in layers:
             profile, x = _profile_layer(name, layer, x, device, repeat)
             profiles.append(profile)
