@@ -33,3 +33,13 @@ def test_the_digits_example_learns() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = float(result.stdout.strip().splitlines()[-1].split()[-1].rstrip("%"))
     assert accuracy > 80, result.stdout  # chance: 10%
+
+
+@pytest.mark.timeout(300)
+def test_the_hugging_face_example_runs_on_threads_and_under_torchrun() -> None:
+    require("transformers")
+    script = ["examples/huggingface.py", "--model", "llama", "--layers", "2", "--steps", "2"]
+    threads = run([sys.executable, *script])
+    processes = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2", *script])
+    assert len(threads) == 2 and threads == processes
