@@ -100,7 +100,7 @@ class CheckpointError(ConveyorError, RuntimeError):
 class ConfigError(ConveyorError, ValueError):
     """A command's option (``conveyor train``, ``conveyor simulate``) is out of range or
     contradicts another one, or ``--out`` cannot be used (a file, not writable, or in use
-    by another run)."""
+    by another run); or the ranks of a job were started with different pipelines."""
 
 
 class SaveError(ConveyorError, RuntimeError):

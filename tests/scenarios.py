@@ -351,3 +351,27 @@ def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
                              sample=inputs[:2].detach(), loss_fn=F.mse_loss, timeout=60)
     loss = pipe.step(inputs.detach(), targets)
     torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"skip-rank{rank}.pt")
+
+
+def scenario_mismatch(rank: int, world: int, out_dir: Path) -> None:
+    """Ranks started with different options: each refuses, then a matching pipeline runs."""
+    messages = {}
+    mismatched: dict[str, dict[str, Any]] = {
+        "balance": {"balance": [[3, 3], [2, 4]][rank]},
+        "chunks": {"chunks": 2 + 2 * rank},
+        "schedule": {"schedule": ["gpipe", "1f1b"][rank]},
+    }
+    for name, options in mismatched.items():
+        try:
+            conveyor.Pipeline(deep_mlp(6), loss_fn=F.mse_loss, **{"chunks": 2, **options},
+                              timeout=30)
+        except conveyor.ConfigError as exc:
+            messages[name] = str(exc)
+    try:
+        conveyor.Pipeline(deep_mlp(6 + 2 * rank), loss_fn=F.mse_loss, chunks=2, timeout=30)
+    except conveyor.ConfigError as exc:
+        messages["model"] = str(exc)
+    pipe = conveyor.Pipeline(deep_mlp(6), loss_fn=F.mse_loss, chunks=2, timeout=30)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    messages["loss"] = str(pipe.step(x, y).item())
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(messages))

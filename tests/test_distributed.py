@@ -221,3 +221,16 @@ def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: 
     assert (tmp_path / "run" / "checkpoint" / "latest").read_text() == "step-00000001"
     model, _ = case_model("lm")
     model.load_state_dict(saving.load_weights(tmp_path / "run"))  # every weight, by name
+
+
+def test_ranks_started_with_different_pipelines_refuse_naming_each_value(tmp_path: Path) -> None:
+    outcome = launch("mismatch", 2, tmp_path, timeout=120)
+    assert outcome.returncodes == [0, 0], "\n".join(outcome.outputs)
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "balance is [3, 3] on rank 0 but [2, 4] on rank 1" in found["balance"]
+        assert "chunks is 2 on rank 0 but 4 on rank 1" in found["chunks"]
+        assert "schedule is 'gpipe' on rank 0 but '1f1b' on rank 1" in found["schedule"]
+        assert ("the model differs: parameter 6 is 5.weight [3, 12] float64 on rank 0 but "
+                "5.weight [12, 12] float64 on rank 1") in found["model"], found["model"]
+        assert float(found["loss"]) > 0  # and a pipeline built alike runs after all that

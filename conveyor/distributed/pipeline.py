@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
@@ -137,6 +138,16 @@ class Pipeline(KeepsPlacement):
         self.check_finite = check_finite
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
                                              timeout=timeout)
+        if topology is not None:
+            agree({"ranks": topology.pipeline_size, "data_parallel": data_parallel,
+                   "chunks": chunks, "schedule": schedule_of(schedule),
+                   "virtual_stages": virtual_stages,
+                   "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
+                   "split_at": None if split_at is None else list(split_at),
+                   "checkpoint": checkpoint, "deferred_batch_norm": deferred_batch_norm,
+                   "check_finite": check_finite, "layers": layers,
+                   "tie_weights": [list(group) for group in tie_weights],
+                   "model": model_shapes(module)})
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
         self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
