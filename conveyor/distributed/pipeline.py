@@ -159,8 +159,9 @@ class Pipeline(KeepsPlacement):
             self._stages = self._cut_layers(module, LayerSource(module, layers), balance,
                                             sample, tie_weights, deferred_batch_norm)
         else:
-            self._stages = self._cut_graph(module, balance, split_at, sample,
-                                           deferred_batch_norm, init_fn, weights)
+            self._stages = self._cut_graph(module, split_at, sample, balance=balance,
+                                           deferred_batch_norm=deferred_batch_norm,
+                                           init_fn=init_fn, weights=weights)
         self._transport = self._make_transport(timeout)
         self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
 
@@ -175,7 +176,7 @@ class Pipeline(KeepsPlacement):
                                   deferred_batch_norm=deferred_batch_norm)
         if split_at is not None:  # a layer pops what an earlier stage stashed: trace
             balance = self.balance
-            stages = self._cut_graph(module, None, split_at, sample, False, None, None)
+            stages = self._cut_graph(module, split_at, sample)
             self.balance = balance
             return stages
         # Found on the model as given: materialising gives layers new Parameter objects.
@@ -194,9 +195,10 @@ class Pipeline(KeepsPlacement):
             deferred_batch_norm=deferred_batch_norm,
         )
 
-    def _cut_graph(self, module: nn.Module | LayerBuilder, balance: Sequence[int] | str | None,
-                   split_at: Sequence[str], sample: Any, deferred_batch_norm: bool,
-                   init_fn: InitFn | None, weights: Weights | None) -> dict[int, Stage]:
+    def _cut_graph(self, module: nn.Module | LayerBuilder, split_at: Sequence[str], sample: Any,
+                   *, balance: Sequence[int] | str | None = None,
+                   deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
+                   weights: Weights | None = None) -> dict[int, Stage]:
         """This process's stages of any module, traced on ``sample`` (one micro-batch)
         and cut at ``split_at``; under torchrun, each rank gives storage only to the
         tensors of its own stages."""

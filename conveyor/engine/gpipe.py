@@ -122,8 +122,9 @@ class GPipe(KeepsPlacement):
             refuse_initialisation(init_fn, weights)
             stages = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
         else:
-            stages = self._cut_graph(module, balance, split_at, sample, devices,
-                                     deferred_batch_norm, init_fn, weights)
+            stages = self._cut_graph(module, split_at, sample, devices, balance=balance,
+                                     deferred_batch_norm=deferred_batch_norm,
+                                     init_fn=init_fn, weights=weights)
         self._stages = list(stages.values())
         self.partitions.extend(stage.layers for stage in self._stages)
         self._schedule = gpipe(len(self.balance), chunks)
@@ -143,8 +144,7 @@ class GPipe(KeepsPlacement):
         split_at = split_at_skips(layers, self.balance, sample=sample,
                                   deferred_batch_norm=deferred_batch_norm)
         if split_at is not None:  # a layer pops what an earlier stage stashed: trace
-            stages = self._cut_graph(module, None, split_at, sample, devices, False, None,
-                                      None)
+            stages = self._cut_graph(module, split_at, sample, devices)
             self.balance = validate_balance(balance, len(layers))
             return stages
         self.devices: list[torch.device] = resolve_devices(
@@ -166,10 +166,10 @@ class GPipe(KeepsPlacement):
             deferred_batch_norm=deferred_batch_norm,
         )
 
-    def _cut_graph(self, module: nn.Module, balance: Sequence[int] | None,
-                   split_at: Sequence[str], sample: Any, devices: Sequence[Device] | None,
-                   deferred_batch_norm: bool, init_fn: InitFn | None,
-                   weights: Weights | None) -> dict[int, Stage]:
+    def _cut_graph(self, module: nn.Module, split_at: Sequence[str], sample: Any,
+                   devices: Sequence[Device] | None, *, balance: Sequence[int] | None = None,
+                   deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
+                   weights: Weights | None = None) -> dict[int, Stage]:
         """The stages of any module, traced on ``sample`` and cut at ``split_at``."""
         count = len(split_at) + 1
         self.balance = [1] * count
