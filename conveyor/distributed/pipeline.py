@@ -31,6 +31,7 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
+from conveyor.engine.autosplit import choose_cut
 from conveyor.engine.builder import (
     NamedLayers,
     build_stages,
@@ -42,6 +43,7 @@ from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
+from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -50,9 +52,9 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.engine.stage import Stage
 from conveyor.errors import BalanceError, ConveyorError, ModelError
-from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
+from conveyor.schedules import Kind, Schedule, actions_of, validate
+from conveyor.schedules import build as build_schedule
 
 __all__ = ["Pipeline"]
 
@@ -72,8 +74,14 @@ class Pipeline(KeepsPlacement):
             torchrun, else the number of ``devices``).
         layers: the number of layers, when ``module`` is a function.
         balance: layers per stage (K·V entries); None evens out parameters; "time"
-            evens out forward+backward time measured on ``sample``.
-        sample: one micro-batch to profile for ``balance="time"`` (as for
+            evens out forward+backward time measured on ``sample``. For a model that
+            is not an ``nn.Sequential``, None or "time" choose ``split_at``.
+        split_at: for any ``nn.Module``, the submodules where stages 1.. begin (K·V - 1
+            names); None chooses them among the model's repeated blocks (the children
+            of its largest ``nn.ModuleList``), balanced as ``balance`` says. The cut is
+            kept as ``pipe.split_at``.
+        sample: one micro-batch as the model takes it: to trace a model cut at
+            submodules, or to profile for ``balance="time"`` (as for
             ``conveyor.balance_by_time``).
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
@@ -126,6 +134,9 @@ class Pipeline(KeepsPlacement):
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
+        split_at, balance = choose_cut(module, split_at, balance, sample,
+                                       self.schedule.num_stages)
+        self.split_at = split_at  # as given, or chosen among the model's blocks
         if split_at is None:
             self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
                                             tie_weights, deferred_batch_norm)

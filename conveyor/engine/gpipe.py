@@ -18,11 +18,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.builder import build_stages, build_traced_stages, check_options, new_step
+from conveyor.engine.autosplit import choose_cut
+from conveyor.engine.builder import (
+    build_stages,
+    build_traced_stages,
+    check_options,
+    new_step,
+)
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
+from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,
@@ -32,7 +39,6 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport
-from conveyor.engine.stage import Stage
 from conveyor.errors import BalanceError, LayerOutputError
 from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
 
@@ -59,7 +65,16 @@ class GPipe(KeepsPlacement):
         module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
             their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
-            ``conveyor.balance_by_time`` and friends to compute one.
+            ``conveyor.balance_by_time`` and friends to compute one. For a model that
+            is not an ``nn.Sequential``: None or "time", how to choose ``split_at``.
+        split_at: for any ``nn.Module``, the submodules where stages 1.. begin; None
+            chooses them among the model's repeated blocks (the children of its largest
+            ``nn.ModuleList``) by parameters, or by time with ``balance="time"``. The
+            cut is kept as ``pipe.split_at``.
+        sample: one micro-batch as the model takes it, to trace a model cut at
+            submodules.
+        stages: the number of stages K when conveyor chooses the cut (default: the
+            number of ``devices``).
         devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.
@@ -80,10 +95,11 @@ class GPipe(KeepsPlacement):
     def __init__(
         self,
         module: nn.Module,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         *,
         split_at: Sequence[str] | None = None,
         sample: Any = None,
+        stages: int | None = None,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
@@ -95,25 +111,33 @@ class GPipe(KeepsPlacement):
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
+        count = stages if stages is not None else None if devices is None else len(devices)
+        split_at, balance = choose_cut(module, split_at, balance, sample, count)
+        self.split_at = split_at  # as given, or chosen among the model's blocks
         if split_at is None:
-            stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
+            built = self._cut_layers(module, balance, devices, deferred_batch_norm)
         else:
-            stages = self._cut_graph(module, balance, split_at, sample, devices,
-                                     deferred_batch_norm)
-        self._stages = list(stages.values())
+            built = self._cut_graph(module, balance, split_at, sample, devices,
+                                    deferred_batch_norm)
+        if stages is not None and stages != len(built):
+            raise BalanceError(f"stages={stages}, but {'split_at' if split_at else 'balance'} "
+                               f"gives {len(built)} stages")
+        self._stages = list(built.values())
         self.partitions.extend(stage.layers for stage in self._stages)
         self._schedule = gpipe(len(self.balance), chunks)
         validate(self._schedule)
-        self._executor = Executor(stages, self._schedule.stage_ranks,
+        self._executor = Executor(built, self._schedule.stage_ranks,
                                   LocalTransport(self.devices))
 
-    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None,
+    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | str | None,
                     devices: Sequence[Device] | None,
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of an ``nn.Sequential`` cut by ``balance``."""
-        if balance is None:
+        if balance is None or isinstance(balance, str):
             raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
-                               "split_at= (submodule names) and sample= for any module")
+                               "split_at= (submodule names) and sample= for any module"
+                               + ("; conveyor.balance_by_time(model, sample, stages) "
+                                  "computes one by time" if balance == "time" else ""))
         layers = sequential_layers(module)
         self.balance: list[int] = validate_balance(balance, len(layers))
         self.devices: list[torch.device] = resolve_devices(
@@ -135,7 +159,7 @@ class GPipe(KeepsPlacement):
             deferred_batch_norm=deferred_batch_norm,
         )
 
-    def _cut_graph(self, module: nn.Module, balance: Sequence[int] | None,
+    def _cut_graph(self, module: nn.Module, balance: Sequence[int] | str | None,
                    split_at: Sequence[str], sample: Any, devices: Sequence[Device] | None,
                    deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of any module, traced on ``sample`` and cut at ``split_at``."""

@@ -102,6 +102,16 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
     return _balance(costs, stages, slack=0.0)
 
 
+def solve_measured_balance(costs: Sequence[float], stages: int) -> list[int]:
+    """:func:`solve_balance` for measured times: partitions whose largest stage is within
+    5% of the least count as equal, and the most even in numbers of layers wins.
+
+    Raises:
+        BalanceError: as :func:`solve_balance`.
+    """
+    return _balance(costs, stages, slack=_TIME_SLACK)
+
+
 def _balance(costs: Sequence[float], stages: int, *, slack: float) -> list[int]:
     """:func:`solve_balance`; with ``slack`` > 0, any partition whose largest stage is
     within ``slack`` (relative) of the least counts as optimal, and among those the one
@@ -222,8 +232,8 @@ def balance_by_time(
         BalanceError: more stages than layers.
     """
     profiles = profile_layers(module, sample, repeat=repeat)
-    return _balance([p.forward_seconds + p.backward_seconds for p in profiles], stages,
-                    slack=_TIME_SLACK)
+    return solve_measured_balance([p.forward_seconds + p.backward_seconds for p in profiles],
+                                  stages)
 
 
 def balance_by_memory(
@@ -260,7 +270,7 @@ def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> li
     device = next(module.parameters(), torch.empty(0)).device
     x = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
     profiles = []
-    with _preserved_state(module, device):
+    with preserved_state(module, device):
         for name, layer in layers:
             profile, x = _profile_layer(name, layer, x, device, repeat)
             profiles.append(profile)
@@ -334,7 +344,7 @@ def _sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
+def preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Restores buffers and random generators after profiling runs the model."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     devices = [device] if device.type == "cuda" else []
