@@ -25,29 +25,7 @@ from tests.test_any_model import (
     sample_of,
     unet,
 )
-
-
-class LadderUNet(nn.Module):
-    """A U-Net whose six blocks are one ModuleList: three down (each output skips to the
-    matching block up, so block 0's crosses every stage), three up. The stem is heavy."""
-
-    def __init__(self, width: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(2, width, 3, padding=1),
-                                  nn.Conv2d(width, width, 5, padding=2))
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.Tanh()) for _ in range(6))
-        self.head = nn.Conv2d(width, 2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        skips = []
-        for block in self.blocks[:3]:
-            skips.append(block(x))
-            x = F.avg_pool2d(skips[-1], 2)
-        for block in self.blocks[3:]:
-            x = block(F.interpolate(x, scale_factor=2.0) + skips.pop())
-        return self.head(x)
+from tests.user_models import LadderUNet
 
 
 def ladder() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
