@@ -10,7 +10,7 @@ gradient of each block's input arrives (a hook on that tensor)::
 Between two marks runs one block and whatever the model does before the next: the cut
 puts those operations on the same stage. What runs before the first block counts on
 the first, what runs after the last on the last. Each block's time is the fastest of
-a few runs after a warm-up; buffers and random generators are left as they were.
+at least five runs after a warm-up; buffers and random generators are left as they were.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from conveyor.engine.partition import preserved_state
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []
+
+# Runs go on past ``repeat`` until this many seconds are measured (at most _MAX_RUNS).
+_MIN_SECONDS = 0.1
+_MAX_RUNS = 50
 
 
 class _Marks:
@@ -59,51 +63,63 @@ class _Marks:
 
 
 def block_times(model: nn.Module, names: Sequence[str], sample: Any, *,
-                repeat: int = 3) -> tuple[list[str], list[float]]:
+                repeat: int = 5) -> tuple[list[str], list[float]]:
     """The blocks named ``names`` that the forward runs, and the seconds each takes
     (forward and backward, with what runs before the first and after the last block
-    counted on them), the fastest of ``repeat`` runs after one warm-up.
+    counted on them): per block, the fastest of at least ``repeat`` runs after one
+    warm-up, and of more, up to a tenth of a second, when runs are fast (a busy machine
+    slows some runs of a block; the fastest is the block's own time).
 
     Raises:
         BalanceError: the model is on the meta device (nothing to time).
         ModelError: the blocks do not run in their order.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
     device = next(model.parameters(), torch.empty(0)).device
     if device.type == "meta":
         raise BalanceError(f"balance='time' runs {type(model).__name__} on the sample, but "
                            "it is on the meta device; build it on a device, or balance by "
                            "parameters (balance=None)")
     modules = [model.get_submodule(name) for name in names]
-    args, kwargs = as_call(sample)
     best: list[float] | None = None
     ran: list[int] = []
+    runs, spent = 0, 0.0
     with preserved_state(model, device):
-        for run in range(repeat + 1):
-            marks = _Marks(device)
-            handles = [m.register_forward_pre_hook(partial(marks.enter, i), with_kwargs=True)
-                       for i, m in enumerate(modules)]
-            try:
-                start = marks.now()
-                with torch.enable_grad():
-                    out = model(*args, **kwargs)
-                forward_end = marks.now()
-                outs = [t for t in pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor) and t.requires_grad]
-                backward_start = marks.now()
-                if outs and params:
-                    torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs],
-                                        allow_unused=True)
-                backward_end = marks.now()
-            finally:
-                for handle in handles:
-                    handle.remove()
+        _run(model, modules, sample, device)  # warm-up
+        while runs < repeat or (spent < _MIN_SECONDS and runs < _MAX_RUNS):
+            marks, forward, backward = _run(model, modules, sample, device)
             ran = sorted(marks.entered)
             _check_order(model, names, ran, marks.entered)
-            costs = _costs(ran, marks, (start, forward_end), (backward_start, backward_end))
-            if run:  # the first run warms up
-                best = costs if best is None else [min(a, b) for a, b in zip(best, costs)]
+            costs = _costs(ran, marks, forward, backward)
+            best = costs if best is None else [min(a, b) for a, b in zip(best, costs)]
+            runs, spent = runs + 1, spent + backward[1] - forward[0]
     return [names[i] for i in ran], best or []
+
+
+def _run(model: nn.Module, modules: list[nn.Module], sample: Any, device: torch.device
+         ) -> tuple[_Marks, tuple[float, float], tuple[float, float]]:
+    """One forward and backward with marks: the marks, forward's and backward's start
+    and end."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    args, kwargs = as_call(sample)
+    marks = _Marks(device)
+    handles = [m.register_forward_pre_hook(partial(marks.enter, i), with_kwargs=True)
+               for i, m in enumerate(modules)]
+    try:
+        start = marks.now()
+        with torch.enable_grad():
+            out = model(*args, **kwargs)
+        forward_end = marks.now()
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        backward_start = marks.now()
+        if outs and params:
+            torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs],
+                                allow_unused=True)
+        backward_end = marks.now()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return marks, (start, forward_end), (backward_start, backward_end)
 
 
 def _costs(ran: list[int], marks: _Marks, forward: tuple[float, float],
