@@ -178,8 +178,9 @@ def test_errors_say_what_to_give() -> None:
         conveyor.GPipe(model, devices=["cpu"] * 2)
     with pytest.raises(BalanceError, match=r"give stages= or devices="):
         conveyor.GPipe(model, sample=sample)
-    with pytest.raises(BalanceError, match=r"balance=\[3, 3\] counts the layers of an "
-                                           r"nn.Sequential; LadderUNet is cut at submodules"):
+    with pytest.raises(TypeError, match=r"pipelines an nn.Sequential, got LadderUNet; .* "
+                                        r"give split_at=\[names\], or no balance to cut "
+                                        r"among its blocks"):
         conveyor.GPipe(model, [3, 3], sample=sample, devices=["cpu"] * 2)
     with pytest.raises(ModelError, match=r"UNet has no repeated blocks"):
         conveyor.GPipe(unet()[0], sample=sample, devices=["cpu"] * 2)

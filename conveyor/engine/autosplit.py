@@ -185,22 +185,18 @@ def choose_cut(module: Any, split_at: Sequence[str] | None, balance: Any, sample
                stages: int | None) -> tuple[list[str] | None, Any]:
     """``split_at`` and ``balance`` as a pipeline should use them: as given, or for a
     model that is neither an ``nn.Sequential`` nor a layer function, with no
-    ``split_at``, the cut into ``stages`` chosen here (and no balance left to apply).
+    ``split_at`` and no list of layers per stage, the cut into ``stages`` chosen here
+    (and no balance left to apply).
 
     Raises:
-        BalanceError: ``balance`` is a list of layers per stage for such a model, or
-            ``stages`` is not known.
+        BalanceError: ``stages`` is not known.
         ModelError, BalanceError: as :func:`choose_split_at`.
     """
     if split_at is not None:
         return list(split_at), balance
-    if not isinstance(module, nn.Module) or isinstance(module, nn.Sequential):
+    if not isinstance(module, nn.Module) or isinstance(module, nn.Sequential) or \
+            balance not in (None, "time"):  # layers per stage: an nn.Sequential's path
         return None, balance
-    if balance is not None and balance != "time":
-        raise BalanceError(
-            f"balance={balance!r} counts the layers of an nn.Sequential; "
-            f"{type(module).__name__} is cut at submodules: give split_at=[names], or "
-            "balance=None (by parameters) or 'time' to let conveyor choose among its blocks")
     if stages is None:
         raise BalanceError(f"to choose where to cut {type(module).__name__}, conveyor needs "
                            "the number of stages: give stages= or devices= (one per "

@@ -48,7 +48,8 @@ def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"conveyor pipelines an nn.Sequential, got {type(module).__name__}; wrap the "
-            "layers in order: nn.Sequential(layer0, layer1, ...)"
+            "layers in order: nn.Sequential(layer0, layer1, ...), or cut any module at its "
+            "submodules: give split_at=[names], or no balance to cut among its blocks"
         )
     # Not named_children(): it skips a module that appears twice, which is a layer here.
     return [(name, layer) for name, layer in module._modules.items() if layer is not None]
