@@ -62,8 +62,9 @@ class GPipe(KeepsPlacement):
     over ``pipe.parameters()`` keeps the copies equal and steps as the plain model.
 
     Args:
-        module: the model, an ``nn.Sequential`` of layers. Its layers are moved to
-            their stages' devices.
+        module: the model, an ``nn.Sequential`` of layers, or any ``nn.Module`` with
+            ``sample`` (cut at ``split_at``, or where conveyor chooses). Its layers are
+            moved to their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
             ``conveyor.balance_by_time`` and friends to compute one. For a model that
             is not an ``nn.Sequential``: None or "time", how to choose ``split_at``.
