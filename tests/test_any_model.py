@@ -288,7 +288,7 @@ def test_bad_split_points_say_what_to_do() -> None:
         conveyor.GPipe(model, split_at=["up2"], devices=["cpu"] * 2)
     with pytest.raises(BalanceError, match=r"give balance= \(layers per stage\) for an "
                                            r"nn.Sequential, or split_at="):
-        conveyor.GPipe(model, devices=["cpu"] * 2)
+        conveyor.GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), devices=["cpu"] * 2)
     with pytest.raises(BalanceError, match=r"split_at gives 2 stages but the schedule has 3"):
         conveyor.Pipeline(model, split_at=["up2"], sample=sample, stages=3,
                           devices=["cpu"] * 3, chunks=2, loss_fn=F.mse_loss)

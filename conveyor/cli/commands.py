@@ -275,6 +275,18 @@ def trace_command(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    """``conveyor plan``: a family (transformer, convnet) or the user's model."""
+    if args.model not in ("transformer", "convnet"):
+        from conveyor.cli.modelplan import plan_model_command
+
+        return int(plan_model_command(args))
+    missing = [flag for flag, value in (("--devices", args.devices), ("--memory", args.memory))
+               if value is None]
+    if missing or args.split_at:
+        print(f"conveyor plan: error: --model {args.model} needs {' and '.join(missing)}"
+              if missing else "conveyor plan: error: --split-at is for your own model "
+              "(--model package.module:function)", file=sys.stderr)
+        return 2
     from conveyor.observe import plan as planning
     from conveyor.train import models
 

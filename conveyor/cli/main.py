@@ -115,20 +115,36 @@ def _trace_parser(commands: _Commands) -> None:
 
 def _plan_parser(commands: _Commands) -> None:
     """``conveyor plan``; its body is ``commands.plan_command``."""
-    sub = commands.add_parser("plan", help="memory and schedule plan for a model family")
-    sub.add_argument("--model", choices=["transformer", "convnet"], default="transformer")
+    sub = commands.add_parser(
+        "plan", help="memory and schedule plan for a model family, or for your model",
+        description="Per-stage memory (parameters, optimizer state, activations at the "
+                    "schedule's peak) and the best schedule and number of micro-batches. "
+                    "--model package.module:function plans your own model: the function "
+                    "takes no arguments and returns the model (on the meta device if it "
+                    "can: nothing is allocated), or (model, sample) with sample one batch "
+                    "as the model takes it; a model alone gets token ids of --length. It "
+                    "is cut at --split-at, or into --stages stages where conveyor.Pipeline "
+                    "would cut it.")
+    sub.add_argument("--model", default="transformer",
+                     help="transformer, convnet, or package.module:function returning your "
+                          "model or (model, sample)")
+    sub.add_argument("--split-at", metavar="NAME,...",
+                     help="your model: the submodules where stages 1.. begin")
     sub.add_argument("--layers", type=int, default=24, help="blocks (transformer) or cells")
     sub.add_argument("--d-model", type=int, default=1024)
     sub.add_argument("--d-ff", type=int, default=4096)
     sub.add_argument("--heads", type=int, default=16)
     sub.add_argument("--vocab", type=int, default=32000)
-    sub.add_argument("--length", type=int, default=512, help="sequence length")
+    sub.add_argument("--length", type=int, default=512,
+                     help="sequence length (and of the token ids your model gets without "
+                          "a sample)")
     sub.add_argument("--channels", type=int, default=64, help="convnet stem channels")
     sub.add_argument("--image", type=int, default=224)
     sub.add_argument("--classes", type=int, default=1000)
     sub.add_argument("--batch", type=int, default=32, help="mini-batch size N")
-    sub.add_argument("--devices", type=int, required=True, help="pipeline ranks K")
-    sub.add_argument("--memory", required=True, help="memory per device, e.g. 16GiB")
+    sub.add_argument("--devices", "--stages", dest="devices", type=int,
+                     help="pipeline ranks K (needed for a family)")
+    sub.add_argument("--memory", help="memory per device, e.g. 16GiB (needed for a family)")
     sub.add_argument("--optimizer", default="adam",
                      choices=["sgd", "momentum", "rmsprop", "adam", "adamw"])
     sub.add_argument("--no-rematerialize", action="store_true")

@@ -32,6 +32,7 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
+from conveyor.engine.autosplit import choose_cut
 from conveyor.engine.builder import (
     NamedLayers,
     build_stages,
@@ -77,14 +78,18 @@ class Pipeline(KeepsPlacement):
             torchrun, else the number of ``devices``).
         layers: the number of layers, when ``module`` is a function.
         balance: layers per stage (K·V entries); None evens out parameters; "time"
-            evens out forward+backward time measured on ``sample``.
+            evens out forward+backward time measured on ``sample``. For a model that
+            is not an ``nn.Sequential``, None or "time" choose ``split_at``.
         split_at: for any ``nn.Module`` (possibly built on the meta device): the
             qualified names of the submodules where stages 1, 2, ... begin
-            (``["model.layers.2"]``); K·V - 1 names. The model is traced on ``sample``.
+            (``["model.layers.2"]``); K·V - 1 names. None chooses them among the
+            model's repeated blocks (the children of its largest ``nn.ModuleList``),
+            balanced as ``balance`` says; the cut is kept as ``pipe.split_at``.
         sample: one micro-batch as the model takes it (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments): traced for ``split_at`` (every
-            rank passes it), profiled for ``balance="time"``, or traced to cut an
-            ``nn.Sequential`` whose skips (``conveyor.skippable``) cross stages.
+            arguments or a dict of keyword arguments): traced to cut a model at
+            submodules (every rank passes it), profiled for ``balance="time"``, or
+            traced to cut an ``nn.Sequential`` whose skips (``conveyor.skippable``)
+            cross stages.
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
@@ -154,6 +159,9 @@ class Pipeline(KeepsPlacement):
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
+        split_at, balance = choose_cut(module, split_at, balance, sample,
+                                       self.schedule.num_stages)
+        self.split_at = split_at  # as given, or chosen among the model's blocks
         if split_at is None:
             refuse_initialisation(init_fn, weights)
             self._stages = self._cut_layers(module, LayerSource(module, layers), balance,

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
+from conveyor.engine.autosplit import choose_cut
 from conveyor.engine.builder import (
     build_stages,
     build_traced_stages,
@@ -66,16 +67,25 @@ class GPipe(KeepsPlacement):
 
     Args:
         module: the model: an ``nn.Sequential`` of layers with ``balance``, or any
-            module with ``split_at`` (then it may be built on the meta device). Its
-            tensors are moved to their stages' devices.
+            ``nn.Module`` with ``sample`` (cut at ``split_at``, or where conveyor
+            chooses; then it may be built on the meta device). Its tensors are moved
+            to their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
             ``conveyor.balance_by_time`` and friends to compute one. Where a layer pops
             a value (``conveyor.skippable``) that a layer of an earlier stage stashed,
-            the layers are traced on ``sample`` and cut where the balance says.
-        split_at: qualified names of the submodules where stages 1, 2, ... begin
-            (``["transformer.h.2"]``); the model is traced on ``sample`` to cut it.
+            the layers are traced on ``sample`` and cut where the balance says. For a
+            model that is not an ``nn.Sequential``: None or "time", how to choose
+            ``split_at``.
+        split_at: for any ``nn.Module``, the qualified names of the submodules where
+            stages 1, 2, ... begin (``["transformer.h.2"]``); None chooses them among
+            the model's repeated blocks (the children of its largest ``nn.ModuleList``)
+            by parameters, or by time with ``balance="time"``. The cut is kept as
+            ``pipe.split_at``.
         sample: one micro-batch as the model takes it (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments), for ``split_at`` or skips.
+            arguments or a dict of keyword arguments), to trace a model cut at
+            submodules or a layer list whose skips cross stages.
+        stages: the number of stages K when conveyor chooses the cut (default: the
+            number of ``devices``).
         devices: one device per stage; may repeat (``["cpu", "cpu"]`` runs two stages
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.
@@ -101,10 +111,11 @@ class GPipe(KeepsPlacement):
     def __init__(
         self,
         module: nn.Module,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         *,
         split_at: Sequence[str] | None = None,
         sample: Any = None,
+        stages: int | None = None,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
@@ -118,27 +129,35 @@ class GPipe(KeepsPlacement):
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
+        count = stages if stages is not None else None if devices is None else len(devices)
+        split_at, balance = choose_cut(module, split_at, balance, sample, count)
+        self.split_at = split_at  # as given, or chosen among the model's blocks
         if split_at is None:
             refuse_initialisation(init_fn, weights)
-            stages = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
+            built = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
         else:
-            stages = self._cut_graph(module, split_at, sample, devices, balance=balance,
-                                     deferred_batch_norm=deferred_batch_norm,
-                                     init_fn=init_fn, weights=weights)
-        self._stages = list(stages.values())
+            built = self._cut_graph(module, split_at, sample, devices, balance=balance,
+                                    deferred_batch_norm=deferred_batch_norm,
+                                    init_fn=init_fn, weights=weights)
+        if stages is not None and stages != len(built):
+            raise BalanceError(f"stages={stages}, but {'split_at' if split_at else 'balance'} "
+                               f"gives {len(built)} stages")
+        self._stages = list(built.values())
         self.partitions.extend(stage.layers for stage in self._stages)
         self._schedule = gpipe(len(self.balance), chunks)
         validate(self._schedule)
-        self._executor = Executor(stages, self._schedule.stage_ranks,
+        self._executor = Executor(built, self._schedule.stage_ranks,
                                   LocalTransport(self.devices))
 
-    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None, sample: Any,
+    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | str | None, sample: Any,
                     devices: Sequence[Device] | None,
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """The stages of an ``nn.Sequential`` cut by ``balance``."""
-        if balance is None:
+        if balance is None or isinstance(balance, str):
             raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
-                               "split_at= (submodule names) and sample= for any module")
+                               "split_at= (submodule names) and sample= for any module"
+                               + ("; conveyor.balance_by_time(model, sample, stages) "
+                                  "computes one by time" if balance == "time" else ""))
         layers = sequential_layers(module)
         self.balance: list[int] = validate_balance(balance, len(layers))
         split_at = split_at_skips(layers, self.balance, sample=sample,
@@ -167,7 +186,8 @@ class GPipe(KeepsPlacement):
         )
 
     def _cut_graph(self, module: nn.Module, split_at: Sequence[str], sample: Any,
-                   devices: Sequence[Device] | None, *, balance: Sequence[int] | None = None,
+                   devices: Sequence[Device] | None, *,
+                   balance: Sequence[int] | str | None = None,
                    deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
                    weights: Weights | None = None) -> dict[int, Stage]:
         """The stages of any module, traced on ``sample`` and cut at ``split_at``."""

@@ -49,7 +49,8 @@ def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"conveyor pipelines an nn.Sequential, got {type(module).__name__}; wrap the "
-            "layers in order: nn.Sequential(layer0, layer1, ...)"
+            "layers in order: nn.Sequential(layer0, layer1, ...), or cut any module at its "
+            "submodules: give split_at=[names], or no balance to cut among its blocks"
         )
     # Not named_children(): it skips a module that appears twice, which is a layer here.
     return [(name, layer) for name, layer in module._modules.items() if layer is not None]
@@ -101,6 +102,16 @@ def solve_balance(costs: Sequence[float], stages: int) -> list[int]:
             layers.
     """
     return _balance(costs, stages, slack=0.0)
+
+
+def solve_measured_balance(costs: Sequence[float], stages: int) -> list[int]:
+    """:func:`solve_balance` for measured times: partitions whose largest stage is within
+    5% of the least count as equal, and the most even in numbers of layers wins.
+
+    Raises:
+        BalanceError: as :func:`solve_balance`.
+    """
+    return _balance(costs, stages, slack=_TIME_SLACK)
 
 
 def _balance(costs: Sequence[float], stages: int, *, slack: float) -> list[int]:
@@ -223,8 +234,8 @@ def balance_by_time(
         BalanceError: more stages than layers.
     """
     profiles = profile_layers(module, sample, repeat=repeat)
-    return _balance([p.forward_seconds + p.backward_seconds for p in profiles], stages,
-                    slack=_TIME_SLACK)
+    return solve_measured_balance([p.forward_seconds + p.backward_seconds for p in profiles],
+                                  stages)
 
 
 def balance_by_memory(
@@ -261,7 +272,7 @@ def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> li
     device = next(module.parameters(), torch.empty(0)).device
     x = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
     profiles = []
-    with _preserved_state(module, device), skip.profiling():
+    with preserved_state(module, device), skip.profiling():
         for name, layer in layers:
             profile, x = _profile_layer(name, layer, x, device, repeat)
             profiles.append(profile)
@@ -335,7 +346,7 @@ def _sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
+def preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Restores buffers and random generators after profiling runs the model."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     devices = [device] if device.type == "cuda" else []

@@ -166,7 +166,7 @@ def _materialize(model: nn.Module, placement: Placement) -> dict[int, torch.Tens
             table[name] = replaced[id(tensor)]
             continue
         device = placement.devices[id(tensor)]
-        if tensor.is_meta:
+        if tensor.is_meta and device.type != "meta":  # (a planner's stages stay on meta)
             empty = torch.empty_like(tensor, device=device)
             table[name] = replaced[id(tensor)] = (
                 nn.Parameter(empty, requires_grad=tensor.requires_grad)

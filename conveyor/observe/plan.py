@@ -5,7 +5,8 @@ sample, the bytes a layer hands on per sample, and forward FLOPs per sample.
 :func:`measure` takes them from one forward of the model on a sample, and on the meta
 device that costs no memory: an 80-billion-parameter Transformer plans on a laptop.
 (``conveyor.models.transformer_figures`` and ``convnet_figures`` measure the reference
-families.)
+families.) :func:`measure_split` takes them per stage of any model, cut as a pipeline
+cuts it (at ``split_at``, or among its blocks for K stages), one figure per stage.
 
 Per stage, memory is parameters times the optimizer's bytes per parameter (weights,
 gradients and state: 12 for RMSProp, as in the paper), plus activations: the
@@ -20,6 +21,7 @@ schedule's simulation gives the step time.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,6 +44,7 @@ __all__ = [
     "StagePlan",
     "largest",
     "measure",
+    "measure_split",
     "parse_bytes",
     "plan",
     "rank_plans",
@@ -115,6 +118,73 @@ def measure(model: nn.Sequential, sample: Any) -> list[LayerFigures]:
         ))
         x = out
     return figures
+
+
+def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | None = None,
+                  stages: int | None = None) -> list[LayerFigures]:
+    """Figures of each stage of ``model`` cut at ``split_at``, or into ``stages`` stages
+    where ``Pipeline(model, stages=...)`` would cut it, from one forward of each stage
+    on ``sample`` (a micro-batch as the model takes it; on the meta device with a meta
+    model: no memory). A stage's figure is named by the submodule it begins at
+    (``"(start)"`` for the first); its parameters are those it holds, a copy of a weight
+    tied across stages included; its input and output are what crosses to it and from it.
+
+    The model is copied first (``copy.deepcopy``), as cutting gives a tied weight a copy
+    per stage: build a large model on the meta device.
+
+    Raises:
+        BalanceError: neither ``split_at`` nor ``stages``, or they disagree; see
+            ``conveyor.Pipeline`` for the errors of choosing a cut.
+        ModelError: the model cannot be traced or cut there.
+    """
+    from conveyor.engine.autosplit import choose_split_at
+    from conveyor.engine.graph import split_model
+
+    if split_at is None:
+        if stages is None:
+            raise BalanceError("give split_at= (where stages begin) or stages= (to cut as "
+                               "Pipeline would)")
+        split_at = choose_split_at(model, stages, sample)
+    elif stages is not None and len(split_at) + 1 != stages:
+        raise BalanceError(f"split_at gives {len(split_at) + 1} stages but stages={stages}")
+    model = copy.deepcopy(model)
+    device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+    split = split_model(model, sample, split_at, dict.fromkeys(range(len(split_at) + 1), device))
+    samples = batch_size(sample)
+    figures, live = [], sample
+    for name, stage in zip(["(start)", *split_at], split.stages.values()):
+        figure, out = _stage_figures(name, stage.train(), live, samples)
+        figures.append(figure)
+        live = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), out)
+    return figures
+
+
+def _stage_figures(name: str, stage: Any, live: Any, samples: int) -> tuple[LayerFigures, Any]:
+    """One traced stage's figures from one forward on ``live``, and its output."""
+    params = stage.bound_parameters()
+    held = {p.untyped_storage()._cdata for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in held:
+            saved[storage._cdata] = max(saved.get(storage._cdata, 0),
+                                        t.numel() * t.element_size())
+        return t
+
+    with torch.enable_grad(), FlopCounterMode(display=False) as flops, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(live)
+    return LayerFigures(
+        name=name,
+        parameters=sum(p.numel() for p in params),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        activation_bytes=sum(saved.values()) / samples,
+        input_bytes=_nbytes(live) / samples,
+        output_bytes=_nbytes(out) / samples,
+        flops=flops.get_total_flops() / samples,
+    ), out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""``conveyor plan --model package.module:function``: the plan of the user's own model.
+
+The function takes no arguments and returns the model (built on the meta device where
+it can: nothing is allocated), or ``(model, sample)`` with ``sample`` one batch as the
+model takes it (a tensor, a tuple of positional arguments, a dict of keyword arguments;
+any batch size, figures are per sample). Without a sample the model gets token ids of
+``--length`` (``input_ids``, and ``use_cache=False`` where its forward takes it), as a
+Hugging Face language model does. The model is cut at ``--split-at``, or into
+``--stages`` stages where ``conveyor.Pipeline`` would cut it, and each stage's figures
+come from tracing it (:func:`conveyor.plan.measure_split`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.cli.commands import _size, _table
+from conveyor.errors import ConfigError, ConveyorError
+from conveyor.observe import plan as planning
+
+__all__: list[str] = []
+
+_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1))
+
+
+def load_model(spec: str) -> tuple[nn.Module, Any]:
+    """The model (and sample, or None) that ``package.module:function`` returns.
+
+    Raises:
+        ConfigError: the module cannot be imported, has no such name, the name is not a
+            function, or what it returns is not a model.
+    """
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ConfigError(f"--model {spec}: give transformer, convnet, or "
+                          "package.module:function (a function that returns your model)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the current folder's modules
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--model {spec}: cannot import {module_name}: {exc}") from None
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise ConfigError(f"--model {spec}: {module_name} has no {function_name!r}")
+    if not callable(function):
+        raise ConfigError(f"--model {spec}: {function_name} is a {type(function).__name__}, "
+                          "not a function that returns the model")
+    made = function()
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        return made[0], made[1]
+    if isinstance(made, nn.Module):
+        return made, None
+    raise ConfigError(f"--model {spec} returned a {type(made).__name__}; return an "
+                      "nn.Module, or (nn.Module, sample) with sample one batch as the model "
+                      "takes it")
+
+
+def token_sample(model: nn.Module, length: int) -> Any:
+    """Token ids of ``length`` for a model that takes them, on the model's device."""
+    device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+    ids = torch.zeros(2, length, dtype=torch.long, device=device)  # 2: 1 would specialise
+    arguments = inspect.signature(model.forward).parameters
+    if "input_ids" not in arguments:
+        return ids
+    return {"input_ids": ids, **({"use_cache": False} if "use_cache" in arguments else {})}
+
+
+def plan_model_command(args: argparse.Namespace) -> int:
+    """The body of ``conveyor plan --model package.module:function``; bad options end it
+    with one line on stderr and code 2."""
+    try:
+        return _plan_model(args)
+    except ConveyorError as exc:
+        print(f"conveyor plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _split_at(args: argparse.Namespace) -> tuple[list[str] | None, int]:
+    """``--split-at`` as names, and the number of stages K.
+
+    Raises:
+        ConfigError: neither ``--split-at`` nor ``--stages``, or they disagree.
+    """
+    names = [n.strip() for n in args.split_at.split(",") if n.strip()] if args.split_at \
+        else None
+    if names is None:
+        if args.devices is None:
+            raise ConfigError("give --stages K (cut where Pipeline would) or --split-at "
+                              "NAME,... (the submodules where stages 1.. begin)")
+        return None, args.devices
+    if args.devices is not None and args.devices != len(names) + 1:
+        raise ConfigError(f"--split-at gives {len(names) + 1} stages but --stages is "
+                          f"{args.devices}")
+    return names, len(names) + 1
+
+
+def _plan_model(args: argparse.Namespace) -> int:
+    model, sample = load_model(args.model)
+    split_at, stages = _split_at(args)
+    if sample is None:
+        sample = token_sample(model, args.length)
+    parameters = sum(p.numel() for p in model.parameters())
+    figures = planning.measure_split(model, sample, split_at=split_at, stages=stages)
+    names = [f.name for f in figures]  # where each stage begins
+    chosen = names[1:]
+    memory = planning.parse_bytes(args.memory) if args.memory else math.inf
+    plans = planning.rank_plans(figures, devices=stages, memory=memory, batch=args.batch,
+                                optimizer=args.optimizer, schedules=_SCHEDULES,
+                                rematerialize=not args.no_rematerialize,
+                                flops_per_second=args.flops)
+    if not plans:
+        raise ConfigError(f"--batch {args.batch} allows no number of micro-batches")
+    best = plans[0]
+    pairs = list(zip(names, best.stages, strict=True))
+    rows = [{"begins_at": name, "parameters": s.parameters,
+             "parameter_bytes": s.parameter_bytes, "activation_bytes": s.activation_bytes,
+             "total_bytes": s.total_bytes} for name, s in pairs]
+    if args.json:
+        print(json.dumps({"model": args.model, "class": type(model).__name__,
+                          "parameters": parameters, "split_at": chosen,
+                          "chosen": split_at is None, "stages": rows,
+                          "best": best.summary(), "options": [p.summary() for p in plans]},
+                         indent=2))
+        return 0
+    per = planning.OPTIMIZER_BYTES[args.optimizer]
+    how = "chosen by parameters" if split_at is None else "as given"
+    print(f"{args.model} ({type(model).__name__}): {parameters:,} parameters, {per} bytes "
+          f"each with {args.optimizer}; {stages} stages, split at {', '.join(chosen)} "
+          f"({how}); batch {args.batch}, re-materialization "
+          f"{'off' if args.no_rematerialize else 'on'}")
+    fit = ("memory per device not given (--memory): every plan counts as fitting"
+           if math.isinf(memory) else
+           f"{_size(memory)} per device: {'fits' if best.fits else 'does NOT fit'}")
+    print(f"\nbest: {best.schedule}, {best.chunks} micro-batches; {fit}")
+    print(_table(["", "begins at", "params", "param+opt", "activations", "total"],
+                 [[f"stage {k}", name, f"{s.parameters:,}", _size(s.parameter_bytes),
+                   _size(s.activation_bytes), _size(s.total_bytes)]
+                  for k, (name, s) in enumerate(pairs)]))
+    print("\nactivations: at the schedule's peak of micro-batches held per stage, from "
+          "the traced stages' saved tensors; a weight tied across stages counts on each")
+    print("\nschedules and micro-batches (simulated, fitting first):")
+    print(_table(["schedule", "M", "fits", "largest rank", "samples/s"],
+                 [[p.schedule, str(p.chunks), "yes" if p.fits else "no",
+                   _size(max(p.rank_bytes)), f"{p.throughput:.1f}"]
+                  for p in plans[:args.top]]))
+    return 0
