@@ -323,6 +323,7 @@ def assert_rank_grads(results: list[dict[str, Any]], reference: nn.Module) -> No
     assert held == {id(p) for p in reference.parameters()}
 
 
+@pytest.mark.timeout(600)  # the first one waits for the launch
 @pytest.mark.parametrize("case", ANY_MODEL_CASES, ids=lambda case: f"{case[0]}-{case[1]}")
 def test_under_torchrun_each_rank_holds_its_stage(torchrun: Path, case: tuple[Any, ...]) -> None:
     name, schedule, _, _ = case
@@ -340,6 +341,7 @@ def test_under_torchrun_each_rank_holds_its_stage(torchrun: Path, case: tuple[An
         assert result["state"] == [key for key in keys if key in result["state"]]
 
 
+@pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_meta_model_reads_its_rank_s_weights(torchrun: Path) -> None:
     _, reference, _, inputs, targets = build("gpt2")
     expected = plain_step("gpt2", reference, inputs, targets)
@@ -356,6 +358,7 @@ def test_under_torchrun_a_meta_model_reads_its_rank_s_weights(torchrun: Path) ->
     assert "lm_head.weight" in results[1]["state"]
 
 
+@pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Path) -> None:
     model, *_ = llama()
     with torch.device("meta"):
@@ -371,6 +374,7 @@ def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Pat
     assert found["model.layers.0.mlp.up_proj.weight"].std() > 0.01  # not left empty
 
 
+@pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_skip_of_a_layer_list_crosses_ranks(torchrun: Path) -> None:
     from tests.test_skip import long_skip
 
