@@ -303,3 +303,60 @@ def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
     torch.save({"step": extra["step"], "saved": saved, "loaded": pipe.state_dict(),
                 "optimizer_steps": [float(s["step"]) for s in optimizer.state.values()]},
                out_dir / f"rank{rank}.pt")
+
+
+def scenario_direct_edges(rank: int, world: int, out_dir: Path) -> None:
+    """A traced model over processes, each rank building its own stage from the whole
+    model's trace (what split_at under torchrun is to do), by the engine's parts: first
+    a context used by stages 1 and 2 (edge 0->2, its gradients summed on stage 0), then
+    a mask used by stage 2 alone (edge 0~>2, no gradient comes back)."""
+    from tests.crossing import crossing
+
+    runs = [("context", (1, 2), (), "1f1b", "except_last"),
+            ("context", (1, 2), (), "zero-bubble", "always"),
+            ("mask", (), (2,), "gpipe", "never")]
+    for case, context_at, mask_at, schedule, checkpoint in runs:
+        model = crossing(world, context_at=context_at, mask_at=mask_at)
+        result = _traced_step(model, schedule, checkpoint, rank, world)
+        torch.save(result, out_dir / f"{case}-{schedule}-rank{rank}.pt")
+
+
+def _traced_step(model: nn.Module, schedule_name: str, checkpoint: str, rank: int,
+                 world: int, chunks: int = 4) -> dict[str, Any]:
+    """One training step of ``model`` (a tests.crossing.Crossing) cut into ``world``
+    stages, this rank's stage alone; its gradients and what its transport sent."""
+    from conveyor.distributed.p2p import P2PTransport
+    from conveyor.distributed.topology import Topology
+    from conveyor.engine.builder import new_step
+    from conveyor.engine.executor import Executor
+    from conveyor.engine.graph import split_model
+    from conveyor.engine.microbatch import microbatch_sizes, split
+    from conveyor.engine.rng import LayerRandomness
+    from conveyor.engine.stage import Partition, Stage
+    from conveyor.schedules import Kind, actions_of, build, validate
+    from tests.crossing import token_batch, token_loss
+
+    cpu = torch.device("cpu")
+    ids, targets = token_batch()
+    cut = split_model(model, split(ids, chunks)[0], model.split_at(), [cpu] * world)
+    schedule = build(schedule_name, world, chunks).with_edges(cut.edges)
+    validate(schedule)
+    topology = Topology.from_environment(data_parallel=1, stages=world, timeout=30)
+    assert topology is not None
+    stage = Stage(rank, Partition(cut.stages[rank]), first_layer=rank, device=cpu,
+                  randomness=LayerRandomness(cpu, shared=False))
+    transport = P2PTransport(topology, schedule, {rank: cpu}, timeout=30)
+    executor = Executor({rank: stage}, schedule, transport)
+    state = new_step(split(ids, chunks) if rank == 0 else [], chunks=chunks,
+                     checkpoint=checkpoint, grad_enabled=True, training=True,
+                     loss_fn=token_loss)
+    if rank == world - 1:
+        state.targets = split(targets, chunks)
+        state.loss_scale = [n / len(targets) for n in microbatch_sizes(len(targets), chunks)]
+    columns = actions_of(schedule, list(Kind))
+    transport.prepare(columns)
+    executor.run_committed({rank: columns[rank]}, state)
+    return {"edges": [str(e) for e in schedule.edges],
+            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            "traffic": {key: (f.messages, f.bytes, f.wire)
+                        for key, f in transport.traffic.flows.items()}}

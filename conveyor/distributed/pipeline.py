@@ -51,8 +51,15 @@ from conveyor.engine.ties import (
 )
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.stage import Stage
-from conveyor.errors import BalanceError, ConveyorError, ModelError
-from conveyor.schedules import Kind, Schedule, actions_of, build as build_schedule, validate
+from conveyor.errors import BalanceError, ConveyorError, ModelError, ScheduleError
+from conveyor.schedules import (
+    Edge,
+    Kind,
+    Schedule,
+    actions_of,
+    build as build_schedule,
+    validate,
+)
 
 __all__ = ["Pipeline"]
 
@@ -127,13 +134,18 @@ class Pipeline(KeepsPlacement):
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
         if split_at is None:
+            if self.schedule.edges:
+                raise ScheduleError(
+                    f"the schedule table has edges ({' '.join(map(str, self.schedule.edges))}),"
+                    " but a sequence of layers sends each stage's output to the next stage "
+                    "alone; drop the edges, or give a model to trace with split_at=")
             self._stages = self._cut_layers(LayerSource(module, layers), balance, sample,
                                             tie_weights, deferred_batch_norm)
         else:
             self._stages = self._cut_graph(module, balance, split_at, sample,
                                            deferred_batch_norm)
         self._transport = self._make_transport(timeout)
-        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+        self._executor = Executor(self._stages, self.schedule, self._transport)
 
     def _cut_layers(self, source: LayerSource, balance: Sequence[int] | str | None, sample: Any,
                     tie_weights: Sequence[Sequence[str]],
@@ -172,10 +184,11 @@ class Pipeline(KeepsPlacement):
             raise ModelError("split_at= runs in one process for now: under torchrun, give "
                              "an nn.Sequential (or a layer builder) with balance=")
         self.balance = [1] * count
-        stages, self._ties = build_traced_stages(
+        stages, self._ties, edges = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
             deferred_batch_norm=deferred_batch_norm,
             devices=[self._stage_device(s) for s in range(count)], concurrent=self.devices)
+        self.schedule = _with_model_edges(self.schedule, edges)
         return stages
 
     def _stage_device(self, stage: int) -> torch.device:
@@ -198,7 +211,7 @@ class Pipeline(KeepsPlacement):
         if not self.topology.distributed:
             return LocalTransport([self._stage_device(s)
                                    for s in range(self.schedule.num_stages)])
-        return P2PTransport(self.topology, self.schedule.stage_ranks,
+        return P2PTransport(self.topology, self.schedule,
                             {s: stage.device for s, stage in self._stages.items()}, timeout)
 
     # ----------------------------------------------------------------- the user API
@@ -364,6 +377,23 @@ def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
             )
         return schedule
     table = build_schedule(schedule, ranks, chunks, virtual_stages=virtual_stages)
+    validate(table)
+    return table
+
+
+def _with_model_edges(schedule: Schedule, edges: tuple[Edge, ...]) -> Schedule:
+    """``schedule`` with the edges of a traced model (values sent past the next stage),
+    validated again; a table given with edges must give the model's.
+
+    Raises:
+        ScheduleError: the table lists other edges than the model has.
+    """
+    if schedule.edges and schedule.edges != tuple(sorted(edges)):
+        raise ScheduleError(
+            f"the schedule table lists edges {' '.join(map(str, schedule.edges)) or 'none'}, "
+            f"but the model cut at split_at has {' '.join(map(str, edges)) or 'none'}; give "
+            "the table without edges (the pipeline adds the model's)")
+    table = schedule.with_edges(edges)
     validate(table)
     return table
 

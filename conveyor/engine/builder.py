@@ -26,6 +26,7 @@ from conveyor.engine.rng import LayerRandomness, draw_step_seed
 from conveyor.engine.stage import Partition, Stage
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import BalanceError, ModelError
+from conveyor.schedules import Edge
 
 __all__: list[str] = []
 
@@ -95,10 +96,11 @@ def build_traced_stages(
     deferred_batch_norm: bool,
     devices: Sequence[torch.device],
     concurrent: Sequence[torch.device],
-) -> tuple[dict[int, Stage], list[TiedParameter]]:
+) -> tuple[dict[int, Stage], list[TiedParameter], tuple[Edge, ...]]:
     """Traces ``module`` on ``sample``, cuts it at ``split_at`` (stage k on
     ``devices[k]``), builds every stage and registers the model's own modules on
-    ``owner``; returns the stages and the ties found in the graph.
+    ``owner``; returns the stages, the ties found in the graph, and the edges (values
+    sent past the next stage) that the schedule must carry.
 
     Raises:
         BalanceError: ``balance`` given too, no ``sample``, or deferred batch norm.
@@ -120,7 +122,7 @@ def build_traced_stages(
         names=split.names, first_layers={k: k for k in range(count)},
         devices=dict(enumerate(devices)), concurrent=concurrent, deferred_batch_norm=False)
     adopt(owner, module)
-    return stages, split.ties
+    return stages, split.ties, split.edges
 
 
 def adopt(owner: nn.Module, model: nn.Module) -> None:

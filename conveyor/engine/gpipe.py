@@ -34,7 +34,7 @@ from conveyor.engine.ties import (
 from conveyor.engine.transport import LocalTransport
 from conveyor.engine.stage import Stage
 from conveyor.errors import BalanceError, LayerOutputError
-from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
+from conveyor.schedules import Edge, Kind, Schedule, actions_of, gpipe, validate
 
 __all__ = ["GPipe"]
 
@@ -95,6 +95,7 @@ class GPipe(KeepsPlacement):
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
         self.partitions: list[nn.Sequential] = []
+        self._edges: tuple[Edge, ...] = ()  # a traced model's values that skip stages
         if split_at is None:
             stages = self._cut_layers(module, balance, devices, deferred_batch_norm)
         else:
@@ -102,10 +103,9 @@ class GPipe(KeepsPlacement):
                                      deferred_batch_norm)
         self._stages = list(stages.values())
         self.partitions.extend(stage.layers for stage in self._stages)
-        self._schedule = gpipe(len(self.balance), chunks)
+        self._schedule = gpipe(len(self.balance), chunks).with_edges(self._edges)
         validate(self._schedule)
-        self._executor = Executor(stages, self._schedule.stage_ranks,
-                                  LocalTransport(self.devices))
+        self._executor = Executor(stages, self._schedule, LocalTransport(self.devices))
 
     def _cut_layers(self, module: nn.Module, balance: Sequence[int] | None,
                     devices: Sequence[Device] | None,
@@ -142,7 +142,7 @@ class GPipe(KeepsPlacement):
         count = len(split_at) + 1
         self.balance = [1] * count
         self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
-        stages, self._ties = build_traced_stages(
+        stages, self._ties, self._edges = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
             deferred_batch_norm=deferred_batch_norm, devices=self.devices,
             concurrent=self.devices)

@@ -14,12 +14,23 @@ from conveyor.schedules.builders import (
     zero_bubble_h1,
 )
 from conveyor.schedules.clock import layout_clock, render_clock
-from conveyor.schedules.table import Action, Kind, Schedule, actions_of, dependencies, parse
+from conveyor.schedules.table import (
+    Action,
+    Edge,
+    Kind,
+    Message,
+    Schedule,
+    actions_of,
+    dependencies,
+    parse,
+)
 from conveyor.schedules.validator import validate
 
 __all__ = [
     "Action",
+    "Edge",
     "Kind",
+    "Message",
     "SCHEDULES",
     "Schedule",
     "actions_of",
