@@ -47,9 +47,15 @@ from conveyor.distributed.envelope import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
+from conveyor.engine.transport import (
+    Aborted,
+    LocalTransport,
+    MessageKind,
+    Traffic,
+    neighbour,
+)
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Schedule
-from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour
 
 __all__: list[str] = []
 

@@ -37,14 +37,14 @@ import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
-from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
+from conveyor.engine.loss import LossFn, loss_and_count
 from conveyor.engine.recorder import Recorder
-from conveyor.schedules import Action, Kind, Schedule
+from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.stage import Stage, failure
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
-from conveyor.engine.loss import LossFn, loss_and_count
-from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.weightgrad import WeightGradient, backward_input
+from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
+from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
 

@@ -22,13 +22,19 @@ from torch import nn
 from conveyor.engine.batchnorm import DeferredBatchNorm
 from conveyor.engine.graphstage import GraphStage
 from conveyor.engine.recompute import (
+    Recomputation,
     checkpointed,
     is_recomputing,
-    Recomputation,
     running_stat_layers,
 )
-from conveyor.errors import ConveyorError, LayerOutputError, ModelError, StageError, add_note
 from conveyor.engine.rng import LayerRandomness
+from conveyor.errors import (
+    ConveyorError,
+    LayerOutputError,
+    ModelError,
+    StageError,
+    add_note,
+)
 
 __all__: list[str] = []
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ScheduleError
+from conveyor.observe.trace import Event, Timeline
 from conveyor.schedules.clock import layout_clock
 from conveyor.schedules.table import Action, Kind, Schedule, dependencies
-from conveyor.observe.trace import Event, Timeline
 
 __all__ = ["CostModel", "Simulation", "simulate"]
 

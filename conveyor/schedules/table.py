@@ -189,39 +189,60 @@ class Schedule:
     def forward_from(self, stage: int) -> tuple[int, ...]:
         """The stages whose values ``stage``'s forward receives: the one before it,
         then the sources of its edges."""
-        before = (stage - 1,) if stage > 0 else ()
-        return before + tuple(e.source for e in self.edges if e.destination == stage)
+        return self._links[stage][0]
 
     def forward_to(self, stage: int) -> tuple[int, ...]:
         """The stages ``stage``'s forward sends values to: the next one, then the
         destinations of its edges."""
-        after = (stage + 1,) if stage + 1 < self.num_stages else ()
-        return after + tuple(e.destination for e in self.edges if e.source == stage)
+        return self._links[stage][1]
 
     def backward_from(self, stage: int) -> tuple[int, ...]:
         """The stages whose backward sends ``stage``'s backward a gradient: the next
         one, then the destinations of its edges that carry gradients."""
-        after = (stage + 1,) if stage + 1 < self.num_stages else ()
-        return after + tuple(e.destination for e in self.edges
-                             if e.source == stage and e.gradient)
+        return self._links[stage][2]
 
     def backward_to(self, stage: int) -> tuple[int, ...]:
         """The stages ``stage``'s backward sends gradients to: the one before it, then
         the sources of its edges that carry gradients."""
-        before = (stage - 1,) if stage > 0 else ()
-        return before + tuple(e.source for e in self.edges
-                              if e.destination == stage and e.gradient)
+        return self._links[stage][3]
+
+    @cached_property
+    def _links(self) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """Per stage (runtimes ask at every action): forward from, forward to, backward
+        from, backward to."""
+        links: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for s in range(self.num_stages):
+            before = (s - 1,) if s > 0 else ()
+            after = (s + 1,) if s + 1 < self.num_stages else ()
+            into = [e for e in self.edges if e.destination == s]
+            out = [e for e in self.edges if e.source == s]
+            links[s] = (before + tuple(e.source for e in into),
+                        after + tuple(e.destination for e in out),
+                        after + tuple(e.destination for e in out if e.gradient),
+                        before + tuple(e.source for e in into if e.gradient))
+        return links
 
     def messages(self, action: Action) -> tuple[Message, ...]:
         """What ``action`` sends, in the order a runtime sends it: a forward its values
         to each stage of :meth:`forward_to`, a ``B`` or ``I`` gradients to each stage
         of :meth:`backward_to`, a ``W`` nothing."""
+        known = self._messages.get(action)
+        if known is not None:
+            return known
         s, m = action.stage, action.microbatch
         if action.kind is Kind.FORWARD:
-            return tuple(Message("activation", s, d, m) for d in self.forward_to(s))
-        if action.kind is Kind.WEIGHT:
-            return ()
-        return tuple(Message("gradient", s, d, m) for d in self.backward_to(s))
+            found = tuple(Message("activation", s, d, m) for d in self._links[s][1])
+        elif action.kind is Kind.WEIGHT:
+            found = ()
+        else:
+            found = tuple(Message("gradient", s, d, m) for d in self._links[s][3])
+        self._messages[action] = found
+        return found
+
+    @cached_property
+    def _messages(self) -> dict[Action, tuple[Message, ...]]:
+        """What each action sends, as :meth:`messages` works it out."""
+        return {}
 
     def to_text(self) -> str:
         """One line per rank, actions separated by spaces; ``-`` for an idle rank; the
