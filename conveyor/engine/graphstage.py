@@ -209,7 +209,3 @@ class GraphStage(nn.Module):
     def route(self, made: dict[str, Any], destinations: Sequence[int]) -> dict[int, Any]:
         """What this stage made, split by the stage each value goes to."""
         return self.programs[self.training].route(made, destinations)
-
-    def destinations(self) -> set[int]:
-        """The stages this stage sends values to, in either mode."""
-        return {j for program in self.programs.values() for j in program.sends}
