@@ -97,6 +97,9 @@ def test_a_value_reaches_every_stage_that_uses_it_and_a_mask_gets_no_gradient() 
         ("activation", 1, 2): (CHUNKS, HIDDEN), ("gradient", 2, 1): (CHUNKS, HIDDEN),
         ("activation", 2, 3): (CHUNKS, HIDDEN), ("gradient", 3, 2): (CHUNKS, HIDDEN)}
     assert_gradients(model, expected, "1f1b")  # the context's two gradients, summed
+    ids, _ = token_batch()
+    with torch.no_grad():
+        assert relative_error(pipe.eval_step(ids), crossing()(ids)) <= 1e-12
 
 
 @pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1),
