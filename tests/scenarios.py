@@ -375,3 +375,39 @@ def scenario_mismatch(rank: int, world: int, out_dir: Path) -> None:
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     messages["loss"] = str(pipe.step(x, y).item())
     (out_dir / f"rank{rank}.json").write_text(json.dumps(messages))
+
+
+def scenario_direct_edges(rank: int, world: int, out_dir: Path) -> None:
+    """A traced model over processes (split_at under torchrun), each rank building its
+    own stage from the whole model's trace: first a context used by stages 1 and 2 (edge
+    0->2, its gradients summed on stage 0), then a mask used by stage 2 alone (edge 0~>2,
+    no gradient comes back)."""
+    from tests.crossing import crossing
+
+    runs = [("context", (1, 2), (), "1f1b", "except_last"),
+            ("context", (1, 2), (), "zero-bubble", "always"),
+            ("mask", (), (2,), "gpipe", "never")]
+    for case, context_at, mask_at, schedule, checkpoint in runs:
+        model = crossing(world, context_at=context_at, mask_at=mask_at)
+        result = _traced_step(model, schedule, checkpoint, rank, world)
+        torch.save(result, out_dir / f"{case}-{schedule}-rank{rank}.pt")
+
+
+def _traced_step(model: nn.Module, schedule_name: str, checkpoint: str, rank: int,
+                 world: int, chunks: int = 4) -> dict[str, Any]:
+    """One training step of ``model`` (a tests.crossing.Crossing) cut into ``world``
+    stages under torchrun, this rank's stage alone; its gradients and what its
+    transport sent."""
+    from conveyor.engine.microbatch import split
+    from tests.crossing import token_batch, token_loss
+
+    ids, targets = token_batch()
+    pipe = conveyor.Pipeline(model, split_at=model.split_at(), sample=split(ids, chunks)[0],
+                             chunks=chunks, schedule=schedule_name, checkpoint=checkpoint,
+                             loss_fn=token_loss, timeout=30)
+    pipe._transport.traffic.clear()
+    pipe.step(ids, targets)
+    return {"edges": [str(e) for e in pipe.schedule.edges],
+            "grads": {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
+            "traffic": {key: (f.messages, f.bytes, f.wire)
+                        for key, f in pipe._transport.traffic.flows.items()}}

@@ -25,17 +25,17 @@ class Receive:
     """``transport.recv(kind, stage, microbatch)`` on a thread, and what came of it."""
 
     def __init__(self, transport: LocalTransport, kind: MessageKind, stage: int,
-                 microbatch: int) -> None:
+                 microbatch: int, source: int | None = None) -> None:
         self.value: Any = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        args=(transport, kind, stage, microbatch))
+                                        args=(transport, kind, stage, microbatch, source))
         self._thread.start()
 
     def _run(self, transport: LocalTransport, kind: MessageKind, stage: int,
-             microbatch: int) -> None:
+             microbatch: int, source: int | None) -> None:
         try:
-            self.value = transport.recv(kind, stage, microbatch)
+            self.value = transport.recv(kind, stage, microbatch, source=source)
         except BaseException as exc:  # noqa: BLE001 - handed to the test to check
             self.error = exc
 
@@ -89,14 +89,35 @@ def test_a_receive_waits_for_its_own_message(transport: LocalTransport) -> None:
     assert torch.equal(receive.result(), torch.ones(1))
 
 
+def test_messages_from_two_senders_to_one_stage_meet_their_own_receives(
+        transport: LocalTransport) -> None:
+    # Stage 2 takes stage 1's output and, over an edge, values stage 0 made.
+    transport.send("activation", 2, 0, {"skip": torch.zeros(3)}, source=0)
+    from_next = Receive(transport, "activation", 2, 0)  # from stage 1, by default
+    assert from_next.waiting()
+    assert torch.equal(Receive(transport, "activation", 2, 0, source=0).result()["skip"],
+                       torch.zeros(3))
+    transport.send("activation", 2, 0, torch.ones(2))
+    assert torch.equal(from_next.result(), torch.ones(2))
+    transport.send("gradient", 0, 0, [torch.ones(3, dtype=torch.float64)], source=2)
+    assert Receive(transport, "gradient", 0, 0, source=2).result()[0].dtype == torch.float64
+    # Every message counted by kind, sender and receiver: its tensors' bytes.
+    counted = {key: (flow.messages, flow.bytes) for key, flow in transport.traffic.flows.items()}
+    assert counted == {("activation", 0, 2): (1, 12), ("activation", 1, 2): (1, 8),
+                       ("gradient", 2, 0): (1, 24)}
+    assert (transport.traffic.bytes, transport.traffic.messages) == (44, 3)
+    transport.traffic.clear()
+    assert transport.traffic.bytes == 0 and transport.traffic.between(0, 2).messages == 0
+
+
 def test_abort_wakes_every_waiting_receive(transport: LocalTransport) -> None:
     receives = [Receive(transport, "activation", 1, 0), Receive(transport, "gradient", 0, 3),
                 Receive(transport, "activation", 2, 1)]
     assert all(receive.waiting() for receive in receives)
     transport.abort(RuntimeError("stage 2 failed"))
-    expected = ["stage 1 stopped waiting for activation of micro-batch 0",
-                "stage 0 stopped waiting for gradient of micro-batch 3",
-                "stage 2 stopped waiting for activation of micro-batch 1"]
+    expected = ["stage 1 stopped waiting for activation of micro-batch 0 from stage 0",
+                "stage 0 stopped waiting for gradient of micro-batch 3 from stage 1",
+                "stage 2 stopped waiting for activation of micro-batch 1 from stage 1"]
     for receive, message in zip(receives, expected, strict=True):
         with pytest.raises(Aborted, match=f"^{message}$"):
             receive.result()
@@ -104,7 +125,8 @@ def test_abort_wakes_every_waiting_receive(transport: LocalTransport) -> None:
 
 def test_a_receive_after_an_abort_raises_at_once(transport: LocalTransport) -> None:
     transport.abort(None)
-    with pytest.raises(Aborted, match="^stage 2 stopped waiting for gradient of micro-batch 5$"):
+    with pytest.raises(Aborted, match="^stage 2 stopped waiting for gradient of micro-batch 5 "
+                                      "from stage 3$"):
         Receive(transport, "gradient", 2, 5).result()
 
 

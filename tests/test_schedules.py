@@ -7,6 +7,7 @@ import pytest
 from conveyor.errors import ScheduleError
 from conveyor.schedules import (
     Action,
+    Edge,
     Kind,
     build,
     dependencies,
@@ -268,3 +269,77 @@ def test_schedule_names_and_their_errors() -> None:
     with pytest.raises(ScheduleError, match=r"'1f1b' has one stage per rank; virtual_stages=2 "
                                             r"needs 'interleaved-1f1b'"):
         build("1f1b", 2, 4, virtual_stages=2)
+
+
+# ---------------------------------------------------------------- edges
+
+FOUR = "0F0 0B0\n1F0 1B0\n2F0 2B0\n3F0 3B0"
+
+
+def test_edges_are_part_of_the_table_and_of_its_text() -> None:
+    table = parse(FOUR + "\nedges: 0~>3 0->2")
+    assert table.edges == (Edge(0, 2), Edge(0, 3, gradient=False))  # kept in order
+    assert table.to_text() == FOUR + "\nedges: 0->2 0~>3"
+    assert parse(table.to_text()) == table
+    assert gpipe(4, 1).with_edges(reversed(table.edges)).edges == table.edges
+    with pytest.raises(ScheduleError, match=r"edges: '0=>2' is not an edge; write 0->2 "):
+        parse(FOUR + "\nedges: 0=>2")
+
+
+def test_what_an_action_sends_and_waits_for_follows_the_edges() -> None:
+    table = gpipe(4, 2).with_edges([Edge(1, 3), Edge(0, 2), Edge(0, 3, gradient=False)])
+
+    def sends(text: str) -> list[str]:
+        return [f"{m.kind[0]} {m.source}->{m.destination} #{m.microbatch}"
+                for m in table.messages(parse(text).columns[0][0])]
+
+    assert sends("0F1") == ["a 0->1 #1", "a 0->2 #1", "a 0->3 #1"]
+    assert sends("3B0") == ["g 3->2 #0", "g 3->1 #0"]  # none to 0: 0~>3 has no gradient
+    assert sends("2I0") == ["g 2->1 #0", "g 2->0 #0"]  # I sends what B would
+    assert sends("2W0") == sends("3F0") == []
+    assert str(table.messages(Action(2, Kind.BACKWARD, 1))[1]) == (
+        "gradient of micro-batch 1 from stage 2 to stage 0")
+    forward, backward = Kind.FORWARD, Kind.BACKWARD
+    assert dependencies(Action(3, forward, 1), table) == (
+        Action(2, forward, 1), Action(0, forward, 1), Action(1, forward, 1))
+    assert dependencies(Action(0, backward, 1), table) == (
+        Action(0, forward, 1), Action(1, backward, 1), Action(2, backward, 1))
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1),
+                                               ("interleaved-1f1b", 2)])
+def test_every_built_in_schedule_stays_valid_with_any_edges(name: str, virtual: int) -> None:
+    for ranks in (3, 4, 5):
+        table = build(name, ranks, 2 * ranks, virtual_stages=virtual)
+        stages = table.num_stages
+        edges = [Edge(i, j, gradient=(i + j) % 2 == 0)
+                 for i in range(stages) for j in range(i + 2, stages)]
+        with_edges = table.with_edges(edges)
+        validate(with_edges)
+        # An edge's order follows from the neighbours' already: the same clock.
+        assert layout_clock(with_edges) == layout_clock(table)
+
+
+@pytest.mark.parametrize(("edges", "problem"), [
+    ("0->1", "edge 0->1 must go from a stage to a later one past the next"),
+    ("2->0", "edge 2->0 must go from a stage to a later one past the next"),
+    ("0->5", "edge 0->5 names a stage outside the table's 4 stages"),
+    ("0~>2 0->2", "edge 0->2 is listed twice"),
+])
+def test_an_edge_must_join_a_stage_to_one_past_the_next(edges: str, problem: str) -> None:
+    with pytest.raises(ScheduleError, match=rf"schedule 'custom': {problem}.*\n  rank 0: "
+                                            rf"0F0 0B0\n(.*\n)*  edges: "):
+        validate(parse(f"{FOUR}\nedges: {edges}"))
+
+
+def test_a_table_that_runs_an_edges_destination_first_names_the_edge() -> None:
+    # Stages 0 and 2 on rank 0 (interleaved): stage 2 uses stage 0's values.
+    with pytest.raises(ScheduleError, match=r"rank 0, step 0: 2F0 comes before 0F0 on its "
+                                            r"own rank \(edge 0->2\)\n  rank 0: \[2F0\] 0F0"):
+        validate(parse("2F0 0F0 0B0 2B0\n1F0 1B0\nedges: 0->2"))
+    # Across ranks, the deadlock says which wait is over the edge.
+    with pytest.raises(ScheduleError, match=r"rank 0 waits at 0B0 for 1B0 \(rank 1\), 2B0 "
+                                            r"\(rank 2, over edge 0->2\)\n(.*\n)*  rank 2 "
+                                            r"waits at 2F1 for 1F1 \(rank 1\), 0F1 \(rank 0, "
+                                            r"over edge 0->2\)"):
+        validate(parse("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n2F0 2F1 2B0 2B1\nedges: 0->2"))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules import build, parse
+from conveyor.schedules import Edge, Schedule, build, parse
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.observe.trace import Event, Timeline
 
@@ -198,3 +199,52 @@ def test_a_cost_model_file_that_cannot_be_read_says_which_and_why(tmp_path) -> N
                      '"activation_bytes": [1], "communication": []}')
     with pytest.raises(ScheduleError, match=r"wrong.json: forward must be a list of numbers"):
         CostModel.load(wrong)
+
+
+def test_an_edge_is_a_dependency_with_its_own_transfer_time() -> None:
+    # Three stages, one micro-batch: a neighbour's message takes 0.5, the edge 0->2 4.
+    table = build("gpipe", 3, 1).with_edges([Edge(0, 2)])
+    costs = replace(CostModel.uniform(3, communication=0.5), edge_communication=((0, 2, 4.0),))
+
+    def starts(schedule: Schedule, model: CostModel) -> dict[str, float]:
+        return {e.label: e.start for e in simulate(schedule, model).timeline.events}
+
+    # 2F0 waits for stage 0's values (1 + 4), not only for stage 1's (2.5 + 0.5); 0B0
+    # for the gradient from stage 2 (8 + 4), not only from stage 1 (10.5 + 0.5).
+    assert starts(table, costs) == {"0F0": 0.0, "1F0": 1.5, "2F0": 5.0, "2B0": 6.0,
+                                    "1B0": 8.5, "0B0": 12.0}
+    assert starts(build("gpipe", 3, 1), costs)["2F0"] == 3.0  # no edge: the chain alone
+    # An edge without a time of its own costs what its source's activation does.
+    assert starts(table, CostModel.uniform(3, communication=0.5))["2F0"] == 3.0
+    # Over an edge without gradients, nothing comes back: 0B0 waits for stage 1 alone.
+    assert starts(table.with_edges([Edge(0, 2, gradient=False)]), costs)["0B0"] == 11.0
+
+
+def test_a_simulated_timeline_keeps_the_edges_and_traces_their_messages() -> None:
+    table = build("1f1b", 3, 2).with_edges([Edge(0, 2)])
+    timeline = simulate(table, CostModel.uniform(3)).timeline
+    assert Timeline.from_dict(timeline.to_dict()).edges == timeline.edges == [(0, 2, True)]
+    flows = [e for e in timeline.chrome_trace()["traceEvents"] if e.get("cat") == "edge"]
+    # Per micro-batch, the values 0 -> 2 and their gradient 2 -> 0: a start and a finish.
+    assert [(e["name"], e["ph"], e["pid"]) for e in flows if e["id"] == 0] == [
+        ("0->2", "s", 0), ("0->2", "f", 2)]
+    assert [(e["name"], e["ph"], e["pid"]) for e in flows if e["id"] == 1] == [
+        ("2->0 gradient", "s", 2), ("2->0 gradient", "f", 0)]
+    assert len(flows) == 2 * 2 * 2
+    sent = next(e for e in timeline.events if e.label == "0F0")
+    assert flows[0]["ts"] == pytest.approx(sent.end * 1e6, abs=1e-2)  # as 0F0 ends
+
+
+def test_edge_times_round_trip_and_must_name_an_edge(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    costs = replace(CostModel.uniform(4), edge_communication=((0, 2, 0.5), (1, 3, 2.0)))
+    assert CostModel.from_dict(costs.to_dict()) == costs
+    assert "edge_communication" not in CostModel.uniform(4).to_dict()
+    assert (costs.edge_time(2, 0), costs.edge_time(1, 2), costs.edge_time(0, 3)) == (
+        0.5, 0.0, 0.0)
+    table = build("gpipe", 4, 2)
+    for wrong, problem in [((0, 1, 1.0), "gives a time for edge 0->1, which is not an edge"),
+                           ((0, 2, -1.0), "communication of edge 0->2 is -1.0")]:
+        with pytest.raises(ScheduleError, match=problem):
+            simulate(table, replace(costs, edge_communication=(wrong,)))
+    with pytest.raises(ScheduleError, match=r"edge_communication must be a list of \[source, "):
+        CostModel.from_dict({**costs.to_dict(), "edge_communication": [[0, 2]]})

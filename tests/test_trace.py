@@ -1,4 +1,5 @@
-"""Gantt charts say what they show: the unit of time, only the kinds drawn, idle time."""
+"""Gantt charts say what they show: the unit of time, only the kinds drawn, idle time,
+the messages of the schedule's edges."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from conveyor.observe.simulate import CostModel, simulate
-from conveyor.observe.trace import Event, Timeline, _legend, _time_scale, plot_timelines
-from conveyor.schedules import build
+from conveyor.observe.trace import (
+    Event,
+    Timeline,
+    _draw_arrows,
+    _legend,
+    _time_scale,
+    plot_timelines,
+)
+from conveyor.schedules import Edge, build
 
 
 def simulated(name: str, costs: CostModel | None = None, *, virtual: int = 1) -> Timeline:
@@ -50,4 +58,28 @@ def test_the_legend_shows_waiting_when_a_measured_action_waited_and_idle_only_if
 def test_every_schedule_draws(tmp_path: Path, name: str, virtual: int) -> None:
     path = tmp_path / f"{name}.png"
     plot_timelines([simulated(name, virtual=virtual)], path, xlabel="time (units of F)")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_edges_messages_are_drawn_as_arrows_named_in_the_legend(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = build("1f1b", 4, 8).with_edges([Edge(0, 2), Edge(1, 3, gradient=False)])
+    timeline = simulate(table, CostModel.per_rank(table)).timeline
+    assert labels([timeline])[-2:] == ["values sent past the next stage", "their gradients"]
+    one_way = simulate(table.with_edges([Edge(1, 3, gradient=False)]),
+                       CostModel.per_rank(table)).timeline
+    assert labels([one_way])[-1] == "values sent past the next stage"
+    assert "their gradients" not in labels([one_way])
+    assert "values sent past the next stage" not in labels([simulated("1f1b")])
+    # One arrow per message: 0 -> 2 and back, 1 -> 3 one way, for 8 micro-batches.
+    figure, axis = plt.subplots()
+    _draw_arrows(axis, timeline, 1.0)
+    assert len(axis.texts) == len(timeline.edge_messages()) == 8 * 3
+    plt.close(figure)
+    path = tmp_path / "edges.png"
+    plot_timelines([timeline], path)
     assert path.read_bytes()[:4] == b"\x89PNG"

@@ -1,6 +1,6 @@
 """The envelope of a message between processes: a header of 24 int64s and a body.
 
-The header carries the kind, stage, micro-batch, sizes, and (for a single tensor) its
+The header carries the kind, sending and receiving stage, micro-batch, sizes, and (for a single tensor) its
 dtype and shape, so a later batch with another sequence length needs nothing special;
 several tensors, or other values, travel with a pickled skeleton. Pure functions of
 tensors: :mod:`conveyor.distributed.p2p` moves the bytes, this module lays them out.
@@ -49,7 +49,8 @@ __all__: list[str] = []
 #   9-20 shape     one size per dim      /   with a skeleton)
 #   21 origin      in an abort: the rank whose failure it reports (kept if the body is
 #                  lost, when that rank exits before its receiver takes the body)
-#   22-23          unused
+#   22 source      the sending stage (a neighbour, or the other end of an edge)
+#   23             unused
 _INTS = 24
 _HEADER_BYTES = _INTS * 8
 _MAX_DIMS = 12
@@ -63,6 +64,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 # header fields
 _CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
 _ORIGIN = 21
+_SOURCE = 22
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _encode(code: int, stage: int, microbatch: int, value: Any) -> tuple[list[int], list[Any]]:
-    """The header and the pieces of the body (byte tensors, or bytes) of a message."""
+def _encode(code: int, stage: int, microbatch: int, value: Any,
+            source: int = -1) -> tuple[list[int], list[Any]]:
+    """The header and the pieces of the body (byte tensors, or bytes) of a message from
+    stage ``source`` to ``stage``."""
     header = [0] * _INTS
     header[_CODE], header[_STAGE], header[_MICROBATCH] = code, stage, microbatch
+    header[_SOURCE] = source
     if isinstance(value, bytes):  # an abort report
         header[_SKELETON] = header[_BODY] = len(value)
         return header, [value]
@@ -134,8 +139,9 @@ def _describe(header: Sequence[int]) -> str:
     """The message a header announces, in words, for error messages."""
     if header[_CODE] == _ABORT:
         return "an abort report"
+    sender = f" from stage {header[_SOURCE]}" if header[_SOURCE] >= 0 else ""
     return (f"the {_KINDS.get(header[_CODE], '?')} of micro-batch {header[_MICROBATCH]} "
-            f"for stage {header[_STAGE]}")
+            f"for stage {header[_STAGE]}{sender}")
 
 
 def _check_header(header: Sequence[int]) -> None:

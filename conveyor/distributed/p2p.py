@@ -3,7 +3,9 @@
 A message is a header of 24 int64s and a body; the header carries the shapes and
 dtypes, so a later batch with another sequence length needs nothing special (the layout
 is drawn below). Receives are posted in the order the sender sends, which the receiver
-knows from the table: no tags (NCCL has none).
+knows from the table (``Schedule.messages``: to the neighbour stages, and over the
+table's edges straight to a later stage and back): no tags (NCCL has none). Every send
+is counted in ``traffic``, with the bytes that left the process.
 
 Waiting is what makes a pipeline slow. With gloo, data moves only once the receiver
 has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
@@ -33,6 +35,7 @@ from conveyor.distributed.envelope import (
     _INLINE,
     _KINDS,
     _MICROBATCH,
+    _SOURCE,
     _STAGE,
     _abort_summary,
     _assemble,
@@ -44,9 +47,15 @@ from conveyor.distributed.envelope import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
+from conveyor.engine.transport import (
+    Aborted,
+    LocalTransport,
+    MessageKind,
+    Traffic,
+    neighbour,
+)
 from conveyor.errors import ConveyorError, PeerFailure
-from conveyor.schedules import Action, Kind
+from conveyor.schedules import Action, Schedule
 
 __all__: list[str] = []
 
@@ -75,7 +84,7 @@ __all__: list[str] = []
 class _Incoming:
     """The message being received from one peer: its posted buffer and what is known."""
 
-    key: tuple[str, int, int]
+    key: tuple[str, int, int, int]  # kind, source stage, stage, micro-batch
     buffer: torch.Tensor
     work: Any
     header: list[int] | None = None  # once the header has arrived and the body has not
@@ -86,15 +95,17 @@ class P2PTransport:
 
     Args:
         topology: this process's place; its pipeline group carries the messages.
-        stage_ranks: the pipeline rank of each stage.
+        schedule: the table every rank runs: where each stage runs, and what each
+            action sends (to its neighbours, and over the table's edges).
         devices: the device of each stage held here.
         timeout: seconds any single wait may take.
     """
 
-    def __init__(self, topology: Topology, stage_ranks: Sequence[int],
+    def __init__(self, topology: Topology, schedule: Schedule,
                  devices: Mapping[int, torch.device], timeout: float) -> None:
         self.topology = topology
-        self.stage_ranks = list(stage_ranks)
+        self.schedule = schedule
+        self.stage_ranks = list(schedule.stage_ranks)
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
@@ -103,15 +114,16 @@ class P2PTransport:
         self._watcher = Watcher() if self.envelopes else None
         if self._watcher is not None:
             weakref.finalize(self, self._watcher.close)
+        self.traffic = Traffic()
         self.local = LocalTransport([devices.get(s, self.device)
-                                     for s in range(len(self.stage_ranks))])
-        self._expected: dict[int, list[tuple[str, int, int]]] = {}
+                                     for s in range(len(self.stage_ranks))], self.traffic)
+        self._expected: dict[int, list[tuple[str, int, int, int]]] = {}
         self._position: dict[int, int] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._capacity_in: dict[int, int] = {}  # per peer, kept from step to step
         self._capacity_out: dict[int, int] = {}
         self._peers: set[int] = set()
-        self._stash: dict[tuple[str, int, int], Any] = {}
+        self._stash: dict[tuple[str, int, int, int], Any] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._aborted = False
 
@@ -124,27 +136,24 @@ class P2PTransport:
         self._expected = {}
         for rank, column in columns.items():
             incoming = [key for action in column
-                        for key, destination in [self._message_of(action)]
+                        for key, destination in self._messages_of(action)
                         if destination == me and rank != me]
             if incoming:
                 self._expected[rank] = incoming
         outgoing = {destination for action in columns.get(me, ())
-                    for _, destination in [self._message_of(action)]
-                    if destination is not None and destination != me}
+                    for _, destination in self._messages_of(action)
+                    if destination != me}
         self._peers = set(self._expected) | outgoing
         self._position = dict.fromkeys(self._expected, 0)
         self._incoming = {}
         for peer in self._expected:
             self._post(peer)
 
-    def _message_of(self, action: Action) -> tuple[tuple[str, int, int], int | None]:
-        """What ``action`` sends, and to which pipeline rank (None: nothing)."""
-        s, m = action.stage, action.microbatch
-        if action.kind is Kind.FORWARD and s + 1 < len(self.stage_ranks):
-            return ("activation", s + 1, m), self.stage_ranks[s + 1]
-        if action.kind in (Kind.BACKWARD, Kind.INPUT) and s > 0:  # W sends nothing
-            return ("gradient", s - 1, m), self.stage_ranks[s - 1]
-        return ("", -1, -1), None
+    def _messages_of(self, action: Action) -> list[tuple[tuple[str, int, int, int], int]]:
+        """What ``action`` sends, in order, each with the pipeline rank it goes to."""
+        return [((message.kind, message.source, message.destination, message.microbatch),
+                 self.stage_ranks[message.destination])
+                for message in self.schedule.messages(action)]
 
     def reset(self) -> None:
         self.local.reset()
@@ -153,14 +162,19 @@ class P2PTransport:
 
     # ------------------------------------------------------------ sending
 
-    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
+             source: int | None = None) -> None:
+        source = neighbour(kind, stage) if source is None else source
         destination = self.stage_ranks[stage]
         if destination == self.topology.pipeline_rank:
-            self.local.send(kind, stage, microbatch, value)
+            self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return
-        self._send_message(destination, *_encode(_CODES[kind], stage, microbatch, value))
+        wire = self._send_message(destination, *_encode(_CODES[kind], stage, microbatch,
+                                                        value, source))
+        self.traffic.note(kind, source, stage, value, wire)
 
-    def _send_message(self, destination: int, header: list[int], pieces: list[Any]) -> None:
+    def _send_message(self, destination: int, header: list[int], pieces: list[Any]) -> int:
+        """Sends a message to pipeline rank ``destination``; returns the bytes sent."""
         peer = self.topology.global_rank(destination)
         total = _HEADER_BYTES + header[_BODY]
         if self.envelopes:
@@ -170,11 +184,12 @@ class P2PTransport:
                 header[_INLINE] = 1
                 self._isend(peer, _assemble(header, pieces, with_header=True,
                                             device=self.device))
-                return
+                return total
         self._isend(peer, torch.tensor(header, dtype=torch.int64,
                                        device=self.device).view(torch.uint8))
         if header[_BODY]:
             self._isend(peer, _assemble(header, pieces, with_header=False, device=self.device))
+        return total
 
     def _isend(self, peer: int, buffer: torch.Tensor) -> None:
         self._sends.append((dist.isend(buffer, peer, group=self.topology.pipeline_group), buffer))
@@ -214,12 +229,13 @@ class P2PTransport:
         for peer in list(self._incoming):
             self._advance(peer, wait=False, stopped=f"stopped after receiving {what}")
 
-    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
-        source_stage = stage - 1 if kind == "activation" else stage + 1
+    def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
+             source: int | None = None) -> Any:
+        source_stage = neighbour(kind, stage) if source is None else source
         source = self.stage_ranks[source_stage]
         if source == self.topology.pipeline_rank:
-            return self.local.recv(kind, stage, microbatch)
-        key = (kind, stage, microbatch)
+            return self.local.recv(kind, stage, microbatch, source=source_stage)
+        key = (kind, source_stage, stage, microbatch)
         what = f"the {kind} of micro-batch {microbatch} from stage {source_stage} (rank {source})"
         if key in self._stash:
             return self._stash.pop(key)
@@ -273,7 +289,8 @@ class P2PTransport:
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
                 self._raise_failure(report, stopped)
-            arrived = (_KINDS.get(header[_CODE], "?"), header[_STAGE], header[_MICROBATCH])
+            arrived = (_KINDS.get(header[_CODE], "?"), header[_SOURCE], header[_STAGE],
+                       header[_MICROBATCH])
             if arrived != message.key:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "
                                     f"{arrived}: the ranks run different tables")

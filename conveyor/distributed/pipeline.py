@@ -56,9 +56,15 @@ from conveyor.engine.ties import (
 )
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.weights import InitFn, Weights, draw_init_seed
-from conveyor.errors import BalanceError, ConveyorError, ModelError
-from conveyor.schedules import Kind, Schedule, actions_of, validate
-from conveyor.schedules import build as build_schedule
+from conveyor.errors import BalanceError, ConveyorError, ModelError, ScheduleError
+from conveyor.schedules import (
+    Edge,
+    Kind,
+    Schedule,
+    actions_of,
+    build as build_schedule,
+    validate,
+)
 
 __all__ = ["Pipeline"]
 
@@ -164,6 +170,11 @@ class Pipeline(KeepsPlacement):
         self.split_at = split_at  # as given, or chosen among the model's blocks
         if split_at is None:
             refuse_initialisation(init_fn, weights)
+            if self.schedule.edges:
+                raise ScheduleError(
+                    f"the schedule table has edges ({' '.join(map(str, self.schedule.edges))}),"
+                    " but a sequence of layers sends each stage's output to the next stage "
+                    "alone; drop the edges, or give a model to trace with split_at=")
             self._stages = self._cut_layers(module, LayerSource(module, layers), balance,
                                             sample, tie_weights, deferred_batch_norm)
         else:
@@ -171,7 +182,7 @@ class Pipeline(KeepsPlacement):
                                            deferred_batch_norm=deferred_batch_norm,
                                            init_fn=init_fn, weights=weights)
         self._transport = self._make_transport(timeout)
-        self._executor = Executor(self._stages, self.schedule.stage_ranks, self._transport)
+        self._executor = Executor(self._stages, self.schedule, self._transport)
 
     def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
                     balance: Sequence[int] | str | None, sample: Any,
@@ -219,12 +230,13 @@ class Pipeline(KeepsPlacement):
         self.balance = [1] * count
         local = [s for s in range(count) if not self.topology.distributed
                  or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
-        stages, self._ties = build_traced_stages(
+        stages, self._ties, edges = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
             deferred_batch_norm=deferred_batch_norm,
             devices={s: self._stage_device(s) for s in local},
             concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
             init_fn=init_fn, weights=weights)
+        self.schedule = _with_model_edges(self.schedule, edges)
         if self.topology.distributed:
             connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
         return stages
@@ -249,7 +261,7 @@ class Pipeline(KeepsPlacement):
         if not self.topology.distributed:
             return LocalTransport([self._stage_device(s)
                                    for s in range(self.schedule.num_stages)])
-        return P2PTransport(self.topology, self.schedule.stage_ranks,
+        return P2PTransport(self.topology, self.schedule,
                             {s: stage.device for s, stage in self._stages.items()}, timeout)
 
     # ----------------------------------------------------------------- the user API
@@ -415,6 +427,23 @@ def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
             )
         return schedule
     table = build_schedule(schedule, ranks, chunks, virtual_stages=virtual_stages)
+    validate(table)
+    return table
+
+
+def _with_model_edges(schedule: Schedule, edges: tuple[Edge, ...]) -> Schedule:
+    """``schedule`` with the edges of a traced model (values sent past the next stage),
+    validated again; a table given with edges must give the model's.
+
+    Raises:
+        ScheduleError: the table lists other edges than the model has.
+    """
+    if schedule.edges and schedule.edges != tuple(sorted(edges)):
+        raise ScheduleError(
+            f"the schedule table lists edges {' '.join(map(str, schedule.edges)) or 'none'}, "
+            f"but the model cut at split_at has {' '.join(map(str, edges)) or 'none'}; give "
+            "the table without edges (the pipeline adds the model's)")
+    table = schedule.with_edges(edges)
     validate(table)
     return table
 

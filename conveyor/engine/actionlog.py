@@ -69,6 +69,7 @@ class _NotingTransport:
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
+        self.traffic = inner.traffic
         self._local = threading.local()
 
     def begin_action(self) -> None:
@@ -78,12 +79,14 @@ class _NotingTransport:
         """What this thread received and sent since :meth:`begin_action`."""
         return self._local.received, self._local.sent
 
-    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
+             source: int | None = None) -> None:
         self._local.sent.append(value)
-        self.inner.send(kind, stage, microbatch, value)
+        self.inner.send(kind, stage, microbatch, value, source=source)
 
-    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
-        value = self.inner.recv(kind, stage, microbatch)
+    def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
+             source: int | None = None) -> Any:
+        value = self.inner.recv(kind, stage, microbatch, source=source)
         self._local.received.append(value)
         return value
 

@@ -27,6 +27,7 @@ from conveyor.engine.stage import Partition, Stage
 from conveyor.engine.ties import TiedParameter
 from conveyor.engine.weights import InitFn, Weights
 from conveyor.errors import BalanceError, ModelError
+from conveyor.schedules import Edge
 
 __all__: list[str] = []
 
@@ -98,11 +99,12 @@ def build_traced_stages(
     concurrent: Sequence[torch.device],
     init_fn: InitFn | None = None,
     weights: Weights | None = None,
-) -> tuple[dict[int, Stage], list[TiedParameter]]:
+) -> tuple[dict[int, Stage], list[TiedParameter], tuple[Edge, ...]]:
     """Traces ``module`` on ``sample``, cuts it at ``split_at``, builds the stages listed
     in ``devices`` (stage k on ``devices[k]``; under torchrun, this rank's) and registers
-    the model's own modules on ``owner``; returns the stages and the ties found in the
-    graph (every tie, with this process's copies).
+    the model's own modules on ``owner``; returns the stages, the ties found in the graph
+    (every tie, with this process's copies), and the edges (values sent past the next
+    stage) that the schedule must carry.
 
     Raises:
         BalanceError: ``balance`` given too, no ``sample``, or deferred batch norm.
@@ -122,7 +124,7 @@ def build_traced_stages(
         names=split.names, first_layers={k: k for k in split.stages},
         devices=devices, concurrent=concurrent, deferred_batch_norm=False)
     adopt(owner, module)
-    return stages, split.ties
+    return stages, split.ties, split.edges
 
 
 def refuse_initialisation(init_fn: Any, weights: Any) -> None:

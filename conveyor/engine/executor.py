@@ -8,7 +8,11 @@ action ``B`` receives the gradient of the stage's output, back-propagates throug
 stage's graph of that micro-batch (accumulating the weight gradients) and sends the
 input gradient back. ``I`` does the same but computes only the input gradient, and
 keeps what the weight gradient needs for the micro-batch's ``W``, which runs later.
-Each action's kind alone says what it does. With GPipe on two stages and three
+Each action's kind alone says what it does. What a stage receives and sends is the
+schedule's: from and to its neighbours, and over the table's edges (a traced model's
+values that skip stages go from the stage that makes them straight to each stage that
+uses them; the gradients of those that carry one come back the same way, and a value
+sent to several stages gets their gradients summed). With GPipe on two stages and three
 micro-batches the ranks overlap like this (one tick per action)::
 
     rank 0  0F0 0F1 0F2 .   .   0B2 0B1 0B0
@@ -33,17 +37,16 @@ import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
+from conveyor.engine.loss import LossFn, loss_and_count
 from conveyor.engine.recorder import Recorder
+from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.stage import Stage, failure
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.engine.weightgrad import WeightGradient, backward_input
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
-from conveyor.schedules import Action, Kind
+from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
-
-#: ``loss_fn(output, target)``: a one-element tensor, or a ``(loss_sum, count)`` pair.
-LossFn = Callable[[Any, Any], Any]
 
 _KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
                Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
@@ -97,16 +100,20 @@ class Executor:
 
     Args:
         stages: the local stages, by stage number (all of them in one process).
-        stage_ranks: the rank that runs each stage of the whole model
-            (``Schedule.stage_ranks``).
+        schedule: the table whose columns it runs: the rank of each stage, and what
+            each action sends and receives (its edges too).
         transport: moves activations and gradients between stages.
     """
 
-    def __init__(self, stages: Mapping[int, Stage], stage_ranks: Sequence[int],
+    def __init__(self, stages: Mapping[int, Stage], schedule: Schedule,
                  transport: Transport) -> None:
         self.stages = dict(stages)
-        self.stage_ranks = list(stage_ranks)
+        self.schedule = schedule
+        self.stage_ranks = list(schedule.stage_ranks)
         self.transport = transport
+        # Edges whose values carry no gradient (masks, ids): none may require grad.
+        self._no_gradient = {(e.source, e.destination) for e in schedule.edges
+                             if not e.gradient}
         self.recorder: Recorder | None = None  # set by conveyor.record()
 
     def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
@@ -238,18 +245,19 @@ class Executor:
                 raise
             raise error from exc
 
-    def _recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
+    def _recv(self, kind: MessageKind, stage: int, microbatch: int, source: int) -> Any:
         if self.recorder is None:
-            return self.transport.recv(kind, stage, microbatch)
+            return self.transport.recv(kind, stage, microbatch, source=source)
         with self.recorder.waiting():
-            return self.transport.recv(kind, stage, microbatch)
+            return self.transport.recv(kind, stage, microbatch, source=source)
 
-    def _send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+    def _send(self, kind: MessageKind, stage: int, microbatch: int, value: Any,
+              source: int) -> None:
         if self.recorder is None:
-            self.transport.send(kind, stage, microbatch, value)
+            self.transport.send(kind, stage, microbatch, value, source=source)
             return
         with self.recorder.transferring():
-            self.transport.send(kind, stage, microbatch, value)
+            self.transport.send(kind, stage, microbatch, value, source=source)
 
     def _is_last(self, stage: int) -> bool:
         return stage == len(self.stage_ranks) - 1
@@ -257,21 +265,31 @@ class Executor:
     def _forward(self, action: Action, state: StepState) -> None:
         s, m = action.stage, action.microbatch
         stage = self.stages[s]
+        received: dict[int, Any] = {}  # by sending stage
         if s == 0:
             inputs = deliver(state.inputs[m], stage.device)
         else:
-            inputs = self._recv("activation", s, m)
+            received = {i: self._recv("activation", s, m, i)
+                        for i in self.schedule.forward_from(s)}
+            inputs = stage.join(received)
         recompute = state.grad_enabled and state.recompute(m)
         outputs = stage.forward(inputs, m, step_seed=state.step_seed, recompute=recompute)
         loss = None
+        sent: dict[int, Any] = {}  # by receiving stage
         if self._is_last(s) and state.loss_fn is not None:
             loss = self._loss(s, m, outputs, state)
         elif self._is_last(s):
             state.outputs[m] = outputs
         else:
-            self._send("activation", s + 1, m, outputs)
+            messages = self.schedule.messages(action)
+            sent = stage.route(outputs, [message.destination for message in messages])
+            for message in messages:
+                value = sent[message.destination]
+                if (s, message.destination) in self._no_gradient:
+                    check_no_gradient(value, s, message.destination)
+                self._send("activation", message.destination, m, value, s)
         if state.grad_enabled:
-            state.saved[(s, m)] = _Saved(inputs, outputs, loss, recompute)
+            state.saved[(s, m)] = _Saved(inputs, received, outputs, sent, loss, recompute)
 
     def _loss(self, s: int, m: int, outputs: Any, state: StepState) -> torch.Tensor:
         """The last stage's loss of micro-batch m, as its backward starts from: scaled by
@@ -284,7 +302,7 @@ class Executor:
         except Exception as exc:
             raise ConveyorError(f"loss_fn failed on micro-batch {m}: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        loss, count = _loss_and_count(result, m)
+        loss, count = loss_and_count(result, m)
         if state.losses and (count is not None) != bool(state.counts):
             raise ConveyorError(
                 f"loss_fn returned {'a (loss_sum, count) pair' if count is not None else 'a scalar'}"
@@ -308,19 +326,15 @@ class Executor:
         stage = self.stages[s]
         saved = state.saved.pop((s, m))
         inputs = saved.inputs
-        pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
+        pairs: list[Pair]
         if saved.loss is not None:
             pairs = [(saved.loss, None)] if saved.loss.requires_grad else []
+        elif self._is_last(s):
+            pairs = output_pairs(saved.outputs, state.output_grads.pop(m))
         else:
-            if self._is_last(s):
-                grads = state.output_grads.pop(m)
-            else:
-                grads = self._recv("gradient", s, m)
-            pairs = [
-                (out, grad)
-                for out, grad in zip(pytree.tree_leaves(saved.outputs), grads)
-                if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
-            ]
+            came = [pair for j in self.schedule.backward_from(s)
+                    for pair in output_pairs(saved.sent[j], self._recv("gradient", s, m, j))]
+            pairs = summed(came)  # a value sent to several stages: gradients add up
         if pairs and split and saved.recomputed:
             pairs = self._rebuilt(stage, m, saved, pairs, state)
         input_leaves = pytree.tree_leaves(inputs)
@@ -339,20 +353,16 @@ class Executor:
             found = [t.grad for t in wanted]
         elif split:
             state.weight_work[(s, m)] = WeightGradient([], [])
-        grads_by_leaf = iter(found)
-        input_grads = [
-            next(grads_by_leaf) if isinstance(t, torch.Tensor) and t.requires_grad else None
-            for t in input_leaves
-        ]
+        grad_of = {id(t): grad for t, grad in zip(wanted, found)}
         if s == 0:
-            state.input_grads[m] = input_grads
-        else:
-            self._send("gradient", s - 1, m, input_grads)
-
+            state.input_grads[m] = [grad_of.get(id(t)) for t in input_leaves]
+        for message in self.schedule.messages(action):  # to where the inputs came from
+            part = pytree.tree_leaves(saved.received[message.destination])
+            self._send("gradient", message.destination, m,
+                       [grad_of.get(id(t)) for t in part], s)
 
     def _rebuilt(self, stage: Stage, m: int, saved: _Saved,
-                 pairs: list[tuple[torch.Tensor, torch.Tensor | None]],
-                 state: StepState) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                 pairs: list[Pair], state: StepState) -> list[Pair]:
         """``pairs`` (output, gradient) moved onto a graph of the stage rebuilt now.
 
         A split backward of a recomputed micro-batch rebuilds the stage's graph here,
@@ -376,13 +386,18 @@ class _Saved:
 
     Attributes:
         inputs: the stage's input, detached leaves.
+        received: the messages the input was joined from, by sending stage (their
+            leaves are the input's).
         outputs: the stage's output (with only ``inputs`` saved, if ``recomputed``).
+        sent: the output as sent to each later stage, by receiving stage.
         loss: at the last stage, the loss backward starts from (None: the outputs).
         recomputed: whether the stage's graph is rebuilt for backward.
     """
 
     inputs: Any
+    received: dict[int, Any]
     outputs: Any
+    sent: dict[int, Any]
     loss: torch.Tensor | None
     recomputed: bool
 
@@ -417,37 +432,3 @@ class _ThreadState:
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
             yield
-
-
-def _loss_and_count(result: Any, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loss tensor of micro-batch m, and the count of a ``(loss_sum, count)`` pair
-    as a float64 tensor (None for a plain scalar loss).
-
-    Raises:
-        ConveyorError: ``result`` is neither a one-element tensor nor such a pair.
-    """
-    count = None
-    if isinstance(result, (tuple, list)) and len(result) == 2:
-        result, count = result
-        if isinstance(count, torch.Tensor) and count.numel() == 1:
-            count = count.detach().reshape(()).to(torch.float64)
-        elif isinstance(count, (int, float)) and not isinstance(count, bool) and count >= 0:
-            count = torch.tensor(float(count), dtype=torch.float64)
-        else:
-            shown = (f"a tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor)
-                     else repr(count))
-            raise ConveyorError(
-                f"loss_fn returned a pair whose count is {shown} on micro-batch {m}; the "
-                "count must be a number >= 0 or a one-element tensor (e.g. the number of "
-                "tokens that are not padding)"
-            )
-    if not isinstance(result, torch.Tensor) or result.numel() != 1:
-        got = (tuple(result.shape) if isinstance(result, torch.Tensor)
-               else type(result).__name__)
-        raise ConveyorError(
-            f"loss_fn must return a one-element tensor or a (loss_sum, count) pair, got "
-            f"{got} on micro-batch {m}; reduce over the samples (reduction='mean'), or "
-            "return (loss summed over elements, number of elements)"
-        )
-    return result, count
-

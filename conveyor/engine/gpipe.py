@@ -43,7 +43,7 @@ from conveyor.engine.ties import (
 from conveyor.engine.transport import LocalTransport
 from conveyor.engine.weights import InitFn, Weights
 from conveyor.errors import BalanceError, LayerOutputError
-from conveyor.schedules import Kind, Schedule, actions_of, gpipe, validate
+from conveyor.schedules import Edge, Kind, Schedule, actions_of, gpipe, validate
 
 __all__ = ["GPipe"]
 
@@ -132,6 +132,7 @@ class GPipe(KeepsPlacement):
         count = stages if stages is not None else None if devices is None else len(devices)
         split_at, balance = choose_cut(module, split_at, balance, sample, count)
         self.split_at = split_at  # as given, or chosen among the model's blocks
+        self._edges: tuple[Edge, ...] = ()  # a traced model's values that skip stages
         if split_at is None:
             refuse_initialisation(init_fn, weights)
             built = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
@@ -144,10 +145,9 @@ class GPipe(KeepsPlacement):
                                f"gives {len(built)} stages")
         self._stages = list(built.values())
         self.partitions.extend(stage.layers for stage in self._stages)
-        self._schedule = gpipe(len(self.balance), chunks)
+        self._schedule = gpipe(len(self.balance), chunks).with_edges(self._edges)
         validate(self._schedule)
-        self._executor = Executor(built, self._schedule.stage_ranks,
-                                  LocalTransport(self.devices))
+        self._executor = Executor(built, self._schedule, LocalTransport(self.devices))
 
     def _cut_layers(self, module: nn.Module, balance: Sequence[int] | str | None, sample: Any,
                     devices: Sequence[Device] | None,
@@ -194,7 +194,7 @@ class GPipe(KeepsPlacement):
         count = len(split_at) + 1
         self.balance = [1] * count
         self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
-        stages, self._ties = build_traced_stages(
+        stages, self._ties, self._edges = build_traced_stages(
             self, module, split_at=split_at, sample=sample, balance=balance,
             deferred_batch_norm=deferred_batch_norm, devices=dict(enumerate(self.devices)),
             concurrent=self.devices, init_fn=init_fn, weights=weights)

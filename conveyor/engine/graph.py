@@ -10,8 +10,8 @@ a layer that conveyor's engine runs like any other:
 
 * stage 0 takes the micro-batch as the model takes it (a tensor, a tuple of positional
   arguments or a dict of keyword arguments); a later stage takes a dict of the values
-  made before it that it or a later stage uses (a long skip connection, a mask, rotary
-  ``cos``/``sin``), and hands on those that later stages still need;
+  made before it that it uses, and returns the dict of the values it makes that later
+  stages use;
 * the last stage returns what the model returns (a tensor, tuple, dict, ``ModelOutput``);
 * parameters and buffers stay the model's own objects, under the model's own names; a
   parameter used by several stages (tied embeddings) becomes a copy per stage, under
@@ -25,7 +25,21 @@ Under torchrun each rank builds only its own stages: it traces the whole model (
 the meta device, that costs no memory), gives storage and values only to the tensors its
 stages read (:mod:`conveyor.engine.weights`) and drops the others from the model.
 
-Values that skip stages are relayed through the stages between (sent on by each).
+A value made on stage i and used on stage j > i + 1 (a long skip connection, an
+attention mask, rotary ``cos``/``sin``, position ids) goes from i to j directly, once per
+micro-batch: the cut gives the pipeline these *edges* (``SplitModel.edges``), which the
+schedule table carries, so that runtimes, validator and simulator know the messages. A
+value used by several later stages is sent to each. The model's inputs are stage 0's:
+it sends those a later stage uses, like the values it makes. An edge whose values cannot
+carry a gradient (integer masks and ids, or values that depend on no parameter and no
+floating input, as a causal mask or rotary tables) has ``gradient=False``, and no
+gradient comes back over it::
+
+    U-Net cut at ["up2", "up1"]    stage 0: down1, down2, middle ---+
+                                      |                             |  first
+                                   stage 1: up2                     |  (edge 0->2: not
+                                      |                             |  through stage 1)
+                                   stage 2: up1(x, first) <---------+
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.engine.graphstage import Binding, GraphStage, Plan, StageProgram, as_call
 from conveyor.engine.ties import TiedParameter, equalize
@@ -54,6 +68,7 @@ from conveyor.engine.weights import (
     tensor_slots,
 )
 from conveyor.errors import BalanceError, ModelError
+from conveyor.schedules import Edge
 
 __all__: list[str] = []
 
@@ -102,11 +117,14 @@ class SplitModel:
         count: the number of stages.
         stages: this process's stages, a :class:`GraphStage` by stage index.
         ties: parameters used by several stages (every one, with this process's copies).
+        edges: values sent from a stage straight to a later one past the next (in
+            training or in eval mode); the schedule table must carry them.
     """
 
     count: int
     stages: dict[int, GraphStage] = field(default_factory=dict)
     ties: list[TiedParameter] = field(default_factory=list)
+    edges: tuple[Edge, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -171,6 +189,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
         tie.copies = [replaced.get(id(c), c) for c in tie.copies]  # type: ignore[misc]
         equalize(tie)
     _drop_others(model, binder.placement)
+    split.edges = _edges(plans.values())
     return split
 
 
@@ -212,6 +231,19 @@ def _drop_others(model: nn.Module, placement: Placement) -> None:
             table[name] = None
 
 
+def _edges(plans: Any) -> tuple[Edge, ...]:
+    """The edges of every plan (both modes), each carrying gradients if it does in one."""
+    gradient: dict[tuple[int, int], bool] = {}
+    for plan in plans:
+        for source, destinations in enumerate(plan.sends):
+            for destination, nodes in destinations.items():
+                if destination > source + 1:
+                    carries = any(node in plan.differentiable for node in nodes)
+                    gradient[(source, destination)] = (
+                        gradient.get((source, destination), False) or carries)
+    return tuple(Edge(i, j, g) for (i, j), g in sorted(gradient.items()))
+
+
 def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
     """Assigns every operation of ``program`` to a stage, and finds what crosses."""
     graph = program.graph
@@ -235,31 +267,72 @@ def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
             f"{reached}; list split_at in the order the model runs the submodules, and "
             "only submodules that forward calls")
     inputs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
-    produced: dict[fx.Node, int] = {}
+    produced: dict[fx.Node, int] = {}  # user inputs: stage 0; parameters etc.: -1
     uses: dict[str, set[int]] = {}
-    last_use: dict[fx.Node, int] = {}
+    used_on: dict[fx.Node, set[int]] = {}
     for node in graph.nodes:
         if node.op == "placeholder":
-            kind = inputs[node.name].kind
-            produced[node] = -1 if kind == InputKind.USER_INPUT else -2
+            produced[node] = 0 if inputs[node.name].kind == InputKind.USER_INPUT else -1
             continue
         produced[node] = stage_of[node]
-        for used in node.all_input_nodes:
-            if produced.get(used) == -2:
+        for used in _inputs(node, program):
+            if produced[used] == -1:
                 uses.setdefault(used.name, set()).add(stage_of[node])
             else:
-                last_use[used] = max(last_use.get(used, -1), stage_of[node])
+                used_on.setdefault(used, set()).add(stage_of[node])
     live_in: list[list[fx.Node]] = [[] for _ in range(stages)]
-    for node, last in last_use.items():
-        for k in range(max(produced[node], 0) + 1, last + 1):
-            live_in[k].append(node)
+    sends: list[dict[int, list[fx.Node]]] = [{} for _ in range(stages)]
+    for node in graph.nodes:  # in graph order
+        for k in sorted(used_on.get(node, ())):
+            if k > produced[node]:  # straight from the stage that makes it
+                live_in[k].append(node)
+                sends[produced[node]].setdefault(k, []).append(node)
     fixed_sizes = []
     for spec in program.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             value = next(n for n in graph.nodes if n.name == spec.arg.name).meta.get("val")
             fixed_sizes.append({d: size for d, size in enumerate(getattr(value, "shape", ()))
                                 if isinstance(size, int)})
-    return Plan(program, stage_of, live_in, uses, fixed_sizes)
+    return Plan(program, stage_of, live_in, uses, fixed_sizes, sends,
+                _differentiable(program))
+
+
+def _inputs(node: fx.Node, program: ExportedProgram) -> list[fx.Node]:
+    """The values ``node`` reads; of the graph's output, the model's outputs alone (a
+    buffer's new value is the business of the stage that computes it)."""
+    if node.op != "output":
+        return node.all_input_nodes
+    returned = node.args[0]
+    assert isinstance(returned, (tuple, list))
+    return [value for spec, value in zip(program.graph_signature.output_specs, returned)
+            if spec.kind == OutputKind.USER_OUTPUT and isinstance(value, fx.Node)]
+
+
+def _floating(value: Any) -> bool:
+    """Whether a traced value is (or holds) a floating tensor; unknown values count."""
+    if value is None:
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_floating(v) for v in value)
+    return isinstance(value, torch.Tensor) and (value.dtype.is_floating_point
+                                                or value.dtype.is_complex)
+
+
+def _differentiable(program: ExportedProgram) -> set[fx.Node]:
+    """The values that may carry a gradient: floating tensors that depend on a parameter
+    or a floating input of the user (whether it requires grad or not: a frozen
+    parameter's values are counted, which costs an empty gradient message at most)."""
+    kinds = {spec.arg.name: spec.kind for spec in program.graph_signature.input_specs}
+    found: set[fx.Node] = set()
+    for node in program.graph.nodes:
+        if not _floating(node.meta.get("val")):
+            continue
+        if node.op == "placeholder":
+            if kinds[node.name] in (InputKind.PARAMETER, InputKind.USER_INPUT):
+                found.add(node)
+        elif any(used in found for used in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 class _Binder:

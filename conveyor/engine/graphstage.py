@@ -2,14 +2,16 @@
 model cut by :mod:`conveyor.engine.graph`.
 
 Stage 0 takes the micro-batch as the model takes it, a later stage the dict of values
-crossing into it; each hands on the values later stages use, and the last returns what
-the model returns. Parameters and buffers are read from the model's own modules at each
+made before it that it uses; each returns the values it makes that later stages use
+(stage 0: the model's inputs among them), which :meth:`GraphStage.route` sorts by the
+stage each goes to, and the last returns what the model returns. Parameters and buffers are read from the model's own modules at each
 call (a batch norm's running statistics are current; a recomputation reads the copies
 :class:`conveyor.engine.recompute.Recomputation` puts in their place).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,8 @@ class Plan:
     live_in: list[list[fx.Node]]  # per stage, the values it receives (stage 0: none)
     uses: dict[str, set[int]]  # placeholder of a parameter/buffer -> the stages using it
     fixed_sizes: list[dict[int, int]]  # per user input, the dims the trace fixed: size
+    sends: list[dict[int, list[fx.Node]]]  # per stage, per later stage, what goes there
+    differentiable: set[fx.Node]  # the values that may carry a gradient
 
 
 class StageProgram:
@@ -71,7 +75,10 @@ class StageProgram:
         self.out_spec = program.call_spec.out_spec
         self.fixed_sizes = plan.fixed_sizes
         self.receives = [node.name for node in plan.live_in[k]]
-        self.sends = [] if self.last else [node.name for node in plan.live_in[k + 1]]
+        # What goes to each later stage, by name; the values made here, each once.
+        self.sends = {j: [node.name for node in nodes] for j, nodes in plan.sends[k].items()}
+        made = list(dict.fromkeys(node for nodes in plan.sends[k].values() for node in nodes))
+        self.made = [node.name for node in made]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         placeholders = {node.name: node for node in program.graph.nodes
@@ -106,7 +113,7 @@ class StageProgram:
         if self.last:
             results += [env[v] if isinstance(v, fx.Node) else v for v in self.user_outputs]
         else:
-            results += [env[v] for v in plan.live_in[k + 1]]
+            results += [env[v] for v in made]
         graph.output(tuple(results))
         self.module = fx.GraphModule(program.graph_module, graph)
 
@@ -132,7 +139,12 @@ class StageProgram:
         results = results[len(self.mutations):]
         if self.last:
             return pytree.tree_unflatten(results, self.out_spec)
-        return dict(zip(self.sends, results))
+        return dict(zip(self.made, results))
+
+    def route(self, made: dict[str, Any], destinations: Sequence[int]) -> dict[int, Any]:
+        """The values ``made`` by this stage, as a dict for each stage of
+        ``destinations`` (empty for one that takes nothing from it in this mode)."""
+        return {j: {name: made[name] for name in self.sends.get(j, ())} for j in destinations}
 
     def _check_shapes(self, leaves: list[Any]) -> None:
         """Refuses an input whose size differs in a dimension the trace fixed: the graph
@@ -193,3 +205,7 @@ class GraphStage(nn.Module):
 
     def forward(self, live: Any) -> Any:
         return self.programs[self.training](live)
+
+    def route(self, made: dict[str, Any], destinations: Sequence[int]) -> dict[int, Any]:
+        """What this stage made, split by the stage each value goes to."""
+        return self.programs[self.training].route(made, destinations)

@@ -11,7 +11,7 @@ can name the layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,13 @@ from conveyor.engine.recompute import (
     running_stat_layers,
 )
 from conveyor.engine.rng import LayerRandomness
-from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
+from conveyor.errors import (
+    ConveyorError,
+    LayerOutputError,
+    ModelError,
+    StageError,
+    add_note,
+)
 
 __all__: list[str] = []
 
@@ -80,6 +86,9 @@ class Stage:
             norm for layer in layers if isinstance(layer, GraphStage)
             for module in layer.bound_modules() for norm in running_stat_layers(module)]
         self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
+        # A traced stage: its values go to the stages that use them, not all to the next.
+        self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], GraphStage) \
+            else None
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -89,6 +98,32 @@ class Stage:
         params = [p for layer in self.layers for p in (
             layer.bound_parameters() if isinstance(layer, GraphStage) else layer.parameters())]
         return [p for p in params if p.requires_grad]
+
+    def route(self, outputs: Any, destinations: Sequence[int]) -> dict[int, Any]:
+        """What the stage sends to each of ``destinations`` (the schedule's
+        ``forward_to``): a sequence of layers its whole output to the next stage, a
+        traced stage each value it made to the stages that use it.
+
+        Raises:
+            ModelError: a sequence of layers asked to send past the next stage.
+        """
+        if self._graph is not None:
+            return self._graph.route(outputs, destinations)
+        if tuple(destinations) != (self.index + 1,):
+            raise ModelError(
+                f"stage {self.index} is a sequence of layers, whose output goes to stage "
+                f"{self.index + 1} alone, but the schedule sends it to stages "
+                f"{list(destinations)}; edges need a traced model (split_at=)")
+        return {self.index + 1: outputs}
+
+    def join(self, received: Mapping[int, Any]) -> Any:
+        """The stage's input from what each earlier stage sent it (by sending stage)."""
+        if self._graph is None:
+            return received[self.index - 1]
+        values: dict[str, Any] = {}
+        for part in received.values():
+            values.update(part)
+        return values
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
                 recompute: bool) -> Any:

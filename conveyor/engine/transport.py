@@ -1,16 +1,20 @@
 """Moving activations and gradients between stages.
 
 A transport delivers a stage's output to the stage that consumes it, keyed by what it
-is (activation or gradient), the receiving stage and the micro-batch, so that receives
-match sends whatever order the ranks run in. What arrives is ready to use: detached
-tensors on the receiving stage's device, each with the ``requires_grad`` flag its
-sender's tensor had.
+is (activation or gradient), the sending stage, the receiving stage and the
+micro-batch, so that receives match sends whatever order the ranks run in. The sender
+is the receiver's neighbour unless said otherwise (an edge of the schedule: values sent
+from stage i straight to stage j, and their gradients back). What arrives is ready to
+use: detached tensors on the receiving stage's device, each with the ``requires_grad``
+flag its sender's tensor had. Every transport counts what it sends in its
+:class:`Traffic`, per (kind, source, destination): clear it before a step, read it after.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -25,12 +29,96 @@ class Aborted(Exception):
     """Raised in a waiting rank when another rank failed and the step is abandoned."""
 
 
-class Transport(Protocol):
-    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
-        """Delivers ``value`` (a pytree) to ``stage`` for ``microbatch``."""
+def neighbour(kind: MessageKind, stage: int) -> int:
+    """The stage that sends ``stage`` a message of ``kind`` when no source is named: the
+    one before it for an activation, the one after it for a gradient."""
+    return stage - 1 if kind == "activation" else stage + 1
 
-    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
-        """Waits for and returns what was sent to ``stage`` for ``microbatch``."""
+
+@dataclass
+class Flow:
+    """What went from one stage to another, of one kind, since the traffic was cleared.
+
+    Attributes:
+        messages: how many messages.
+        bytes: the bytes of their tensors.
+        wire: the bytes that left the process (headers, padding and pickled structure
+            included); 0 for messages delivered within it.
+    """
+
+    messages: int = 0
+    bytes: int = 0
+    wire: int = 0
+
+
+class Traffic:
+    """What a transport sent, per (kind, source stage, destination stage).
+
+    Counters, not a log: they stay small however long a run is. Clear them before a
+    step and read them after, e.g. ``traffic.bytes`` or ``traffic.flows``.
+    """
+
+    def __init__(self) -> None:
+        self.flows: dict[tuple[str, int, int], Flow] = {}
+        self._lock = threading.Lock()
+
+    def note(self, kind: str, source: int, destination: int, value: Any, wire: int = 0) -> None:
+        """Counts one message of ``value`` (a pytree); ``wire`` bytes left the process."""
+        size = _tensor_bytes(value)
+        with self._lock:
+            flow = self.flows.setdefault((kind, source, destination), Flow())
+            flow.messages += 1
+            flow.bytes += size
+            flow.wire += wire
+
+    def clear(self) -> None:
+        with self._lock:
+            self.flows.clear()
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of every tensor sent."""
+        return sum(flow.bytes for flow in self.flows.values())
+
+    @property
+    def wire(self) -> int:
+        """The bytes that left the process."""
+        return sum(flow.wire for flow in self.flows.values())
+
+    @property
+    def messages(self) -> int:
+        return sum(flow.messages for flow in self.flows.values())
+
+    def between(self, source: int, destination: int, kind: str = "activation") -> Flow:
+        """What went from stage ``source`` to ``destination`` (nothing: an empty Flow)."""
+        return self.flows.get((kind, source, destination), Flow())
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value``: a tensor, or lists, tuples and dicts of
+    them (what stages send; cheaper than flattening a pytree at every message)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor))
+
+
+class Transport(Protocol):
+    traffic: Traffic
+
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
+             source: int | None = None) -> None:
+        """Delivers ``value`` (a pytree) to ``stage`` for ``microbatch``, from ``source``
+        (by default the neighbour that sends ``kind``)."""
+
+    def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
+             source: int | None = None) -> Any:
+        """Waits for and returns what ``source`` (by default the neighbour that sends
+        ``kind``) sent to ``stage`` for ``microbatch``."""
 
     def abort(self, error: BaseException | None) -> None:
         """Stops the step: every waiting receive raises :class:`Aborted`.
@@ -94,11 +182,13 @@ class LocalTransport:
 
     Args:
         devices: ``devices[s]`` is the device of stage s; deliveries land there.
+        traffic: where sends are counted (by default a Traffic of its own).
     """
 
-    def __init__(self, devices: Sequence[torch.device]) -> None:
+    def __init__(self, devices: Sequence[torch.device], traffic: Traffic | None = None) -> None:
         self.devices = list(devices)
-        self._boxes: dict[tuple[str, int, int], Any] = {}
+        self.traffic = traffic if traffic is not None else Traffic()
+        self._boxes: dict[tuple[str, int, int, int], Any] = {}
         self._ready = threading.Condition()
         self._aborted = False
         self._copy_streams: dict[Any, Any] = {}
@@ -109,18 +199,23 @@ class LocalTransport:
             self._boxes.clear()
             self._aborted = False
 
-    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any) -> None:
+    def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
+             source: int | None = None) -> None:
+        source = neighbour(kind, stage) if source is None else source
+        self.traffic.note(kind, source, stage, value)
         with self._ready:
-            self._boxes[(kind, stage, microbatch)] = value
+            self._boxes[(kind, source, stage, microbatch)] = value
             self._ready.notify_all()
 
-    def recv(self, kind: MessageKind, stage: int, microbatch: int) -> Any:
-        key = (kind, stage, microbatch)
+    def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
+             source: int | None = None) -> Any:
+        source = neighbour(kind, stage) if source is None else source
+        key = (kind, source, stage, microbatch)
         with self._ready:
             while key not in self._boxes:
                 if self._aborted:
                     raise Aborted(f"stage {stage} stopped waiting for {kind} of "
-                                  f"micro-batch {microbatch}")
+                                  f"micro-batch {microbatch} from stage {source}")
                 self._ready.wait()
             value = self._boxes.pop(key)
         return deliver(value, self.devices[stage], self._copy_streams)

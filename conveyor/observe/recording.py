@@ -8,6 +8,7 @@
     conveyor.plot_timelines([timeline], "step.png")
 
 Off by default and free when off; see :mod:`conveyor.engine.recorder` for its cost.
+The timeline carries the schedule's edges, so that pictures show their messages.
 Under torchrun every rank records its own actions; when the block ends, every rank gets
 all the ranks' events, on clocks aligned by a barrier taken when recording began.
 """
@@ -39,8 +40,10 @@ def record(pipe: Any) -> Iterator[Timeline]:
     if group is not None:
         dist.barrier(group=group)
     recorder = Recorder()
+    schedule = executor.schedule
     timeline = Timeline(num_ranks=len(set(executor.stage_ranks)), source="measured",
-                        name=getattr(getattr(pipe, "schedule", None), "name", "gpipe"))
+                        name=schedule.name,
+                        edges=[(e.source, e.destination, e.gradient) for e in schedule.edges])
     executor.recorder = recorder
     try:
         yield timeline

@@ -7,8 +7,9 @@ with the makespan, each rank's bubble and the peak activations each stage holds.
 uniform costs the textbook results come out exactly: GPipe's and 1F1B's bubble is
 (K-1)/(M+K-1), interleaving V stages per rank divides the bubble time by V, and ZB-H1's
 bubble is a third of 1F1B's when F, I and W take the same time. Each action is charged by
-its own kind, so a table may mix full (``B``) and split (``I`` + ``W``) backwards. Pure
-Python.
+its own kind, so a table may mix full (``B``) and split (``I`` + ``W``) backwards. The
+table's edges (values sent from stage i straight to stage j) are dependencies like the
+neighbours' messages, each with its own transfer time. Pure Python.
 
 Costs are per stage. To compare schedules on one model, give every rank the same layers
 with :meth:`CostModel.per_rank`: a rank that runs V stages (interleaved 1F1B) has 1/V of
@@ -54,6 +55,9 @@ class CostModel:
         unit: what the times are in: ``"s"`` for seconds (measured, or estimated from
             FLOPs), anything else names an abstract unit (``"units"``: relative costs,
             as in :meth:`uniform`). Timelines and pictures carry it.
+        edge_communication: ``(i, j, time)`` per edge of a table that has some: moving
+            the values of edge i -> j, or their gradients, between two ranks. An edge
+            not listed costs ``communication[i]``, as much as stage i's activation.
     """
 
     forward: tuple[float, ...]
@@ -62,6 +66,7 @@ class CostModel:
     activation_bytes: tuple[float, ...]
     communication: tuple[float, ...]
     unit: str = "s"
+    edge_communication: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
     def uniform(cls, stages: int, *, forward: float = 1.0, backward: float = 1.0,
@@ -114,14 +119,41 @@ class CostModel:
                         f"the cost model's {name} of {where} {index} is {value}; every "
                         "cost must be a finite number of at least 0"
                     )
+        for i, j, time in self.edge_communication:
+            if not (0 <= i and i + 1 < j < stages):
+                raise ScheduleError(
+                    f"the cost model gives a time for edge {i}->{j}, which is not an edge "
+                    f"of a {stages}-stage table (edges go from a stage to a later one past "
+                    "the next)")
+            if not (math.isfinite(time) and time >= 0):
+                raise ScheduleError(
+                    f"the cost model's communication of edge {i}->{j} is {time}; every "
+                    "cost must be a finite number of at least 0")
+
+    def edge_time(self, source: int, destination: int) -> float:
+        """The time of moving a message from stage ``source`` to ``destination`` (or
+        back) between two ranks: a boundary's time for neighbours, an edge's else."""
+        low, high = sorted((source, destination))
+        if high == low + 1:
+            return self.communication[low]
+        for i, j, time in self.edge_communication:
+            if (i, j) == (low, high):
+                return time
+        return self.communication[low]
 
     def to_dict(self) -> dict[str, Any]:
-        """The five lists and the unit, as plain data (``from_dict`` reads it back)."""
-        return {**{k: list(getattr(self, k)) for k in _LISTS}, "unit": self.unit}
+        """The five lists and the unit, as plain data (``from_dict`` reads it back);
+        the edges' times as ``[i, j, time]`` triples, if any."""
+        data: dict[str, Any] = {**{k: list(getattr(self, k)) for k in _LISTS},
+                                "unit": self.unit}
+        if self.edge_communication:
+            data["edge_communication"] = [list(e) for e in self.edge_communication]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        """Reads ``to_dict``'s form; ``unit`` may be left out (seconds).
+        """Reads ``to_dict``'s form; ``unit`` may be left out (seconds), and
+        ``edge_communication`` (none).
 
         Raises:
             ScheduleError: a list is missing or holds something other than numbers.
@@ -137,7 +169,13 @@ class CostModel:
             except (TypeError, ValueError):
                 raise ScheduleError(f"{key} must be a list of numbers, got "
                                     f"{data[key]!r}") from None
-        return cls(**lists, unit=str(data.get("unit", "s")))
+        try:
+            edges = tuple((int(i), int(j), float(t))
+                          for i, j, t in data.get("edge_communication", ()))
+        except (TypeError, ValueError):
+            raise ScheduleError("edge_communication must be a list of [source, destination, "
+                                f"time] triples, got {data['edge_communication']!r}") from None
+        return cls(**lists, unit=str(data.get("unit", "s")), edge_communication=edges)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -264,7 +302,8 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
         if not progressed:  # pragma: no cover - layout_clock would have raised
             raise ScheduleError(f"schedule {schedule.name!r} cannot progress")
     timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name,
-                        unit=costs.unit)
+                        unit=costs.unit,
+                        edges=[(e.source, e.destination, e.gradient) for e in schedule.edges])
     inflight, peak_bytes = _memory(events, schedule, costs)
     return Simulation(timeline, inflight, peak_bytes, _split_windows(events, schedule))
 
@@ -283,7 +322,7 @@ def _duration(action: Action, costs: CostModel) -> float:
 def _transfer(done: Action, action: Action, ranks: Sequence[int], costs: CostModel) -> float:
     if ranks[done.stage] == ranks[action.stage]:  # the same stage too
         return 0.0
-    return costs.communication[min(done.stage, action.stage)]
+    return costs.edge_time(done.stage, action.stage)
 
 
 def _memory(events: list[Event], schedule: Schedule,

@@ -2,7 +2,9 @@
 
 A :class:`Timeline` is a list of :class:`Event` (rank, stage, kind, micro-batch, start,
 end; measured events also say how long they waited for a neighbour and moved tensors),
-with its unit of time: seconds when measured, or a simulator's cost units.
+with its unit of time: seconds when measured, or a simulator's cost units, and the
+schedule's edges (values sent from stage i straight to a later stage j), whose messages
+it shows as arrows: in Chrome traces as flow events, in Gantt charts drawn over the bars.
 The simulator and the runtime's recorder produce the same record, so predicted and
 measured steps can be compared, exported to Chrome's trace format (open in Perfetto or
 chrome://tracing) and drawn as Gantt charts one above the other. Pure Python;
@@ -60,6 +62,9 @@ class Timeline:
         name: the schedule's name.
         unit: the unit of every time: ``"s"`` (seconds: measured, or simulated from
             seconds), or the name of a simulator's abstract unit (``"units"``).
+        edges: the schedule's edges as ``(source, destination, gradient)``: stage
+            ``source``'s forward sends values straight to stage ``destination``'s (and,
+            with ``gradient``, the destination's backward sends their gradient back).
     """
 
     num_ranks: int
@@ -67,6 +72,7 @@ class Timeline:
     source: str = "measured"
     name: str = ""
     unit: str = "s"
+    edges: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def origin(self) -> float:
@@ -112,17 +118,43 @@ class Timeline:
             })
         return rows
 
+    def edge_messages(self) -> list[tuple[Event, Event, str]]:
+        """The messages of the edges, as (sending event, receiving event, ``"activation"``
+        or ``"gradient"``): per edge i -> j and micro-batch m, from ``iFm`` to ``jFm``,
+        and (for an edge with gradients) from j's backward of m (``B`` or ``I``) to
+        i's. Pairs with an event missing (a partial timeline) are left out."""
+        found: dict[tuple[int, str, int], Event] = {}
+        for e in self.events:
+            kind = "F" if e.kind == "F" else "B" if e.kind in ("B", "I") else ""
+            if kind:
+                found[(e.stage, kind, e.microbatch)] = e
+        microbatches = sorted({e.microbatch for e in self.events})
+        messages = []
+        for source, destination, gradient in self.edges:
+            for m in microbatches:
+                sent = found.get((source, "F", m)), found.get((destination, "F", m))
+                if sent[0] is not None and sent[1] is not None:
+                    messages.append((sent[0], sent[1], "activation"))
+                back = found.get((destination, "B", m)), found.get((source, "B", m))
+                if gradient and back[0] is not None and back[1] is not None:
+                    messages.append((back[0], back[1], "gradient"))
+        return messages
+
     # ------------------------------------------------------------ files
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_ranks": self.num_ranks, "source": self.source, "name": self.name,
+        data = {"num_ranks": self.num_ranks, "source": self.source, "name": self.name,
                 "unit": self.unit, "events": [asdict(e) for e in self.events]}
+        if self.edges:
+            data["edges"] = [list(edge) for edge in self.edges]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeline:
         return cls(num_ranks=data["num_ranks"], source=data.get("source", "measured"),
                    name=data.get("name", ""), unit=data.get("unit", "s"),
-                   events=[Event(**e) for e in data["events"]])
+                   events=[Event(**e) for e in data["events"]],
+                   edges=[(int(i), int(j), bool(g)) for i, j, g in data.get("edges", ())])
 
     def save(self, path: str | Path) -> None:
         """Writes the timeline as JSON (``Timeline.load`` reads it back)."""
@@ -134,7 +166,8 @@ class Timeline:
 
     def chrome_trace(self) -> dict[str, Any]:
         """The Chrome trace event format: a process per rank, times in microseconds (of
-        a timeline in abstract units, one unit is drawn as a second)."""
+        a timeline in abstract units, one unit is drawn as a second); each message of
+        an edge is a flow event, drawn as an arrow between its two actions."""
         origin = self.origin
         trace = [{"name": "process_name", "ph": "M", "pid": rank,
                   "args": {"name": f"rank {rank}"}} for rank in range(self.num_ranks)]
@@ -146,6 +179,17 @@ class Timeline:
                          "microbatch": e.microbatch,
                          "wait_us": e.wait * 1e6, "transfer_us": e.transfer * 1e6},
             })
+        for number, (sent, received, kind) in enumerate(self.edge_messages()):
+            # The arrow leaves the sending action just before its end (a flow's start
+            # binds to the slice that encloses it) and enters the receiving one.
+            leaves = sent.end - min(1e-3 * (sent.end - sent.start), 1e-9)
+            name = f"{sent.stage}->{received.stage}" if kind == "activation" else \
+                f"{sent.stage}->{received.stage} gradient"
+            common = {"name": name, "cat": "edge", "id": number}
+            trace.append({**common, "ph": "s", "pid": sent.rank, "tid": sent.stage,
+                          "ts": (leaves - origin) * 1e6})
+            trace.append({**common, "ph": "f", "bp": "e", "pid": received.rank,
+                          "tid": received.stage, "ts": (received.start - origin) * 1e6})
         return {"traceEvents": trace, "displayTimeUnit": "ms",
                 "otherData": {"source": self.source, "schedule": self.name,
                               "unit": self.unit}}
@@ -155,6 +199,8 @@ class Timeline:
 
 
 _IDLE = "#E6E6E6"  # the band behind a rank's actions: what shows through is idle time
+_ARROW = "arrow"  # in a legend entry, in place of an edge colour: drawn as a line
+_EDGE_COLOUR = "#C44E52"
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
@@ -163,7 +209,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
 
     A rank is a row of actions on a grey band as long as the step, so its idle time
     (the bubble) shows grey; waiting for a neighbour within a measured action is
-    hatched. Each action is labelled where the label fits, and the legend names only
+    hatched; the messages of the schedule's edges are arrows from the action that sends
+    to the one that receives (dashed: gradients). Each action is labelled where the label fits, and the legend names only
     what is drawn. Seconds are shown as ms or s; another unit by its name, or as
     ``xlabel`` says (``conveyor simulate`` says what its unit is).
 
@@ -175,6 +222,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("drawing timelines needs matplotlib: pip install "
@@ -195,12 +243,16 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, *,
                        f"bubble {100 * timeline.mean_bubble:.1f}%", fontsize=10, loc="left")
         if not shared or index == len(timelines) - 1:
             axis.set_xlabel(xlabel or f"time ({unit})")
-    figure.legend(handles=[Patch(facecolor=colour, edgecolor=edge, hatch=hatch, label=label)
-                           for label, colour, edge, hatch in _legend(timelines)],
-                  loc="lower center", ncol=6, fontsize=8, frameon=False)
+    handles: list[Any] = [
+        Line2D([], [], color=colour, linestyle="--" if hatch == "--" else "-", label=label)
+        if edge == _ARROW
+        else Patch(facecolor=colour, edgecolor=edge, hatch=hatch, label=label)
+        for label, colour, edge, hatch in _legend(timelines)]
+    figure.legend(handles=handles, loc="lower center", ncol=6, fontsize=8, frameon=False)
     figure.tight_layout(rect=(0, legend_in / height, 1, 1))
     for timeline, axis, (scale, _) in zip(timelines, axes[:, 0], scales, strict=True):
         _draw_labels(axis, timeline, scale)  # once the layout says how wide a bar is
+        _draw_arrows(axis, timeline, scale)
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
@@ -225,8 +277,9 @@ def _width(timelines: Sequence[Timeline]) -> float:
 
 def _legend(timelines: Sequence[Timeline]) -> list[tuple[str, str, str, str | None]]:
     """(label, colour, edge colour, hatch) of what the charts show, in drawing order:
-    the kinds of action present, idle time where a rank has some, and waiting within
-    an action where a measured one waited."""
+    the kinds of action present, idle time where a rank has some, waiting within an
+    action where a measured one waited, and the edges' messages (edge colour
+    ``_ARROW``: a line, whose style is in place of the hatch)."""
     drawn = {e.kind for t in timelines for e in t.events}
     entries: list[tuple[str, str, str, str | None]] = [
         (f"{k}: {_WORDS[k]}", c, c, None) for k, c in _COLOURS.items() if k in drawn]
@@ -235,6 +288,11 @@ def _legend(timelines: Sequence[Timeline]) -> list[tuple[str, str, str, str | No
         entries.append(("idle (bubble)", _IDLE, _IDLE, None))
     if any(e.wait > 0 for t in timelines for e in t.events):
         entries.append(("waiting for a neighbour", "white", "grey", "///"))
+    kinds = {kind for t in timelines for _, _, kind in t.edge_messages()}
+    if "activation" in kinds:
+        entries.append(("values sent past the next stage", _EDGE_COLOUR, _ARROW, "-"))
+    if "gradient" in kinds:
+        entries.append(("their gradients", _EDGE_COLOUR, _ARROW, "--"))
     return entries
 
 
@@ -274,3 +332,16 @@ def _draw_labels(axis: Any, timeline: Timeline, scale: float) -> None:
                           timeline.num_ranks - 1 - e.rank, e.label, ha="center",
                           va="center", fontsize=size, color="white")
                 break
+
+
+def _draw_arrows(axis: Any, timeline: Timeline, scale: float) -> None:
+    """An arrow per message of an edge, from the end of the action that sends it to the
+    start of the one that receives it; gradients dashed."""
+    origin = timeline.origin
+    for sent, received, kind in timeline.edge_messages():
+        axis.annotate(
+            "", xy=((received.start - origin) * scale, timeline.num_ranks - 1 - received.rank),
+            xytext=((sent.end - origin) * scale, timeline.num_ranks - 1 - sent.rank),
+            arrowprops={"arrowstyle": "->", "color": _EDGE_COLOUR, "linewidth": 0.8,
+                        "linestyle": "--" if kind == "gradient" else "-",
+                        "shrinkA": 0, "shrinkB": 0})

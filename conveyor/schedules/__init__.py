@@ -16,7 +16,9 @@ from conveyor.schedules.builders import (
 from conveyor.schedules.clock import layout_clock, render_clock
 from conveyor.schedules.table import (
     Action,
+    Edge,
     Kind,
+    Message,
     Schedule,
     actions_of,
     dependencies,
@@ -26,7 +28,9 @@ from conveyor.schedules.validator import validate
 
 __all__ = [
     "Action",
+    "Edge",
     "Kind",
+    "Message",
     "SCHEDULES",
     "Schedule",
     "actions_of",

@@ -70,7 +70,8 @@ def _deadlock_message(
         stuck.append(action)
         pending = [d for d in dependencies(action, schedule) if d not in done]
         named = ", ".join(
-            f"{d} (rank {rank_of[d]})" if d in rank_of else f"{d} (in no rank's column)"
+            (f"{d} (rank {rank_of[d]}{_edge_between(d, action)})" if d in rank_of
+             else f"{d} (in no rank's column)")
             for d in pending
         )
         waits.append(f"  rank {rank} waits at {action} for {named}")
@@ -82,6 +83,12 @@ def _deadlock_message(
         + "\n"
         + picture
     )
+
+
+def _edge_between(needed: Action, action: Action) -> str:
+    """``, over edge 0->2`` when ``action`` waits for ``needed`` because of an edge."""
+    low, high = sorted((needed.stage, action.stage))
+    return f", over edge {low}->{high}" if high > low + 1 else ""
 
 
 def render_clock(

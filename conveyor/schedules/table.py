@@ -21,6 +21,14 @@ backward split in two, the input gradient first so that it can travel upstream a
 weight gradient later, in what would be a bubble. Tables may mix them: one micro-batch
 or stage with ``B``, another with ``I`` and ``W``.
 
+Stage s always hands its forward's values to stage s + 1, which sends their gradient
+back. A table may also list *edges*: ``0->2`` says that stage 0's forward makes values
+that stage 2's forward uses (a U-Net's long skip, an attention mask), sent from 0 to 2
+directly, once per micro-batch, and not through stage 1; the gradient of those values
+comes back from 2 to 0 in backward. ``0~>2`` is an edge whose values carry no gradient
+(integer masks, position ids), so nothing comes back. The text form lists them on a
+last line, ``edges: 0->2 0~>3``.
+
 The functions that build tables live in :mod:`.builders`, the one validator every table
 passes in :mod:`.validator`. This package imports nothing from torch, so schedules can be
 built, printed, checked and simulated anywhere.
@@ -31,12 +39,13 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from conveyor.errors import ScheduleError
 
-__all__ = ["Action", "Kind", "Schedule", "actions_of", "check_size", "dependencies", "parse"]
+__all__ = ["Action", "Edge", "Kind", "Message", "Schedule", "actions_of", "check_size",
+           "dependencies", "parse"]
 
 
 class Kind(str, enum.Enum):
@@ -68,6 +77,40 @@ class Action:
 
 
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+_EDGE = re.compile(r"(\d+)([-~])>(\d+)")
+
+
+@dataclass(frozen=True, order=True)
+class Edge:
+    """Stage ``source``'s forward makes values that stage ``destination``'s uses, and
+    sends them there directly (stage s + 1 gets its values without an edge).
+
+    Attributes:
+        gradient: whether some of the values carry a gradient, which the destination's
+            backward sends back to the source's; False for masks and ids.
+    """
+
+    source: int
+    destination: int
+    gradient: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.source}{'-' if self.gradient else '~'}>{self.destination}"
+
+
+@dataclass(frozen=True)
+class Message:
+    """What an action sends: the values (``"activation"``) or their gradients
+    (``"gradient"``) of ``microbatch``, from stage ``source`` to stage ``destination``."""
+
+    kind: str
+    source: int
+    destination: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} of micro-batch {self.microbatch} from stage {self.source} to " \
+               f"stage {self.destination}"
 
 
 def _parse_action(token: str, where: str) -> Action:
@@ -86,20 +129,27 @@ class Schedule:
 
     A rank is one worker: a thread driving a device in one process, or one process
     under torchrun. Each stage belongs to exactly one rank (several, for interleaved
-    schedules). The table says nothing about transfers: a runtime sends a stage's
-    output to whichever rank holds the next stage.
+    schedules). A runtime sends a stage's output to whichever rank holds the next
+    stage, and the values of each edge to the rank that holds its destination: what
+    each action sends is :meth:`messages`.
 
     Attributes:
         columns: ``columns[r]`` is the ordered tuple of actions rank ``r`` runs.
         num_stages: the number of stages S; stages are ``0..S-1``.
         num_microbatches: the number of micro-batches M; they are ``0..M-1``.
         name: a label used in messages and pictures.
+        edges: values sent past the next stage, straight to a later one (kept sorted);
+            none for a sequence of layers.
     """
 
     columns: tuple[tuple[Action, ...], ...]
     num_stages: int
     num_microbatches: int
     name: str = "custom"
+    edges: tuple[Edge, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "edges", tuple(sorted(self.edges)))
 
     @property
     def num_ranks(self) -> int:
@@ -132,9 +182,75 @@ class Schedule:
         """The stages rank ``rank`` runs, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
 
+    def with_edges(self, edges: Iterable[Edge]) -> Schedule:
+        """The same table with ``edges`` (in place of any it had)."""
+        return replace(self, edges=tuple(edges))
+
+    def forward_from(self, stage: int) -> tuple[int, ...]:
+        """The stages whose values ``stage``'s forward receives: the one before it,
+        then the sources of its edges."""
+        return self._links[stage][0]
+
+    def forward_to(self, stage: int) -> tuple[int, ...]:
+        """The stages ``stage``'s forward sends values to: the next one, then the
+        destinations of its edges."""
+        return self._links[stage][1]
+
+    def backward_from(self, stage: int) -> tuple[int, ...]:
+        """The stages whose backward sends ``stage``'s backward a gradient: the next
+        one, then the destinations of its edges that carry gradients."""
+        return self._links[stage][2]
+
+    def backward_to(self, stage: int) -> tuple[int, ...]:
+        """The stages ``stage``'s backward sends gradients to: the one before it, then
+        the sources of its edges that carry gradients."""
+        return self._links[stage][3]
+
+    @cached_property
+    def _links(self) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """Per stage (runtimes ask at every action): forward from, forward to, backward
+        from, backward to."""
+        links: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for s in range(self.num_stages):
+            before = (s - 1,) if s > 0 else ()
+            after = (s + 1,) if s + 1 < self.num_stages else ()
+            into = [e for e in self.edges if e.destination == s]
+            out = [e for e in self.edges if e.source == s]
+            links[s] = (before + tuple(e.source for e in into),
+                        after + tuple(e.destination for e in out),
+                        after + tuple(e.destination for e in out if e.gradient),
+                        before + tuple(e.source for e in into if e.gradient))
+        return links
+
+    def messages(self, action: Action) -> tuple[Message, ...]:
+        """What ``action`` sends, in the order a runtime sends it: a forward its values
+        to each stage of :meth:`forward_to`, a ``B`` or ``I`` gradients to each stage
+        of :meth:`backward_to`, a ``W`` nothing."""
+        known = self._messages.get(action)
+        if known is not None:
+            return known
+        s, m = action.stage, action.microbatch
+        if action.kind is Kind.FORWARD:
+            found = tuple(Message("activation", s, d, m) for d in self._links[s][1])
+        elif action.kind is Kind.WEIGHT:
+            found = ()
+        else:
+            found = tuple(Message("gradient", s, d, m) for d in self._links[s][3])
+        self._messages[action] = found
+        return found
+
+    @cached_property
+    def _messages(self) -> dict[Action, tuple[Message, ...]]:
+        """What each action sends, as :meth:`messages` works it out."""
+        return {}
+
     def to_text(self) -> str:
-        """One line per rank, actions separated by spaces; ``-`` for an idle rank."""
-        return "\n".join(" ".join(map(str, column)) or "-" for column in self.columns)
+        """One line per rank, actions separated by spaces; ``-`` for an idle rank; the
+        edges, if any, on a last line (``edges: 0->2 0~>3``)."""
+        lines = [" ".join(map(str, column)) or "-" for column in self.columns]
+        if self.edges:
+            lines.append("edges: " + " ".join(map(str, self.edges)))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.to_text()
@@ -144,14 +260,19 @@ def parse(text: str, *, name: str = "custom") -> Schedule:
     """Reads the text form written by :meth:`Schedule.to_text` (one line per rank).
 
     The numbers of stages and micro-batches are the largest ones mentioned, plus one.
-    Blank lines are ignored; a rank that runs nothing is written ``-``.
+    Blank lines are ignored; a rank that runs nothing is written ``-``; a line
+    ``edges: 0->2 0~>3`` lists the edges.
 
     Raises:
-        ScheduleError: a token is not an action.
+        ScheduleError: a token is not an action, or not an edge on the edges line.
     """
     columns: list[tuple[Action, ...]] = []
+    edges: list[Edge] = []
     for line in (line.strip() for line in text.strip().splitlines()):
         if not line:
+            continue
+        if line.startswith("edges:"):
+            edges += [_parse_edge(token) for token in line.removeprefix("edges:").split()]
             continue
         rank = len(columns)
         tokens = [] if line == "-" else line.split()
@@ -164,7 +285,16 @@ def parse(text: str, *, name: str = "custom") -> Schedule:
         num_stages=max(a.stage for a in actions) + 1,
         num_microbatches=max(a.microbatch for a in actions) + 1,
         name=name,
+        edges=tuple(edges),
     )
+
+
+def _parse_edge(token: str) -> Edge:
+    match = _EDGE.fullmatch(token)
+    if match is None:
+        raise ScheduleError(f"edges: {token!r} is not an edge; write 0->2 (stage 0's values "
+                            "used by stage 2, gradients back) or 0~>2 (no gradients)")
+    return Edge(int(match[1]), int(match[3]), gradient=match[2] == "-")
 
 
 def check_size(**sizes: int) -> None:
@@ -177,19 +307,19 @@ def check_size(**sizes: int) -> None:
 def dependencies(action: Action, schedule: Schedule) -> tuple[Action, ...]:
     """The actions whose results ``action`` consumes (on any rank).
 
-    ``F`` of stage s needs the activation of stage s-1. ``B`` and ``I`` need their own
-    forward and the gradient from stage s+1, which that stage's ``B`` or ``I`` of the
-    micro-batch sends (whichever the table has). ``W`` needs its own ``I``.
+    ``F`` of stage s needs the activation of stage s-1, and the values of every edge
+    into s. ``B`` and ``I`` need their own forward and the gradient from stage s+1 (and
+    from the destination of every edge out of s that carries gradients), which that
+    stage's ``B`` or ``I`` of the micro-batch sends (whichever the table has). ``W``
+    needs its own ``I``.
     """
     s, m = action.stage, action.microbatch
     if action.kind is Kind.FORWARD:
-        return (Action(s - 1, Kind.FORWARD, m),) if s > 0 else ()
+        return tuple(Action(i, Kind.FORWARD, m) for i in schedule.forward_from(s))
     if action.kind is Kind.WEIGHT:
         return (Action(s, Kind.INPUT, m),)
-    own = Action(s, Kind.FORWARD, m)
-    if s + 1 < schedule.num_stages:
-        return (own, schedule.backward_of(s + 1, m))
-    return (own,)
+    return (Action(s, Kind.FORWARD, m),
+            *(schedule.backward_of(j, m) for j in schedule.backward_from(s)))
 
 
 def actions_of(schedule: Schedule, kinds: Iterable[Kind]) -> dict[int, list[Action]]:

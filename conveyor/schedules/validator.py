@@ -17,13 +17,17 @@ def validate(schedule: Schedule) -> None:
     """Checks that ``schedule`` is complete, consistent and free of deadlock.
 
     Every stage must live on one rank; every (stage, micro-batch) needs exactly one
-    ``F`` and one backward: either ``B``, or ``I`` and ``W``; and the table must run to
-    the end when each rank follows its column and waits for the results it needs.
+    ``F`` and one backward: either ``B``, or ``I`` and ``W``; each edge must join a
+    stage to a later one past the next, once; and the table must run to the end when
+    each rank follows its column and waits for the results it needs (over its edges
+    too: ``F`` of an edge's destination after ``F`` of its source, the source's
+    backward after the destination's).
 
     Raises:
         ScheduleError: the first problem found, with the table and the failing step.
     """
     check_size(num_stages=schedule.num_stages, num_microbatches=schedule.num_microbatches)
+    _check_edges(schedule)
     seen: dict[Action, tuple[int, int]] = {}
     owner: dict[int, int] = {}
     for rank, column in enumerate(schedule.columns):
@@ -53,9 +57,12 @@ def validate(schedule: Schedule) -> None:
     _check_backward_kinds(schedule, seen)
     for action, where in seen.items():
         for needed in dependencies(action, schedule):
-            # A stage's actions share a rank; one in no column is reported missing below.
-            if needed.stage == action.stage and seen.get(needed, where) > where:
-                _fail(schedule, f"{action} comes before {needed} on its own rank", where)
+            # One in no column is reported missing below; one on another rank, if late,
+            # makes the table deadlock (reported by the clock with who waits for whom).
+            at = seen.get(needed)
+            if at is not None and at[0] == where[0] and at > where:
+                _fail(schedule, f"{action} comes before {needed} on its own rank"
+                      f"{_over_edge(needed, action)}", where)
     missing = [
         needed
         for s in range(schedule.num_stages)
@@ -70,6 +77,32 @@ def validate(schedule: Schedule) -> None:
             f"({listed})\n{_render_text(schedule, None)}"
         )
     layout_clock(schedule)
+
+
+def _check_edges(schedule: Schedule) -> None:
+    """Each edge joins a stage to a later one past the next (neighbours always talk),
+    and no two edges join the same stages."""
+    joined: set[tuple[int, int]] = set()
+    for edge in schedule.edges:
+        stages = schedule.num_stages
+        problem = None
+        if not (0 <= edge.source < stages and 0 <= edge.destination < stages):
+            problem = f"names a stage outside the table's {stages} stages"
+        elif edge.destination <= edge.source + 1:
+            problem = ("must go from a stage to a later one past the next (stage s always "
+                       "sends to stage s + 1, without an edge)")
+        elif (edge.source, edge.destination) in joined:
+            problem = "is listed twice"
+        if problem is not None:
+            raise ScheduleError(f"schedule {schedule.name!r}: edge {edge} {problem}\n"
+                                f"{_render_text(schedule, None)}")
+        joined.add((edge.source, edge.destination))
+
+
+def _over_edge(needed: Action, action: Action) -> str:
+    """`` (edge 0->2)`` when ``action`` needs ``needed`` because of an edge."""
+    low, high = sorted((needed.stage, action.stage))
+    return f" (edge {low}->{high})" if high > low + 1 else ""
 
 
 def _check_backward_kinds(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
@@ -115,4 +148,6 @@ def _render_text(schedule: Schedule, mark: tuple[int, int] | None) -> str:
             f"[{a}]" if (rank, step) == mark else str(a) for step, a in enumerate(column)
         ]
         lines.append(f"  rank {rank}: " + (" ".join(cells) or "-"))
+    if schedule.edges:
+        lines.append("  edges: " + " ".join(map(str, schedule.edges)))
     return "\n".join(lines)
