@@ -152,11 +152,15 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
     split = split_model(model, sample, split_at, dict.fromkeys(range(len(split_at) + 1), device))
     samples = batch_size(sample)
     figures, live = [], sample
+    made: dict[str, Any] = {}  # every value the stages so far made for later ones
     for name, stage in zip(["(start)", *split_at], split.stages.values()):
+        if stage.index > 0:
+            live = {value: made[value] for value in stage.programs[True].receives}
         figure, out = _stage_figures(name, stage.train(), live, samples)
         figures.append(figure)
-        live = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), out)
+        if isinstance(out, dict) and stage.index < len(split_at):
+            made.update(pytree.tree_map_only(
+                torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), out))
     return figures
 
 
