@@ -111,6 +111,20 @@ def test_a_tie_the_pipeline_cannot_see_is_found_and_a_visible_one_matches() -> N
     assert visible.ok, str(visible)
 
 
+def test_a_tie_a_layer_function_does_not_declare_is_found() -> None:
+    inputs, targets = cases.batch(outputs=4)
+    layers = dict(enumerate(cases.tied_as_parameters()))  # one weight in layers 0 and 3
+    undeclared = conveyor.check(layers.__getitem__, inputs, targets, layers=4,
+                                loss_fn=F.mse_loss, balance=[2, 2], chunks=4)
+    first = undeclared.findings[0]
+    assert (first.kind, first.layer, first.count) == ("gradient", "0", 2)
+    assert "pass tie_weights=[('0.weight', '3.weight')]" in first.cause
+    declared = conveyor.check(layers.__getitem__, inputs, targets, layers=4,
+                              loss_fn=F.mse_loss, balance=[2, 2], chunks=4,
+                              tie_weights=[("0.weight", "3.weight")])
+    assert declared.ok, str(declared)
+
+
 def test_a_loss_averaged_per_microbatch_is_found_and_a_summed_pair_matches() -> None:
     model, ids, targets = cases.padded_tokens()
     report = conveyor.check(model, ids, targets, loss_fn=cases.mean_token_loss,
