@@ -37,6 +37,7 @@ from conveyor.schedules import Schedule
 
 __all__ = ["CheckReport", "check"]
 
+
 @dataclass
 class CheckReport:
     """What :func:`check` found: ``ok`` when everything matched.
@@ -45,6 +46,7 @@ class CheckReport:
         setup: the pipeline that was checked, in words.
         compared: what was compared, in words.
         findings: the first difference of each kind, in the order a step runs.
+        rtol: the relative tolerance the values were compared with.
     """
 
     setup: str
@@ -146,10 +148,10 @@ def check(
         reference = run_plain(plain, run, inputs, targets, loss_fn=loss_fn, chunks=chunks,
                               seed=seed, split_at=split_at)
         comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
-                                 chunks=chunks, rows=batch_size(inputs), rtol=rtol,
-                                 atol=atol, traced=split_at is not None,
-                                 declared=[tuple(g) for g in tie_weights],
-                                 builder=not isinstance(model, nn.Module))
+                                chunks=chunks, rows=batch_size(inputs), rtol=rtol, atol=atol,
+                                traced=split_at is not None,
+                                declared=[tuple(g) for g in tie_weights],
+                                builder=not isinstance(model, nn.Module))
         findings = comparison.findings()
     pipe = run.pipe
     cut = (f"split at {list(split_at)}" if split_at is not None else f"balance {pipe.balance}")

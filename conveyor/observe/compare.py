@@ -57,33 +57,36 @@ class Finding:
 
 
 @dataclass
-class _Gap:
+class Gap:
+    """How two values differ: the largest differences (None: not numbers, or their
+    shapes or structures differ), and where (the leaf's path, or what differs)."""
+
     max_abs: float | None
     max_rel: float | None
     note: str = ""
 
 
-def difference(got: Leaves, want: Leaves, rtol: float, atol: float) -> _Gap | None:
+def difference(got: Leaves, want: Leaves, rtol: float, atol: float) -> Gap | None:
     """How ``got`` differs from ``want`` beyond tolerance (None: it does not)."""
     if [p for p, _ in got] != [p for p, _ in want]:
-        return _Gap(None, None, f"structure {[p for p, _ in got]} vs {[p for p, _ in want]}")
-    worst: _Gap | None = None
+        return Gap(None, None, f"structure {[p for p, _ in got]} vs {[p for p, _ in want]}")
+    worst: Gap | None = None
     for (path, a), (_, b) in zip(got, want):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             if a != b:
-                return _Gap(None, None, f"{path}: {a!r} vs {b!r}")
+                return Gap(None, None, f"{path}: {a!r} vs {b!r}")
             continue
         if a.shape != b.shape:
-            return _Gap(None, None, f"{path}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            return Gap(None, None, f"{path}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
         if a.numel() == 0:
             continue
         a, b = a.double(), b.double()
         if not torch.equal(a.isnan(), b.isnan()):
-            return _Gap(float("nan"), float("nan"), f"{path}: NaN in one run only")
+            return Gap(float("nan"), float("nan"), f"{path}: NaN in one run only")
         a, b = a.nan_to_num(), b.nan_to_num()
         diff, scale = float((a - b).abs().max()), float(b.abs().max())
         if diff > atol + rtol * scale and (worst is None or diff > (worst.max_abs or 0)):
-            worst = _Gap(diff, diff / scale if scale else float("inf"), path)
+            worst = Gap(diff, diff / scale if scale else float("inf"), path)
     return worst
 
 
@@ -355,7 +358,7 @@ class Comparison:
         return missing
 
 
-def _note(gap: _Gap) -> str:
+def _note(gap: Gap) -> str:
     if not gap.note:
         return ""
     return f" at output{gap.note}" if gap.note.startswith("[") else f" ({gap.note})"
