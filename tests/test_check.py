@@ -172,6 +172,17 @@ def test_a_hugging_face_model_with_dropout_matches() -> None:
     assert report.setup.startswith("2 stages, split at ['transformer.h.1'], 1f1b")
 
 
+def test_under_torchrun_the_check_still_runs_every_stage_in_its_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group exists
+    monkeypatch.setenv("RANK", "1")
+    inputs, targets = cases.batch()
+    report = conveyor.check(cases.mlp(), inputs, targets, loss_fn=F.mse_loss, stages=2,
+                            chunks=2)
+    assert report.ok, str(report)
+    assert not torch.distributed.is_initialized()
+
+
 def test_options_that_do_not_fit_raise() -> None:
     inputs, targets = cases.batch()
     with pytest.raises(BalanceError, match="give stages="):

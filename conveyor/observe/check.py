@@ -131,8 +131,9 @@ def check(
             fit the model or the batch.
     """
     count = _stage_count(stages, balance, split_at, virtual_stages)
+    # Everything runs on the CPU: its generator is the only one the check reseeds.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         plain = plain_model(model, layers)
         inputs, targets = float64(inputs), float64(targets)
         if sample is None and (split_at is not None or balance == "time"):

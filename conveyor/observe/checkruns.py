@@ -18,6 +18,7 @@ what the pipeline promises for random layers; every other layer sees the whole b
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
@@ -33,11 +35,16 @@ from conveyor.distributed.instantiate import LayerBuilder, sequential
 from conveyor.distributed.pipeline import Pipeline
 from conveyor.engine.graphstage import as_call
 from conveyor.engine.microbatch import gather, split
-from conveyor.engine.partition import balance_by_time, sequential_layers, solve_balance
+from conveyor.engine.partition import (
+    balance_by_time,
+    sequential_layers,
+    solve_balance,
+    validate_balance,
+)
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.rng import derive_seed, draw_step_seed
 from conveyor.engine.ties import find_ties
-from conveyor.errors import BalanceError, ModelError
+from conveyor.errors import BalanceError, ConveyorError, ModelError
 from conveyor.observe.probe import Probe, digest, probe
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
@@ -194,7 +201,7 @@ class PipelineRun:
         """One step of the pipeline, watched, with torch seeded by ``seed``."""
         handles = self.watch()
         try:
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             # A recomputation may stop once it has remade what backward needs, before a
             # layer's output exists; here every recomputation runs to the end, to be seen.
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
@@ -213,18 +220,20 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
                    sample: Any, schedule: str | Schedule, virtual_stages: int,
                    checkpoint: str, tie_weights: Sequence[Sequence[str]],
                    deferred_batch_norm: bool) -> PipelineRun:
-    """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``.
+    """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``
+    (in this process, under torchrun too).
 
     Raises:
         BalanceError, ModelError, ScheduleError: the options do not fit the model.
+        ConveyorError: torch.distributed is initialised with several processes.
     """
     options: dict[str, Any] = dict(
         stages=stages, chunks=chunks, schedule=schedule, virtual_stages=virtual_stages,
         devices=["cpu"] * stages, checkpoint=checkpoint, loss_fn=loss_fn,
         deferred_batch_norm=deferred_batch_norm)
     if split_at is not None:
-        pipe = Pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
-                        balance=balance, tie_weights=tie_weights, **options)
+        pipe = _local_pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
+                               balance=balance, tie_weights=tie_weights, **options)
         layers = [Layer(k, f"stage{k}", stage.layers[0], k, True)
                   for k, stage in sorted(pipe._stages.items())]
         return PipelineRun(pipe, layers)
@@ -239,11 +248,34 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
         for i, (name, _) in enumerate(named)))
     if not builder:  # layers sharing an nn.Parameter stay tied, as Pipeline ties them
         _retie(assembled, find_ties(named))
-    pipe = Pipeline(assembled, balance=counts, sample=sample, tie_weights=tie_weights,
-                    **options)
+    pipe = _local_pipeline(assembled, balance=counts, sample=sample,
+                           tie_weights=tie_weights, **options)
     layers = [Layer(i, name, pipe.get_submodule(name), stage_of[i],
-                    i == 0 or stage_of[i - 1] != stage_of[i]) for i, (name, _) in enumerate(named)]
+                    i == 0 or stage_of[i - 1] != stage_of[i])
+              for i, (name, _) in enumerate(named)]
     return PipelineRun(pipe, layers, rank_models=rank_models)
+
+
+def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
+    """A Pipeline of every stage in this process, even under torchrun, whose environment
+    would make it join the processes' group.
+
+    Raises:
+        ConveyorError: torch.distributed is already initialised with several processes.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConveyorError(
+            "conveyor.check runs every stage in this process, but torch.distributed is "
+            "already initialised here; check before the first Pipeline (or outside torchrun)")
+    world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        return Pipeline(module, **options)
+    finally:
+        if world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = world
 
 
 def _balance(plain: nn.Module, named: list[tuple[str, nn.Module]],
@@ -257,7 +289,11 @@ def _balance(plain: nn.Module, named: list[tuple[str, nn.Module]],
         return balance_by_time(plain, sample, count)  # type: ignore[arg-type]
     if isinstance(balance, str):
         raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or 'time'")
-    return list(balance)
+    counts = validate_balance(balance, len(named))
+    if len(counts) != count:
+        raise BalanceError(f"balance {counts} has {len(counts)} stages but the schedule has "
+                           f"{count} (ranks x virtual stages)")
+    return counts
 
 
 def _retie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
@@ -294,7 +330,7 @@ def run_plain(plain: nn.Module, run: PipelineRun, inputs: Any, targets: Any, *,
               split_at: Sequence[str] | None) -> PlainRun:
     """Forward and backward of the plain model on the whole batch (see the module's
     docstring for random layers)."""
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
     step_seed = draw_step_seed()
     result = PlainRun()
     if split_at is None:
@@ -354,7 +390,7 @@ def _per_microbatch(run: Callable[[Any, int], Any], batch: Any, chunks: int,
                     seed_of: Callable[[int], int]) -> Any:
     outputs = []
     for m, part in enumerate(split(batch, chunks)):
-        torch.manual_seed(seed_of(m))
+        torch.default_generator.manual_seed(seed_of(m))
         outputs.append(run(part, m))
     return gather(outputs)
 
@@ -367,7 +403,7 @@ def _traced_per_microbatch(plain: nn.Module, inputs: Any, chunks: int, step_seed
 
     def reseed(stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            torch.manual_seed(derive_seed(step_seed, stage, current[0]))
+            torch.default_generator.manual_seed(derive_seed(step_seed, stage, current[0]))
         return hook
 
     handles = [plain.get_submodule(name).register_forward_pre_hook(reseed(k + 1))

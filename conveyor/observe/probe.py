@@ -129,7 +129,7 @@ class _Watch(TorchDispatchMode):
     def call(self, subject: nn.Module, run: Callable[[nn.Module], Any]) -> str:
         """Runs ``subject`` with torch seeded for the probe; returns the output's digest."""
         self.calls = []
-        torch.manual_seed(_PROBE_SEED)
+        torch.default_generator.manual_seed(_PROBE_SEED)
         with self:
             return digest(run(subject))
 

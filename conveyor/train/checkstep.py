@@ -29,7 +29,7 @@ def check_first_step(config: TrainConfig) -> None:
         ConveyorError: the pipeline differs from the plain model.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+        torch.default_generator.manual_seed(config.seed)
         model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
                                vocab=256, max_length=config.length, dropout=config.dropout,
                                tie=True)
