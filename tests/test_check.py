@@ -50,6 +50,13 @@ def test_batch_norm_normalising_per_microbatch_is_found_in_its_layer() -> None:
     deferred = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[3, 3],
                               chunks=4, deferred_batch_norm=True)
     assert [f.kind for f in deferred.findings] == ["forward", "loss", "gradient"]
+    # With dropout in the same layer the plain model must run it per micro-batch too (to
+    # draw alike), where its batch norm would match: the batch norm is named all the same.
+    random = conveyor.check(cases.mlp(nn.Sequential(nn.BatchNorm1d(8), nn.Dropout(0.2))),
+                            inputs, targets, loss_fn=F.mse_loss, balance=[3, 3], chunks=4)
+    assert [(f.kind, f.layer) for f in random.findings] == [("forward", "2")]
+    assert "draws random numbers" in random.findings[0].cause
+    assert "batch norm in training mode ('2.0')" in random.findings[0].cause
 
 
 def test_a_random_layer_whose_draws_are_not_routed_is_found() -> None:

@@ -39,20 +39,22 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
     sub.add_argument("--model", required=True, metavar="PACKAGE.MODULE:FUNCTION",
                      help="a function of no arguments returning (model, inputs, targets"
                           "[, loss_fn]) or a dict of conveyor.check's arguments")
-    sub.add_argument("--stages", type=int, help="pipeline ranks K to emulate")
+    sub.add_argument("--stages", type=int, metavar="K", help="pipeline ranks K to emulate")
     sub.add_argument("--balance", metavar="N,N,...", help="layers per stage (nn.Sequential)")
     sub.add_argument("--split-at", metavar="NAME,...",
                      help="submodules where stages 1, 2, ... begin (any nn.Module)")
-    sub.add_argument("--schedule", help="gpipe (default), 1f1b, interleaved-1f1b or "
-                                        "zero-bubble")
-    sub.add_argument("--chunks", type=int, help="micro-batches M (default 4)")
-    sub.add_argument("--virtual-stages", type=int, help="stages per rank, interleaved-1f1b")
+    sub.add_argument("--schedule", metavar="NAME",
+                     help="gpipe (default), 1f1b, interleaved-1f1b or zero-bubble")
+    sub.add_argument("--chunks", type=int, metavar="M", help="micro-batches M (default 4)")
+    sub.add_argument("--virtual-stages", type=int, metavar="V",
+                     help="stages per rank, for interleaved-1f1b")
     sub.add_argument("--checkpoint", choices=["always", "except_last", "never"],
                      help="recomputation (default except_last)")
     sub.add_argument("--deferred-batch-norm", action="store_true", default=None,
                      help="batch-norm running statistics over the whole batch")
-    sub.add_argument("--seed", type=int, help="seed of the random streams (default 0)")
-    sub.add_argument("--rtol", type=float, help="relative tolerance (default 1e-7)")
+    sub.add_argument("--seed", type=int, metavar="N",
+                     help="seed of the random streams (default 0)")
+    sub.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default 1e-7)")
     sub.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.set_defaults(run=run)
 

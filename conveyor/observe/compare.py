@@ -164,7 +164,7 @@ class Comparison:
         if layer is None:  # failed in backward: a stage input changed in place?
             layer = next((x for x in self.run.layers if x.first and self._changes_input(x)),
                          None)
-        cause = "the message above says where; run the plain model on the batch to compare"
+        cause = "the error says where the pipeline failed; the plain model ran this batch"
         if layer is not None:
             cause, _ = self._layer_cause(layer, recomputation=False)
         return Finding("error", f"the pipeline's step: {type(error).__name__}: {error}",
@@ -180,7 +180,8 @@ class Comparison:
             per = self.reference.probes.get(layer.index)
             if (per is not None and layer.index in self.reference.per_microbatch
                     and per.where("batch_norm") and self.chunks > 1 and first is None):
-                first = Finding("forward", self._where(layer), stage=layer.stage,
+                first = Finding("forward", self._where(layer) + ", which the check can only "
+                                "compare micro-batch by micro-batch", stage=layer.stage,
                                 layer=layer.name, cause=causes.random_with_batch_norm(
                                     layer.describe(), per.where("batch_norm")))
             gaps = []
@@ -234,7 +235,13 @@ class Comparison:
             cause = causes.follows(found[0].kind)
         else:
             weighted = self._weighted_loss()
-            cause = causes.loss_average(float(want), weighted)
+            if difference([("", got)], [("", torch.tensor(weighted, dtype=got.dtype))],
+                          self.rtol, self.atol) is None:
+                cause = causes.loss_average(float(want), weighted)
+            else:
+                cause = ("every layer's output matches, but the loss does not: loss_fn "
+                         "reads something besides the output and the targets (state, the "
+                         "batch's size)")
         return Finding("loss", f"the step ({float(got):.10g} in the pipeline, "
                        f"{float(want):.10g} in the plain model)", max_abs=gap.max_abs,
                        max_rel=gap.max_rel, cause=cause)
