@@ -144,7 +144,7 @@ def test_a_loss_averaged_per_microbatch_is_found_and_a_summed_pair_matches() -> 
     assert pair.ok, str(pair)
 
 
-def test_a_traced_model_names_the_submodule() -> None:
+def test_a_traced_model_names_the_submodule_and_matches_in_eval_mode() -> None:
     model = cases.Convolutions()
     inputs, targets = torch.randn(6, 2, 5, 5), torch.randn(6, 1, 5, 5)
     report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, split_at=["body"],
@@ -152,7 +152,7 @@ def test_a_traced_model_names_the_submodule() -> None:
     first = report.findings[0]
     assert (first.kind, first.stage, first.layer) == ("forward", 1, "body.norm")
     assert "the model's output (stage 1), micro-batch 0" in str(first)
-    model.eval()
+    model.eval()  # batch norm by its running statistics (was: the stages ran in training)
     evaluated = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss,
                                split_at=["body"], chunks=2)
     assert evaluated.ok, str(evaluated)
