@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from conveyor.engine.recompute import is_recomputing
     from conveyor.engine.weights import initialize
     from conveyor.engine.skip import isolate, pop, skippable, stash, verify_skips
+    from conveyor.observe.check import CheckReport, check
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
@@ -82,6 +83,8 @@ _LAZY = {
     "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
+    "check": "conveyor.observe.check",
+    "CheckReport": "conveyor.observe.check",
     "CostModel": "conveyor.observe.simulate",
     "Timeline": "conveyor.observe.trace",
     "plot_timelines": "conveyor.observe.trace",
@@ -99,6 +102,7 @@ _MODULES = {
 
 __all__ = [
     "BalanceError",
+    "CheckReport",
     "CheckpointError",
     "ConfigError",
     "ConveyorError",
@@ -121,6 +125,7 @@ __all__ = [
     "balance_by_memory",
     "balance_by_params",
     "balance_by_time",
+    "check",
     "convert_deferred_batch_norm",
     "initialize",
     "is_recomputing",

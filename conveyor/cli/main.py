@@ -33,13 +33,13 @@ def _lazy(module: str, function: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``conveyor`` parser: one sub-command each for demo, train, simulate, trace
-    and plan."""
+    """The ``conveyor`` parser: one sub-command each for demo, train, simulate, trace,
+    plan and check."""
     parser = argparse.ArgumentParser(prog="conveyor",
                                      description="GPipe for PyTorch: pipeline training.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add_command in (_demo_parser, _train_parser, _simulate_parser, _trace_parser,
-                        _plan_parser):
+                        _plan_parser, _check_parser):
         add_command(commands)
     return parser
 
@@ -152,6 +152,13 @@ def _plan_parser(commands: _Commands) -> None:
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
     sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
+
+
+def _check_parser(commands: _Commands) -> None:
+    """``conveyor check``; its flags and body are in ``conveyor.cli.checking``."""
+    from conveyor.cli.checking import add_parser  # torch-free
+
+    add_parser(commands, _lazy("conveyor.cli.checking", "check_command"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -119,6 +119,8 @@ def build_traced_stages(
         raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
                            "balance=; a traced model's batch norms update per micro-batch")
     split = split_model(module, sample, split_at, devices, init_fn=init_fn, weights=weights)
+    for stage in split.stages.values():  # runs the program of the model's mode
+        stage.train(module.training)
     stages = build_stages(
         owner, {k: [(split.names[k], stage)] for k, stage in split.stages.items()},
         names=split.names, first_layers={k: k for k in split.stages},

@@ -34,6 +34,7 @@ from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
 from conveyor.train import saving
+from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
 from conveyor.train.language import evaluate, generate, summed_next_byte_loss
 from conveyor.train.models import transformer_lm
@@ -53,7 +54,8 @@ def train_command(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         with _verbose(getattr(args, "verbose", False)):
-            return run(from_arguments(args), resume=args.resume)
+            return run(from_arguments(args), resume=args.resume,
+                       check=getattr(args, "check", False))
     except (ConfigError, saving.CheckpointError) as exc:
         if rank == 0:  # every rank read the same options and checkpoint
             print(f"conveyor train: error: {exc}", file=sys.stderr)
@@ -91,8 +93,9 @@ def _verbose(enabled: bool) -> Iterator[None]:
         logger.setLevel(previous)
 
 
-def run(config: TrainConfig, *, resume: bool = False) -> int:
-    """Trains as ``config`` says; returns the process exit code.
+def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> int:
+    """Trains as ``config`` says; returns the process exit code. With ``check``, one
+    step of the pipeline is first compared with the plain model (``conveyor check``).
 
     Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
     checkpoint to resume from, and returns 128 + the signal's number.
@@ -105,6 +108,7 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
             ``--out`` (nothing is written).
         CheckpointError: resuming, the checkpoint cannot be read or does not fit.
         SaveError: a checkpoint or the summary could not be written (a full disk).
+        ConveyorError: with ``check``, the pipeline differs from the plain model.
     """
     config.check()
     check_usable(Path(config.out))
@@ -117,6 +121,8 @@ def run(config: TrainConfig, *, resume: bool = False) -> int:
         if one_process:
             lock.acquire()
         _check_checkpoint(Path(config.out), resume)
+        if check:
+            check_first_step(config)
         training = _Training.set_up(config, resume=resume, lock=lock)
         training.announce()
         with StopSignals() as signals:

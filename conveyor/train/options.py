@@ -108,8 +108,8 @@ def _flag(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``conveyor train``: one per option, plus --config, --resume and
-    --verbose, which say how to run rather than what to train (not saved with the run)."""
+    """The flags of ``conveyor train``: one per option, plus --config, --resume, --verbose
+    and --check, which say how to run rather than what to train (not saved with the run)."""
     parser.add_argument("--config", metavar="FILE",
                         help="JSON file of options (flags given as well take precedence)")
     parser.add_argument("--resume", action="store_true",
@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true",
                         help="log every action of the pipeline to stderr (the 'conveyor' "
                              "logger at DEBUG)")
+    parser.add_argument("--check", action="store_true",
+                        help="first run one step of this pipeline beside the plain model "
+                             "(float64, as conveyor check does) and stop unless they match")
     for option in fields(TrainConfig):
         kind = type(option.default)
         parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,

@@ -1,0 +1,173 @@
+"""``conveyor check --model package.module:function``: the divergence finder on the
+command line.
+
+The function takes no arguments and returns what to check, either as a tuple
+``(model, inputs, targets)`` or ``(model, inputs, targets, loss_fn)``, or as a dict with
+the keys ``model``, ``inputs``, ``targets`` and, if it likes, ``loss_fn`` and any keyword
+of :func:`conveyor.check` (``split_at``, ``balance``, ``chunks``, ``tie_weights``, ...);
+flags given on the command line win. Without a ``loss_fn``: integer targets get the
+cross-entropy of the output's logits, summed over targets that are not -100 and
+divided by their count (a ``(loss_sum, count)`` pair), floating targets the mean squared
+error. Exit code 0 when the pipeline matches the plain model, 1 when it differs, 2 for
+bad usage (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+__all__: list[str] = []
+
+_IGNORE = -100  # the target of a position that counts for nothing (torch's ignore_index)
+
+
+def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) -> None:
+    """``conveyor check`` and its flags (torch-free, like every parser)."""
+    sub = commands.add_parser(
+        "check", help="run a pipelined step beside the plain model (float64, CPU threads) "
+                      "and report where they differ, and why")
+    sub.add_argument("--model", required=True, metavar="PACKAGE.MODULE:FUNCTION",
+                     help="a function of no arguments returning (model, inputs, targets"
+                          "[, loss_fn]) or a dict of conveyor.check's arguments")
+    sub.add_argument("--stages", type=int, metavar="K", help="pipeline ranks K to emulate")
+    sub.add_argument("--balance", metavar="N,N,...", help="layers per stage (nn.Sequential)")
+    sub.add_argument("--split-at", metavar="NAME,...",
+                     help="submodules where stages 1, 2, ... begin (any nn.Module)")
+    sub.add_argument("--schedule", metavar="NAME",
+                     help="gpipe (default), 1f1b, interleaved-1f1b or zero-bubble")
+    sub.add_argument("--chunks", type=int, metavar="M", help="micro-batches M (default 4)")
+    sub.add_argument("--virtual-stages", type=int, metavar="V",
+                     help="stages per rank, for interleaved-1f1b")
+    sub.add_argument("--checkpoint", choices=["always", "except_last", "never"],
+                     help="recomputation (default except_last)")
+    sub.add_argument("--deferred-batch-norm", action="store_true", default=None,
+                     help="batch-norm running statistics over the whole batch")
+    sub.add_argument("--seed", type=int, metavar="N",
+                     help="seed of the random streams (default 0)")
+    sub.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default 1e-7)")
+    sub.add_argument("--json", action="store_true", help="print the report as JSON")
+    sub.set_defaults(run=run)
+
+
+def load_function(spec: str) -> Callable[[], Any]:
+    """The function ``package.module:function`` names (the current folder importable,
+    as under ``python -m``).
+
+    Raises:
+        ConfigError: the spec is malformed, the module cannot be imported, or the name
+            is missing or not callable.
+    """
+    from conveyor.errors import ConfigError
+
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ConfigError(f"--model {spec}: give package.module:function, a function that "
+                          "returns what to check")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--model {spec}: cannot import {module_name}: {exc}") from None
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise ConfigError(f"--model {spec}: {module_name} has no {function_name!r}")
+    if not callable(function):
+        raise ConfigError(f"--model {spec}: {function_name} is a {type(function).__name__}, "
+                          "not a function")
+    return function  # type: ignore[no-any-return]
+
+
+def check_command(args: argparse.Namespace) -> int:
+    """The body of ``conveyor check``."""
+    from conveyor.errors import ConveyorError
+    from conveyor.observe.check import check
+
+    try:
+        arguments = _arguments(args)
+        report = check(**arguments)
+    except (ConveyorError, TypeError) as exc:
+        print(f"conveyor check: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"ok": report.ok, "setup": report.setup, "compared": report.compared,
+                          "findings": [dataclasses.asdict(f) for f in report.findings]},
+                         indent=2))
+    else:
+        print(report)
+    return 0 if report.ok else 1
+
+
+def _arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """conveyor.check's arguments: what the function returned, under the flags given.
+
+    Raises:
+        ConfigError: the function's result is not one of the forms the module's
+            docstring lists, or a flag's value is malformed.
+    """
+    from torch import nn
+
+    from conveyor.errors import ConfigError
+
+    made = load_function(args.model)()
+    if isinstance(made, tuple) and len(made) in (3, 4):
+        made = dict(zip(("model", "inputs", "targets", "loss_fn"), made))
+    if not isinstance(made, dict) or not {"model", "inputs", "targets"} <= set(made):
+        raise ConfigError(f"--model {args.model} returned {type(made).__name__}; return "
+                          "(model, inputs, targets[, loss_fn]) or a dict with the keys model, "
+                          "inputs and targets (and any argument of conveyor.check)")
+    if not isinstance(made["model"], nn.Module) and not callable(made["model"]):
+        raise ConfigError(f"--model {args.model}: its model is a "
+                          f"{type(made['model']).__name__}, not an nn.Module")
+    flags: dict[str, Any] = {
+        "stages": args.stages, "schedule": args.schedule, "chunks": args.chunks,
+        "virtual_stages": args.virtual_stages, "checkpoint": args.checkpoint,
+        "deferred_batch_norm": args.deferred_batch_norm, "seed": args.seed,
+        "rtol": args.rtol,
+        "balance": _list(args.balance, int, "--balance") if args.balance else None,
+        "split_at": _list(args.split_at, str, "--split-at") if args.split_at else None,
+    }
+    arguments = {**made, **{k: v for k, v in flags.items() if v is not None}}
+    if args.balance:
+        arguments.pop("split_at", None)
+    if args.split_at:
+        arguments.pop("balance", None)
+    arguments.setdefault("chunks", 4)
+    arguments.setdefault("loss_fn", default_loss)
+    return arguments
+
+
+def _list(text: str, kind: type, flag: str) -> list[Any]:
+    from conveyor.errors import ConfigError
+
+    try:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give comma-separated values, e.g. 2,2") from None
+
+
+def default_loss(output: Any, targets: Any) -> Any:
+    """Cross-entropy of the logits over targets that are not -100, as ``(sum, count)``,
+    for integer targets; the mean squared error for floating ones."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = output["logits"] if isinstance(output, dict) or hasattr(output, "logits") \
+        else output
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    if targets.is_floating_point():
+        return F.mse_loss(logits, targets)
+    total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=_IGNORE,
+                            reduction="sum")
+    return total, torch.count_nonzero(targets != _IGNORE)

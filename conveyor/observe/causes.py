@@ -1,0 +1,126 @@
+"""Why a pipeline differs from the plain model: the likely cause of a difference that
+:func:`conveyor.check` found, read from what it could see, and what to do about it.
+
+Each function returns one paragraph for a person: what the layer does, why that
+breaks the pipeline's equivalence with the plain model, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from conveyor.observe.probe import Probe
+
+__all__: list[str] = []
+
+
+def _names(modules: Sequence[str]) -> str:
+    shown = [repr(m) for m in modules[:3]]
+    return ", ".join(shown) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+
+
+def of_layer(where: str, probe: Probe | None, *, mutated_stage_input: int | None,
+             recomputation: bool) -> str:
+    """The likely cause of a layer whose output differs: from the plain model's (a
+    forward), or from its own first forward (a recomputation).
+
+    Args:
+        where: the layer, as the report names it.
+        probe: what probing the layer (or the whole traced model) found.
+        mutated_stage_input: the stage whose input the layer changed in place, if any.
+        recomputation: the difference is between the forward and its recomputation.
+    """
+    if mutated_stage_input is not None:
+        return in_place(where, mutated_stage_input)
+    if probe is not None and probe.where("own_generator"):
+        return own_generator(probe.where("own_generator"))
+    if probe is not None and (not probe.repeatable or probe.where("changed")):
+        return state(where, probe)
+    if probe is not None and probe.where("batch_norm") and not recomputation:
+        return batch_norm(probe.where("batch_norm"))
+    if recomputation:
+        return (f"{where} gave another result when recomputed for backward from the same "
+                "input: it reads something that changed between the two calls (a global, "
+                "the time, a random generator conveyor does not see, such as numpy's or "
+                "Python's `random`); compute forward from its inputs and parameters alone, "
+                "or use checkpoint='never'")
+    return (f"{where} computes differently on a micro-batch on a stage's thread than on "
+            "the whole batch: it mixes the samples of its batch (a statistic over the batch, "
+            "as batch norm takes), or reads state that differs on the stage's thread "
+            "(torch.is_grad_enabled(), the number of threads, a global); make each "
+            "sample's output depend on that sample and the parameters alone")
+
+
+def batch_norm(modules: Sequence[str]) -> str:
+    return (f"batch norm in training mode ({_names(modules)}): in the pipeline it "
+            "normalises each micro-batch by that micro-batch's mean and variance (as GPipe "
+            "does), the plain model by the whole batch's. Expected with chunks > 1; to match, "
+            "normalise within each sample (nn.LayerNorm, nn.GroupNorm) or train with "
+            "chunks=1; deferred_batch_norm=True makes the running statistics, which eval "
+            "mode uses, equal the plain model's")
+
+
+def own_generator(modules: Sequence[str]) -> str:
+    return (f"random numbers drawn from a torch.Generator of its own (generator=...) in "
+            f"{_names(modules)}, which conveyor does not route: their draws depend on the order "
+            "in which micro-batches run, and a recomputation draws new ones. Draw from "
+            "torch's default generator (leave out generator=): conveyor gives each layer "
+            "and micro-batch a stream of its own and replays it when recomputing")
+
+
+def state(where: str, probe: Probe) -> str:
+    changed = [f"{name}.{change}" for name in probe.where("changed")
+               for change in probe.modules[name].changed]
+    culprit = probe.unrepeatable or (probe.where("changed") or [where])[0]
+    attributes = f" (two calls changed {'; '.join(changed[:3])})" if changed else ""
+    return (f"{culprit!r} gives different outputs for the same input on two calls, "
+            f"without drawing random numbers from torch{attributes}: it reads state outside "
+            "its inputs and parameters. The pipeline calls it once per micro-batch (and "
+            "again to recompute), the plain model once per batch, and a traced model keeps "
+            "the value seen when it was traced. Compute forward from its inputs and "
+            "parameters alone (keep counters and clocks out of forward)")
+
+
+def in_place(where: str, stage: int) -> str:
+    more = ("; on stage 0 that input is your batch, changed under you" if stage == 0 else
+            "; torch refuses most such changes there, as the input is a leaf that "
+            "requires grad")
+    return (f"{where} changes its input in place, and it is the first layer of stage "
+            f"{stage}: the stage keeps that input to recompute its layers in backward, so "
+            f"the recomputation starts from the changed values{more}. Make the change out "
+            "of place (x = x * 2, not x.mul_(2))")
+
+
+def hidden_tie(reader: str, stage: int, parameter: str, owner: str, path: str | None) -> str:
+    how = f"through {path}" if path else "by a path the pipeline cannot see"
+    return (f"{reader} on stage {stage} uses {parameter!r} (a parameter of {owner}) {how}, "
+            f"not as a parameter of its own: the pipeline finds no tie, and in a torchrun "
+            f"job stage {stage}'s "
+            "process holds a copy of its own, whose gradient is lost and whose value drifts "
+            "apart. Share the nn.Parameter itself (head.weight = embedding.weight), or name "
+            "both uses in tie_weights=")
+
+
+def undeclared_tie(names: Sequence[str]) -> str:
+    return (f"{_names(names)} are one nn.Parameter in the model your layer function "
+            "builds, but a pipeline builds each rank's layers apart, so they become "
+            f"separate weights; pass tie_weights=[{tuple(names)!r}]")
+
+
+def loss_average(whole: float, weighted: float) -> str:
+    return (f"every layer's output matches, but loss_fn on the whole batch ({whole:.10g}) "
+            f"is not the share-weighted mean of its values on the micro-batches "
+            f"({weighted:.10g}): it does not average over samples. A loss averaged over a "
+            "count that differs between micro-batches (tokens that are not padding, "
+            "ignore_index) does this; return (loss_sum, count) from loss_fn, and the "
+            "pipeline divides the sum by the whole batch's count")
+
+
+def random_with_batch_norm(where: str, modules: Sequence[str]) -> str:
+    return (f"{where} draws random numbers, so the check runs it micro-batch by "
+            "micro-batch as the pipeline draws, and it cannot be compared with the whole "
+            "batch; " + batch_norm(modules))
+
+
+def follows(kind: str) -> str:
+    return f"follows from the {kind} difference above"

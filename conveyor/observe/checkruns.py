@@ -1,0 +1,420 @@
+"""The two runs :func:`conveyor.check` compares: the pipeline, watched, and the plain model.
+
+The pipeline runs as a K-rank torchrun job would, emulated on CPU threads: each rank
+builds its layers from a copy of the model of its own, so a weight that two ranks share
+by a path the pipeline cannot see (a layer holding another layer in a list, not as a
+parameter) is two weights, as it would be in two processes; weights the layers share
+as one ``nn.Parameter`` stay tied, as the pipeline ties them. Forward hooks on each
+layer (each traced stage) note its output per micro-batch, the first time and when a
+recomputation runs it again; a recorder on the executor tells them which action, and
+so which micro-batch, each thread is running.
+
+The plain model runs on the whole batch, layer by layer. A layer that draws random
+numbers (found by :func:`conveyor.observe.probe.probe`) runs micro-batch by micro-batch
+with the pipeline's streams (``derive_seed(step_seed, layer, microbatch)``), which is
+what the pipeline promises for random layers; every other layer sees the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from torch import nn
+
+from conveyor.distributed.instantiate import LayerBuilder, sequential
+from conveyor.distributed.pipeline import Pipeline
+from conveyor.engine.graphstage import as_call
+from conveyor.engine.microbatch import gather, split
+from conveyor.engine.partition import (
+    balance_by_time,
+    sequential_layers,
+    solve_balance,
+    validate_balance,
+)
+from conveyor.engine.recorder import Recorder
+from conveyor.engine.rng import derive_seed, draw_step_seed
+from conveyor.engine.ties import find_ties
+from conveyor.errors import BalanceError, ConveyorError, ModelError
+from conveyor.observe.probe import Probe, digest, probe
+from conveyor.schedules import Action, Kind, Schedule
+from conveyor.schedules import build as build_schedule
+
+__all__: list[str] = []
+
+Leaves = list[tuple[str, Any]]  # a value's leaves, each with its path ("['logits']")
+
+
+def float64(value: Any) -> Any:
+    """``value``'s tensors as CPU copies, floating ones in float64."""
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to("cpu", copy=True)
+        return t.to(torch.float64) if t.is_floating_point() else t
+    return pytree.tree_map_only(torch.Tensor, convert, value)
+
+
+def plain_model(model: nn.Module | LayerBuilder, layers: int | None) -> nn.Module:
+    """A float64 copy of the model on the CPU (a layer builder's model built whole).
+
+    Raises:
+        ModelError: the model is on the meta device, or is neither a module nor a builder.
+    """
+    if isinstance(model, nn.Module):
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            raise ModelError("conveyor.check runs the model: build it on a device, not on "
+                             "the meta device (or load its weights first)")
+        plain = copy.deepcopy(model).to("cpu").double()
+    elif callable(model):
+        if layers is None:
+            raise ModelError("a layer-building function needs layers=, the number of layers")
+        plain = sequential(model, layers).double()
+    else:
+        raise ModelError(f"conveyor.check takes an nn.Module or a function that builds layer i, "
+                     f"got {type(model).__name__}")
+    for param in plain.parameters():
+        param.grad = None
+    return plain
+
+
+def leaves(value: Any) -> Leaves:
+    """``value``'s leaves with their paths, tensors detached and cloned."""
+    return [(pytree.keystr(path), leaf.detach().clone() if isinstance(leaf, torch.Tensor)
+             else leaf) for path, leaf in pytree.tree_flatten_with_path(value)[0]]
+
+
+@dataclass
+class Layer:
+    """A unit the check compares: a layer of an ``nn.Sequential``, or a traced stage.
+
+    Attributes:
+        index: the layer's index (a traced stage's: the stage's).
+        name: its name in the model (a traced stage: ``stage{k}``).
+        module: the pipeline's module for it.
+        stage: the stage that runs it.
+        first: whether it is the first layer of its stage (it receives the stage's input).
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    stage: int
+    first: bool
+
+    def describe(self) -> str:
+        kind = type(self.module).__name__
+        return (f"layer {self.index} ({kind})" if self.name == str(self.index)
+                else f"layer {self.index} {self.name!r} ({kind})")
+
+
+class _Tap(Recorder):
+    """The executor's recorder, used to know which action each thread is running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = threading.local()
+
+    def measure(self, rank: int, action: Action, run: Callable[[], None]) -> None:
+        self._now.action = action
+        try:
+            run()
+        finally:
+            self._now.action = None
+
+    def action(self) -> Action | None:
+        return getattr(self._now, "action", None)
+
+
+@dataclass
+class PipelineRun:
+    """What the watched pipeline did in one step.
+
+    Attributes:
+        pipe: the pipeline (its parameters hold the step's gradients).
+        layers: the units compared, in order.
+        forward: per (layer index, micro-batch), the output of its forward.
+        recomputed: the same, from the first recomputation for backward.
+        mutated: layer indices whose call changed an input tensor in place.
+        loss: the step's loss (None: the step failed).
+        error: the exception the step raised.
+        rank_models: per rank, the model copy its layers came from (None: one model).
+    """
+
+    pipe: Pipeline
+    layers: list[Layer]
+    forward: dict[tuple[int, int], Leaves] = field(default_factory=dict)
+    recomputed: dict[tuple[int, int], Leaves] = field(default_factory=dict)
+    mutated: set[int] = field(default_factory=set)
+    loss: torch.Tensor | None = None
+    error: BaseException | None = None
+    rank_models: dict[int, nn.Module] | None = None
+
+    def watch(self) -> list[Any]:
+        """Puts a recorder on the executor and hooks on every layer; returns the hooks."""
+        tap = _Tap()
+        self.pipe._executor.recorder = tap
+        lock = threading.Lock()
+        inputs: dict[tuple[int, int], tuple[list[int], str]] = {}
+
+        def seen(args: Any, first: bool) -> tuple[list[int], str]:
+            """The versions of the input tensors, and (a stage's input) their digest."""
+            tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            return [t._version for t in tensors], digest(args) if first else ""
+
+        def before(layer: Layer) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any) -> None:
+                inputs[(layer.index, threading.get_ident())] = seen(args, layer.first)
+            return hook
+
+        def after(layer: Layer) -> Callable[..., None]:
+            index = layer.index
+
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                action = tap.action()
+                changed = seen(args, layer.first) != inputs.pop(
+                    (index, threading.get_ident()), None)
+                if action is None:
+                    return
+                key = (index, action.microbatch)
+                taken = self.forward if action.kind is Kind.FORWARD else self.recomputed
+                with lock:
+                    if changed:
+                        self.mutated.add(index)
+                    taken.setdefault(key, leaves(output))
+            return hook
+
+        handles = []
+        for layer in self.layers:
+            handles.append(layer.module.register_forward_pre_hook(before(layer)))
+            handles.append(layer.module.register_forward_hook(after(layer)))
+        return handles
+
+    def step(self, inputs: Any, targets: Any, seed: int) -> None:
+        """One step of the pipeline, watched, with torch seeded by ``seed``."""
+        handles = self.watch()
+        try:
+            torch.default_generator.manual_seed(seed)
+            # A recomputation may stop once it has remade what backward needs, before a
+            # layer's output exists; here every recomputation runs to the end, to be seen.
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                self.loss = self.pipe.step(inputs, targets)
+        except Exception as exc:  # noqa: BLE001 - reported as a finding
+            self.error = exc
+        finally:
+            self.pipe._executor.recorder = None
+            for handle in handles:
+                handle.remove()
+
+
+def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, Any], Any],
+                   stages: int, chunks: int,
+                   balance: Sequence[int] | str | None, split_at: Sequence[str] | None,
+                   sample: Any, schedule: str | Schedule, virtual_stages: int,
+                   checkpoint: str, tie_weights: Sequence[Sequence[str]],
+                   deferred_batch_norm: bool) -> PipelineRun:
+    """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``
+    (in this process, under torchrun too).
+
+    Raises:
+        BalanceError, ModelError, ScheduleError: the options do not fit the model.
+        ConveyorError: torch.distributed is initialised with several processes.
+    """
+    options: dict[str, Any] = dict(
+        stages=stages, chunks=chunks, schedule=schedule, virtual_stages=virtual_stages,
+        devices=["cpu"] * stages, checkpoint=checkpoint, loss_fn=loss_fn,
+        deferred_batch_norm=deferred_batch_norm)
+    if split_at is not None:
+        pipe = _local_pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
+                               balance=balance, tie_weights=tie_weights, **options)
+        layers = [Layer(k, f"stage{k}", stage.layers[0], k, True)
+                  for k, stage in sorted(pipe._stages.items())]
+        return PipelineRun(pipe, layers)
+    named = sequential_layers(plain)
+    table = (schedule if isinstance(schedule, Schedule)
+             else build_schedule(schedule, stages, chunks, virtual_stages=virtual_stages))
+    counts = _balance(plain, named, balance, table.num_stages, sample)
+    stage_of = [s for s, n in enumerate(counts) for _ in range(n)]
+    rank_models = {rank: copy.deepcopy(plain) for rank in sorted(set(table.stage_ranks))}
+    assembled = nn.Sequential(OrderedDict(
+        (name, rank_models[table.stage_ranks[stage_of[i]]].get_submodule(name))
+        for i, (name, _) in enumerate(named)))
+    if not builder:  # layers sharing an nn.Parameter stay tied, as Pipeline ties them
+        _retie(assembled, find_ties(named))
+    pipe = _local_pipeline(assembled, balance=counts, sample=sample,
+                           tie_weights=tie_weights, **options)
+    layers = [Layer(i, name, pipe.get_submodule(name), stage_of[i],
+                    i == 0 or stage_of[i - 1] != stage_of[i])
+              for i, (name, _) in enumerate(named)]
+    return PipelineRun(pipe, layers, rank_models=rank_models)
+
+
+def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
+    """A Pipeline of every stage in this process, even under torchrun, whose environment
+    would make it join the processes' group.
+
+    Raises:
+        ConveyorError: torch.distributed is already initialised with several processes.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConveyorError(
+            "conveyor.check runs every stage in this process, but torch.distributed is "
+            "already initialised here; check before the first Pipeline (or outside torchrun)")
+    world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        return Pipeline(module, **options)
+    finally:
+        if world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = world
+
+
+def _balance(plain: nn.Module, named: list[tuple[str, nn.Module]],
+             balance: Sequence[int] | str | None, count: int, sample: Any) -> list[int]:
+    if balance is None:
+        return solve_balance([float(sum(p.numel() for p in layer.parameters()))
+                              for _, layer in named], count)
+    if balance == "time":
+        if sample is None:
+            raise BalanceError("balance='time' profiles the model: pass sample=")
+        return balance_by_time(plain, sample, count)  # type: ignore[arg-type]
+    if isinstance(balance, str):
+        raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or 'time'")
+    counts = validate_balance(balance, len(named))
+    if len(counts) != count:
+        raise BalanceError(f"balance {counts} has {len(counts)} stages but the schedule has "
+                           f"{count} (ranks x virtual stages)")
+    return counts
+
+
+def _retie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
+    """Makes each group of parameter names one ``nn.Parameter`` again (the first's)."""
+    for names in groups:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, shared)
+
+
+@dataclass
+class PlainRun:
+    """The plain model's step on the whole batch.
+
+    Attributes:
+        outputs: per layer index, its output on the whole batch (traced: the model's
+            output, under the last stage's index).
+        probes: per layer index (traced: under -1, the whole model), what it does.
+        per_microbatch: layer indices run micro-batch by micro-batch (random draws).
+        final: the model's output on the whole batch, detached.
+        loss: the loss of the whole batch.
+    """
+
+    outputs: dict[int, Leaves] = field(default_factory=dict)
+    probes: dict[int, Probe] = field(default_factory=dict)
+    per_microbatch: set[int] = field(default_factory=set)
+    final: Any = None
+    loss: torch.Tensor | None = None
+
+
+def run_plain(plain: nn.Module, run: PipelineRun, inputs: Any, targets: Any, *,
+              loss_fn: Callable[[Any, Any], Any], chunks: int, seed: int,
+              split_at: Sequence[str] | None) -> PlainRun:
+    """Forward and backward of the plain model on the whole batch (see the module's
+    docstring for random layers)."""
+    torch.default_generator.manual_seed(seed)
+    step_seed = draw_step_seed()
+    result = PlainRun()
+    if split_at is None:
+        h = inputs
+        for layer, (name, module) in zip(run.layers, sequential_layers(plain)):
+            i = layer.index
+            given = h
+            result.probes[i] = found = probe(
+                module, lambda m: m(pytree.tree_map_only(torch.Tensor, _detached, given)),
+                prefix=name)
+            if found.random:
+                result.per_microbatch.add(i)
+                h = _per_microbatch(lambda part, m: module(part), h, chunks,
+                                    lambda m: derive_seed(step_seed, i, m))
+            else:
+                h = module(h)
+            result.outputs[i] = leaves(h)  # now: a later layer may change it in place
+    else:
+        args = inputs
+        result.probes[-1] = found = probe(
+            plain, lambda m: _call(m, pytree.tree_map_only(torch.Tensor, _detached, args)))
+        if found.random:
+            result.per_microbatch.add(-1)
+            h = _traced_per_microbatch(plain, inputs, chunks, step_seed, split_at)
+        else:
+            h = _call(plain, inputs)
+        result.outputs[run.layers[-1].index] = leaves(h)
+    result.final = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, h)
+    result.loss = whole_loss(loss_fn, h, targets)
+    try:
+        result.loss.backward()
+    except RuntimeError as exc:
+        raise ModelError(f"the plain model's backward fails on this batch, so there is "
+                         f"nothing to compare the pipeline with: {exc}") from exc
+    return result
+
+
+def whole_loss(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any) -> torch.Tensor:
+    """``loss_fn`` on a whole batch: its value, or ``loss_sum / count`` for a pair."""
+    value = loss_fn(output, targets)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        total, count = value
+        return total.reshape(()) / float(count)
+    return value.reshape(())
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    args, kwargs = as_call(batch)
+    return model(*args, **kwargs)
+
+
+def _per_microbatch(run: Callable[[Any, int], Any], batch: Any, chunks: int,
+                    seed_of: Callable[[int], int]) -> Any:
+    outputs = []
+    for m, part in enumerate(split(batch, chunks)):
+        torch.default_generator.manual_seed(seed_of(m))
+        outputs.append(run(part, m))
+    return gather(outputs)
+
+
+def _traced_per_microbatch(plain: nn.Module, inputs: Any, chunks: int, step_seed: int,
+                           split_at: Sequence[str]) -> Any:
+    """The model micro-batch by micro-batch, reseeded where each traced stage begins
+    with that stage's stream, as the pipeline's stages draw."""
+    current = [0]
+
+    def reseed(stage: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            torch.default_generator.manual_seed(derive_seed(step_seed, stage, current[0]))
+        return hook
+
+    handles = [plain.get_submodule(name).register_forward_pre_hook(reseed(k + 1))
+               for k, name in enumerate(split_at)]
+
+    def run(part: Any, m: int) -> Any:
+        current[0] = m
+        return _call(plain, part)
+
+    try:
+        return _per_microbatch(run, inputs, chunks, lambda m: derive_seed(step_seed, 0, m))
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,242 @@
+"""conveyor.check finds where a pipeline stops matching the plain model: each cause it
+knows, planted in a small model, is found in the layer where it was planted, with that
+cause; correct models match, Hugging Face's too; the command's exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conveyor
+from conveyor.cli import main
+from conveyor.errors import BalanceError, ConveyorError
+from tests import check_cases as cases
+from tests.extras import require
+
+
+def test_a_correct_model_matches_with_dropout_under_every_kind_of_schedule() -> None:
+    inputs, targets = cases.batch()
+    for schedule, balance in (("1f1b", [3, 3]), ("zero-bubble", [2, 2, 2])):
+        model = cases.mlp(dropout=0.3)
+        state = torch.get_rng_state()
+        report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss,
+                                balance=balance, chunks=4, schedule=schedule)
+        assert report.ok, str(report)
+        assert report.findings == []
+        assert "MATCH" in str(report) and "24 layer outputs" in str(report)
+        assert torch.equal(torch.get_rng_state(), state)  # the user's random state is kept
+
+
+def test_batch_norm_normalising_per_microbatch_is_found_in_its_layer() -> None:
+    inputs, targets = cases.batch()
+    model = cases.mlp(nn.BatchNorm1d(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[3, 3],
+                            chunks=4)
+    first = report.findings[0]
+    assert (first.kind, first.stage, first.layer, first.microbatch) == ("forward", 0, "2", 0)
+    assert first.max_rel is not None and first.max_rel > 0.1
+    assert "batch norm in training mode ('2')" in first.cause
+    kinds = [f.kind for f in report.findings]
+    assert kinds == ["forward", "loss", "gradient", "buffer"]
+    assert "deferred_batch_norm=True" in report.findings[-1].cause
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # untouched
+    deferred = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[3, 3],
+                              chunks=4, deferred_batch_norm=True)
+    assert [f.kind for f in deferred.findings] == ["forward", "loss", "gradient"]
+    # With dropout in the same layer the plain model must run it per micro-batch too (to
+    # draw alike), where its batch norm would match: the batch norm is named all the same.
+    random = conveyor.check(cases.mlp(nn.Sequential(nn.BatchNorm1d(8), nn.Dropout(0.2))),
+                            inputs, targets, loss_fn=F.mse_loss, balance=[3, 3], chunks=4)
+    assert [(f.kind, f.layer) for f in random.findings] == [("forward", "2")]
+    assert "draws random numbers" in random.findings[0].cause
+    assert "batch norm in training mode ('2.0')" in random.findings[0].cause
+
+
+def test_a_random_layer_whose_draws_are_not_routed_is_found() -> None:
+    inputs, targets = cases.batch()
+    model = cases.mlp(nn.Sequential(nn.Identity(), cases.Noise()))
+    report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[2, 4],
+                            chunks=4)
+    first = report.findings[0]
+    # Its forwards draw rows in order, as the plain model does; a recomputation redraws.
+    assert (first.kind, first.stage, first.layer, first.microbatch) == (
+        "recomputation", 1, "2", 0)
+    assert "torch.Generator of its own" in first.cause and "'2.1'" in first.cause
+    never = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[2, 4],
+                           chunks=4, checkpoint="never")
+    assert never.ok, str(never)
+
+
+@pytest.mark.parametrize("through_data", [True, False])
+def test_an_inplace_change_of_a_stage_input_is_found(through_data: bool) -> None:
+    inputs, targets = cases.batch()
+    model = nn.Sequential(cases.HalveInPlace(through_data), nn.Linear(4, 8), nn.Tanh(),
+                          nn.Linear(8, 2))
+    given = inputs.clone()
+    report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[2, 2],
+                            chunks=4)
+    first = report.findings[0]
+    # Through .data the recomputation silently starts from halved values; mul_ makes
+    # torch's checkpoint refuse in backward. Either way the layer is named.
+    assert first.kind == ("recomputation" if through_data else "error")
+    assert (first.stage, first.layer) == (0, "0")
+    assert "layer 0 (HalveInPlace) changes its input in place" in first.cause
+    assert torch.equal(inputs, given)  # the check ran on copies of the batch
+
+
+def test_a_layer_reading_state_outside_its_inputs_is_found() -> None:
+    inputs, targets = cases.batch()
+    report = conveyor.check(cases.mlp(cases.Counter()), inputs, targets, loss_fn=F.mse_loss,
+                            balance=[2, 4], chunks=4)
+    first = report.findings[0]
+    # Micro-batch 0 is its first call in both runs; micro-batch 1 its second.
+    assert (first.kind, first.stage, first.layer, first.microbatch) == ("forward", 1, "2", 1)
+    assert "'2' gives different outputs for the same input" in first.cause
+    assert "2.calls: 0 -> 2" in first.cause
+
+
+def test_a_tie_the_pipeline_cannot_see_is_found_and_a_visible_one_matches() -> None:
+    inputs, targets = cases.batch(outputs=4)
+    report = conveyor.check(cases.tied_by_a_list(), inputs, targets, loss_fn=F.mse_loss,
+                            balance=[2, 2], chunks=4)
+    first = report.findings[0]
+    # The forward matches (each rank's copy holds equal values); the gradient of
+    # layer 0's weight lacks the head's share, which went into stage 1's copy.
+    assert (first.kind, first.stage, first.layer, first.name) == (
+        "gradient", 0, "0", "0.weight")
+    assert "layer 3 (TiedHead) on stage 1 uses '0.weight'" in first.cause
+    assert "through 3.sources[0].weight" in first.cause and "tie_weights" in first.cause
+    visible = conveyor.check(cases.tied_as_parameters(), inputs, targets, loss_fn=F.mse_loss,
+                             balance=[2, 2], chunks=4)
+    assert visible.ok, str(visible)
+
+
+def test_a_tie_a_layer_function_does_not_declare_is_found() -> None:
+    inputs, targets = cases.batch(outputs=4)
+    layers = dict(enumerate(cases.tied_as_parameters()))  # one weight in layers 0 and 3
+    undeclared = conveyor.check(layers.__getitem__, inputs, targets, layers=4,
+                                loss_fn=F.mse_loss, balance=[2, 2], chunks=4)
+    first = undeclared.findings[0]
+    assert (first.kind, first.layer, first.count) == ("gradient", "0", 2)
+    assert "pass tie_weights=[('0.weight', '3.weight')]" in first.cause
+    declared = conveyor.check(layers.__getitem__, inputs, targets, layers=4,
+                              loss_fn=F.mse_loss, balance=[2, 2], chunks=4,
+                              tie_weights=[("0.weight", "3.weight")])
+    assert declared.ok, str(declared)
+
+
+def test_a_loss_averaged_per_microbatch_is_found_and_a_summed_pair_matches() -> None:
+    model, ids, targets = cases.padded_tokens()
+    report = conveyor.check(model, ids, targets, loss_fn=cases.mean_token_loss,
+                            balance=[2, 1], chunks=4)
+    assert [f.kind for f in report.findings] == ["loss", "gradient"]
+    assert "(loss_sum, count)" in report.findings[0].cause
+    assert report.findings[1].cause == "follows from the loss difference above"
+    pair = conveyor.check(model, ids, targets, loss_fn=cases.summed_token_loss,
+                          balance=[2, 1], chunks=4)
+    assert pair.ok, str(pair)
+
+
+def test_a_traced_model_names_the_submodule_and_matches_in_eval_mode() -> None:
+    model = cases.Convolutions()
+    inputs, targets = torch.randn(6, 2, 5, 5), torch.randn(6, 1, 5, 5)
+    report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, split_at=["body"],
+                            chunks=2)
+    first = report.findings[0]
+    assert (first.kind, first.stage, first.layer) == ("forward", 1, "body.norm")
+    assert "the model's output (stage 1), micro-batch 0" in str(first)
+    model.eval()  # batch norm by its running statistics (was: the stages ran in training)
+    evaluated = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss,
+                               split_at=["body"], chunks=2)
+    assert evaluated.ok, str(evaluated)
+
+
+def test_a_hugging_face_model_with_dropout_matches() -> None:
+    transformers = require("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere, in training
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (6, 5), generator=generator)
+    targets = torch.randint(0, 50, (6, 5), generator=generator)
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+    report = conveyor.check(model, {"input_ids": ids, "use_cache": False}, targets,
+                            loss_fn=loss, split_at=["transformer.h.1"], chunks=3,
+                            schedule="1f1b")
+    assert report.ok, str(report)
+    assert report.setup.startswith("2 stages, split at ['transformer.h.1'], 1f1b")
+
+
+def test_under_torchrun_the_check_still_runs_every_stage_in_its_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group exists
+    monkeypatch.setenv("RANK", "1")
+    inputs, targets = cases.batch()
+    report = conveyor.check(cases.mlp(), inputs, targets, loss_fn=F.mse_loss, stages=2,
+                            chunks=2)
+    assert report.ok, str(report)
+    assert not torch.distributed.is_initialized()
+
+
+def test_options_that_do_not_fit_raise() -> None:
+    inputs, targets = cases.batch()
+    with pytest.raises(BalanceError, match="give stages="):
+        conveyor.check(cases.mlp(), inputs, targets, loss_fn=F.mse_loss, chunks=2)
+    with pytest.raises(ConveyorError, match="cannot be split into 20 micro-batches"):
+        conveyor.check(cases.mlp(), inputs, targets, loss_fn=F.mse_loss, stages=2, chunks=20)
+
+
+def test_the_command_exits_0_on_a_match_1_on_a_difference_2_on_bad_usage(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--model", "tests.check_cases:matching", "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "balance [3, 3]" in out and "MATCH" in out
+    assert main(["check", "--model", "tests.check_cases:batch_norm", "--stages", "2",
+                 "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["findings"][0]["layer"] == "2"
+    for argv, message in (
+            (["--model", "tests.check_cases"], "give package.module:function"),
+            (["--model", "tests.nowhere:f"], "cannot import tests.nowhere"),
+            (["--model", "tests.check_cases:returns_a_model", "--stages", "2"],
+             "returned Sequential; return (model, inputs, targets"),
+            (["--model", "tests.check_cases:batch_norm", "--balance", "2,x"],
+             "--balance 2,x: give comma-separated values"),
+            (["--model", "tests.check_cases:batch_norm", "--balance", "3,4"],
+             "covers 7 layers but the model has 6")):
+        assert main(["check", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("conveyor check: error: ") and message in err, err
+
+
+def test_train_check_runs_before_training_and_is_not_saved(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli.main import build_parser
+    from conveyor.observe.check import CheckReport, Finding
+    from conveyor.train import checkstep
+    from conveyor.train.options import TrainConfig, from_arguments
+
+    args = build_parser().parse_args(["train", "--check", "--out", str(tmp_path)])
+    assert args.check and "check" not in dataclasses.asdict(from_arguments(args))
+    config = TrainConfig(layers=1, width=16, hidden=32, heads=2, length=8, batch=4, chunks=2,
+                         dropout=0.1, out=str(tmp_path))
+    checkstep.check_first_step(config)
+    assert "MATCH" in capsys.readouterr().out
+    monkeypatch.setattr(checkstep, "check", lambda *a, **k: CheckReport(
+        "planted", "nothing", [Finding("loss", "the step", cause="planted")]))
+    with pytest.raises(ConveyorError, match="--check: the pipeline does not compute"):
+        checkstep.check_first_step(config)
+    assert not (tmp_path / "options.json").exists()
