@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from conveyor.cli.loading import load_function
 
 if TYPE_CHECKING:
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -59,35 +59,6 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
     sub.set_defaults(run=run)
 
 
-def load_function(spec: str) -> Callable[[], Any]:
-    """The function ``package.module:function`` names (the current folder importable,
-    as under ``python -m``).
-
-    Raises:
-        ConfigError: the spec is malformed, the module cannot be imported, or the name
-            is missing or not callable.
-    """
-    from conveyor.errors import ConfigError
-
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise ConfigError(f"--model {spec}: give package.module:function, a function that "
-                          "returns what to check")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--model {spec}: cannot import {module_name}: {exc}") from None
-    function = getattr(module, function_name, None)
-    if function is None:
-        raise ConfigError(f"--model {spec}: {module_name} has no {function_name!r}")
-    if not callable(function):
-        raise ConfigError(f"--model {spec}: {function_name} is a {type(function).__name__}, "
-                          "not a function")
-    return function  # type: ignore[no-any-return]
-
-
 def check_command(args: argparse.Namespace) -> int:
     """The body of ``conveyor check``."""
     from conveyor.errors import ConveyorError
@@ -119,7 +90,7 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
 
     from conveyor.errors import ConfigError
 
-    made = load_function(args.model)()
+    made = load_function(args.model, returning="what to check")()
     if isinstance(made, tuple) and len(made) in (3, 4):
         made = dict(zip(("model", "inputs", "targets", "loss_fn"), made))
     if not isinstance(made, dict) or not {"model", "inputs", "targets"} <= set(made):

@@ -13,11 +13,9 @@ come from tracing it (:func:`conveyor.plan.measure_split`).
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import math
-import os
 import sys
 from typing import Any
 
@@ -25,6 +23,7 @@ import torch
 from torch import nn
 
 from conveyor.cli.commands import _size, _table
+from conveyor.cli.loading import load_function
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe import plan as planning
 
@@ -40,23 +39,7 @@ def load_model(spec: str) -> tuple[nn.Module, Any]:
         ConfigError: the module cannot be imported, has no such name, the name is not a
             function, or what it returns is not a model.
     """
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise ConfigError(f"--model {spec}: give transformer, convnet, or "
-                          "package.module:function (a function that returns your model)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the current folder's modules
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--model {spec}: cannot import {module_name}: {exc}") from None
-    function = getattr(module, function_name, None)
-    if function is None:
-        raise ConfigError(f"--model {spec}: {module_name} has no {function_name!r}")
-    if not callable(function):
-        raise ConfigError(f"--model {spec}: {function_name} is a {type(function).__name__}, "
-                          "not a function that returns the model")
-    made = function()
+    made = load_function(spec, returning="the model", choices="transformer, convnet, or ")()
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         return made[0], made[1]
     if isinstance(made, nn.Module):
