@@ -92,30 +92,10 @@ def measure(model: nn.Sequential, sample: Any) -> list[LayerFigures]:
     figures = []
     x = sample
     for name, layer in sequential_layers(model):
-        params = {p.untyped_storage()._cdata for p in layer.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage._cdata not in params:
-                saved[storage._cdata] = max(saved.get(storage._cdata, 0),
-                                            t.numel() * t.element_size())
-            return t
-
         x = pytree.tree_map_only(
             torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
-        with torch.enable_grad(), FlopCounterMode(display=False) as flops, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x)
-        figures.append(LayerFigures(
-            name=name,
-            parameters=sum(p.numel() for p in layer.parameters()),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-            activation_bytes=sum(saved.values()) / samples,
-            input_bytes=_nbytes(x) / samples,
-            output_bytes=_nbytes(out) / samples,
-            flops=flops.get_total_flops() / samples,
-        ))
+        figure, out = _figures(name, layer, list(layer.parameters()), x, samples)
+        figures.append(figure)
         x = out
     return figures
 
@@ -156,7 +136,7 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
     for name, stage in zip(["(start)", *split_at], split.stages.values()):
         if stage.index > 0:
             live = {value: made[value] for value in stage.programs[True].receives}
-        figure, out = _stage_figures(name, stage.train(), live, samples)
+        figure, out = _figures(name, stage.train(), stage.bound_parameters(), live, samples)
         figures.append(figure)
         if isinstance(out, dict) and stage.index < len(split_at):
             made.update(pytree.tree_map_only(
@@ -164,9 +144,10 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
     return figures
 
 
-def _stage_figures(name: str, stage: Any, live: Any, samples: int) -> tuple[LayerFigures, Any]:
-    """One traced stage's figures from one forward on ``live``, and its output."""
-    params = stage.bound_parameters()
+def _figures(name: str, module: Any, params: Sequence[torch.Tensor], live: Any,
+             samples: int) -> tuple[LayerFigures, Any]:
+    """The figures of a layer or traced stage reading ``params``, from one forward on
+    ``live``, and its output."""
     held = {p.untyped_storage()._cdata for p in params}
     saved: dict[int, int] = {}
 
@@ -179,7 +160,7 @@ def _stage_figures(name: str, stage: Any, live: Any, samples: int) -> tuple[Laye
 
     with torch.enable_grad(), FlopCounterMode(display=False) as flops, \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = stage(live)
+        out = module(live)
     return LayerFigures(
         name=name,
         parameters=sum(p.numel() for p in params),
