@@ -367,3 +367,22 @@ def test_under_torchrun_a_skip_of_a_layer_list_crosses_ranks(torchrun: Path) -> 
     results = [torch.load(torchrun / f"skip-rank{r}.pt") for r in range(2)]
     assert abs(results[1]["loss"].item() - expected.item()) <= 1e-10 * expected.item()
     assert_rank_grads(results, reference)
+
+
+class Branches(nn.Module):
+    """Python control flow on a tensor's values: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) if x.sum() > 0 else x
+
+
+def test_a_model_that_cannot_be_traced_names_the_submodule() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Branches(), nn.Linear(4, 4))
+    with pytest.raises(ModelError, match=r"tracing Sequential on the sample failed in 1 "
+                                         r"\(Branches\): .*\nhint: data-dependent Python "
+                                         r"control flow"):
+        conveyor.GPipe(model, split_at=["2"], sample=torch.randn(2, 4), devices=["cpu"] * 2)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,13 +100,28 @@ def trace(model: nn.Module, sample: Any) -> ExportedProgram:
     except Exception as exc:  # noqa: BLE001 - explained and re-raised
         raise ModelError(
             f"conveyor traces the model with torch.export to split it, and tracing "
-            f"{type(model).__name__} on the sample failed: {type(exc).__name__}: "
+            f"{type(model).__name__} on the sample failed{_where(model, exc)}: "
+            f"{type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
-            "hint: run torch.export.export(model, args, kwargs, strict=False) on the sample "
-            "to see where; data-dependent Python control flow (an `if` on a tensor's "
-            "values) cannot be traced: move it out of forward, or give the model as an "
-            "nn.Sequential with balance="
+            "hint: data-dependent Python control flow (an `if` on a tensor's values) cannot "
+            "be traced: move it out of forward, or cut the model so that the module runs "
+            "whole in one stage and give it as an nn.Sequential with balance=; run "
+            "torch.export.export(model, args, kwargs, strict=False) on the sample to see "
+            "the whole trace"
         ) from exc
+
+
+def _where(model: nn.Module, exc: BaseException) -> str:
+    """`` in name (Type)``: the innermost submodule whose forward the failure passed
+    through, or nothing."""
+    names = {id(module): name for name, module in model.named_modules()}
+    found = ""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        module = frame.f_locals.get("self")
+        name = names.get(id(module)) if isinstance(module, nn.Module) else None
+        if name:
+            found = f" in {name} ({type(module).__name__})"
+    return found
 
 
 @dataclass
