@@ -84,9 +84,11 @@ def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: median(values) * 1e3 for name, values in times.items()}
 
 
-def write(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
+    """Writes ``payload`` with the command and the machine to results/NAME.json (or
+    ``path``)."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     script = Path(sys.argv[0]).resolve()
     if script.is_relative_to(ROOT):
         script = script.relative_to(ROOT)

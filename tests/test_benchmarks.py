@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,42 @@ def test_pipeline1_script_runs_a_step_of_each_kind() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "naive and Pipeline-1 steps ran" in result.stdout
+
+
+def test_any_model_script_compares_conveyor_with_torch_on_hugging_face_models(
+        tmp_path: Path) -> None:
+    out = tmp_path / "any_model.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "any_model.py"), "--quick",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    size = report["config"]["steps"]
+    for name, model in report["models"].items():
+        for library, found in model["libraries"].items():
+            if library.startswith("torch") and "failed" in found:  # it cannot split Llama
+                continue
+            assert found["first_loss"] == pytest.approx(model["plain_loss"], rel=1e-5), library
+            for rank in found["gradients"]:
+                assert rank["untied_compared"] > 0
+                assert rank["untied_max_relative_error"] < 1e-4, (name, library)
+        assert "failed" not in model["libraries"]["conveyor"]
+    gpt2 = report["models"]["gpt2"]["libraries"]
+    # conveyor's copies of the tied embedding hold the whole gradient; torch's hold parts.
+    assert max(e for g in gpt2["conveyor"]["gradients"]
+               for e in g["tied_copies"].values()) < 1e-5
+    assert min(e for g in gpt2["torch"]["gradients"] for e in g["tied_copies"].values()) > 0.1
+    assert gpt2["torch"]["gradients"][0]["copies_added_over_ranks"] < 1e-5
+    # Both send the same values; the gradient of the hidden state is all that goes back.
+    ours, theirs = gpt2["conveyor"]["bytes_per_step"], gpt2["torch"]["bytes_per_step"]
+    assert ours["payload"] == theirs["payload"]
+    width = size["gpt2"]["n_embd"]
+    assert ours["payload"]["gradient"] == size["batch"] * size["length"] * width * 4
+    envelopes = sum(ours["wire"].values()) - sum(ours["payload"].values())
+    assert 0 < envelopes <= 1024 * sum(ours["messages"].values())
+    # Each rank holds its stage: the ranks' parameters add up to the whole model's and
+    # the tied head's copy.
+    memory = report["memory"]
+    whole = memory["1"][0]["parameter_bytes"]
+    gpt2_config = report["config"]["memory_model"]
+    head = gpt2_config["vocab_size"] * gpt2_config["n_embd"] * 4
+    assert sum(r["parameter_bytes"] for r in memory["2"]) == whole + head
