@@ -74,13 +74,14 @@ class _Count:
         return counted
 
     def _conveyor_send(self, send: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(transport: Any, kind: str, stage: int, microbatch: int, value: Any) -> Any:
+        def counted(transport: Any, kind: str, stage: int, microbatch: int, value: Any,
+                    **options: Any) -> Any:
             leaves, _ = pytree.tree_flatten_with_path(value)
             self._message(kind, [(_name(path), t) for path, t in leaves
                                  if isinstance(t, torch.Tensor)])
             self._current = kind
             try:
-                return send(transport, kind, stage, microbatch, value)
+                return send(transport, kind, stage, microbatch, value, **options)
             finally:
                 self._current = None
         return counted

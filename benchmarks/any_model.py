@@ -107,9 +107,14 @@ def spawn(role: str, world: int, args: argparse.Namespace,
 
     def wait() -> list[dict[str, Any]]:
         codes = [p.wait() for p in processes]
-        if any(codes):
-            raise SystemExit(f"{role} on {world} processes failed: exit codes {codes}")
         written = [parts / f"{role}-{world}-{r}.json" for r in range(world)]
+        writers = written[:1] if role == "steps" else written  # steps: rank 0 writes
+        if any(codes) and not all(path.exists() for path in writers):
+            raise SystemExit(f"{role} on {world} processes failed: exit codes {codes}")
+        if any(codes):  # a known abort at exit, after the figures: said, not hidden
+            print(f"warning: {role} on {world} processes: exit codes {codes} after every "
+                  "rank wrote its figures (an abort at process exit, after "
+                  "destroy_process_group)", file=sys.stderr)
         return [json.loads(path.read_text()) for path in written if path.exists()]
     return wait
 
@@ -421,10 +426,11 @@ def main() -> int:
         # not mind company.
         steps = None if args.quick else finish_steps()[0]
         load.append(os.getloadavg()[0])
-        finish_memory = {"1": spawn("whole", 1, args, parts)}
+        # One memory run at a time (the peaks are each process's own, but seven
+        # processes of GPT-2 small on two cores are slow).
+        memory = {"1": spawn("whole", 1, args, parts)()}
         for processes in (2,) if args.quick else (2, 4):
-            finish_memory[str(processes)] = spawn("pipeline", processes, args, parts)
-        memory = {processes: finish() for processes, finish in finish_memory.items()}
+            memory[str(processes)] = spawn("pipeline", processes, args, parts)()
         steps = steps or finish_steps()[0]
     summarize_steps(steps["models"])
     table = steps_tables(steps["size"], steps["models"])
