@@ -189,8 +189,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
             plans[training] = _cut(trace(model, sample), split_at, count)
     finally:
         model.train(was_training)
-    originals = dict(model.named_parameters(remove_duplicate=False))
-    binder = _Binder(model, plans, originals, devices)
+    binder = _Binder(model, plans, devices)
     split = SplitModel(count, ties=binder.ties)
     for k in sorted(devices):
         stage = split.stages[k] = GraphStage(k, count)
@@ -358,10 +357,9 @@ class _Binder:
     other through a copy installed under another of its names."""
 
     def __init__(self, model: nn.Module, plans: Mapping[bool, Plan],
-                 originals: Mapping[str, torch.Tensor],
                  devices: Mapping[int, torch.device]) -> None:
         self.model = model
-        self.originals = originals
+        self.originals = dict(model.named_parameters(remove_duplicate=False))
         self.devices = devices
         self.placement = Placement({})
         self.aliases: dict[int, list[str]] = {}

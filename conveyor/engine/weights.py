@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -106,11 +106,15 @@ def fill(model: nn.Module, placement: Placement, *, init_fn: InitFn | None,
     with torch.no_grad(), _untied(model, meta):
         # Children before parents, as nn.Module.apply and the modules' own constructors
         # go (a parent may re-initialise a child's tensors, as Hugging Face models do).
+        below: dict[int, torch.Tensor] = {}  # module -> a meta tensor in it or under it
         for name, module in _post_order(model):
-            below = [t for t in module.parameters() if id(t) in meta] + \
-                [t for t in module.buffers() if id(t) in meta]
-            if not below:
+            found = next((t for t in _own_tensors(module) if id(t) in meta), None)
+            if found is None:
+                found = next((below[id(c)] for c in module.children() if id(c) in below),
+                             None)
+            if found is None:
                 continue
+            below[id(module)] = found
             init = initialiser(module)
             if init is None:
                 if weights is not None or not any(id(t) in meta for t in _own_tensors(module)):
@@ -120,7 +124,7 @@ def fill(model: nn.Module, placement: Placement, *, init_fn: InitFn | None,
                     "device and has tensors, but no reset_parameters() to initialise them; "
                     "pass init_fn=<a function that initialises a module> or weights=<a "
                     "state_dict or checkpoint file of the plain model>")
-            with seeded(init_seed, zlib.crc32(name.encode()), placement.devices[id(below[0])]):
+            with seeded(init_seed, zlib.crc32(name.encode()), placement.devices[id(found)]):
                 init()
         if weights is not None:
             _load(model, placement, meta, weights)
@@ -213,7 +217,7 @@ def _load(model: nn.Module, placement: Placement, meta: set[int], weights: Weigh
     for key, more in placement.aliases.items():
         names.setdefault(key, []).extend(more)
     with _reader(weights) as read:
-        for tensor in _unique([*model.parameters(), *model.buffers()]):
+        for tensor in [*model.parameters(), *model.buffers()]:  # each once
             if id(tensor) not in meta or not placement.holds(tensor):
                 continue
             aliases = names.get(id(tensor), [])
@@ -276,7 +280,3 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in (*module._parameters.values(), *module._buffers.values())
             if t is not None]
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(t): t for t in tensors}.values())
