@@ -38,6 +38,7 @@ from conveyor.errors import (
     ScheduleError,
     SkipError,
     StageError,
+    StepTimeout,
 )
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ __all__ = [
     "ScheduleError",
     "SkipError",
     "StageError",
+    "StepTimeout",
     "Timeline",
     "balance_by_memory",
     "balance_by_params",

@@ -18,6 +18,7 @@ __all__ = [
     "ScheduleError",
     "SkipError",
     "StageError",
+    "StepTimeout",
 ]
 
 
@@ -60,7 +61,11 @@ class StageError(ConveyorError, RuntimeError):
         action: the failed action, printed like ``1F3`` (stage 1, forward, micro-batch 3).
         microbatch: the micro-batch the action worked on.
         layer: global index of the failing layer, when it is known.
+        where: the hang report of the step: where every rank stood when it failed
+            (also added to the exception as a note, which tracebacks show).
     """
+
+    where: str | None = None
 
     def __init__(
         self,
@@ -87,6 +92,13 @@ class PeerFailure(StageError):
     """
 
     report: dict[str, Any] | None = None
+
+
+class StepTimeout(StageError, TimeoutError):
+    """A step stopped moving: a rank waited for a message, or ran one action, longer
+    than the pipeline's timeout. In one process the stuck rank's thread is left
+    running and the pipeline refuses further steps; ``where`` says where each rank
+    stood."""
 
 
 class NonFiniteLossError(ConveyorError, FloatingPointError):

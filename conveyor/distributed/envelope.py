@@ -50,7 +50,7 @@ __all__: list[str] = []
 #   21 origin      in an abort: the rank whose failure it reports (kept if the body is
 #                  lost, when that rank exits before its receiver takes the body)
 #   22 source      the sending stage (a neighbour, or the other end of an edge)
-#   23             unused
+#   23 step        the sender's step: a message of an earlier, failed step is drained
 _INTS = 24
 _HEADER_BYTES = _INTS * 8
 _MAX_DIMS = 12
@@ -65,6 +65,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
 _ORIGIN = 21
 _SOURCE = 22
+_STEP = 23
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ more than one rank:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,15 @@ __all__: list[str] = []
 _BUCKET_BYTES = 25 << 20  # as DDP's default bucket
 
 
+Reduce = Callable[[torch.Tensor, Any], None]  # reduce(tensor, op): an all-reduce over a group
+
+
 def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int,
-                           divisor: float) -> None:
+                           divisor: float, reduce: Reduce | None = None) -> None:
     """Sums gradients over the data-parallel replicas, in flattened buckets, and divides
     them by ``divisor``: ``replicas`` to average them as DDP does, or the step's count of
-    a ``(loss_sum, count)`` loss over every replica."""
+    a ``(loss_sum, count)`` loss over every replica. ``reduce(flat, op)`` sums a bucket
+    over ``group`` (default ``dist.all_reduce``; a pipeline bounds its wait)."""
     grads = [p.grad for p in params if p.grad is not None]
     if replicas == 1:
         if divisor != 1:
@@ -49,14 +53,18 @@ def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas:
     for bucket_list in buckets.values():
         for bucket in bucket_list:
             flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=group)
+            if reduce is None:
+                dist.all_reduce(flat, group=group)
+            else:
+                reduce(flat, dist.ReduceOp.SUM)
             flat /= divisor
             for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
-                   max_norm: float, norm_type: float, group: Any) -> torch.Tensor:
+                   max_norm: float, norm_type: float, group: Any,
+                   reduce: Reduce | None = None) -> torch.Tensor:
     """Scales ``params``' gradients so that their global norm is at most ``max_norm``.
 
     Args:
@@ -66,6 +74,8 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
         max_norm: the largest allowed norm.
         norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
         group: the processes of the pipeline, whose norms combine (None: this one).
+        reduce: ``reduce(norm, op)`` combines the norms over ``group`` (default
+            ``dist.all_reduce``; a pipeline bounds its wait).
 
     Returns:
         The global norm before clipping.
@@ -80,7 +90,11 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
         local = torch.zeros((), device=device)
     local = local.to(torch.float64)
     if group is not None:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if reduce is None:
+            dist.all_reduce(local, op=op, group=group)
+        else:
+            reduce(local, op)
     total = local if inf else local.pow(1.0 / norm_type)
     coefficient = max_norm / (float(total) + 1e-6)
     if coefficient < 1.0:

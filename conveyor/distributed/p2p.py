@@ -37,6 +37,7 @@ from conveyor.distributed.envelope import (
     _MICROBATCH,
     _SOURCE,
     _STAGE,
+    _STEP,
     _abort_summary,
     _assemble,
     _check_header,
@@ -47,6 +48,7 @@ from conveyor.distributed.envelope import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
+from conveyor.engine.deadline import Deadlines
 from conveyor.engine.transport import (
     Aborted,
     LocalTransport,
@@ -58,6 +60,8 @@ from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Schedule
 
 __all__: list[str] = []
+
+SETTLE = 5.0  # seconds a failed rank waits for its posted receives to be answered
 
 # How messages meet their receives, for rank 1 of GPipe on two stages and two
 # micro-batches whose activations are 4 KiB each. Both sides start a peer's capacity
@@ -98,15 +102,25 @@ class P2PTransport:
         schedule: the table every rank runs: where each stage runs, and what each
             action sends (to its neighbours, and over the table's edges).
         devices: the device of each stage held here.
-        timeout: seconds any single wait may take.
+        deadlines: how long a wait may take: a peer's first message of a step (ranks
+            may reach a step at different times), and any other.
+
+    Every message carries its step. When a step fails, the messages its peers had
+    already sent still arrive: the next step takes and drops them (it drains them), so
+    a pipeline can be called again after a failure that every rank was told about. A
+    peer that stopped answering (a timeout) or whose connection closed leaves the
+    transport broken: it refuses further steps.
     """
 
     def __init__(self, topology: Topology, schedule: Schedule,
-                 devices: Mapping[int, torch.device], timeout: float) -> None:
+                 devices: Mapping[int, torch.device], deadlines: Deadlines) -> None:
         self.topology = topology
         self.schedule = schedule
         self.stage_ranks = list(schedule.stage_ranks)
-        self.timeout = datetime.timedelta(seconds=timeout)
+        self.deadlines = deadlines
+        self.step = 0  # this rank's step, counted by prepare()
+        self.broken: str | None = None  # why no further step can run
+        self._heard: set[int] = set()  # peers whose messages of this step have come
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
         # gloo cannot tell without waiting whether a receive has arrived: threads wait
@@ -116,7 +130,8 @@ class P2PTransport:
             weakref.finalize(self, self._watcher.close)
         self.traffic = Traffic()
         self.local = LocalTransport([devices.get(s, self.device)
-                                     for s in range(len(self.stage_ranks))], self.traffic)
+                                     for s in range(len(self.stage_ranks))], self.traffic,
+                                    deadlines)
         self._expected: dict[int, list[tuple[str, int, int, int]]] = {}
         self._position: dict[int, int] = {}
         self._incoming: dict[int, _Incoming] = {}
@@ -131,7 +146,16 @@ class P2PTransport:
 
     def prepare(self, columns: Mapping[int, Sequence[Action]]) -> None:
         """Learns from every rank's column the order in which each peer sends to us,
-        and posts the receive of each peer's first message."""
+        and posts the receive of each peer's first message (a receive still posted by
+        a failed step stays: the next message lands in it).
+
+        Raises:
+            ConveyorError: an earlier step lost a peer; the transport is broken.
+        """
+        if self.broken is not None:
+            raise ConveyorError(self.broken)
+        self.step += 1
+        self._heard = set()
         me = self.topology.pipeline_rank
         self._expected = {}
         for rank, column in columns.items():
@@ -145,9 +169,14 @@ class P2PTransport:
                     if destination != me}
         self._peers = set(self._expected) | outgoing
         self._position = dict.fromkeys(self._expected, 0)
-        self._incoming = {}
+        posted, self._incoming = self._incoming, {}
         for peer in self._expected:
-            self._post(peer)
+            if peer in posted:  # a failed step's receive: the peer's next message fills it
+                self._incoming[peer] = posted.pop(peer)
+                self._incoming[peer].key = self._expected[peer][0]
+            else:
+                self._post(peer)
+        self._incoming.update(posted)  # from peers not heard from this step: drained
 
     def _messages_of(self, action: Action) -> list[tuple[tuple[str, int, int, int], int]]:
         """What ``action`` sends, in order, each with the pipeline rank it goes to."""
@@ -169,13 +198,14 @@ class P2PTransport:
         if destination == self.topology.pipeline_rank:
             self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return
-        wire = self._send_message(destination, *_encode(_CODES[kind], stage, microbatch,
-                                                        value, source))
+        header, pieces = _encode(_CODES[kind], stage, microbatch, value, source)
+        wire = self._send_message(destination, header, pieces)
         self.traffic.note(kind, source, stage, value, wire)
 
     def _send_message(self, destination: int, header: list[int], pieces: list[Any]) -> int:
         """Sends a message to pipeline rank ``destination``; returns the bytes sent."""
         peer = self.topology.global_rank(destination)
+        header[_STEP] = self.step
         total = _HEADER_BYTES + header[_BODY]
         if self.envelopes:
             capacity = self._capacity_out.get(destination, _HEADER_BYTES)
@@ -197,16 +227,18 @@ class P2PTransport:
 
     # ------------------------------------------------------------ receiving
 
-    def _post(self, peer: int) -> None:
-        """Posts the receive of ``peer``'s next expected message, if any."""
-        position = self._position[peer]
-        if position >= len(self._expected[peer]):
+    def _post(self, peer: int, *, drain: bool = False) -> None:
+        """Posts the receive of ``peer``'s next expected message, if any (``drain``:
+        of the message that follows one of a failed step, whatever this step expects)."""
+        position = self._position.get(peer, 0)
+        expected = self._expected.get(peer, [])
+        if position >= len(expected) and not drain:
             self._incoming.pop(peer, None)
             return
+        key = expected[position] if position < len(expected) else ("drained", -1, -1, -1)
         size = self._capacity_in.get(peer, _HEADER_BYTES) if self.envelopes else _HEADER_BYTES
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._incoming[peer] = _Incoming(self._expected[peer][position], buffer,
-                                         self._irecv(peer, buffer))
+        self._incoming[peer] = _Incoming(key, buffer, self._irecv(peer, buffer))
 
     def _irecv(self, peer: int, buffer: torch.Tensor) -> Any:
         """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo."""
@@ -265,7 +297,7 @@ class P2PTransport:
             if not wait and not message.work.is_completed():
                 return
             try:
-                self._wait(message.work, what)
+                self._wait(message.work, what, peer)
             except PeerFailure as lost:
                 if message.header is None or message.header[_CODE] != _ABORT:
                     raise
@@ -286,6 +318,12 @@ class P2PTransport:
                 body = message.buffer[_HEADER_BYTES:]
             else:
                 header, body = message.header, message.buffer
+            self._capacity_in[peer] = max(self._capacity_in.get(peer, _HEADER_BYTES),
+                                          _HEADER_BYTES + header[_BODY])
+            if header[_STEP] < self.step:  # sent before an earlier step failed: drop it
+                self._post(peer, drain=True)
+                message = self._incoming.get(peer)
+                continue
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
                 self._raise_failure(report, stopped)
@@ -295,8 +333,7 @@ class P2PTransport:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "
                                     f"{arrived}: the ranks run different tables")
             self._stash[message.key] = _decode(header, body)
-            self._capacity_in[peer] = max(self._capacity_in.get(peer, _HEADER_BYTES),
-                                          _HEADER_BYTES + header[_BODY])
+            self._heard.add(peer)
             self._position[peer] += 1
             self._post(peer)
             return
@@ -312,30 +349,50 @@ class P2PTransport:
         failure.report = report
         raise failure
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
+        """Waits for ``work``: a receive from ``peer`` (at most the opening wait until
+        its first message of the step has come), or a send (None).
+
+        Raises:
+            PeerFailure: the wait timed out, or the peer's connection closed; the
+                transport is broken from then on.
+        """
         if self._aborted:
             raise Aborted(what)
+        seconds = (self.deadlines.opening if peer is not None and peer not in self._heard
+                   else self.deadlines.within)
         try:
-            work.wait(self.timeout)
+            work.wait(datetime.timedelta(seconds=seconds))
         except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-            reason = (f"timed out after {self.timeout.total_seconds():g} s" if timed_out
+            reason = (f"timed out after {seconds:g} s" if timed_out
                       else f"lost its peer ({text})")
-            raise PeerFailure(
+            failure = PeerFailure(
                 f"rank {self.topology.pipeline_rank} {reason} waiting for {what}; that rank "
                 "may have failed or be stuck",
                 stage=-1, microbatch=-1, action="recv",
-            ) from exc
+            )
+            if peer is not None:  # passed on to the other peers: who went silent, and how
+                failure.report = {
+                    "rank": peer, "stage": -1, "microbatch": -1, "action": "?",
+                    "silent": "timeout" if timed_out else "closed",
+                    "error": (f"no answer within {seconds:g} s" if timed_out
+                              else f"its connection closed: {text}")}
+            self.broken = (f"step {self.step} lost a peer (rank {self.topology.pipeline_rank} "
+                           f"{reason} waiting for {what}), so this pipeline refuses further "
+                           "steps: restart the job (torchrun --max-restarts restarts it)")
+            raise failure from exc
 
     # ------------------------------------------------------------ ending
 
     def abort(self, error: BaseException | None) -> None:
         """Tells every peer that sends to or receives from us that this rank stopped.
 
-        On gloo it then waits (at most ``timeout``) until every receive still posted
+        On gloo it then waits (a few seconds at most) until every receive still posted
         has its answer, each peer's message or abort report, which comes within an
-        action of that peer: no watcher thread may be left inside gloo at exit.
+        action of that peer: no watcher thread may be left inside gloo at exit. A
+        frozen peer never answers; that wait gives up.
         """
         self.local.abort(error)
         if self._aborted:
@@ -355,7 +412,7 @@ class P2PTransport:
             except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
                 pass
         if self._watcher is not None:
-            self._watcher.settle(self.timeout.total_seconds())
+            self._watcher.settle(min(self.deadlines.within, SETTLE))
 
     def finish(self) -> None:
         """Waits until every message this rank sent has been taken by its receiver."""

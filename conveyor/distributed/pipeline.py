@@ -25,14 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.distributed import collective
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
+from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.autosplit import choose_cut
+from conveyor.engine.deadline import Deadlines
 from conveyor.engine.builder import (
     NamedLayers,
     build_stages,
@@ -43,6 +46,9 @@ from conveyor.engine.builder import (
 )
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
+from conveyor.engine.hangreport import render_report
+from conveyor.engine.position import FAILED, RUNNING
+from conveyor.engine.threads import attach_report
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
 from conveyor.engine.stage import Stage
@@ -106,7 +112,11 @@ class Pipeline(KeepsPlacement):
             model is a function or on the meta device; a model whose layers share a
             Parameter object is tied automatically).
         check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
-        timeout: seconds a rank waits for another before giving up with an error.
+        timeout: seconds any wait may take (a receive, a collective, one action) before
+            the step fails with a report of where every rank stood; None (default)
+            fits them to the phase: 300 s at start-up, in the first step and for a
+            peer's first message of a step, later 10 x the slowest recent step (at
+            least 30 s). See ``conveyor.engine.deadline``.
         deferred_batch_norm: batch-norm statistics over the whole mini-batch.
         init_fn: with ``split_at`` and a model on the meta device, ``init_fn(module)``
             initialises each module of the rank's stages (default: the model's
@@ -134,7 +144,7 @@ class Pipeline(KeepsPlacement):
         data_parallel: int = 1,
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
-        timeout: float = 300.0,
+        timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
@@ -147,8 +157,9 @@ class Pipeline(KeepsPlacement):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.check_finite = check_finite
+        self._deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
-                                             timeout=timeout)
+                                             timeout=self._deadlines.opening)
         if topology is not None:
             agree({"ranks": topology.pipeline_size, "data_parallel": data_parallel,
                    "chunks": chunks, "schedule": schedule_of(schedule),
@@ -181,8 +192,13 @@ class Pipeline(KeepsPlacement):
             self._stages = self._cut_graph(module, split_at, sample, balance=balance,
                                            deferred_batch_norm=deferred_batch_norm,
                                            init_fn=init_fn, weights=weights)
-        self._transport = self._make_transport(timeout)
-        self._executor = Executor(self._stages, self.schedule, self._transport)
+        self._transport = self._make_transport()
+        self._executor = Executor(self._stages, self.schedule, self._transport, self._deadlines)
+        self._whereabouts: Whereabouts | None = None
+        if self.topology.distributed:  # reports gather every rank's place, not this one's
+            self._executor.reports = False
+            self._whereabouts = Whereabouts(self.topology.pipeline_rank, ranks,
+                                            self.topology.data_rank, self._snapshot)
 
     def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
                     balance: Sequence[int] | str | None, sample: Any,
@@ -257,12 +273,14 @@ class Pipeline(KeepsPlacement):
             for s in local
         })
 
-    def _make_transport(self, timeout: float) -> Transport:
+    def _make_transport(self) -> Transport:
         if not self.topology.distributed:
             return LocalTransport([self._stage_device(s)
-                                   for s in range(self.schedule.num_stages)])
+                                   for s in range(self.schedule.num_stages)],
+                                  deadlines=self._deadlines)
         return P2PTransport(self.topology, self.schedule,
-                            {s: stage.device for s, stage in self._stages.items()}, timeout)
+                            {s: stage.device for s, stage in self._stages.items()},
+                            self._deadlines)
 
     # ----------------------------------------------------------------- the user API
 
@@ -302,11 +320,15 @@ class Pipeline(KeepsPlacement):
         try:
             self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
             loss, divisor = self._step_loss(state)
-            sum_tied_gradients(self._ties)
-            reduce_across_replicas(params, self.topology.data_group, self.topology.data_size,
-                                   divisor)
-        except BaseException:
+            sum_tied_gradients(self._ties, lambda total, group: self._all_reduce(
+                total, group, "the all-reduce of the tied weights' gradients"))
+            reduce_across_replicas(
+                params, self.topology.data_group, self.topology.data_size, divisor,
+                lambda flat, op: self._all_reduce(flat, self.topology.data_group,
+                                                  "the replicas' gradient averaging", op))
+        except BaseException as exc:
             earlier.restore()
+            self._explain(exc)
             raise
         earlier.add_back()
         return loss
@@ -320,7 +342,11 @@ class Pipeline(KeepsPlacement):
             None on the other ranks.
         """
         state = self._new_step(inputs, grad_enabled=False)
-        self._run([Kind.FORWARD], state)
+        try:
+            self._run([Kind.FORWARD], state)
+        except BaseException as exc:
+            self._explain(exc)
+            raise
         if self.schedule.num_stages - 1 not in self._stages:
             return None
         return gather([state.outputs[m] for m in range(self.chunks)])
@@ -332,8 +358,12 @@ class Pipeline(KeepsPlacement):
             for duplicate in tie.duplicates():
                 counted.discard(id(duplicate))
         params = list(self.parameters())
-        return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
-                              norm_type, self.topology.pipeline_group)
+        return clip_grad_norm(
+            params, [p for p in params if id(p) in counted], max_norm, norm_type,
+            self.topology.pipeline_group,
+            lambda norm, op: self._all_reduce(norm, self.topology.pipeline_group,
+                                              "the all-reduce of the gradients' norm", op,
+                                              seconds=self._deadlines.opening))
 
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
@@ -355,9 +385,43 @@ class Pipeline(KeepsPlacement):
     def _run(self, kinds: list[Kind], state: StepState) -> None:
         columns = actions_of(self.schedule, kinds)
         if isinstance(self._transport, P2PTransport):
+            assert self._whereabouts is not None
+            self._whereabouts.start()
             self._transport.prepare(columns)
             columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
         self._executor.run_committed(columns, state)
+
+    def _all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = None, *,
+                    seconds: float | None = None) -> None:
+        """An all-reduce over ``group`` whose wait is bounded (the step's, by default);
+        this rank's position says it is in ``what`` meanwhile."""
+        position = self._executor.positions.get(self.topology.pipeline_rank)
+        if position is not None:
+            position.joining(what)
+        collective.all_reduce(tensor, group=group, what=what, op=op,
+                              seconds=self._deadlines.within if seconds is None else seconds)
+
+    def _snapshot(self) -> dict[str, Any] | None:
+        """This rank's place in the current (or last) step, as plain data."""
+        position = self._executor.positions.get(self.topology.pipeline_rank)
+        return None if position is None else position.snapshot()
+
+    def _explain(self, error: BaseException) -> None:
+        """Under torchrun, gives a failed step's ``error`` the report of where every rank
+        stood, gathered from the others (see :mod:`conveyor.distributed.whereabouts`);
+        a rank that stopped answering leaves this pipeline refusing further steps."""
+        if self._whereabouts is None or getattr(error, "where", None) is not None:
+            return
+        report = getattr(error, "report", None) or {}
+        silent = {report["rank"]} if report.get("silent") and report.get("rank") is not None \
+            else set()
+        if report.get("silent") and isinstance(self._transport, P2PTransport):
+            self._transport.broken = self._transport.broken or (
+                f"step {self._executor.runs} lost a peer ({report['error']}), so this "
+                "pipeline refuses further steps: restart the job")
+        snapshots = self._whereabouts.gather(self._executor.runs, _GATHER, silent)
+        attach_report(error, render_report(self.schedule, self._executor.kinds, snapshots,
+                                           _notes(snapshots, report, self._deadlines.within)))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage's rank has it, on every rank of this pipeline
@@ -366,8 +430,13 @@ class Pipeline(KeepsPlacement):
         if not topology.distributed:
             return value
         shared = value.to(self._device)
-        dist.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
-                       group=topology.pipeline_group)
+        position = self._executor.positions.get(topology.pipeline_rank)
+        what = "the broadcast of the step's loss from the last stage"
+        if position is not None:
+            position.joining(what)
+        collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
+                             group=topology.pipeline_group, what=what,
+                             seconds=self._deadlines.within)
         return shared.to(value.device)
 
     def _step_loss(self, state: StepState) -> tuple[torch.Tensor, float]:
@@ -390,7 +459,7 @@ class Pipeline(KeepsPlacement):
         totals = self.from_last_stage(totals)
         replicas = self.topology.data_size
         if replicas > 1:
-            dist.all_reduce(totals, group=self.topology.data_group)
+            self._all_reduce(totals, self.topology.data_group, "the replicas' loss total")
         if not totals[2]:  # scalar losses: the replicas' mean
             return (totals[0] / replicas).detach(), replicas
         count = float(totals[1])
@@ -401,6 +470,27 @@ class Pipeline(KeepsPlacement):
                 "(loss_sum / count) is undefined; every target is padding?"
             )
         return (totals[0] / count).detach(), count
+
+
+_GATHER = 3.0  # seconds a failed rank waits for the others' places
+
+
+def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> dict[int, str]:
+    """What a gathered report says beside each rank: who failed, who went silent."""
+    notes: dict[int, str] = {}
+    for rank, snapshot in snapshots.items():
+        if snapshot is None:
+            closed = report.get("silent") == "closed" and report.get("rank") == rank
+            notes[rank] = ("its connection closed: the process died" if closed
+                           else "did not answer: frozen, dead, or stuck outside Python")
+        elif snapshot["state"] == FAILED:
+            notes[rank] = "timed out" if snapshot["awaited"] else "failed here"
+        elif snapshot["state"] == RUNNING and snapshot["seconds"] > limit:
+            notes[rank] = "stuck"
+    origin = report.get("rank")
+    if origin in snapshots and snapshots[origin] is not None and not report.get("silent"):
+        notes[origin] = "failed here"
+    return notes
 
 
 def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:

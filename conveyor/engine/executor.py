@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +38,21 @@ import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
+from conveyor.engine.deadline import Deadlines
+from conveyor.engine.hangreport import render_report
 from conveyor.engine.loss import LossFn, loss_and_count
+from conveyor.engine.position import Awaited, Position
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.stage import Stage, failure
+from conveyor.engine.threads import WatchedRanks, attach_report, notes
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.engine.weightgrad import WeightGradient, backward_input
-from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
+from conveyor.errors import (
+    ConveyorError,
+    NonFiniteLossError,
+    StageError,
+)
 from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
@@ -106,15 +115,27 @@ class Executor:
     """
 
     def __init__(self, stages: Mapping[int, Stage], schedule: Schedule,
-                 transport: Transport) -> None:
+                 transport: Transport, deadlines: Deadlines | None = None) -> None:
         self.stages = dict(stages)
         self.schedule = schedule
         self.stage_ranks = list(schedule.stage_ranks)
         self.transport = transport
+        self.deadlines = deadlines if deadlines is not None else Deadlines(None)
+        #: where each local rank stands in the current (or last) run.
+        self.positions: dict[int, Position] = {}
+        self.kinds: frozenset[Kind] = frozenset()  # what the current (or last) run runs
+        self.runs = 0  # runs started, counted from 1: the step number of a report
+        self.abandoned: str | None = None  # why runs are refused (a thread left behind)
+        self.reports = True  # a failed run's error carries the report of the local ranks
         # Edges whose values carry no gradient (masks, ids): none may require grad.
         self._no_gradient = {(e.source, e.destination) for e in schedule.edges
                              if not e.gradient}
         self.recorder: Recorder | None = None  # set by conveyor.record()
+
+    def report(self, notes: Mapping[int, str] = {}) -> str:
+        """The hang report of the current (or last) run, from the local ranks' places."""
+        snapshots = {rank: position.snapshot() for rank, position in self.positions.items()}
+        return render_report(self.schedule, self.kinds, snapshots, notes)
 
     def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs the columns like :meth:`run`, then commits the local stages' deferred
@@ -137,8 +158,16 @@ class Executor:
         Raises:
             StageError: an action failed (or the typed error a stage raised).
         """
+        if self.abandoned is not None:
+            raise ConveyorError(self.abandoned)
+        self.runs += 1
+        self.kinds = frozenset(a.kind for column in columns.values() for a in column)
+        self.positions = {rank: Position(rank, column, self.runs)
+                          for rank, column in columns.items()}
+        started = time.monotonic()
         if not actionlog.enabled():  # asked once per run: the actions pay nothing
             self._run(columns, state, None)
+            self.deadlines.measured(time.monotonic() - started)
             return
         log = actionlog.ActionLog(self.transport, columns, state.inputs)
         self.transport = log.transport  # notes what each action receives and sends
@@ -147,6 +176,7 @@ class Executor:
                 self._run(columns, state, log)
         finally:
             self.transport = log.transport.inner
+        self.deadlines.measured(time.monotonic() - started)
 
     def _run(self, columns: Mapping[int, Sequence[Action]], state: StepState,
              log: actionlog.ActionLog | None) -> None:
@@ -171,19 +201,23 @@ class Executor:
                 recorder.measure(rank, action, lambda: self._execute(action, state))
 
         def work(rank: int) -> None:
+            position = self.positions[rank]
             try:
                 with context.applied(devices[rank], cpu_threads), self._preserved_rng(rank):
                     for action in columns[rank]:
                         self.transport.poll()
+                        position.begin(action)
                         if log is not None:
                             log.action(rank, action, lambda: execute(rank, action))
                         elif recorder is None:
                             self._execute(action, state)
                         else:
                             execute(rank, action)
+                        position.end()
             except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                position.failed()
                 with lock:
                     errors.append(exc)
                 self.transport.abort(exc)
@@ -191,21 +225,13 @@ class Executor:
         if len(busy) == 1:
             work(busy[0])  # one rank: run it here, without a thread
         else:
-            threads = [
-                threading.Thread(target=work, args=(rank,), name=f"conveyor-rank{rank}",
-                                 daemon=True)
-                for rank in busy
-            ]
-            for thread in threads:
-                thread.start()
-            try:
-                for thread in threads:
-                    thread.join()
-            except BaseException:
-                self.transport.abort(None)
-                raise
+            watched = WatchedRanks(self.positions, self.deadlines, self.transport, errors, lock)
+            self.abandoned = watched.run(busy, work, self.runs)
         if errors:
-            raise errors[0]
+            error = errors[0]
+            if self.reports:
+                attach_report(error, self.report(notes(self.positions, self.deadlines.within)))
+            raise error
         self.transport.finish()
 
     def _preserved_rng(self, rank: int) -> contextlib.ExitStack:
@@ -246,10 +272,15 @@ class Executor:
             raise error from exc
 
     def _recv(self, kind: MessageKind, stage: int, microbatch: int, source: int) -> Any:
+        position = self.positions[self.stage_ranks[stage]]
+        position.awaiting(Awaited(kind, source, self.stage_ranks[source], stage, microbatch))
         if self.recorder is None:
-            return self.transport.recv(kind, stage, microbatch, source=source)
-        with self.recorder.waiting():
-            return self.transport.recv(kind, stage, microbatch, source=source)
+            value = self.transport.recv(kind, stage, microbatch, source=source)
+        else:
+            with self.recorder.waiting():
+                value = self.transport.recv(kind, stage, microbatch, source=source)
+        position.arrived()
+        return value
 
     def _send(self, kind: MessageKind, stage: int, microbatch: int, value: Any,
               source: int) -> None:

@@ -27,6 +27,7 @@ from conveyor.engine.builder import (
     refuse_initialisation,
 )
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
+from conveyor.engine.deadline import Deadlines
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
@@ -99,6 +100,11 @@ class GPipe(KeepsPlacement):
             one, as Hugging Face models do, else each module's ``reset_parameters()``).
         weights: with ``split_at``, a ``state_dict`` or a checkpoint file of the plain
             model (``.safetensors`` or ``torch.save``) to load the meta tensors from.
+        timeout: seconds a stage may wait for another, or run one action, before the
+            call fails with :class:`~conveyor.StepTimeout` and a report of where every
+            stage stood (the stuck thread is left running, and the pipeline refuses
+            further calls); None (default) allows 300 s in the first call and then
+            10 x the slowest call (at least 30 s).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -122,9 +128,11 @@ class GPipe(KeepsPlacement):
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
+        deadlines = Deadlines(timeout)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
@@ -147,7 +155,8 @@ class GPipe(KeepsPlacement):
         self.partitions.extend(stage.layers for stage in self._stages)
         self._schedule = gpipe(len(self.balance), chunks).with_edges(self._edges)
         validate(self._schedule)
-        self._executor = Executor(built, self._schedule, LocalTransport(self.devices))
+        self._executor = Executor(built, self._schedule,
+                                  LocalTransport(self.devices, deadlines=deadlines), deadlines)
 
     def _cut_layers(self, module: nn.Module, balance: Sequence[int] | str | None, sample: Any,
                     devices: Sequence[Device] | None,

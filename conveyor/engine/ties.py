@@ -12,7 +12,7 @@ them equal, as the plain model's single weight. Between processes,
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +116,13 @@ def equalize(tie: TiedParameter) -> None:
             duplicate.copy_(tie.copies[0])
 
 
-def sum_tied_gradients(ties: Iterable[TiedParameter]) -> None:
-    """Gives every copy of each tied weight the sum of all copies' gradients."""
+def sum_tied_gradients(ties: Iterable[TiedParameter],
+                       reduce: Callable[[torch.Tensor, Any], None] | None = None) -> None:
+    """Gives every copy of each tied weight the sum of all copies' gradients.
+
+    ``reduce(total, group)`` sums a tie's total over the processes of its group
+    (default ``dist.all_reduce``; a pipeline passes one whose wait is bounded).
+    """
     for tie in ties:
         if not tie.copies:
             continue
@@ -126,7 +131,10 @@ def sum_tied_gradients(ties: Iterable[TiedParameter]) -> None:
             if held.grad is not None:
                 total += held.grad.to(total.device)
         if tie.group is not None:
-            dist.all_reduce(total, group=tie.group)
+            if reduce is None:
+                dist.all_reduce(total, group=tie.group)
+            else:
+                reduce(total, tie.group)
         for held in tie.copies:
             held.grad = total.to(held.device, copy=True)
 

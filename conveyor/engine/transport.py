@@ -13,12 +13,16 @@ flag its sender's tensor had. Every transport counts what it sends in its
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.utils._pytree as pytree
+
+from conveyor.engine.deadline import Deadlines
+from conveyor.errors import StepTimeout
 
 __all__: list[str] = []
 
@@ -185,9 +189,11 @@ class LocalTransport:
         traffic: where sends are counted (by default a Traffic of its own).
     """
 
-    def __init__(self, devices: Sequence[torch.device], traffic: Traffic | None = None) -> None:
+    def __init__(self, devices: Sequence[torch.device], traffic: Traffic | None = None,
+                 deadlines: Deadlines | None = None) -> None:
         self.devices = list(devices)
         self.traffic = traffic if traffic is not None else Traffic()
+        self.deadlines = deadlines if deadlines is not None else Deadlines(None)
         self._boxes: dict[tuple[str, int, int, int], Any] = {}
         self._ready = threading.Condition()
         self._aborted = False
@@ -211,12 +217,21 @@ class LocalTransport:
              source: int | None = None) -> Any:
         source = neighbour(kind, stage) if source is None else source
         key = (kind, source, stage, microbatch)
+        timeout = self.deadlines.within
+        deadline = time.monotonic() + timeout
         with self._ready:
             while key not in self._boxes:
                 if self._aborted:
                     raise Aborted(f"stage {stage} stopped waiting for {kind} of "
                                   f"micro-batch {microbatch} from stage {source}")
-                self._ready.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StepTimeout(
+                        f"stage {stage} waited {timeout:g} s for the {kind} of micro-batch "
+                        f"{microbatch} from stage {source}, which never came: stage "
+                        f"{source} is stuck or slower than the timeout (raise timeout=)",
+                        stage=stage, microbatch=microbatch, action="recv")
+                self._ready.wait(left)
             value = self._boxes.pop(key)
         return deliver(value, self.devices[stage], self._copy_streams)
 

@@ -6,7 +6,7 @@ how a table is pictured: the paper's fill-drain diagram is the GPipe table on it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.table import Action, Schedule, dependencies
@@ -95,6 +95,8 @@ def render_clock(
     grid: Sequence[Sequence[Action | None]],
     *,
     waiting: Sequence[Action | None] | None = None,
+    cell: Callable[[int, Action], str] = lambda rank, action: str(action),
+    ticks: range | None = None,
 ) -> str:
     """Draws a clock grid as text, one row per rank; ``.`` is an idle tick.
 
@@ -102,19 +104,24 @@ def render_clock(
         grid: ``grid[r][t]`` as returned by :func:`layout_clock`.
         waiting: optionally, per rank, an action drawn as ``>1B0`` after the last tick:
             the action the rank is stuck on.
+        cell: how rank r's action is drawn (by default as ``1F3``).
+        ticks: the ticks to draw (by default all of them).
     """
-    ticks = max((len(row) for row in grid), default=0)
+    total = max((len(row) for row in grid), default=0)
+    shown = ticks if ticks is not None else range(total)
     extra = 1 if waiting is not None and any(w is not None for w in waiting) else 0
     cells: list[list[str]] = []
     for rank, row in enumerate(grid):
-        line = [str(a) if a is not None else "." for a in row] + ["."] * (ticks - len(row))
+        padded = list(row) + [None] * (total - len(row))
+        line = [cell(rank, a) if a is not None else "." for a in (padded[t] for t in shown)]
         if extra:
             stuck = waiting[rank] if waiting is not None else None
             line.append(f">{stuck}" if stuck is not None else "")
         cells.append(line)
-    width = max([len(str(ticks + extra))] + [len(c) for line in cells for c in line])
+    numbers = [*shown, *([shown.stop] if extra else [])]
+    width = max([len(str(t)) for t in numbers] + [len(c) for line in cells for c in line])
     label = max(len(f"rank {len(grid) - 1}"), 4)
-    header = " " * label + "  " + " ".join(f"{t:<{width}}" for t in range(ticks + extra))
+    header = " " * label + "  " + " ".join(f"{t:<{width}}" for t in numbers)
     rows = [
         f"{f'rank {r}':<{label}}  " + " ".join(f"{c:<{width}}" for c in line)
         for r, line in enumerate(cells)

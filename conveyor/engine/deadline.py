@@ -1,0 +1,66 @@
+"""How long a rank may wait, by phase of the run: given, or fitted to the step time.
+
+A fixed timeout has to cover the slowest phase, so a frozen rank then costs every
+step its whole length before anyone is told. With ``timeout=None`` (the default) the
+waits are fitted to what they cover:
+
+=====================================  ==============================================
+phase                                  a wait may take
+=====================================  ==============================================
+start-up (process group, agreement)    300 s (torch's process-group timeout)
+the first step                         300 s (first allocations, lazy set-up)
+a peer's first message of a step       300 s (ranks may reach a step at different
+                                       times: saving, evaluating, loading data)
+within a later step                    10 x the slowest of the last 20 steps, at
+                                       least 30 s
+=====================================  ==============================================
+
+A given ``timeout=T`` bounds every wait by T seconds, whatever the phase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__: list[str] = []
+
+OPENING = 300.0
+FLOOR = 30.0
+FACTOR = 10.0
+WINDOW = 20
+
+
+class Deadlines:
+    """The seconds a wait may take, per phase.
+
+    Args:
+        timeout: seconds for every wait; None fits them to the phase (see the module).
+    """
+
+    def __init__(self, timeout: float | None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.fixed = timeout
+        self._steps: deque[float] = deque(maxlen=WINDOW)
+
+    @property
+    def opening(self) -> float:
+        """For a peer's first message of a step, and for the start-up."""
+        return self.fixed if self.fixed is not None else OPENING
+
+    @property
+    def within(self) -> float:
+        """For any other wait of a step, and for one action to run."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self._steps:
+            return OPENING
+        return max(FLOOR, FACTOR * max(self._steps))
+
+    def measured(self, seconds: float) -> None:
+        """Notes how long a run that went through took."""
+        self._steps.append(seconds)
+
+    def __repr__(self) -> str:
+        given = "given" if self.fixed is not None else "fitted"
+        return f"Deadlines({given}: opening {self.opening:g} s, within {self.within:g} s)"
