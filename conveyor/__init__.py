@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
+    from conveyor.observe.where import report_on_signal, where
     from conveyor.schedules import Schedule
 
 __version__ = "0.1.0"
@@ -89,6 +90,8 @@ _LAZY = {
     "CostModel": "conveyor.observe.simulate",
     "Timeline": "conveyor.observe.trace",
     "plot_timelines": "conveyor.observe.trace",
+    "where": "conveyor.observe.where",
+    "report_on_signal": "conveyor.observe.where",
 }
 
 # Public modules by their short names: ``conveyor.simulate`` is conveyor.observe.simulate.
@@ -136,11 +139,13 @@ __all__ = [
     "pop",
     "profile_layers",
     "record",
+    "report_on_signal",
     "skippable",
     "solve_balance",
     "stash",
     "tune_malloc",
     "verify_skips",
+    "where",
 ]
 
 

@@ -8,11 +8,12 @@ waits are fitted to what they cover:
 phase                                  a wait may take
 =====================================  ==============================================
 start-up (process group, agreement)    300 s (torch's process-group timeout)
-the first step                         300 s (first allocations, lazy set-up)
+the first two steps                    300 s (first allocations, lazy set-up: the
+                                       first step is not a measure of the others)
 a peer's first message of a step       300 s (ranks may reach a step at different
                                        times: saving, evaluating, loading data)
-within a later step                    10 x the slowest of the last 20 steps, at
-                                       least 30 s
+within a later step                    10 x the slowest of the last 20 steps (the
+                                       first left out), at least 30 s
 =====================================  ==============================================
 
 A given ``timeout=T`` bounds every wait by T seconds, whatever the phase.
@@ -42,6 +43,7 @@ class Deadlines:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.fixed = timeout
         self._steps: deque[float] = deque(maxlen=WINDOW)
+        self._warmed_up = False
 
     @property
     def opening(self) -> float:
@@ -58,8 +60,10 @@ class Deadlines:
         return max(FLOOR, FACTOR * max(self._steps))
 
     def measured(self, seconds: float) -> None:
-        """Notes how long a run that went through took."""
-        self._steps.append(seconds)
+        """Notes how long a run that went through took (the first one is warm-up)."""
+        if self._warmed_up:
+            self._steps.append(seconds)
+        self._warmed_up = True
 
     def __repr__(self) -> str:
         given = "given" if self.fixed is not None else "fitted"

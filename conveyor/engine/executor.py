@@ -132,10 +132,11 @@ class Executor:
                              if not e.gradient}
         self.recorder: Recorder | None = None  # set by conveyor.record()
 
-    def report(self, notes: Mapping[int, str] = {}) -> str:
-        """The hang report of the current (or last) run, from the local ranks' places."""
+    def report(self, notes: Mapping[int, str] = {}, absent: str = "no answer") -> str:
+        """The hang report of the current (or last) run, from the local ranks' places
+        (``absent``: what the others are said to be)."""
         snapshots = {rank: position.snapshot() for rank, position in self.positions.items()}
-        return render_report(self.schedule, self.kinds, snapshots, notes)
+        return render_report(self.schedule, self.kinds, snapshots, notes, absent)
 
     def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs the columns like :meth:`run`, then commits the local stages' deferred

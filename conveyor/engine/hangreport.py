@@ -31,13 +31,14 @@ _WINDOW = 8  # ticks drawn on each side of the marked places
 
 def render_report(schedule: Schedule, kinds: Iterable[Kind],
                   snapshots: Mapping[int, dict[str, Any] | None],
-                  notes: Mapping[int, str] = {}) -> str:
+                  notes: Mapping[int, str] = {}, absent: str = "no answer") -> str:
     """The report of one run of ``kinds`` of ``schedule``, from each rank's snapshot.
 
     Args:
         snapshots: per pipeline rank, its :meth:`Position.snapshot` (None: it did not
             answer).
         notes: per rank, what to add to its line (why it did not answer, "stuck").
+        absent: what a rank without a snapshot is said to be.
     """
     kinds = set(kinds)
     phase = actions_of(schedule, kinds)
@@ -47,7 +48,7 @@ def render_report(schedule: Schedule, kinds: Iterable[Kind],
              f"{schedule.num_ranks} ranks, {schedule.num_microbatches} micro-batches; {what}):"]
     for rank in range(schedule.num_ranks):
         snapshot = snapshots.get(rank)
-        text = describe(snapshot) if snapshot else "no answer"
+        text = describe(snapshot) if snapshot else absent
         note = notes.get(rank)
         lines.append(f"  rank {rank}  {text}" + (f"  <- {note}" if note else ""))
     lines.append("clock (one tick per action): UPPER done, >here, lower not reached")
