@@ -47,7 +47,7 @@ from conveyor.engine.builder import (
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.hangreport import render_report
-from conveyor.engine.position import FAILED, RUNNING
+from conveyor.engine.position import FAILED, RUNNING, STOPPED
 from conveyor.engine.threads import attach_report
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
@@ -484,7 +484,9 @@ def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> d
             notes[rank] = ("its connection closed: the process died" if closed
                            else "did not answer: frozen, dead, or stuck outside Python")
         elif snapshot["state"] == FAILED:
-            notes[rank] = "timed out" if snapshot["awaited"] else "failed here"
+            notes[rank] = "failed here"
+        elif snapshot["state"] == STOPPED and report.get("silent") and snapshot["awaited"]:
+            notes[rank] = "timed out"
         elif snapshot["state"] == RUNNING and snapshot["seconds"] > limit:
             notes[rank] = "stuck"
     origin = report.get("rank")

@@ -13,10 +13,14 @@ the other as they are posted, and marks each done: asking is then reading a flag
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
 import queue
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__: list[str] = []
@@ -66,6 +70,22 @@ class Watched:
             self._done.set()
 
 
+_watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _exit_before_a_late_answer() -> None:
+    """Ends the process now if it is exiting on an uncaught error with a receive still
+    inside gloo (a peer froze or died): were the receive to come back while the
+    interpreter shuts down, its thread would abort the process ("terminate called
+    without an active exception", exit -6) after the error was printed."""
+    failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None)
+    if failed and any(watcher.pending() for watcher in list(_watchers)):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 class Watcher:
     """One daemon thread per peer, waiting on that peer's receives in the order posted.
 
@@ -76,6 +96,11 @@ class Watcher:
     def __init__(self) -> None:
         self._queues: dict[int, queue.SimpleQueue[Watched | None]] = {}
         self._last: dict[int, Watched] = {}
+        _watchers.add(self)
+
+    def pending(self) -> bool:
+        """Whether a receive it watches has not finished (a thread waits inside gloo)."""
+        return any(not watched.is_completed() for watched in list(self._last.values()))
 
     def watch(self, peer: int, work: Any) -> Watched:
         """``work``, a receive from ``peer``, watched from now on."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 __all__: list[str] = []
 
+_POLL = 0.5  # seconds between two looks of the answering thread
 _created = 0  # pipelines made in this process: every rank makes them in the same order
 
 
@@ -70,7 +71,8 @@ class Whereabouts:
 
     def gather(self, step: int, seconds: float, known_silent: set[int]) -> dict[int, Any]:
         """Every rank's position in ``step``: publishes this rank's, asks the others,
-        and waits at most ``seconds`` for them (not for those ``known_silent``).
+        and waits at most ``seconds`` for them (for those ``known_silent`` as long as
+        their answering thread takes: a rank stuck in a Python loop still answers).
 
         Returns:
             Per pipeline rank, its snapshot; None for a rank that did not answer (and
@@ -83,14 +85,17 @@ class Whereabouts:
         try:
             self._publish(step)
             self.store.set(f"{self.prefix}/{step}/asked", "1")
-            deadline = time.monotonic() + seconds
+            start = time.monotonic()
+            deadline, silent_deadline = start + seconds, start + min(seconds, 2 * _POLL + 0.5)
             while True:
                 for rank in range(self.ranks):
                     key = f"{self.prefix}/{step}/{rank}"
                     if found[rank] is None and self.store.check([key]):
                         found[rank] = json.loads(self.store.get(key))
-                waiting = [r for r, s in found.items() if s is None and r not in known_silent]
-                if not waiting or time.monotonic() > deadline:
+                now = time.monotonic()
+                waiting = [r for r, s in found.items() if s is None and (
+                    now < silent_deadline or r not in known_silent)]
+                if not waiting or now > deadline:
                     return found
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store's host died: report what is known
@@ -104,7 +109,7 @@ class Whereabouts:
             self.store.set(f"{self.prefix}/{step}/{self.rank}", json.dumps(snapshot))
 
     def _answer(self) -> None:
-        while not self._closed.wait(0.5):
+        while not self._closed.wait(_POLL):
             if self._snapshot() is None:
                 return  # the pipeline is gone
             snapshot = self.snapshot()

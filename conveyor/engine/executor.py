@@ -51,6 +51,7 @@ from conveyor.engine.weightgrad import WeightGradient, backward_input
 from conveyor.errors import (
     ConveyorError,
     NonFiniteLossError,
+    PeerFailure,
     StageError,
 )
 from conveyor.schedules import Action, Kind, Schedule
@@ -218,7 +219,7 @@ class Executor:
             except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                position.failed()
+                position.failed(elsewhere=isinstance(exc, PeerFailure))
                 with lock:
                     errors.append(exc)
                 self.transport.abort(exc)

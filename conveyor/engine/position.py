@@ -26,6 +26,7 @@ __all__: list[str] = []
 
 BETWEEN, RUNNING, WAITING, FINISHED, FAILED = "between", "running", "waiting", "finished", "failed"
 COLLECTIVE = "collective"  # after its actions, in one of the step's collectives
+STOPPED = "stopped"  # told of a failure elsewhere (a peer's report, a timeout)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ class Position:
     def joining(self, collective: str) -> None:
         self.collective, self.state, self.since = collective, COLLECTIVE, time.monotonic()
 
-    def failed(self) -> None:
-        self.state, self.since = FAILED, time.monotonic()
+    def failed(self, elsewhere: bool = False) -> None:
+        """The rank's run ended with an error: its own (``FAILED``), or, ``elsewhere``,
+        one it was told of (``STOPPED``)."""
+        self.state, self.since = (STOPPED if elsewhere else FAILED), time.monotonic()
 
     def seconds(self) -> float:
         """How long it has been in its state."""
@@ -123,10 +126,13 @@ def describe(snapshot: dict[str, Any]) -> str:
     awaited = Awaited(**snapshot["awaited"]) if snapshot["awaited"] else None
     if state == WAITING:
         here = f"in {snapshot['action']}, waiting {seconds} for {awaited}"
-    elif state == FAILED and awaited is not None:
-        here = f"gave up in {snapshot['action']} waiting for {awaited}, {seconds} ago"
-    elif state == COLLECTIVE or (state == FAILED and snapshot["collective"]):
-        verb = "in" if state == COLLECTIVE else "gave up"
+    elif state in (FAILED, STOPPED) and awaited is not None:
+        here = f"stopped in {snapshot['action']} waiting for {awaited}, {seconds} ago"
+    elif state == STOPPED:
+        here = (f"stopped in {snapshot['action']} {seconds} ago" if snapshot["action"]
+                else f"stopped before its next action {seconds} ago")
+    elif state == COLLECTIVE or (state in (FAILED, STOPPED) and snapshot["collective"]):
+        verb = "in" if state == COLLECTIVE else "stopped in"
         here = f"done with its actions; {verb} {snapshot['collective']} for {seconds}"
     elif state == RUNNING:
         here = f"in {snapshot['action']}, computing for {seconds}"

@@ -121,7 +121,7 @@ def notes(positions: Mapping[int, Position], limit: float) -> dict[int, str]:
         if position.state == RUNNING and position.seconds() > limit:
             said[rank] = "stuck"
         elif position.state == FAILED:
-            said[rank] = "failed here" if position.awaited is None else "timed out"
+            said[rank] = "failed here" if position.awaited is None else "timed out here"
     return said
 
 
