@@ -3,8 +3,11 @@ the simulator predicts for them against the published figures."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
+import conveyor
 from conveyor.errors import ScheduleError
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import (
@@ -16,6 +19,8 @@ from conveyor.schedules import (
     validate,
     zero_bubble_v,
 )
+from tests.models import assert_same_grads, relative_error
+from tests.scenarios import case_batch, case_model
 
 #: (K, M) with M >= 2K, where the published figures hold.
 FULL = [(k, m) for k in (1, 2, 3, 4, 5, 8) for m in (2 * k, 2 * k + 1, 3 * k, 4 * k, 24)]
@@ -147,3 +152,61 @@ def test_dualpipe_v_holds_pp_plus_1_stages_of_activations(ranks: int,
     table = build("dualpipe-v", k, m)
     result = simulate(table, CostModel.per_rank(table, activation_bytes=10.0))
     assert result.peak_bytes == [5.0 * (2 * k + 1)] * k
+
+
+# ------------------------------------------------ equivalence on threads, one per rank
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize(("ranks", "microbatches"), [(1, 2), (2, 4), (2, 5), (3, 6), (3, 8)])
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_v_shapes_equal_the_plain_model(name: str, ranks: int, microbatches: int,
+                                        checkpoint: str) -> None:
+    model, loss_fn = case_model("mlp")  # 12 layers: up to 6 stages
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=ranks, devices=["cpu"] * ranks,
+                             chunks=microbatches, schedule=name, checkpoint=checkpoint,
+                             loss_fn=loss_fn)
+    assert pipe.schedule.num_stages == 2 * ranks and len(pipe.balance) == 2 * ranks
+    x, y = case_batch("mlp", batch=11)  # uneven micro-batches
+    loss = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_a_tied_lm_s_first_and_last_stage_share_rank_0(name: str) -> None:
+    # The embedding (stage 0) and the head (stage 2K-1) are one weight, both on rank 0.
+    model, loss_fn = case_model("lm")
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=4, schedule=name,
+                             loss_fn=loss_fn)
+    assert pipe.schedule.stage_ranks[0] == pipe.schedule.stage_ranks[-1] == 0
+    x, y = case_batch("lm")
+    pipe.step(x, y)
+    loss_fn(reference(x), y).backward()
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    for n, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[n].grad) <= 1e-10, n
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+@pytest.mark.parametrize(("model_name", "split_at"), [
+    ("unet", ["down2", "up2", "up1"]),  # long skips, stage 0 -> 3 within rank 0
+    ("gpt2", ["transformer.h.1", "transformer.h.2", "transformer.h.3"]),  # tied head
+])
+def test_a_traced_model_split_into_a_v_equals_the_plain_model(
+        model_name: str, split_at: list[str], name: str) -> None:
+    from tests.test_any_model import CHUNKS, assert_model_grads, build as build_model
+    from tests.test_any_model import loss_of, plain_step, sample_of
+
+    model, reference, _, inputs, targets = build_model(model_name)
+    pipe = conveyor.Pipeline(model, split_at=split_at, sample=sample_of(inputs), stages=2,
+                             devices=["cpu"] * 2, chunks=CHUNKS, schedule=name,
+                             loss_fn=loss_of(model_name))
+    assert pipe.schedule.stage_ranks == (0, 1, 1, 0)
+    loss = pipe.step(inputs, targets)
+    expected = plain_step(model_name, reference, inputs, targets)
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    assert_model_grads(pipe, reference)
