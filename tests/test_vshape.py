@@ -210,3 +210,16 @@ def test_a_traced_model_split_into_a_v_equals_the_plain_model(
     expected = plain_step(model_name, reference, inputs, targets)
     assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
     assert_model_grads(pipe, reference)
+
+
+def test_conveyor_simulate_takes_the_v_shapes(capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+
+    assert main(["simulate", "--schedule", "zb-v", "--stages", "4", "--chunks", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zb-v: 4 ranks, 2 stages each, 8 micro-batches; step 25.5 units, "
+                          "bubble 5.9% (textbook (K-1)/(6M+K-1) = 5.9%)")
+    assert "rank 0    0, 7  24 units" in out and "Each of a rank's 2 stages does 1/2" in out
+    assert main(["simulate", "--schedule", "dualpipe-v", "--stages", "4", "--chunks",
+                 "6"]) == 2
+    assert "dualpipe-v needs at least 2 x 4 = 8 micro-batches" in capsys.readouterr().err
