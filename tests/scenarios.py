@@ -99,6 +99,9 @@ def cases(world: int) -> list[tuple[str, str, int]]:
     if world == 2:
         found.append(("lm", "interleaved-1f1b", 2))
         found.append(("lm", "mixed", 1))
+        # V shapes (4 micro-batches: 2K for dualpipe-v); the LM's tied embedding and
+        # head on stages 0 and 3, both on rank 0, which also holds the loss.
+        found += [("mlp", "zb-v", 1), ("lm", "zb-v", 1), ("lm", "dualpipe-v", 1)]
     return found
 
 
@@ -312,6 +315,9 @@ ANY_MODEL_SPLITS = {"unet": ["up1"], "gpt2": ["transformer.h.2"], "llama": ["mod
 ANY_MODEL_CASES = [(name, schedule, split_at, 1) for name, split_at in ANY_MODEL_SPLITS.items()
                    for schedule in ("gpipe", "1f1b", "zero-bubble")]
 ANY_MODEL_CASES.append(("unet", "interleaved-1f1b", ["down2", "up2", "up1"], 2))
+# In a V: the U-Net's outer skip and GPT-2's tied head stay on rank 0, with the loss.
+ANY_MODEL_CASES += [("unet", "dualpipe-v", ["down2", "up2", "up1"], 1),
+                    ("gpt2", "zb-v", ["transformer.h.1", "transformer.h.2", "transformer.h.3"], 1)]
 
 
 def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:

@@ -26,7 +26,8 @@ from tests.scenarios import (
 
 MODES = ["always", "except_last", "never"]
 # (schedule, virtual stages, ranks): every schedule on two ranks.
-SCHEDULES = [("gpipe", 1, 2), ("1f1b", 1, 2), ("zero-bubble", 1, 2), ("interleaved-1f1b", 2, 2)]
+SCHEDULES = [("gpipe", 1, 2), ("1f1b", 1, 2), ("zero-bubble", 1, 2), ("interleaved-1f1b", 2, 2),
+             ("zb-v", 2, 2), ("dualpipe-v", 2, 2)]  # the V shapes: two stages per rank too
 CHUNKS = 4
 
 

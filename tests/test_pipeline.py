@@ -17,7 +17,7 @@ from tests.models import one_costly_layer, one_cpu_thread, paired, relative_erro
 from tests.scenarios import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm
 
 SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
-             ("interleaved-1f1b", 2, 2)]
+             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2)]
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

@@ -44,7 +44,8 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
     sub.add_argument("--split-at", metavar="NAME,...",
                      help="submodules where stages 1, 2, ... begin (any nn.Module)")
     sub.add_argument("--schedule", metavar="NAME",
-                     help="gpipe (default), 1f1b, interleaved-1f1b or zero-bubble")
+                     help="gpipe (default), 1f1b, interleaved-1f1b, zero-bubble, zb-v or "
+                          "dualpipe-v")
     sub.add_argument("--chunks", type=int, metavar="M", help="micro-batches M (default 4)")
     sub.add_argument("--virtual-stages", type=int, metavar="V",
                      help="stages per rank, for interleaved-1f1b")

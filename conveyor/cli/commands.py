@@ -76,7 +76,8 @@ def _simulate(args: argparse.Namespace) -> int:
     flags = _cost_flags(args)
     costs = _simulate_costs(args, table, flags)
     result = simulate(table, costs)
-    k, m, v = args.stages, args.chunks, args.virtual_stages
+    k, m = args.stages, args.chunks
+    v = table.num_stages // table.num_ranks  # 2 for the V shapes, whatever the flag says
     shape = f"{k} ranks, {v} stages each, {m} micro-batches" if v > 1 else \
         f"{k} ranks, {m} micro-batches"
     if args.plot:
@@ -163,14 +164,22 @@ def _axis_label(flags: dict[str, float | None]) -> str:
 
 def _textbook(args: argparse.Namespace, flags: dict[str, float | None]) -> str:
     """The schedule's bubble by formula, where the costs are the textbook's: the same on
-    every rank, no transfer time (and F = I = W for zero-bubble, with M >= K)."""
+    every rank, no transfer time (and F = I = W for zero-bubble, with M >= K; for the
+    V shapes, with M >= 2K)."""
+    from conveyor.schedules import V_SHAPES
+
     if args.costs or flags["communication"]:
         return ""
     k, m, v = args.stages, args.chunks, args.virtual_stages
-    if args.schedule == "interleaved-1f1b" and v > 1:
+    equal = flags["forward"] == flags["backward"] == flags["weight"]
+    if args.schedule in V_SHAPES:  # only the fill of the V (tests/test_vshape.py)
+        if not (equal and m >= 2 * k):
+            return ""
+        formula, value = "(K-1)/(6M+K-1)", (k - 1) / (6 * m + k - 1)
+    elif args.schedule == "interleaved-1f1b" and v > 1:
         formula, value = "(K-1)/(VM+K-1)", (k - 1) / (v * m + k - 1)
     elif args.schedule == "zero-bubble":
-        if not (flags["forward"] == flags["backward"] == flags["weight"] and m >= k):
+        if not (equal and m >= k):
             return ""
         formula, value = "(K-1)/(3M+K-1)", (k - 1) / (3 * m + k - 1)
     else:
@@ -200,7 +209,8 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
                      else _size(peak)])
     print(_table(["", "stages", "busy", "bubble", "most micro-batches held",
                   "peak activations"], rows))
-    notes = _notes(args, flags, unit, counting=counting)
+    notes = _notes(args, flags, unit, counting=counting,
+                   per_rank=table.num_stages // table.num_ranks)
     print("\n" + "\n".join(textwrap.fill(note, 88, subsequent_indent="  ")
                             for note in notes))
     grid = layout_clock(table)
@@ -209,9 +219,10 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
 
 
 def _notes(args: argparse.Namespace, flags: dict[str, float | None], unit: str, *,
-           counting: bool) -> list[str]:
-    """What the printed figures are: the unit of time, and what each memory column counts."""
-    v = args.virtual_stages
+           counting: bool, per_rank: int) -> list[str]:
+    """What the printed figures are: the unit of time, and what each memory column counts
+    (``per_rank``: the stages each rank runs)."""
+    v = per_rank
     if args.costs:
         notes = [f"times as the cost model {args.costs} gives them"
                  + (" (seconds)." if unit == "s" else f" ({unit}).")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from conveyor.schedules.builders import (
     SCHEDULES,
+    V_SHAPES,
     build,
     gpipe,
     interleaved_1f1b,
@@ -25,6 +26,7 @@ from conveyor.schedules.table import (
     parse,
 )
 from conveyor.schedules.validator import validate
+from conveyor.schedules.vshape import dualpipe_v, v_stages, zero_bubble_v
 
 __all__ = [
     "Action",
@@ -33,15 +35,19 @@ __all__ = [
     "Message",
     "SCHEDULES",
     "Schedule",
+    "V_SHAPES",
     "actions_of",
     "build",
     "dependencies",
+    "dualpipe_v",
     "gpipe",
     "interleaved_1f1b",
     "layout_clock",
     "one_f_one_b",
     "parse",
     "render_clock",
+    "v_stages",
     "validate",
     "zero_bubble_h1",
+    "zero_bubble_v",
 ]

@@ -24,9 +24,11 @@ from dataclasses import replace
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.table import Action, Kind, Schedule, check_size
+from conveyor.schedules.vshape import dualpipe_v, zero_bubble_v
 
 __all__ = [
     "SCHEDULES",
+    "V_SHAPES",
     "build",
     "gpipe",
     "interleaved_1f1b",
@@ -167,25 +169,36 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zero-bubble": zero_bubble_h1,
+    "zb-v": zero_bubble_v,
+    "dualpipe-v": dualpipe_v,
 }
+
+#: Schedules with two stages per rank in a V (:mod:`.vshape`): 2K stages on K ranks.
+V_SHAPES = ("zb-v", "dualpipe-v")
 
 
 def build(name: str, ranks: int, microbatches: int, *, virtual_stages: int = 1) -> Schedule:
     """The table of schedule ``name`` for ``ranks`` ranks and ``microbatches``.
 
     ``virtual_stages`` (V) is the number of stages per rank; only interleaved-1f1b
-    takes more than one.
+    takes more than one. The V shapes (zb-v, dualpipe-v) always run two, so they take
+    the default 1 or 2, with the same table.
 
     Raises:
-        ScheduleError: an unknown name (the message lists the known ones), or
-            ``virtual_stages`` > 1 for a schedule with one stage per rank.
+        ScheduleError: an unknown name (the message lists the known ones),
+            ``virtual_stages`` > 1 for a schedule with one stage per rank, or other
+            than 2 for a V shape.
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of "
                             + ", ".join(repr(n) for n in SCHEDULES))
     if name == "interleaved-1f1b":
         return interleaved_1f1b(ranks, microbatches, virtual_stages)
-    if virtual_stages != 1:
+    if name in V_SHAPES and virtual_stages not in (1, 2):
+        raise ScheduleError(f"schedule {name!r} runs two stages per rank, in a V; "
+                            f"virtual_stages={virtual_stages} cannot change that: leave it "
+                            "out (or give 2), or use 'interleaved-1f1b' for other counts")
+    if virtual_stages != 1 and name not in V_SHAPES:
         raise ScheduleError(f"schedule {name!r} has one stage per rank; "
                             f"virtual_stages={virtual_stages} needs 'interleaved-1f1b'")
     return SCHEDULES[name](ranks, microbatches)
