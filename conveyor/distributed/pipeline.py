@@ -29,6 +29,7 @@ from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
@@ -102,6 +103,9 @@ class Pipeline(KeepsPlacement):
             the CPU for every rank).
         checkpoint: "always", "except_last" (default) or "never".
         data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
+        sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
+            gradients all-reduced) or "fsdp" (torch's FSDP2: 1/D of the parameters,
+            gradients and optimizer state each; see ``conveyor.distributed.sharding``).
         tie_weights: groups of parameter names that are one weight (needed when the
             model is a function or on the meta device; a model whose layers share a
             Parameter object is tied automatically).
@@ -132,6 +136,7 @@ class Pipeline(KeepsPlacement):
         devices: Sequence[Device] | None = None,
         checkpoint: str = "except_last",
         data_parallel: int = 1,
+        sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
         timeout: float = 300.0,
@@ -156,7 +161,7 @@ class Pipeline(KeepsPlacement):
                    "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
                    "split_at": None if split_at is None else list(split_at),
                    "checkpoint": checkpoint, "deferred_batch_norm": deferred_batch_norm,
-                   "check_finite": check_finite, "layers": layers,
+                   "check_finite": check_finite, "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module)})
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
@@ -168,6 +173,7 @@ class Pipeline(KeepsPlacement):
         split_at, balance = choose_cut(module, split_at, balance, sample,
                                        self.schedule.num_stages)
         self.split_at = split_at  # as given, or chosen among the model's blocks
+        sharded = check_sharding(sharding, self.schedule, self.topology)
         if split_at is None:
             refuse_initialisation(init_fn, weights)
             if self.schedule.edges:
@@ -181,6 +187,8 @@ class Pipeline(KeepsPlacement):
             self._stages = self._cut_graph(module, split_at, sample, balance=balance,
                                            deferred_batch_norm=deferred_batch_norm,
                                            init_fn=init_fn, weights=weights)
+        self._sharding = (Sharding(self._stages, self.topology, self.schedule, self._ties)
+                          if sharded else None)
         self._transport = self._make_transport(timeout)
         self._executor = Executor(self._stages, self.schedule, self._transport)
 
@@ -302,10 +310,15 @@ class Pipeline(KeepsPlacement):
         try:
             self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
             loss, divisor = self._step_loss(state)
-            sum_tied_gradients(self._ties)
-            reduce_across_replicas(params, self.topology.data_group, self.topology.data_size,
-                                   divisor)
+            if self._sharding is not None:  # reduce-scattered once, after the last backward
+                self._sharding.reduce(divisor)
+            else:
+                sum_tied_gradients(self._ties)
+                reduce_across_replicas(params, self.topology.data_group,
+                                       self.topology.data_size, divisor)
         except BaseException:
+            if self._sharding is not None:
+                self._sharding.discard()
             earlier.restore()
             raise
         earlier.add_back()
@@ -321,6 +334,8 @@ class Pipeline(KeepsPlacement):
         """
         state = self._new_step(inputs, grad_enabled=False)
         self._run([Kind.FORWARD], state)
+        if self._sharding is not None:
+            self._sharding.reshard()
         if self.schedule.num_stages - 1 not in self._stages:
             return None
         return gather([state.outputs[m] for m in range(self.chunks)])
@@ -332,6 +347,9 @@ class Pipeline(KeepsPlacement):
             for duplicate in tie.duplicates():
                 counted.discard(id(duplicate))
         params = list(self.parameters())
+        if self._sharding is not None:
+            return self._sharding.clip_grad_norm(
+                params, [p for p in params if id(p) in counted], max_norm, norm_type)
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
                               norm_type, self.topology.pipeline_group)
 
