@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import conveyor
 from conveyor.train import saving
@@ -53,6 +54,29 @@ def _unsharded_grads(pipe: conveyor.Pipeline) -> int:
                and param._unsharded_param.grad is not None)
 
 
+class _Counted:
+    """Counts FSDP's all-gathers and reduce-scatters while entered."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _Counted:
+        for name in self.calls:
+            original = self._saved[name] = getattr(dist, name)
+
+            def counting(*args: Any, _name: str = name, _original: Any = original,
+                         **kwargs: Any) -> Any:
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
 def _local_fraction(pipe: conveyor.Pipeline) -> float:
     """This rank's share of its stages' parameter elements (1/D when sharded)."""
     local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in pipe.parameters())
@@ -71,8 +95,12 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
                                  loss_fn=loss_fn, timeout=30)
         replica = pipe.topology.data_rank
         x, y = case_batch(name, batch=BATCH)
-        result[f"{schedule}-loss"] = pipe.step(x[replica::2], y[replica::2])
+        with _Counted() as counted:
+            result[f"{schedule}-loss"] = pipe.step(x[replica::2], y[replica::2])
         result[f"{schedule}-grads"] = _grads(pipe)
+        result[f"{schedule}-collectives"] = dict(counted.calls, units=sum(
+            1 for stage in pipe._stages.values() for layer in stage.layers
+            if any(True for _ in layer.parameters())))
     model, loss_fn = case_model("lm")  # tied embedding and head
     pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
                              sharding="fsdp", loss_fn=loss_fn, check_finite=True, timeout=30)
@@ -105,6 +133,11 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
     result["after_nan"] = {n: (type(p).__name__, p.grad is None)
                            for n, p in pipe.named_parameters()}
     result["unsharded_grads"] = _unsharded_grads(pipe)
+    try:  # a traced model: refused on every rank
+        conveyor.Pipeline(case_model("lm")[0], split_at=["3"], sample=x[:3], chunks=2,
+                          data_parallel=2, sharding="fsdp", loss_fn=loss_fn, timeout=30)
+    except conveyor.ModelError as exc:
+        result["traced"] = str(exc)
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 

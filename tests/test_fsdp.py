@@ -63,6 +63,21 @@ def test_sharded_schedules_equal_the_plain_model(sharded, schedule: str) -> None
     _assert_close(_merged(results, f"{schedule}-grads"), expected, schedule)
 
 
+def test_gradients_are_reduce_scattered_once_per_step(sharded) -> None:  # type: ignore[no-untyped-def]
+    _, results = sharded
+    for result in results:  # 2 micro-batches, one reduce-scatter per layer all the same
+        for schedule in ("gpipe", "interleaved-1f1b"):
+            counted = result[f"{schedule}-collectives"]
+            assert counted["units"] >= 2
+            assert counted["reduce_scatter_single"] == counted["units"], schedule
+        # 1F1B-like schedules keep the parameters gathered from the first forward on;
+        # GPipe frees them after each forward and gathers again (each micro-batch).
+        interleaved = result["interleaved-1f1b-collectives"]
+        assert interleaved["all_gather_single"] == interleaved["units"]
+        gpipe = result["gpipe-collectives"]
+        assert gpipe["all_gather_single"] >= 3 * gpipe["units"]
+
+
 def test_tied_lm_token_loss_clipping_and_adamw_equal_the_plain_model(sharded) -> None:  # type: ignore[no-untyped-def]
     _, results = sharded
     model, loss = _plain_step("lm")
@@ -95,6 +110,8 @@ def test_a_nan_loss_raises_on_every_rank_and_leaves_the_shards_clean(sharded) ->
         assert "loss of micro-batch 1 is nan" in result["nan"], rank
         assert set(result["after_nan"].values()) == {("DTensor", True)}, rank
         assert result["unsharded_grads"] == 0, rank
+        assert "stage 1 is a traced graph" in result["traced"] or (
+            "stage 0 is a traced graph" in result["traced"]), rank
 
 
 def test_a_sharded_checkpoint_resumes_on_one_replica(sharded) -> None:  # type: ignore[no-untyped-def]
@@ -112,3 +129,65 @@ def test_a_sharded_checkpoint_resumes_on_one_replica(sharded) -> None:  # type: 
         for name, value in saved_params.items():
             assert torch.equal(params[name], value), f"{sharding}: {name}"
             assert torch.equal(moments[name], saved_moments[name]), f"{sharding}: {name}"
+
+
+def test_what_fsdp_cannot_run_is_refused_with_the_way_out() -> None:
+    import conveyor
+    from conveyor.errors import ConveyorError, ScheduleError
+
+    model, loss_fn = case_model("mlp")
+    common: dict[str, Any] = {"stages": 2, "chunks": 2, "loss_fn": loss_fn}
+    with pytest.raises(ConveyorError, match=r"sharding='zero3' .* use 'replicate'"):
+        conveyor.Pipeline(model, sharding="zero3", **common)
+    with pytest.raises(ScheduleError, match=r"'zero-bubble': its split backwards \(0I0, "):
+        conveyor.Pipeline(model, sharding="fsdp", schedule="zero-bubble", **common)
+    with pytest.raises(ConveyorError, match="launch with torchrun"):
+        conveyor.Pipeline(model, sharding="fsdp", **common)
+
+
+@pytest.mark.timeout(400)
+def test_conveyor_train_shard_matches_threads_and_resumes_on_one_replica(
+        tmp_path: Path) -> None:
+    """``conveyor train --shard``: 2 stages x 2 shards, then resumed by 2 stages x 1;
+    the losses of one process (threads, whole copies), trained and resumed the same way."""
+    import json
+    import sys
+
+    from tests.multiprocess import run_command
+    from tests.test_train import TINY, train
+
+    def losses(out: Path) -> list[float]:
+        summary = json.loads((out / "summary.json").read_text())
+        return [entry["loss"] for entry in summary["history"]]
+
+    def torchrun(processes: int, *flags: str) -> str:
+        result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", str(processes), "-m", "conveyor", "train",
+                              *TINY, "--out", str(tmp_path / "sharded"), *flags])
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    shown = torchrun(4, "--data-parallel", "2", "--shard", "--steps", "3")
+    assert "2 stages x 2 shards (FSDP)" in shown
+    assert train(tmp_path / "threads", "--steps", "3") == 0
+    assert losses(tmp_path / "sharded") == pytest.approx(losses(tmp_path / "threads"),
+                                                         rel=1e-5)
+    shown = torchrun(2, "--data-parallel", "1", "--steps", "4", "--resume")
+    assert "resuming at step 3" in shown
+    assert train(tmp_path / "threads", "--steps", "4", "--resume") == 0
+    resumed = losses(tmp_path / "sharded")
+    assert len(resumed) == 4
+    assert resumed == pytest.approx(losses(tmp_path / "threads"), rel=1e-5)
+
+
+def test_shard_in_one_process_says_to_launch_processes(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+    from tests.test_train import TINY
+
+    assert main(["train", *TINY, "--out", str(tmp_path / "run"), "--shard"]) == 2
+    assert "--shard shards each stage over its data-parallel processes: launch 2 with " \
+           "torchrun" in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", str(tmp_path / "run"), "--shard",
+                 "--schedule", "zero-bubble"]) == 2
+    assert "--shard cannot run --schedule zero-bubble" in capsys.readouterr().err

@@ -77,10 +77,6 @@ def check_sharding(sharding: str, schedule: Schedule, topology: Topology) -> boo
                             "'replicate' (a whole copy each) or 'fsdp' (a shard each)")
     if sharding == "replicate":
         return False
-    if not topology.distributed:
-        raise ConveyorError("sharding='fsdp' shards each stage over its data-parallel "
-                            "processes; launch with torchrun (world = stages x "
-                            "data_parallel) or use sharding='replicate'")
     split = sorted({str(a) for column in schedule.columns for a in column
                     if a.kind in (Kind.INPUT, Kind.WEIGHT)})
     if split:
@@ -89,6 +85,10 @@ def check_sharding(sharding: str, schedule: Schedule, topology: Topology) -> boo
             f"({', '.join(split[:4])}{', ...' if len(split) > 4 else ''}) compute weight "
             "gradients outside the module hooks FSDP reduces them in; use 'gpipe', '1f1b' "
             "or 'interleaved-1f1b', or sharding='replicate'")
+    if not topology.distributed:
+        raise ConveyorError("sharding='fsdp' shards each stage over its data-parallel "
+                            "processes; launch with torchrun (world = stages x "
+                            "data_parallel) or use sharding='replicate'")
     return True
 
 
