@@ -43,6 +43,17 @@ def _moments(pipe: conveyor.Pipeline, optimizer: torch.optim.Optimizer) -> dict[
             if p in optimizer.state}
 
 
+def _gathered(pipe: conveyor.Pipeline) -> int:
+    """How many of FSDP's gathered parameters hold storage (between steps: none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(1 for module in pipe.modules() if isinstance(module, FSDPModule)
+               for group in module._get_fsdp_state()._fsdp_param_groups
+               for param in group.fsdp_params
+               if getattr(param, "_unsharded_param", None) is not None
+               and param._unsharded_param.untyped_storage().nbytes() > 0)
+
+
 def _unsharded_grads(pipe: conveyor.Pipeline) -> int:
     """How many of FSDP's gathered parameters hold a gradient (between steps: none)."""
     from torch.distributed.fsdp import FSDPModule
@@ -98,6 +109,8 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
         with _Counted() as counted:
             result[f"{schedule}-loss"] = pipe.step(x[replica::2], y[replica::2])
         result[f"{schedule}-grads"] = _grads(pipe)
+        result[f"{schedule}-eval"] = pipe.eval_step(x[replica::2])
+        result[f"{schedule}-gathered"] = _gathered(pipe)  # after eval_step: none
         result[f"{schedule}-collectives"] = dict(counted.calls, units=sum(
             1 for stage in pipe._stages.values() for layer in stage.layers
             if any(True for _ in layer.parameters())))

@@ -61,6 +61,14 @@ def test_sharded_schedules_equal_the_plain_model(sharded, schedule: str) -> None
         assert abs(float(result[f"{schedule}-loss"]) - loss) <= 1e-12 * loss
     expected = {n: p.grad for n, p in model.named_parameters()}
     _assert_close(_merged(results, f"{schedule}-grads"), expected, schedule)
+    x, _ = case_batch("mlp", batch=BATCH)
+    with torch.no_grad():  # eval_step: the last stage's ranks hold their replica's output
+        for rank, result in enumerate(results):
+            output = result[f"{schedule}-eval"]
+            assert (output is None) == (rank < 2), rank
+            if output is not None:
+                assert relative_error(output, model(x[rank % 2::2])) <= 1e-12
+            assert result[f"{schedule}-gathered"] == 0, rank  # sharded again after it
 
 
 def test_gradients_are_reduce_scattered_once_per_step(sharded) -> None:  # type: ignore[no-untyped-def]

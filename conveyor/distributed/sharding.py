@@ -184,10 +184,11 @@ class Sharding:
 
     def reshard(self) -> None:
         """Frees the gathered parameters (after a forward without backward)."""
+        from torch.distributed.fsdp import FSDPModule
+
         for root in self.roots:
-            root.reshard()
             for module in root.modules():
-                if module is not root and hasattr(module, "reshard"):
+                if isinstance(module, FSDPModule):
                     module.reshard()
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
