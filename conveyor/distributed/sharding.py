@@ -42,6 +42,7 @@ the process group's timeout.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ from conveyor.errors import ConveyorError, ModelError, ScheduleError
 from conveyor.schedules import Kind, Schedule
 
 __all__: list[str] = []
+
+_log = logging.getLogger("conveyor")
 
 SHARDINGS = ("replicate", "fsdp")
 
@@ -107,8 +110,15 @@ class Sharding:
 
     def __init__(self, stages: Mapping[int, Stage], topology: Topology, schedule: Schedule,
                  ties: Sequence[TiedParameter]) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        for index, stage in sorted(stages.items()):
+            if any(isinstance(layer, GraphStage) for layer in stage.layers):
+                raise ModelError(
+                    f"sharding='fsdp' wraps each stage's layers, but stage {index} is a "
+                    "traced graph (a model cut with split_at=, or skips across stages); "
+                    "give an nn.Sequential without cross-stage skips, or use "
+                    "sharding='replicate'")
         self.topology = topology
         self.ties = list(ties)
         self.reshard_after_forward = RESHARD_AFTER_FORWARD.get(schedule.name, False)
@@ -117,21 +127,18 @@ class Sharding:
         before = {index: dict(stage.layers.named_parameters())
                   for index, stage in stages.items()}
         for index, stage in sorted(stages.items()):
-            if any(isinstance(layer, GraphStage) for layer in stage.layers):
-                raise ModelError(
-                    f"sharding='fsdp' wraps each stage's layers, but stage {index} is a "
-                    "traced graph (a model cut with split_at=, or skips across stages); "
-                    "give an nn.Sequential without cross-stage skips, or use "
-                    "sharding='replicate'")
-            for layer in _units(stage.layers):
+            units = _units(stage.layers)
+            for layer in units:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
             self.roots.append(fully_shard(stage.layers, mesh=mesh,
                                           reshard_after_forward=self.reshard_after_forward))
+            _log.debug("stage %d: %d FSDP units over %d replicas, reshard after forward: %s",
+                       index, len(units), topology.data_size, self.reshard_after_forward)
         _follow_ties(self.ties, before, {index: dict(stage.layers.named_parameters())
                                          for index, stage in stages.items()})
         for root in self.roots:
             for module in root.modules():
-                if hasattr(module, "set_gradient_divide_factor"):
+                if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(1.0)  # sum; reduce() divides
                     module.set_force_sum_reduction_for_comms(True)
         self._defer()
