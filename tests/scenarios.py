@@ -417,3 +417,7 @@ def _traced_step(model: nn.Module, schedule_name: str, checkpoint: str, rank: in
             "grads": {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
             "traffic": {key: (f.messages, f.bytes, f.wire)
                         for key, f in pipe._transport.traffic.flows.items()}}
+
+
+# The FSDP scenarios live beside these (tests/multiprocess.py looks them up here).
+from tests.scenarios_fsdp import scenario_fsdp, scenario_fsdp_resume  # noqa: E402, F401

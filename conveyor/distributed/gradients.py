@@ -62,6 +62,13 @@ def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas:
                 grad.copy_(reduced)
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's parameters and gradients); a plain
+    tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
                    max_norm: float, norm_type: float, group: Any,
                    reduce: Reduce | None = None) -> torch.Tensor:
@@ -73,14 +80,15 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
             weight once).
         max_norm: the largest allowed norm.
         norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
-        group: the processes of the pipeline, whose norms combine (None: this one).
+        group: the processes whose norms combine (None: this one); with sharded
+            gradients, ``reduce`` also combines the shards of each stage.
         reduce: ``reduce(norm, op)`` combines the norms over ``group`` (default
             ``dist.all_reduce``; a pipeline bounds its wait).
 
     Returns:
         The global norm before clipping.
     """
-    grads = [p.grad for p in counted if p.grad is not None]
+    grads = [local_shard(p.grad) for p in counted if p.grad is not None]
     device = grads[0].device if grads else next(iter(params)).device
     inf = norm_type == float("inf")
     if grads:

@@ -30,12 +30,12 @@ from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.autosplit import choose_cut
-from conveyor.engine.deadline import Deadlines
 from conveyor.engine.builder import (
     NamedLayers,
     build_stages,
@@ -44,15 +44,16 @@ from conveyor.engine.builder import (
     new_step,
     refuse_initialisation,
 )
+from conveyor.engine.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.hangreport import render_report
-from conveyor.engine.position import FAILED, RUNNING, STOPPED
-from conveyor.engine.threads import attach_report
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
-from conveyor.engine.stage import Stage
+from conveyor.engine.position import FAILED, RUNNING, STOPPED
 from conveyor.engine.skip import split_at_skips
+from conveyor.engine.stage import Stage
+from conveyor.engine.threads import attach_report
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -68,8 +69,10 @@ from conveyor.schedules import (
     Kind,
     Schedule,
     actions_of,
-    build as build_schedule,
     validate,
+)
+from conveyor.schedules import (
+    build as build_schedule,
 )
 
 __all__ = ["Pipeline"]
@@ -108,6 +111,9 @@ class Pipeline(KeepsPlacement):
             the CPU for every rank).
         checkpoint: "always", "except_last" (default) or "never".
         data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
+        sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
+            gradients all-reduced) or "fsdp" (torch's FSDP2: 1/D of the parameters,
+            gradients and optimizer state each; see ``conveyor.distributed.sharding``).
         tie_weights: groups of parameter names that are one weight (needed when the
             model is a function or on the meta device; a model whose layers share a
             Parameter object is tied automatically).
@@ -142,6 +148,7 @@ class Pipeline(KeepsPlacement):
         devices: Sequence[Device] | None = None,
         checkpoint: str = "except_last",
         data_parallel: int = 1,
+        sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
         timeout: float | None = None,
@@ -167,7 +174,7 @@ class Pipeline(KeepsPlacement):
                    "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
                    "split_at": None if split_at is None else list(split_at),
                    "checkpoint": checkpoint, "deferred_batch_norm": deferred_batch_norm,
-                   "check_finite": check_finite, "layers": layers,
+                   "check_finite": check_finite, "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module)})
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
@@ -179,6 +186,7 @@ class Pipeline(KeepsPlacement):
         split_at, balance = choose_cut(module, split_at, balance, sample,
                                        self.schedule.num_stages)
         self.split_at = split_at  # as given, or chosen among the model's blocks
+        sharded = check_sharding(sharding, self.schedule, self.topology)
         if split_at is None:
             refuse_initialisation(init_fn, weights)
             if self.schedule.edges:
@@ -192,6 +200,8 @@ class Pipeline(KeepsPlacement):
             self._stages = self._cut_graph(module, split_at, sample, balance=balance,
                                            deferred_batch_norm=deferred_batch_norm,
                                            init_fn=init_fn, weights=weights)
+        self._sharding = (Sharding(self._stages, self.topology, self.schedule, self._ties)
+                          if sharded else None)
         self._transport = self._make_transport()
         self._executor = Executor(self._stages, self.schedule, self._transport, self._deadlines)
         self._whereabouts: Whereabouts | None = None
@@ -320,13 +330,19 @@ class Pipeline(KeepsPlacement):
         try:
             self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
             loss, divisor = self._step_loss(state)
-            sum_tied_gradients(self._ties, lambda total, group: self._all_reduce(
-                total, group, "the all-reduce of the tied weights' gradients"))
-            reduce_across_replicas(
-                params, self.topology.data_group, self.topology.data_size, divisor,
-                lambda flat, op: self._all_reduce(flat, self.topology.data_group,
-                                                  "the replicas' gradient averaging", op))
+            if self._sharding is not None:  # reduce-scattered once, after the last backward
+                self._sharding.reduce(divisor, lambda total, group: self._all_reduce(
+                    total, group, "the all-reduce of the tied weights' gradients"))
+            else:
+                sum_tied_gradients(self._ties, lambda total, group: self._all_reduce(
+                    total, group, "the all-reduce of the tied weights' gradients"))
+                reduce_across_replicas(
+                    params, self.topology.data_group, self.topology.data_size, divisor,
+                    lambda flat, op: self._all_reduce(flat, self.topology.data_group,
+                                                      "the replicas' gradient averaging", op))
         except BaseException as exc:
+            if self._sharding is not None:
+                self._sharding.discard()
             earlier.restore()
             self._explain(exc)
             raise
@@ -347,6 +363,8 @@ class Pipeline(KeepsPlacement):
         except BaseException as exc:
             self._explain(exc)
             raise
+        if self._sharding is not None:
+            self._sharding.reshard()
         if self.schedule.num_stages - 1 not in self._stages:
             return None
         return gather([state.outputs[m] for m in range(self.chunks)])
@@ -358,12 +376,17 @@ class Pipeline(KeepsPlacement):
             for duplicate in tie.duplicates():
                 counted.discard(id(duplicate))
         params = list(self.parameters())
-        return clip_grad_norm(
-            params, [p for p in params if id(p) in counted], max_norm, norm_type,
-            self.topology.pipeline_group,
-            lambda norm, op: self._all_reduce(norm, self.topology.pipeline_group,
-                                              "the all-reduce of the gradients' norm", op,
-                                              seconds=self._deadlines.opening))
+        # Sharded, each stage's norm is first summed over its shards.
+        groups = [self.topology.data_group] if self._sharding is not None else []
+        groups.append(self.topology.pipeline_group)
+
+        def reduce(norm: torch.Tensor, op: Any) -> None:
+            for group in groups:
+                self._all_reduce(norm, group, "the all-reduce of the gradients' norm", op,
+                                 seconds=self._deadlines.opening)
+
+        return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
+                              norm_type, self.topology.pipeline_group, reduce)
 
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"

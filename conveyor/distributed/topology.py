@@ -36,6 +36,8 @@ class Topology:
         pipeline_group: the process group of this pipeline (None in one process).
         data_group: the process group of this stage's replicas (None in one process).
         device: the device this process computes on (None in one process).
+        mesh: the (pipeline, data) DeviceMesh (None in one process); FSDP shards
+            over its "data" dimension.
     """
 
     pipeline_size: int
@@ -46,6 +48,7 @@ class Topology:
     pipeline_group: Any = None
     data_group: Any = None
     device: torch.device | None = None
+    mesh: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -82,16 +85,17 @@ class Topology:
                 f"{stages * data_parallel} processes or pass stages={size}"
             )
         device = _process_device()
-        groups = _mesh_groups(size, data_parallel, device)
+        mesh = _mesh(size, data_parallel, device)
         return cls(
             pipeline_size=size,
             data_size=data_parallel,
             pipeline_rank=rank // data_parallel,
             data_rank=rank % data_parallel,
             pipeline_ranks=tuple(k * data_parallel + rank % data_parallel for k in range(size)),
-            pipeline_group=groups[0],
-            data_group=groups[1],
+            pipeline_group=mesh.get_group("pipeline"),
+            data_group=mesh.get_group("data"),
             device=device,
+            mesh=mesh,
         )
 
 
@@ -103,8 +107,7 @@ def _process_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _mesh_groups(pipeline: int, data: int, device: torch.device) -> tuple[Any, Any]:
+def _mesh(pipeline: int, data: int, device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"))
-    return mesh.get_group("pipeline"), mesh.get_group("data")
+    return init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"))

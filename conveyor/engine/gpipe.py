@@ -26,13 +26,13 @@ from conveyor.engine.builder import (
     new_step,
     refuse_initialisation,
 )
-from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.deadline import Deadlines
+from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import sequential_layers, validate_balance
-from conveyor.engine.stage import Stage
 from conveyor.engine.skip import split_at_skips
+from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     TiedParameter,
     distinct_per_stage,

@@ -22,7 +22,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from conveyor.engine.position import describe
-from conveyor.schedules import Action, Kind, Schedule, actions_of, layout_clock, render_clock
+from conveyor.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    actions_of,
+    layout_clock,
+    render_clock,
+)
 
 __all__: list[str] = []
 

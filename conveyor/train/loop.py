@@ -116,6 +116,10 @@ def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> in
     if config.data_parallel > 1 and one_process:
         raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
                           f"{config.stages * config.data_parallel} with torchrun")
+    if config.shard and one_process:
+        raise ConfigError("--shard shards each stage over its data-parallel processes: "
+                          f"launch {config.stages * config.data_parallel} with torchrun, or "
+                          "leave out --shard")
     lock = RunLock(Path(config.out))
     try:
         if one_process:
@@ -208,7 +212,8 @@ class _Training:
             (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
         replicas = config.data_parallel
-        layout = f"{config.stages} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
+        kind = "shards (FSDP)" if config.shard else "replicas"
+        layout = f"{config.stages} stages" + (f" x {replicas} {kind}" if replicas > 1 else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on "
               f"{len(self.corpus.train)} bytes of Python; {config.schedule}, {layout}, "
@@ -323,6 +328,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     devices=stage_devices(config), data_parallel=config.data_parallel,
+                    sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_byte_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
 

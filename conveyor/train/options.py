@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ConfigError, ConveyorError
-from conveyor.schedules import SCHEDULES, build
+from conveyor.schedules import SCHEDULES, Kind, build
 
 __all__: list[str] = []
 
@@ -40,6 +40,8 @@ class TrainConfig:
     stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
                                     "batch (under torchrun)")
+    shard: bool = _option(False, "hold 1/D of each stage's weights, gradients and AdamW "
+                                 "state per replica (FSDP2) instead of a whole copy")
     devices: str = _option("auto", "a device for all stages, or one per stage, comma-"
                                    "separated (cpu, cuda:1, ...); auto: the GPUs in turn, "
                                    "else the CPU")
@@ -95,9 +97,15 @@ class TrainConfig:
                 "norm and head); use fewer stages or more --layers"
             )
         try:
-            build(self.schedule, self.stages, self.chunks, virtual_stages=self.virtual_stages)
+            table = build(self.schedule, self.stages, self.chunks,
+                          virtual_stages=self.virtual_stages)
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
+        if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
+                              for column in table.columns for action in column):
+            raise ConfigError(f"--shard cannot run --schedule {self.schedule}, whose split "
+                              "backwards compute weight gradients outside FSDP's hooks; use "
+                              "1f1b, gpipe or interleaved-1f1b")
 
 
 _METAVARS = {int: "N", float: "X", str: "NAME"}
@@ -122,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(float64, as conveyor check does) and stop unless they match")
     for option in fields(TrainConfig):
         kind = type(option.default)
+        if kind is bool:  # --shard and --no-shard (the latter to resume unsharded)
+            parser.add_argument(_flag(option.name), action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS,
+                                help=f"{option.metadata['help']} (default {option.default})")
+            continue
         parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,
                             metavar="DIR" if option.name == "out" else _METAVARS[kind],
                             help=f"{option.metadata['help']} (default {option.default})")

@@ -1,0 +1,169 @@
+"""What each process of the FSDP tests does (see tests/test_fsdp.py): 2 stages x 2
+shards, compared by the parent with the plain model on the global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import conveyor
+from conveyor.train import saving
+from tests.scenarios import (
+    _nan_on_marker,
+    case_batch,
+    case_model,
+    padded_batch,
+    token_loss,
+)
+
+BATCH = 12
+CLIP = 0.05
+LR = 1e-2
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective of its mesh), or the tensor."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def _grads(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
+    return {n: _full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _params(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
+    return {n: _full(p) for n, p in pipe.named_parameters()}
+
+
+def _moments(pipe: conveyor.Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {n: _full(optimizer.state[p]["exp_avg"]) for n, p in pipe.named_parameters()
+            if p in optimizer.state}
+
+
+def _gathered(pipe: conveyor.Pipeline) -> int:
+    """How many of FSDP's gathered parameters hold storage (between steps: none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(1 for module in pipe.modules() if isinstance(module, FSDPModule)
+               for group in module._get_fsdp_state()._fsdp_param_groups
+               for param in group.fsdp_params
+               if getattr(param, "_unsharded_param", None) is not None
+               and param._unsharded_param.untyped_storage().nbytes() > 0)
+
+
+def _unsharded_grads(pipe: conveyor.Pipeline) -> int:
+    """How many of FSDP's gathered parameters hold a gradient (between steps: none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(1 for module in pipe.modules() if isinstance(module, FSDPModule)
+               for group in module._get_fsdp_state()._fsdp_param_groups
+               for param in group.fsdp_params
+               if getattr(param, "_unsharded_param", None) is not None
+               and param._unsharded_param.grad is not None)
+
+
+class _Counted:
+    """Counts FSDP's all-gathers and reduce-scatters while entered."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _Counted:
+        for name in self.calls:
+            original = self._saved[name] = getattr(dist, name)
+
+            def counting(*args: Any, _name: str = name, _original: Any = original,
+                         **kwargs: Any) -> Any:
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _local_fraction(pipe: conveyor.Pipeline) -> float:
+    """This rank's share of its stages' parameter elements (1/D when sharded)."""
+    local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in pipe.parameters())
+    return local / sum(p.numel() for p in pipe.parameters())
+
+
+def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
+    """Equivalence under three schedules, accumulation of a token loss, clipping,
+    AdamW, a checkpoint, then a NaN loss on every replica."""
+    result: dict[str, Any] = {}
+    for name, schedule, virtual, checkpoint in (("mlp", "gpipe", 1, "always"),
+                                                ("mlp", "interleaved-1f1b", 2, "except_last")):
+        model, loss_fn = case_model(name)
+        pipe = conveyor.Pipeline(model, chunks=2, schedule=schedule, virtual_stages=virtual,
+                                 checkpoint=checkpoint, data_parallel=2, sharding="fsdp",
+                                 loss_fn=loss_fn, timeout=30)
+        replica = pipe.topology.data_rank
+        x, y = case_batch(name, batch=BATCH)
+        with _Counted() as counted:
+            result[f"{schedule}-loss"] = pipe.step(x[replica::2], y[replica::2])
+        result[f"{schedule}-grads"] = _grads(pipe)
+        result[f"{schedule}-eval"] = pipe.eval_step(x[replica::2])
+        result[f"{schedule}-gathered"] = _gathered(pipe)  # after eval_step: none
+        result[f"{schedule}-collectives"] = dict(counted.calls, units=sum(
+            1 for stage in pipe._stages.values() for layer in stage.layers
+            if any(True for _ in layer.parameters())))
+    model, loss_fn = case_model("lm")  # tied embedding and head
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
+                             sharding="fsdp", loss_fn=loss_fn, check_finite=True, timeout=30)
+    replica = pipe.topology.data_rank
+    result["fraction"] = _local_fraction(pipe)
+    x, y = case_batch("lm", batch=BATCH)
+    result["loss"] = pipe.step(x[replica::2], y[replica::2])
+    result["grads"] = _grads(pipe)
+    pipe.loss_fn = token_loss  # replica 1 holds the more padded rows: counts differ
+    tx, ty = padded_batch(batch=BATCH)
+    result["token_loss"] = pipe.step(tx[replica::2], ty[replica::2])
+    result["accumulated"] = _grads(pipe)
+    result["norm"] = pipe.clip_grad_norm_(CLIP)
+    result["clipped"] = _grads(pipe)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    result["stepped"] = _params(pipe)
+    result["moments"] = _moments(pipe, optimizer)
+    saving.save(out_dir / "run", model=pipe, optimizer=optimizer, extra={"step": 1})
+    pipe.loss_fn = _nan_on_marker(loss_fn)
+    bad = y.clone()
+    bad[6:8, 0] = -1  # a NaN loss in micro-batch 1 of both replicas, after 1B0
+    try:
+        pipe.step(x[replica::2], bad[replica::2])
+    except (conveyor.NonFiniteLossError, conveyor.StageError) as exc:
+        result["nan"] = f"{type(exc).__name__}: {exc}"
+    # A failed step leaves the weights sharded and no gradient behind (a pipeline does
+    # not step again after a failure: its transport keeps the peer's report).
+    result["after_nan"] = {n: (type(p).__name__, p.grad is None)
+                           for n, p in pipe.named_parameters()}
+    result["unsharded_grads"] = _unsharded_grads(pipe)
+    try:  # a traced model: refused on every rank
+        conveyor.Pipeline(case_model("lm")[0], split_at=["3"], sample=x[:3], chunks=2,
+                          data_parallel=2, sharding="fsdp", loss_fn=loss_fn, timeout=30)
+    except conveyor.ModelError as exc:
+        result["traced"] = str(exc)
+    torch.save(result, out_dir / f"rank{rank}.pt")
+
+
+def scenario_fsdp_resume(rank: int, world: int, out_dir: Path) -> None:
+    """The checkpoint of :func:`scenario_fsdp` (2 x 2 shards) loaded by 2 stages x 1,
+    sharded and replicated."""
+    result: dict[str, Any] = {}
+    for sharding in ("fsdp", "replicate"):
+        model, loss_fn = case_model("lm")
+        pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", sharding=sharding,
+                                 loss_fn=loss_fn, timeout=30)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        extra = saving.load(out_dir / "run", model=pipe, optimizer=optimizer)
+        result[sharding] = {"step": extra["step"], "params": _params(pipe),
+                            "moments": _moments(pipe, optimizer)}
+    torch.save(result, out_dir / f"resume-rank{rank}.pt")
