@@ -388,6 +388,12 @@ class Pipeline(KeepsPlacement):
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
                               norm_type, self.topology.pipeline_group, reduce)
 
+    @property
+    def timeouts(self) -> Deadlines:
+        """The seconds a wait may take: ``opening`` (start-up, a peer's first message
+        of a step, between steps) and ``within`` (any other wait of a step)."""
+        return self._deadlines
+
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
                  if self.topology.distributed else f"devices={[str(d) for d in self.devices]}")

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from conveyor.distributed.pipeline import Pipeline
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
+from conveyor.observe.where import report_on_signal
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
@@ -63,10 +65,27 @@ def train_command(args: argparse.Namespace) -> int:
     except ConveyorError as exc:
         where = f" (rank {rank})" if dist.is_initialized() else ""
         print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
+        report = getattr(exc, "where", None)  # where every rank stood, when a step failed
+        if report:
+            print(report, file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _where_on_usr1(pipe: Pipeline) -> Iterator[None]:
+    """``kill -USR1 <pid>`` prints where the ranks of this process are in their step."""
+    if (not hasattr(signal, "SIGUSR1")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    previous = report_on_signal(pipe)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 @contextlib.contextmanager
@@ -129,7 +148,7 @@ def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> in
             check_first_step(config)
         training = _Training.set_up(config, resume=resume, lock=lock)
         training.announce()
-        with StopSignals() as signals:
+        with StopSignals() as signals, _where_on_usr1(training.pipe):
             stopped_by = training.train(signals)
         if stopped_by:
             return training.stop(stopped_by)

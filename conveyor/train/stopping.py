@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from conveyor.distributed import collective
 from conveyor.distributed.pipeline import Pipeline
 
 __all__: list[str] = []
@@ -47,5 +48,8 @@ def agree(pipe: Pipeline, *values: int) -> tuple[int, ...]:
     if not dist.is_initialized():
         return values
     flags = torch.tensor(values, device=pipe.topology.device)  # set under torchrun
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    # Between two steps: the ranks may come at different times (one saving), so the
+    # wait is the opening one of a step.
+    collective.all_reduce(flags, group=None, op=dist.ReduceOp.MAX, seconds=pipe.timeouts.opening,
+                          what="the ranks' agreement to stop (a signal, the time limit)")
     return tuple(int(v) for v in flags.tolist())
