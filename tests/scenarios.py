@@ -211,8 +211,6 @@ class Fails(nn.Module):
                 raise ValueError("injected failure")
             if self.how == "kill" and self.calls == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.how == "hang" and self.calls == 2:
-                time.sleep(60)
             if self.how == "shape":
                 return x[:, :4]
         elif self.marker is not None:
@@ -244,7 +242,7 @@ def _fault(how: str, rank: int, world: int, out_dir: Path | None = None) -> None
     pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=chunks,
                              schedule="1f1b" if out_dir is None else "gpipe",
                              balance=[3] * world, loss_fn=nn.functional.mse_loss,
-                             timeout=4 if how == "hang" else 15)
+                             timeout=15)
     try:
         pipe.step(torch.randn(2 * chunks, 6), torch.randn(2 * chunks, 6))
     finally:
@@ -266,10 +264,6 @@ def scenario_fault_kill(rank: int, world: int, out_dir: Path) -> None:
 
 def scenario_fault_shape(rank: int, world: int, out_dir: Path) -> None:
     _fault("shape", rank, world)
-
-
-def scenario_fault_hang(rank: int, world: int, out_dir: Path) -> None:
-    _fault("hang", rank, world)
 
 
 def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:

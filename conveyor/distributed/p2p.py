@@ -17,9 +17,10 @@ overlaps on the GPU anyway): there the header goes first, then the body.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,8 @@ class P2PTransport:
         self.deadlines = deadlines
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
+        #: ``probe(rank, step)``: where a peer is (see whereabouts), None: no answer.
+        self.probe: Callable[[int, int], dict[str, Any] | None] | None = None
         self._heard: set[int] = set()  # peers whose messages of this step have come
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
@@ -128,6 +131,7 @@ class P2PTransport:
         self._watcher = Watcher() if self.envelopes else None
         if self._watcher is not None:
             weakref.finalize(self, self._watcher.close)
+        _transports.add(self)
         self.traffic = Traffic()
         self.local = LocalTransport([devices.get(s, self.device)
                                      for s in range(len(self.stage_ranks))], self.traffic,
@@ -350,8 +354,10 @@ class P2PTransport:
         raise failure
 
     def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
-        """Waits for ``work``: a receive from ``peer`` (at most the opening wait until
-        its first message of the step has come), or a send (None).
+        """Waits for ``work``: a receive from ``peer`` or a send (None), at most a
+        step's timeout; a peer whose first message of the step has not come and that
+        has not reached the step yet (asked through the store) is waited for up to the
+        opening timeout.
 
         Raises:
             PeerFailure: the wait timed out, or the peer's connection closed; the
@@ -359,13 +365,19 @@ class P2PTransport:
         """
         if self._aborted:
             raise Aborted(what)
-        seconds = (self.deadlines.opening if peer is not None and peer not in self._heard
-                   else self.deadlines.within)
+        seconds = self.deadlines.within
         try:
-            work.wait(datetime.timedelta(seconds=seconds))
+            try:
+                work.wait(datetime.timedelta(seconds=seconds))
+            except Exception as exc:
+                if not (_timed_out(exc) and self._between_steps(peer)):
+                    raise
+                extra = self.deadlines.opening - seconds
+                seconds = self.deadlines.opening
+                work.wait(datetime.timedelta(seconds=extra))
         except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            timed_out = _timed_out(exc)
             reason = (f"timed out after {seconds:g} s" if timed_out
                       else f"lost its peer ({text})")
             failure = PeerFailure(
@@ -383,6 +395,17 @@ class P2PTransport:
                            f"{reason} waiting for {what}), so this pipeline refuses further "
                            "steps: restart the job (torchrun --max-restarts restarts it)")
             raise failure from exc
+
+    def _between_steps(self, peer: int | None) -> bool:
+        """Whether ``peer``, whose first message of this step this rank has waited for
+        longer than a step's timeout, has not reached the step yet (it is saving,
+        evaluating...): then the wait goes on up to the opening timeout. A peer that is
+        in the step, or does not answer, is not waited for any longer."""
+        if (peer is None or peer in self._heard or self.probe is None
+                or self.deadlines.opening <= self.deadlines.within):
+            return False
+        where = self.probe(peer, self.step)
+        return where is not None and where["step"] < self.step
 
     # ------------------------------------------------------------ ending
 
@@ -419,3 +442,22 @@ class P2PTransport:
         for work, _ in self._sends:
             self._wait(work, "a peer to receive what this rank sent")
         self._sends = []
+
+
+_transports: weakref.WeakSet[P2PTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _let_go_of_works() -> None:
+    """Drops the gloo works (sends, posted receives) the transports still hold, before
+    the process group is destroyed at exit (see ``watch._shut_down_cleanly``): a work
+    freed while the interpreter shuts down aborts the process."""
+    for transport in list(_transports):
+        transport._sends = []
+        transport._incoming = {}
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a wait's error says it ran out of time (not that the peer is gone)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text

@@ -209,6 +209,8 @@ class Pipeline(KeepsPlacement):
             self._executor.reports = False
             self._whereabouts = Whereabouts(self.topology.pipeline_rank, ranks,
                                             self.topology.data_rank, self._snapshot)
+            if isinstance(self._transport, P2PTransport):
+                self._transport.probe = self._whereabouts.probe
 
     def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
                     balance: Sequence[int] | str | None, sample: Any,

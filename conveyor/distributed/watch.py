@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import queue
 import sys
@@ -61,12 +62,15 @@ class Watched:
             raise self._error
 
     def run(self) -> None:
-        """Waits for the receive; called on the watcher thread."""
+        """Waits for the receive; called on the watcher thread. The work is let go once
+        done: a gloo work still held when the interpreter shuts down frees its tensors
+        too late, and the process aborts."""
         try:
             self.work.wait()  # no timeout here: the group's own applies
         except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
             self._error = exc
         finally:
+            self.work = None
             self._done.set()
 
 
@@ -74,16 +78,31 @@ _watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
 
 
 @atexit.register
-def _exit_before_a_late_answer() -> None:
-    """Ends the process now if it is exiting on an uncaught error with a receive still
-    inside gloo (a peer froze or died): were the receive to come back while the
-    interpreter shuts down, its thread would abort the process ("terminate called
-    without an active exception", exit -6) after the error was printed."""
-    failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None)
-    if failed and any(watcher.pending() for watcher in list(_watchers)):
+def _shut_down_cleanly() -> None:
+    """Ends the process group before the interpreter does, or ends the process now.
+
+    A script that exits (on an error, above all) without ``destroy_process_group()``
+    leaves gloo's threads holding finished work whose tensors are freed during the
+    interpreter's shutdown, and the process aborts ("terminate called without an
+    active exception", exit -6) after its error was printed. So the group is destroyed
+    here, while the interpreter still runs. If a receive is still inside gloo (a peer
+    froze or died), destroying would wait for it: the process ends at once instead, with
+    1 if an error is on its way out (else 0), its output flushed.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if any(watcher.pending() for watcher in list(_watchers)):
+        failed = getattr(sys, "last_value", None) is not None
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(1 if failed else 0)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; the error that matters is printed
+        pass
 
 
 class Watcher:

@@ -10,12 +10,17 @@ group was started with), which outlives any rank but the one that hosts it::
     in a layer
     frozen / dead  nothing: named as such in the report
 
+A rank that waits for a peer's first message of a step asks the same way whether the
+peer has reached the step (:meth:`Whereabouts.probe`): a peer still busy between steps
+(saving, evaluating) gets the opening timeout, one in the step the shorter one.
+
 Every surviving rank prints the merged report in its error; rank 0's is the one to read.
-A rank's answering thread wakes twice a second during its steps and reads one key.
+A rank's answering thread wakes twice a second and reads two counters from the store.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -28,6 +33,7 @@ import torch.distributed as dist
 __all__: list[str] = []
 
 _POLL = 0.5  # seconds between two looks of the answering thread
+_ANSWER = 2 * _POLL + 0.5  # seconds an answer may take
 _created = 0  # pipelines made in this process: every rank makes them in the same order
 
 
@@ -45,12 +51,12 @@ class Whereabouts:
                  snapshot: Callable[[], dict[str, Any] | None]) -> None:
         global _created
         _created += 1
+        _open.add(self)
         self.rank, self.ranks = rank, ranks
         self.prefix = f"conveyor/where/{_created}/{replica}"
         # Weakly: the answering thread must not keep the pipeline (its stages) alive.
         self._snapshot = weakref.WeakMethod(snapshot)  # type: ignore[arg-type]
         self.store = _default_store()
-        self._answered: set[int] = set()
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -62,7 +68,10 @@ class Whereabouts:
             self._thread.start()
 
     def close(self) -> None:
+        """Ends the answering thread (within a look at the store)."""
         self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(_POLL + 1.0)
 
     def snapshot(self) -> dict[str, Any] | None:
         """This rank's position now (None outside a step, or once the pipeline is gone)."""
@@ -83,45 +92,78 @@ class Whereabouts:
         if self.store is None:
             return found
         try:
-            self._publish(step)
-            self.store.set(f"{self.prefix}/{step}/asked", "1")
-            start = time.monotonic()
-            deadline, silent_deadline = start + seconds, start + min(seconds, 2 * _POLL + 0.5)
-            while True:
-                for rank in range(self.ranks):
-                    key = f"{self.prefix}/{step}/{rank}"
+            self.store.set(f"{self.prefix}/{step}/{self.rank}", json.dumps(found[self.rank]))
+            others = [r for r in range(self.ranks) if r != self.rank]
+            found.update(self._ask(step, others, seconds, known_silent))
+        except Exception:  # noqa: BLE001 - the store's host died: report what is known
+            pass
+        return found
+
+    def probe(self, rank: int, step: int) -> dict[str, Any] | None:
+        """Where pipeline rank ``rank`` is, asked while this rank waits for it in
+        ``step``; None if it does not answer within its answering thread's time
+        (frozen, dead, or stuck outside Python) or the store cannot be reached."""
+        if self.store is None:
+            return None
+        try:
+            answer: dict[str, Any] | None = self._ask(step, [rank], _ANSWER, set())[rank]
+            return answer
+        except Exception:  # noqa: BLE001 - no store: nobody can tell
+            return None
+
+    def _ask(self, step: int, ranks: list[int], seconds: float,
+             known_silent: set[int]) -> dict[int, Any]:
+        """Asks ``ranks`` where they are in ``step`` and waits for their answers, or for
+        the place they published on failing (at most ``seconds``; ``_ANSWER`` for those
+        ``known_silent``)."""
+        assert self.store is not None
+        asked = self.store.add(f"{self.prefix}/{step}/asks", 1)
+        found: dict[int, Any] = dict.fromkeys(ranks)
+        start = time.monotonic()
+        while True:
+            for rank in ranks:
+                for key in (f"{self.prefix}/{step}/{rank}", f"{self.prefix}/{step}/{rank}/{asked}"):
                     if found[rank] is None and self.store.check([key]):
                         found[rank] = json.loads(self.store.get(key))
-                now = time.monotonic()
-                waiting = [r for r, s in found.items() if s is None and (
-                    now < silent_deadline or r not in known_silent)]
-                if not waiting or now > deadline:
-                    return found
-                time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store's host died: report what is known
-            return found
-
-    def _publish(self, step: int) -> None:
-        snapshot = self.snapshot()
-        if snapshot is not None and step not in self._answered:
-            assert self.store is not None
-            self._answered.add(step)
-            self.store.set(f"{self.prefix}/{step}/{self.rank}", json.dumps(snapshot))
+            waited = time.monotonic() - start
+            waiting = [r for r, s in found.items() if s is None and (
+                waited < min(seconds, _ANSWER) or r not in known_silent)]
+            if not waiting or waited > seconds:
+                return found
+            time.sleep(0.05)
 
     def _answer(self) -> None:
+        """The answering thread: twice a second, reads how often this rank's current
+        step and the next were asked about, and answers each new ask with its place."""
+        answered: dict[int, int] = {}
         while not self._closed.wait(_POLL):
             if self._snapshot() is None:
                 return  # the pipeline is gone
             snapshot = self.snapshot()
-            if snapshot is None or snapshot["step"] in self._answered:
+            if snapshot is None:
                 continue
-            step = snapshot["step"]
             try:
                 assert self.store is not None
-                if self.store.check([f"{self.prefix}/{step}/asked"]):
-                    self._publish(step)
+                for step in (snapshot["step"], snapshot["step"] + 1):  # the next: between steps
+                    asks = self.store.add(f"{self.prefix}/{step}/asks", 0)
+                    for ask in range(answered.get(step, 0) + 1, asks + 1):
+                        self.store.set(f"{self.prefix}/{step}/{self.rank}/{ask}",
+                                       json.dumps(snapshot))
+                    answered[step] = asks
             except Exception:  # noqa: BLE001 - no store any more: nobody to answer
                 return
+
+
+_open: weakref.WeakSet[Whereabouts] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Ends the answering threads before the interpreter does: a thread that comes
+    back from a store call while the interpreter shuts down aborts the process
+    ("terminate called without an active exception")."""
+    for whereabouts in list(_open):
+        whereabouts.close()
 
 
 def _default_store() -> Any:

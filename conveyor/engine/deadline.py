@@ -10,8 +10,9 @@ phase                                  a wait may take
 start-up (process group, agreement)    300 s (torch's process-group timeout)
 the first two steps                    300 s (first allocations, lazy set-up: the
                                        first step is not a measure of the others)
-a peer's first message of a step       300 s (ranks may reach a step at different
-                                       times: saving, evaluating, loading data)
+a peer that has not reached the step   300 s (ranks may reach a step at different
+                                       times: saving, evaluating, loading data; a
+                                       rank asks a silent peer where it is)
 within a later step                    10 x the slowest of the last 20 steps (the
                                        first left out), at least 30 s
 =====================================  ==============================================
@@ -47,7 +48,7 @@ class Deadlines:
 
     @property
     def opening(self) -> float:
-        """For a peer's first message of a step, and for the start-up."""
+        """For a peer that has not reached the step yet, and for the start-up."""
         return self.fixed if self.fixed is not None else OPENING
 
     @property
