@@ -130,3 +130,45 @@ scenario_hang_freeze_last = _stopping("freeze", None)
 scenario_hang_freeze_middle = _stopping("freeze", 1)
 scenario_hang_kill_middle = _stopping("kill", 1)
 scenario_hang_loop = _stopping("loop", None)
+
+
+def scenario_hang_freeze_in_tie(rank: int, world: int, out_dir: Path) -> None:
+    """``conveyor train``'s tied language model on two ranks; in step 3 the last rank
+    freezes as it enters the all-reduce of the tied weights' gradients, where rank 0
+    already waits: rank 0 reports the collective, and the frozen rank as silent."""
+    from conveyor.distributed import collective
+    from conveyor.train.language import summed_next_byte_loss
+    from conveyor.train.models import transformer_lm
+
+    global STEP
+    deadline.FLOOR = FLOOR
+    torch.manual_seed(0)
+    model = transformer_lm(2, 16, 32, 2, max_length=8, tie=True)
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", loss_fn=summed_next_byte_loss)
+    joined = collective.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, **options: Any) -> None:
+        if rank == world - 1 and STEP == 3 and "tied" in options["what"]:
+            (out_dir / "frozen.pid").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        joined(tensor, **options)
+
+    collective.all_reduce = all_reduce
+    found: list[dict[str, Any]] = []
+    try:
+        for STEP in range(1, 4):
+            tokens = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(STEP))
+            start = time.monotonic()
+            try:
+                pipe.step(tokens, tokens)
+                found.append({"loss": "ok"})
+            except conveyor.ConveyorError as exc:
+                found.append({"error": str(exc), "type": type(exc).__name__,
+                              "where": getattr(exc, "where", None),
+                              "seconds": time.monotonic() - start})
+                raise
+    finally:
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(found))
+        frozen = out_dir / "frozen.pid"
+        if rank == 0 and frozen.exists():
+            os.kill(int(frozen.read_text()), signal.SIGKILL)

@@ -63,8 +63,9 @@ def test_a_raise_and_a_shape_change_are_reported_and_the_next_steps_are_right(
                "mat2 shapes cannot be multiplied" in narrowed["error"], narrowed["error"]
         lines = lines_of(narrowed["where"])
         assert "finished nothing yet; failed in 1F0" in lines[1] and "failed here" in lines[1]
-        assert re.search(r"stopped (in 0B0 waiting for the gradient of micro-batch 0 from "
-                         r"stage 1 \(rank 1\)|before its next action)", lines[0]), lines[0]
+        assert re.search(r"stopped (in 0B0 after waiting [\d.]+ s for the gradient of "
+                         r"micro-batch 0 from stage 1 \(rank 1\)|before its next action)",
+                         lines[0]), lines[0]
 
 
 @pytest.mark.timeout(200)
@@ -86,11 +87,11 @@ def test_a_frozen_rank_is_named_by_every_survivor_in_time(
     # It froze in 1F1: the last stage after 1B0, a middle one before its first backward.
     awaited = 1 if frozen == world - 1 else 0
     before = lines_of(steps_of(tmp_path, frozen - 1)[2]["where"])[frozen - 1]
-    assert f"waiting for the gradient of micro-batch {awaited} from stage {frozen} " \
+    assert f"for the gradient of micro-batch {awaited} from stage {frozen} " \
            f"(rank {frozen})" in before, before
     if frozen + 1 < world:
         after = lines_of(steps_of(tmp_path, frozen + 1)[2]["where"])[frozen + 1]
-        assert f"waiting for the activation of micro-batch 1 from stage {frozen} " \
+        assert f"for the activation of micro-batch 1 from stage {frozen} " \
                f"(rank {frozen})" in after, after
 
 
@@ -118,3 +119,21 @@ def test_a_rank_stuck_in_a_loop_answers_where_it_is(tmp_path: Path) -> None:
     lines = lines_of(failed["where"])
     assert "finished 1B0; in 1F1, computing for" in lines[1] and "<- stuck" in lines[1], lines
     assert ">1F1" in failed["where"]
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_frozen_in_the_tied_weights_all_reduce_is_reported_like_a_receive(
+        tmp_path: Path) -> None:
+    outcome = launch("hang_freeze_in_tie", 2, tmp_path, timeout=150)
+    assert_exits(outcome, [0])
+    failed = steps_of(tmp_path, 0)[2]
+    assert failed["type"] == "PeerFailure", failed
+    assert failed["error"].startswith(
+        "rank 0 waited 3 s in the all-reduce of the tied weights' gradients: a rank of it "
+        "failed, froze or never came to it"), failed["error"]
+    assert failed["seconds"] < WITHIN, failed
+    lines = lines_of(failed["where"])
+    assert "done with its actions; stopped in the all-reduce of the tied weights' " \
+           "gradients after 3." in lines[0], lines[0]
+    assert lines[1].endswith("no answer  <- did not answer: frozen, dead, or stuck outside "
+                             "Python"), lines[1]

@@ -50,7 +50,7 @@ from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.hangreport import render_report
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
-from conveyor.engine.position import FAILED, RUNNING, STOPPED
+from conveyor.engine.position import COLLECTIVE, FAILED, RUNNING, STOPPED
 from conveyor.engine.skip import split_at_skips
 from conveyor.engine.stage import Stage
 from conveyor.engine.threads import attach_report
@@ -63,7 +63,7 @@ from conveyor.engine.ties import (
 )
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.weights import InitFn, Weights, draw_init_seed
-from conveyor.errors import BalanceError, ConveyorError, ModelError, ScheduleError
+from conveyor.errors import BalanceError, ConveyorError, ModelError, PeerFailure, ScheduleError
 from conveyor.schedules import (
     Edge,
     Kind,
@@ -443,6 +443,9 @@ class Pipeline(KeepsPlacement):
         a rank that stopped answering leaves this pipeline refusing further steps."""
         if self._whereabouts is None or getattr(error, "where", None) is not None:
             return
+        position = self._executor.positions.get(self.topology.pipeline_rank)
+        if position is not None and position.state == COLLECTIVE:  # it failed in one
+            position.failed(elsewhere=isinstance(error, PeerFailure))
         report = getattr(error, "report", None) or {}
         silent = {report["rank"]} if report.get("silent") and report.get("rank") is not None \
             else set()

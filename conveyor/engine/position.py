@@ -95,7 +95,9 @@ class Position:
     def failed(self, elsewhere: bool = False) -> None:
         """The rank's run ended with an error: its own (``FAILED``), or, ``elsewhere``,
         one it was told of (``STOPPED``)."""
-        self.state, self.since = (STOPPED if elsewhere else FAILED), time.monotonic()
+        if self.state not in (WAITING, COLLECTIVE):  # else: how long it waited
+            self.since = time.monotonic()
+        self.state = STOPPED if elsewhere else FAILED
 
     def seconds(self) -> float:
         """How long it has been in its state."""
@@ -127,13 +129,14 @@ def describe(snapshot: dict[str, Any]) -> str:
     if state == WAITING:
         here = f"in {snapshot['action']}, waiting {seconds} for {awaited}"
     elif state in (FAILED, STOPPED) and awaited is not None:
-        here = f"stopped in {snapshot['action']} waiting for {awaited}, {seconds} ago"
+        here = f"stopped in {snapshot['action']} after waiting {seconds} for {awaited}"
+    elif state == COLLECTIVE:
+        here = f"done with its actions; in {snapshot['collective']} for {seconds}"
+    elif state in (FAILED, STOPPED) and snapshot["collective"]:
+        here = f"done with its actions; stopped in {snapshot['collective']} after {seconds}"
     elif state == STOPPED:
         here = (f"stopped in {snapshot['action']} {seconds} ago" if snapshot["action"]
                 else f"stopped before its next action {seconds} ago")
-    elif state == COLLECTIVE or (state in (FAILED, STOPPED) and snapshot["collective"]):
-        verb = "in" if state == COLLECTIVE else "stopped in"
-        here = f"done with its actions; {verb} {snapshot['collective']} for {seconds}"
     elif state == RUNNING:
         here = f"in {snapshot['action']}, computing for {seconds}"
     elif state == FAILED:
