@@ -270,3 +270,11 @@ def test_a_move_under_torchrun_trains_as_the_plain_model(tmp_path: Path) -> None
             assert [s[step]["held"] for s in steps] == [len(s[step]["params"]) for s in steps]
     for output in outcome.outputs:
         assert output.count("INFO rebalanced after step 3: stage times [") == 2, output
+
+
+def test_train_refuses_rebalance_with_shard() -> None:
+    from conveyor.train.options import TrainConfig
+
+    with pytest.raises(conveyor.ConfigError, match=r"--rebalance cannot move layers sharded"):
+        TrainConfig(rebalance=True, shard=True).check()
+    TrainConfig(rebalance=True).check()
