@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 import sys
 from typing import Any
 
@@ -133,6 +134,9 @@ def main() -> int:
                    "window": args.window, "rounds": args.rounds, "threshold": 0.1},
         "moved_to": moved_to, "log": lines, "measured_ms": measured, "ratios": ratios,
         "target": TARGET, "reached": reached, "table": table,
+        # On a machine busy elsewhere (load above its cores) the idle stage's core goes to
+        # others: balance then hardly matters, and the ratios say little.
+        "load_average_1min": os.getloadavg()[0],
         "timeline": str(png.relative_to(_common.ROOT))})
     print(f"wrote {path} and {png}")
     return 0
