@@ -1,7 +1,7 @@
 """Re-balancing while training: measuring the stages, agreeing on a move, making it.
 
 A pipeline built with ``rebalance=conveyor.Rebalance(...)`` (a *policy*, see
-:mod:`conveyor.observe.rebalance`) measures, over a window of steps, each stage's mean
+:mod:`conveyor.observe.rebalance_policy`) measures, over a window of steps, each stage's mean
 forward, backward and weight-gradient time per micro-batch (compute only: the time
 spent waiting for a neighbour or sending is left out) and each layer's forward time.
 At the start of the step after the window, the policy proposes a balance; if it moves
@@ -153,6 +153,8 @@ class Rebalancing:
     def before_step(self, pipe: Pipeline) -> None:
         """At the start of a step: decides (and moves) when the window is full, then
         starts measuring unless the step is a warm-up one."""
+        if getattr(pipe._transport, "broken", None) or pipe._executor.abandoned:
+            return  # the step refuses to run, and says why: no collective before that
         if self._measured >= self.policy.window and self.policy.window > 0:
             self._decide(pipe)
         self._since += 1
