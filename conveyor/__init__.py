@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from conveyor.engine.weights import initialize
     from conveyor.engine.skip import isolate, pop, skippable, stash, verify_skips
     from conveyor.observe.check import CheckReport, check
+    from conveyor.observe.rebalance_policy import Rebalance
     from conveyor.observe.recording import record
     from conveyor.observe.simulate import CostModel
     from conveyor.observe.trace import Timeline, plot_timelines
@@ -85,6 +86,7 @@ _LAZY = {
     "Pipeline": "conveyor.distributed.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
+    "Rebalance": "conveyor.observe.rebalance_policy",
     "check": "conveyor.observe.check",
     "CheckReport": "conveyor.observe.check",
     "CostModel": "conveyor.observe.simulate",
@@ -120,6 +122,7 @@ __all__ = [
     "NonFiniteLossError",
     "PeerFailure",
     "Pipeline",
+    "Rebalance",
     "SaveError",
     "Schedule",
     "ScheduleError",

@@ -63,7 +63,7 @@ def _main() -> None:
     import torch
     import torch.distributed as dist
 
-    from tests import hang_scenarios, scenarios
+    from tests import hang_scenarios, rebalance_scenarios, scenarios
 
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -71,7 +71,8 @@ def _main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{os.environ['CONVEYOR_INIT_FILE']}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    module = hang_scenarios if scenario.startswith("hang_") else scenarios
+    module = (hang_scenarios if scenario.startswith("hang_")
+              else rebalance_scenarios if scenario.startswith("rebalance_") else scenarios)
     getattr(module, f"scenario_{scenario}")(rank, world, out_dir)
     dist.destroy_process_group()
 

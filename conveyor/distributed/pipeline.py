@@ -30,6 +30,7 @@ from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
@@ -117,6 +118,11 @@ class Pipeline(KeepsPlacement):
         tie_weights: groups of parameter names that are one weight (needed when the
             model is a function or on the meta device; a model whose layers share a
             Parameter object is tied automatically).
+        rebalance: a policy (``conveyor.Rebalance(window=, threshold=)``) that measures
+            the stages while training and, when another balance would make the step
+            enough faster, moves layers between stages between two steps, with their
+            optimizer state (call :meth:`attach_optimizer`); see
+            ``conveyor.distributed.rebalance``.
         check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
@@ -155,6 +161,7 @@ class Pipeline(KeepsPlacement):
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
+        rebalance: BalancePolicy | None = None,
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
@@ -164,6 +171,7 @@ class Pipeline(KeepsPlacement):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.check_finite = check_finite
+        self._deferred_batch_norm = deferred_batch_norm
         self._deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
                                              timeout=self._deadlines.opening)
@@ -176,7 +184,8 @@ class Pipeline(KeepsPlacement):
                    "checkpoint": checkpoint, "deferred_batch_norm": deferred_batch_norm,
                    "check_finite": check_finite, "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
-                   "model": model_shapes(module)})
+                   "model": model_shapes(module),
+                   "rebalance": None if rebalance is None else repr(rebalance)})
         ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
         self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
@@ -202,15 +211,18 @@ class Pipeline(KeepsPlacement):
                                            init_fn=init_fn, weights=weights)
         self._sharding = (Sharding(self._stages, self.topology, self.schedule, self._ties)
                           if sharded else None)
-        self._transport = self._make_transport()
-        self._executor = Executor(self._stages, self.schedule, self._transport, self._deadlines)
         self._whereabouts: Whereabouts | None = None
-        if self.topology.distributed:  # reports gather every rank's place, not this one's
-            self._executor.reports = False
+        if self.topology.distributed:
             self._whereabouts = Whereabouts(self.topology.pipeline_rank, ranks,
                                             self.topology.data_rank, self._snapshot)
-            if isinstance(self._transport, P2PTransport):
-                self._transport.probe = self._whereabouts.probe
+        self._transport = self._make_transport()
+        self._executor = Executor(self._stages, self.schedule, self._transport, self._deadlines)
+        # Under torchrun a report gathers every rank's place, not this one's alone.
+        self._executor.reports = not self.topology.distributed
+        self._rebalancing: Rebalancing | None = None
+        if rebalance is not None:
+            check_rebalance(self, rebalance, sharded=sharded)
+            self._rebalancing = Rebalancing(rebalance, len(self._source.names))
 
     def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
                     balance: Sequence[int] | str | None, sample: Any,
@@ -219,6 +231,7 @@ class Pipeline(KeepsPlacement):
         """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
         ``balance``."""
         self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
+        self._source = source  # re-balancing builds the layers it receives from it
         split_at = split_at_skips(source.layers_if_known(), self.balance, sample=sample,
                                   deferred_batch_norm=deferred_batch_norm)
         if split_at is not None:  # a layer pops what an earlier stage stashed: trace
@@ -290,9 +303,12 @@ class Pipeline(KeepsPlacement):
             return LocalTransport([self._stage_device(s)
                                    for s in range(self.schedule.num_stages)],
                                   deadlines=self._deadlines)
-        return P2PTransport(self.topology, self.schedule,
-                            {s: stage.device for s, stage in self._stages.items()},
-                            self._deadlines)
+        transport = P2PTransport(self.topology, self.schedule,
+                                 {s: stage.device for s, stage in self._stages.items()},
+                                 self._deadlines)
+        if self._whereabouts is not None:
+            transport.probe = self._whereabouts.probe
+        return transport
 
     # ----------------------------------------------------------------- the user API
 
@@ -320,6 +336,8 @@ class Pipeline(KeepsPlacement):
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
                                "eval_step() for inference")
+        if self._rebalancing is not None:  # between two steps: may move layers
+            self._rebalancing.before_step(self)
         last = self.schedule.num_stages - 1
         state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
                                check_finite=self.check_finite)
@@ -347,8 +365,12 @@ class Pipeline(KeepsPlacement):
                 self._sharding.discard()
             earlier.restore()
             self._explain(exc)
+            if self._rebalancing is not None:
+                self._rebalancing.after_step(self, completed=False)
             raise
         earlier.add_back()
+        if self._rebalancing is not None:
+            self._rebalancing.after_step(self, completed=True)
         return loss
 
     @torch.no_grad()
@@ -389,6 +411,14 @@ class Pipeline(KeepsPlacement):
 
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
                               norm_type, self.topology.pipeline_group, reduce)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Lets re-balancing (``rebalance=``) keep ``optimizer`` in step with the layers
+        it moves: their state moves with them, and under torchrun the parameters a rank
+        gives away leave its optimizer and those it takes over join the group with the
+        same hyper-parameters. Needed when layers can change device or process."""
+        if self._rebalancing is not None:
+            self._rebalancing.optimizer = optimizer
 
     @property
     def timeouts(self) -> Deadlines:

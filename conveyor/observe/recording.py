@@ -49,6 +49,8 @@ def record(pipe: Any) -> Iterator[Timeline]:
         yield timeline
     finally:
         executor.recorder = None
+        if pipe._executor.recorder is recorder:  # a re-balance gave the pipe a new executor
+            pipe._executor.recorder = None
         events = [Event(r.rank, r.action.stage, r.action.kind.value, r.action.microbatch,
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]

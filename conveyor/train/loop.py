@@ -32,6 +32,7 @@ from torch import nn
 
 from conveyor.distributed.pipeline import Pipeline
 from conveyor.errors import ConfigError, ConveyorError
+from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
 from conveyor.observe.where import report_on_signal
@@ -348,8 +349,10 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     devices=stage_devices(config), data_parallel=config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
-                    loss_fn=summed_next_byte_loss)
+                    loss_fn=summed_next_byte_loss,
+                    rebalance=Rebalance() if config.rebalance else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
+    pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers
 
     def rate(step: int) -> float:
         warm = min(1.0, (step + 1) / config.warmup)

@@ -42,6 +42,8 @@ class TrainConfig:
                                     "batch (under torchrun)")
     shard: bool = _option(False, "hold 1/D of each stage's weights, gradients and AdamW "
                                  "state per replica (FSDP2) instead of a whole copy")
+    rebalance: bool = _option(False, "measure the stages while training and move layers "
+                                     "between them when that makes the step >10% faster")
     devices: str = _option("auto", "a device for all stages, or one per stage, comma-"
                                    "separated (cpu, cuda:1, ...); auto: the GPUs in turn, "
                                    "else the CPU")
@@ -101,6 +103,8 @@ class TrainConfig:
                           virtual_stages=self.virtual_stages)
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
+        if self.shard and self.rebalance:
+            raise ConfigError("--rebalance cannot move layers sharded by --shard yet; drop one")
         if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
                               for column in table.columns for action in column):
             raise ConfigError(f"--shard cannot run --schedule {self.schedule}, whose split "
