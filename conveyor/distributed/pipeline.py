@@ -22,14 +22,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed import collective
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
+from conveyor.distributed.explain import explain
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.instantiate import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.planning import (
+    local_ranks,
+    make_schedule,
+    resolve_balance,
+    with_model_edges,
+)
 from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
@@ -48,13 +54,9 @@ from conveyor.engine.builder import (
 from conveyor.engine.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
-from conveyor.engine.hangreport import render_report
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
-from conveyor.engine.position import COLLECTIVE, FAILED, RUNNING, STOPPED
 from conveyor.engine.skip import split_at_skips
 from conveyor.engine.stage import Stage
-from conveyor.engine.threads import attach_report
 from conveyor.engine.ties import (
     distinct_per_stage,
     find_ties,
@@ -64,16 +66,16 @@ from conveyor.engine.ties import (
 )
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.weights import InitFn, Weights, draw_init_seed
-from conveyor.errors import BalanceError, ConveyorError, ModelError, PeerFailure, ScheduleError
+from conveyor.errors import (
+    BalanceError,
+    ConveyorError,
+    ModelError,
+    ScheduleError,
+)
 from conveyor.schedules import (
-    Edge,
     Kind,
     Schedule,
     actions_of,
-    validate,
-)
-from conveyor.schedules import (
-    build as build_schedule,
 )
 
 __all__ = ["Pipeline"]
@@ -186,9 +188,9 @@ class Pipeline(KeepsPlacement):
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module),
                    "rebalance": None if rebalance is None else repr(rebalance)})
-        ranks = topology.pipeline_size if topology else _local_ranks(stages, devices)
+        ranks = topology.pipeline_size if topology else local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
-        self.schedule = _make_schedule(schedule, ranks, chunks, virtual_stages)
+        self.schedule = make_schedule(schedule, ranks, chunks, virtual_stages)
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
@@ -230,7 +232,7 @@ class Pipeline(KeepsPlacement):
                     deferred_batch_norm: bool) -> dict[int, Stage]:
         """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
         ``balance``."""
-        self.balance = _resolve_balance(balance, source, self.schedule.num_stages, sample)
+        self.balance = resolve_balance(balance, source, self.schedule.num_stages, sample)
         self._source = source  # re-balancing builds the layers it receives from it
         split_at = split_at_skips(source.layers_if_known(), self.balance, sample=sample,
                                   deferred_batch_norm=deferred_batch_norm)
@@ -277,7 +279,7 @@ class Pipeline(KeepsPlacement):
             devices={s: self._stage_device(s) for s in local},
             concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
             init_fn=init_fn, weights=weights)
-        self.schedule = _with_model_edges(self.schedule, edges)
+        self.schedule = with_model_edges(self.schedule, edges)
         if self.topology.distributed:
             connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
         return stages
@@ -469,23 +471,10 @@ class Pipeline(KeepsPlacement):
 
     def _explain(self, error: BaseException) -> None:
         """Under torchrun, gives a failed step's ``error`` the report of where every rank
-        stood, gathered from the others (see :mod:`conveyor.distributed.whereabouts`);
-        a rank that stopped answering leaves this pipeline refusing further steps."""
-        if self._whereabouts is None or getattr(error, "where", None) is not None:
-            return
-        position = self._executor.positions.get(self.topology.pipeline_rank)
-        if position is not None and position.state == COLLECTIVE:  # it failed in one
-            position.failed(elsewhere=isinstance(error, PeerFailure))
-        report = getattr(error, "report", None) or {}
-        silent = {report["rank"]} if report.get("silent") and report.get("rank") is not None \
-            else set()
-        if report.get("silent") and isinstance(self._transport, P2PTransport):
-            self._transport.broken = self._transport.broken or (
-                f"step {self._executor.runs} lost a peer ({report['error']}), so this "
-                "pipeline refuses further steps: restart the job")
-        snapshots = self._whereabouts.gather(self._executor.runs, _GATHER, silent)
-        attach_report(error, render_report(self.schedule, self._executor.kinds, snapshots,
-                                           _notes(snapshots, report, self._deadlines.within)))
+        stood (see :mod:`conveyor.distributed.explain`)."""
+        if self._whereabouts is not None and isinstance(self._transport, P2PTransport):
+            explain(error, self._executor, self._whereabouts, self._transport,
+                    self.topology.pipeline_rank)
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage's rank has it, on every rank of this pipeline
@@ -534,98 +523,3 @@ class Pipeline(KeepsPlacement):
                 "(loss_sum / count) is undefined; every target is padding?"
             )
         return (totals[0] / count).detach(), count
-
-
-_GATHER = 3.0  # seconds a failed rank waits for the others' places
-
-
-def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> dict[int, str]:
-    """What a gathered report says beside each rank: who failed, who went silent."""
-    notes: dict[int, str] = {}
-    for rank, snapshot in snapshots.items():
-        if snapshot is None:
-            closed = report.get("silent") == "closed" and report.get("rank") == rank
-            notes[rank] = ("its connection closed: the process died" if closed
-                           else "did not answer: frozen, dead, or stuck outside Python")
-        elif snapshot["state"] == FAILED:
-            notes[rank] = "failed here"
-        elif snapshot["state"] == STOPPED and report.get("silent") and snapshot["awaited"]:
-            notes[rank] = "timed out"
-        elif snapshot["state"] == RUNNING and snapshot["seconds"] > limit:
-            notes[rank] = "stuck"
-    origin = report.get("rank")
-    if origin in snapshots and snapshots[origin] is not None and not report.get("silent"):
-        notes[origin] = "failed here"
-    return notes
-
-
-def _local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
-    if stages is not None:
-        if devices is not None and len(devices) != stages:
-            raise BalanceError(f"devices lists {len(devices)} devices for stages={stages}; "
-                               "give one device per pipeline rank")
-        return stages
-    if devices is not None:
-        return len(devices)
-    raise BalanceError("give stages= (the number of pipeline ranks) or devices=, or run "
-                       "under torchrun")
-
-
-def _make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
-                   virtual_stages: int) -> Schedule:
-    if isinstance(schedule, Schedule):
-        validate(schedule)
-        if schedule.num_ranks != ranks or schedule.num_microbatches != chunks:
-            raise ConveyorError(
-                f"the schedule table has {schedule.num_ranks} ranks and "
-                f"{schedule.num_microbatches} micro-batches, but the pipeline has {ranks} "
-                f"ranks and chunks={chunks}"
-            )
-        return schedule
-    table = build_schedule(schedule, ranks, chunks, virtual_stages=virtual_stages)
-    validate(table)
-    return table
-
-
-def _with_model_edges(schedule: Schedule, edges: tuple[Edge, ...]) -> Schedule:
-    """``schedule`` with the edges of a traced model (values sent past the next stage),
-    validated again; a table given with edges must give the model's.
-
-    Raises:
-        ScheduleError: the table lists other edges than the model has.
-    """
-    if schedule.edges and schedule.edges != tuple(sorted(edges)):
-        raise ScheduleError(
-            f"the schedule table lists edges {' '.join(map(str, schedule.edges)) or 'none'}, "
-            f"but the model cut at split_at has {' '.join(map(str, edges)) or 'none'}; give "
-            "the table without edges (the pipeline adds the model's)")
-    table = schedule.with_edges(edges)
-    validate(table)
-    return table
-
-
-def _resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
-                     num_stages: int, sample: Any) -> list[int]:
-    count = len(source.names)
-    if balance is None:
-        return solve_balance(source.parameter_counts(), num_stages)
-    if isinstance(balance, str):
-        if balance != "time":
-            raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or "
-                               "'time'")
-        model = source.layers_if_known()
-        if sample is None or not model:
-            raise BalanceError("balance='time' profiles the model on a batch: pass "
-                               "sample=<a micro-batch> with an nn.Sequential built on a device")
-        result = balance_by_time(nn.Sequential(*[layer for _, layer in model]), sample,
-                                 num_stages)
-        if dist.is_available() and dist.is_initialized():
-            shared = [result]
-            dist.broadcast_object_list(shared, src=0)  # one rank's timings decide for all
-            result = shared[0]
-        return result
-    result = validate_balance(balance, count)
-    if len(result) != num_stages:
-        raise BalanceError(f"balance {result} has {len(result)} stages but the schedule has "
-                           f"{num_stages} (ranks x virtual stages)")
-    return result
