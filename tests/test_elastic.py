@@ -20,12 +20,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conveyor.cli import main
+from conveyor.errors import ConfigError
+from conveyor.train.elastic import describe_replan, plan_layout
+from conveyor.train.options import TrainConfig
 from tests.multiprocess import ROOT
 from tests.test_nodes import free_port
 from tests.test_train import TINY
@@ -37,6 +42,69 @@ FLAGS = [*TINY, "--steps", str(STEPS), "--save-every", "2", "--eval-every", str(
 # of 1 s (torch's default: 3 of 5 s), and a rendezvous with fewer than 2 nodes closes
 # 6 s after its first one joined (default 30 s).
 RDZV = "keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=6"
+
+
+# -- the plan for a world (no processes) ---------------------------------------------
+
+
+def planned(world: int, given: Collection[str] = (), **values: Any) -> dict[str, Any]:
+    layout = plan_layout({**asdict(TrainConfig()), **values}, given=set(given), world=world)
+    return {k: layout[k] for k in ("stages", "data_parallel", "chunks")}
+
+
+def test_the_layout_not_given_follows_the_world() -> None:
+    # A resumed run's own stages give way: one rank per stage.
+    assert planned(1, stages=2) == {"stages": 1, "data_parallel": 1, "chunks": 8}
+    assert planned(4, stages=2) == {"stages": 4, "data_parallel": 1, "chunks": 8}
+    # Replicas stay while they divide the world, else there is one pipeline.
+    assert planned(4, stages=1, data_parallel=2) == {"stages": 2, "data_parallel": 2,
+                                                      "chunks": 8}
+    assert planned(3, stages=2, data_parallel=2) == {"stages": 3, "data_parallel": 1,
+                                                      "chunks": 8}
+    # Micro-batches grow only where the schedule needs more for the new stages.
+    assert planned(4, {"chunks"}, schedule="interleaved-1f1b", virtual_stages=2,
+                   chunks=2) == {"stages": 4, "data_parallel": 1, "chunks": 4}
+    assert planned(2, schedule="dualpipe-v", chunks=2)["chunks"] == 4
+
+
+def test_a_given_layout_that_does_not_fit_the_world_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--data-parallel 2 does not divide the 3 processes "
+                                          r"torchrun started; use a divisor of 3"):
+        planned(3, {"data_parallel"}, data_parallel=2)
+    with pytest.raises(ConfigError, match=r"--stages 2 x --data-parallel 1 needs 2 processes but "
+                                          r"torchrun started 3; leave out --stages .*\(3 stages\)"):
+        planned(3, {"stages"}, stages=2)
+    assert planned(2, {"stages"}, stages=2)["stages"] == 2
+
+
+def test_a_resume_at_another_layout_says_what_changed() -> None:
+    config = TrainConfig(stages=1)
+    saved = {"config": asdict(TrainConfig(stages=2)), "world": 2, "balance": [3, 4]}
+    assert describe_replan(saved, config, balance=[7]) == (
+        "world 2 -> 1: 2 stages -> 1, balance [3, 4] -> [7]")
+    assert describe_replan({"config": asdict(config), "world": 1, "balance": [7]}, config,
+                           balance=[7]) is None
+    # A checkpoint from before elastic runs: its world is its stages x replicas.
+    older = {"config": asdict(TrainConfig(stages=2, data_parallel=2, chunks=4))}
+    assert describe_replan(older, config, balance=[7]) == (
+        "world 4 -> 1: 2 stages -> 1, 2 replicas -> 1, 4 micro-batches -> 8")
+
+
+def test_resume_auto_starts_a_run_or_continues_it(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    flags = [*TINY, "--steps", "4", "--save-every", "2", "--resume", "auto",
+             "--out", str(tmp_path)]
+    assert main(["train", *flags, "--time-limit", "0"]) == 0  # stops after a step
+    assert "resuming" not in capsys.readouterr().out
+    assert main(["train", *flags, "--time-limit", "600"]) == 0
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert len(losses(tmp_path)) == 4
+    with pytest.raises(SystemExit):
+        main(["train", *flags[:-3], "--resume", "later", "--out", str(tmp_path)])
+    assert "--resume takes no value or 'auto', got 'later'" in capsys.readouterr().err
+
+
+# -- two agents ------------------------------------------------------------------------
 
 
 class Agents:

@@ -18,6 +18,7 @@ Kept free of torch at import, like the options: the plan is arithmetic on intege
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 from typing import TYPE_CHECKING, Any
@@ -47,10 +48,10 @@ def resume_mode(text: str) -> str:
     """The value of ``--resume WHEN`` (argparse ``type``): only ``auto`` is known.
 
     Raises:
-        ValueError: ``text`` is not ``auto`` (argparse turns it into a usage error).
+        argparse.ArgumentTypeError: ``text`` is not ``auto`` (a usage error).
     """
     if text != RESUME_AUTO:
-        raise ValueError(f"--resume takes no value or 'auto', got {text!r}")
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', got {text!r}")
     return text
 
 

@@ -341,9 +341,11 @@ class _Training:
     def complete(self) -> None:
         """Evaluates the last step (if not yet), saves, samples, writes the summary."""
         config = self.config
-        if self.history and "heldout_bpb" not in self.history[-1]:
+        evaluated = bool(self.history) and "heldout_bpb" not in self.history[-1]
+        if evaluated:
             self.history[-1]["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
-        self.save()
+        if evaluated or self.saved != self.step:  # not the newest checkpoint again, in place
+            self.save()
         sample = generate(self.pipe, self.corpus, config) if config.sample_bytes else ""
         if self.show:
             with writing("the summary", self.out, self.intact):
