@@ -74,6 +74,9 @@ def test_a_given_layout_that_does_not_fit_the_world_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"--stages 2 x --data-parallel 1 needs 2 processes but "
                                           r"torchrun started 3; leave out --stages .*\(3 stages\)"):
         planned(3, {"stages"}, stages=2)
+    with pytest.raises(ConfigError, match=r"--stages 2 x --data-parallel 1 needs 2 processes but "
+                                          r"torchrun started 1;"):
+        planned(1, {"stages"}, stages=2)
     assert planned(2, {"stages"}, stages=2)["stages"] == 2
 
 

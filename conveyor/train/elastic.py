@@ -87,7 +87,7 @@ def plan_layout(values: dict[str, Any], *, given: set[str], world: int) -> dict[
         replicas = planned["data_parallel"] = 1
     if "stages" in given:
         stages = int(values["stages"])
-        if world > 1 and stages * replicas != world:
+        if stages * replicas != world:  # one process too: a checkpoint of one kind
             raise ConfigError(f"--stages {stages} x --data-parallel {replicas} needs "
                               f"{stages * replicas} processes but torchrun started {world}; "
                               "leave out --stages to plan the pipeline for the world "
@@ -120,7 +120,7 @@ def join_world(*, stages: int, data_parallel: int, timeout: float) -> None:
     the run saves the same kind of checkpoint (a torch.distributed.checkpoint directory,
     with its ``latest`` pointer) at every size it shrinks or grows to. Does nothing
     outside torchrun, where the group is open already, or where the layout is not one
-    rank per process (explicit ``--stages`` on one process: threads).
+    rank per process (which :func:`plan_layout` refuses under torchrun).
     """
     import torch
     import torch.distributed as dist
