@@ -234,5 +234,5 @@ def test_a_node_leaves_and_comes_back_and_the_run_goes_on(tmp_path: Path) -> Non
     # taken twice, and the curve shows no seam where the world changed.
     reference = losses(tmp_path / "reference")
     assert len(reference) == STEPS
-    assert losses(run) == pytest.approx(reference, rel=1e-5)
+    assert losses(run) == pytest.approx(reference, rel=1e-6)  # measured: 5e-8
     assert newest_checkpoint(run) == (STEPS, 2)
