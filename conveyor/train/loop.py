@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed.pipeline import Pipeline
+from conveyor.engine.deadline import OPENING
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record
@@ -39,6 +40,8 @@ from conveyor.observe.where import report_on_signal
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
+from conveyor.train.elastic import (RESUME_AUTO, describe_replan, join_world, restart_hint,
+                                    world_size)
 from conveyor.train.language import evaluate, generate, summed_next_byte_loss
 from conveyor.train.models import transformer_lm
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
@@ -113,9 +116,11 @@ def _verbose(enabled: bool) -> Iterator[None]:
         logger.setLevel(previous)
 
 
-def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> int:
+def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False) -> int:
     """Trains as ``config`` says; returns the process exit code. With ``check``, one
     step of the pipeline is first compared with the plain model (``conveyor check``).
+    ``resume="auto"`` continues the run in ``--out`` if it has a checkpoint, else starts
+    it: the same command then serves torchrun's first start and its restarts.
 
     Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
     checkpoint to resume from, and returns 128 + the signal's number.
@@ -132,6 +137,9 @@ def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> in
     """
     config.check()
     check_usable(Path(config.out))
+    join_world(stages=config.stages, data_parallel=config.data_parallel, timeout=OPENING)
+    if resume == RESUME_AUTO:
+        resume = saving.exists(config.out)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if config.data_parallel > 1 and one_process:
         raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
@@ -144,10 +152,10 @@ def run(config: TrainConfig, *, resume: bool = False, check: bool = False) -> in
     try:
         if one_process:
             lock.acquire()
-        _check_checkpoint(Path(config.out), resume)
+        _check_checkpoint(Path(config.out), bool(resume))
         if check:
             check_first_step(config)
-        training = _Training.set_up(config, resume=resume, lock=lock)
+        training = _Training.set_up(config, resume=bool(resume), lock=lock)
         training.announce()
         with StopSignals() as signals, _where_on_usr1(training.pipe):
             stopped_by = training.train(signals)
@@ -163,7 +171,7 @@ def _check_checkpoint(out: Path, resume: bool) -> None:
     """Raises ConfigError where the run would overwrite a checkpoint or resume from none."""
     if saving.exists(out) and not resume:
         raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
-                          "or choose another --out")
+                          f"or choose another --out{restart_hint()}")
     if resume and not saving.exists(out):
         raise ConfigError(f"--resume: there is no checkpoint in {out}")
 
@@ -188,6 +196,7 @@ class _Training:
     bubble: str = "?"  # of the recorded step
     began: float = 0.0  # time.monotonic() at the first step
     saved: int | None = None  # the step of the newest checkpoint in --out
+    replan: str | None = None  # how the layout differs from the resumed checkpoint's
 
     @property
     def intact(self) -> str:  # what a failed save leaves, for its message
@@ -215,6 +224,7 @@ class _Training:
             training.history = list(extra["history"])
             scheduler.load_state_dict(extra["scheduler"])
             torch.set_rng_state(extra["rng"])
+            training.replan = describe_replan(extra, config, balance=list(pipe.balance))
         return training
 
     def announce(self) -> None:
@@ -227,13 +237,16 @@ class _Training:
         if stale:
             print(f"removed {len(stale)} temporary file{'s' * (len(stale) > 1)} of an "
                   f"interrupted save: {', '.join(p.name for p in stale)}", flush=True)
+        if self.replan:
+            print(f"re-planned ({self.replan}); resuming from the checkpoint of step "
+                  f"{self.start}", flush=True)
         with writing(OPTIONS_FILE, out, self.intact):
             out.mkdir(parents=True, exist_ok=True)
             (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
         replicas = config.data_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
-        layout = f"{config.stages} stages" + (f" x {replicas} {kind}" if replicas > 1 else "")
+        layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (f" x {replicas} {kind}" if replicas > 1 else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on "
               f"{len(self.corpus.train)} bytes of Python; {config.schedule}, {layout}, "
@@ -314,7 +327,8 @@ class _Training:
             saving.save(self.out, model=self.pipe, optimizer=self.optimizer,
                         extra={"step": self.step, "history": self.history,
                                "scheduler": self.scheduler.state_dict(),
-                               "rng": torch.get_rng_state(), "config": asdict(self.config)})
+                               "rng": torch.get_rng_state(), "config": asdict(self.config),
+                               "world": world_size(), "balance": list(self.pipe.balance)})
         self.saved = self.step
 
     def stop(self, number: int) -> int:
@@ -328,9 +342,11 @@ class _Training:
     def complete(self) -> None:
         """Evaluates the last step (if not yet), saves, samples, writes the summary."""
         config = self.config
-        if self.history and "heldout_bpb" not in self.history[-1]:
+        evaluated = bool(self.history) and "heldout_bpb" not in self.history[-1]
+        if evaluated:
             self.history[-1]["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
-        self.save()
+        if evaluated or self.saved != self.step:  # not the newest checkpoint again, in place
+            self.save()
         sample = generate(self.pipe, self.corpus, config) if config.sample_bytes else ""
         if self.show:
             with writing("the summary", self.out, self.intact):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.schedules import SCHEDULES, Kind, build
+from conveyor.train.elastic import plan_layout, resume_mode, under_torchrun
 
 __all__: list[str] = []
 
@@ -124,8 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     and --check, which say how to run rather than what to train (not saved with the run)."""
     parser.add_argument("--config", metavar="FILE",
                         help="JSON file of options (flags given as well take precedence)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run whose checkpoint is in --out")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, type=resume_mode,
+                        metavar="auto",
+                        help="continue the run whose checkpoint is in --out; --resume auto: "
+                             "if there is one, else start it (for torchrun --max-restarts)")
     parser.add_argument("--verbose", action="store_true",
                         help="log every action of the pipeline to stderr (the 'conveyor' "
                              "logger at DEBUG)")
@@ -148,8 +151,9 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     """The options of a ``conveyor train`` command line, checked.
 
     With ``--resume``, options not given come from the run being resumed (its
-    ``options.json``). Under torchrun, ``--stages`` defaults to the number of processes
-    over ``--data-parallel``.
+    ``options.json``). Under torchrun, the layout not given is planned for the world
+    (see :func:`conveyor.train.elastic.plan_layout`): ``--stages`` is the number of
+    processes over ``--data-parallel``, whatever the resumed run had.
 
     Raises:
         ConfigError: the config file cannot be read or has unknown keys, or the options
@@ -160,13 +164,14 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
         values.update(_read_config(args.config))
     values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig)
                    if hasattr(args, f.name)})
+    given = set(values)
     if getattr(args, "resume", False):
         saved = Path(values.get("out", TrainConfig.out)) / OPTIONS_FILE
         if saved.exists():  # the run's own options, under what this command line says
             values = {**_read_config(saved), **values}
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and "stages" not in values:
-        values["stages"] = max(1, world // values.get("data_parallel", 1))
+    if world > 1 or under_torchrun():
+        values = plan_layout({**asdict(TrainConfig()), **values}, given=given, world=world)
     config = TrainConfig(**values)
     config.check()
     return config

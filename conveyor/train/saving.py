@@ -79,6 +79,9 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
 
     root = directory / _DIRECTORY
     target = root / f"step-{int(extra.get('step', 0)):08d}"
+    if dist.get_rank() == 0 and target.exists() and target != _latest_directory(directory):
+        shutil.rmtree(target)  # a save of this step killed midway (at any world size)
+    dist.barrier()
     dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target))
     dist.barrier()
     if dist.get_rank() == 0:

@@ -1,0 +1,176 @@
+"""Elastic runs of ``conveyor train`` under torchrun: a layout planned for the world that
+torchrun started, and what a restart at another size changed.
+
+``torchrun --nnodes 1:2 --max-restarts 3`` restarts every worker when a node leaves (its
+peers fail their step) or joins (the agents see it waiting). The restarted command is
+the same, so the layout cannot come from it: the number of pipeline ranks comes from the
+world, each restart resumes from the newest complete checkpoint in ``--out``
+(``--resume auto``), and checkpoints are torch.distributed.checkpoint directories that
+load at any layout. A restart loses the steps since that checkpoint and nothing else::
+
+    world 2:  step 5  step 6 [save 6]  step 7 X  (a node leaves: step 7 is lost)
+    world 1:                   load 6 -- step 7  step 8 [save 8] ... step 11 [save 11]
+                                                   (a node joins: SIGTERM, save, exit)
+    world 2:                                                  load 11 -- step 12 ...
+
+Kept free of torch at import, like the options: the plan is arithmetic on integers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from typing import TYPE_CHECKING, Any
+
+from conveyor.errors import ConfigError, ConveyorError
+from conveyor.schedules import build
+
+if TYPE_CHECKING:  # options imports this module
+    from conveyor.train.options import TrainConfig
+
+__all__: list[str] = []
+
+RESUME_AUTO = "auto"  # --resume auto: continue the run in --out if it has a checkpoint
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (its elastic agent) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this node's workers (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resume_mode(text: str) -> str:
+    """The value of ``--resume WHEN`` (argparse ``type``): only ``auto`` is known.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not ``auto`` (a usage error).
+    """
+    if text != RESUME_AUTO:
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', got {text!r}")
+    return text
+
+
+def plan_layout(values: dict[str, Any], *, given: set[str], world: int) -> dict[str, Any]:
+    """The options ``values`` with the layout planned for ``world`` processes.
+
+    Options in ``given`` (the command line and ``--config``) are kept as they are; the
+    others, such as the stages a resumed run had, give way to the world: ``data_parallel``
+    stays if it divides ``world`` (else 1), ``stages`` is ``world / data_parallel``, and
+    ``chunks`` grows to the fewest the schedule can run on that many stages, if it must.
+    The balance is not an option: the pipeline recomputes it (by parameters) for the
+    new number of stages.
+
+    Args:
+        values: every option by name (defaults filled in).
+        given: the names of the options the user gave for this launch.
+        world: the processes torchrun started (``WORLD_SIZE``).
+
+    Returns:
+        A new dict of options.
+
+    Raises:
+        ConfigError: a given ``--data-parallel`` does not divide the world, or a given
+            ``--stages`` does not fit it.
+    """
+    planned = dict(values)
+    replicas = int(values["data_parallel"])
+    if world % replicas:
+        if "data_parallel" in given:
+            raise ConfigError(f"--data-parallel {replicas} does not divide the {world} "
+                              f"processes torchrun started; use a divisor of {world}, or "
+                              "leave out --data-parallel to let the world decide")
+        replicas = planned["data_parallel"] = 1
+    if "stages" in given:
+        stages = int(values["stages"])
+        if stages * replicas != world:  # one process too: a checkpoint of one kind
+            raise ConfigError(f"--stages {stages} x --data-parallel {replicas} needs "
+                              f"{stages * replicas} processes but torchrun started {world}; "
+                              "leave out --stages to plan the pipeline for the world "
+                              f"({world // replicas} stages)")
+        return planned
+    stages = planned["stages"] = max(1, world // replicas)
+    chunks = _fitting_chunks(planned, stages, replicas)
+    if chunks is not None:
+        planned["chunks"] = chunks
+    return planned
+
+
+def _fitting_chunks(values: dict[str, Any], stages: int, replicas: int) -> int | None:
+    """The fewest micro-batches, from the current number up, that the schedule runs on
+    ``stages`` ranks within a replica's share of the batch; None where the current number
+    does (or none does: the options' check then says why)."""
+    chunks = int(values["chunks"])
+    for candidate in range(chunks, max(chunks, int(values["batch"]) // replicas) + 1):
+        try:
+            build(str(values["schedule"]), stages, candidate,
+                  virtual_stages=int(values["virtual_stages"]))
+        except ConveyorError:
+            continue
+        return None if candidate == chunks else candidate
+    return None
+
+
+def join_world(*, stages: int, data_parallel: int, timeout: float) -> None:
+    """Under torchrun, opens the process group even for a world of one process, so that
+    the run saves the same kind of checkpoint (a torch.distributed.checkpoint directory,
+    with its ``latest`` pointer) at every size it shrinks or grows to. Does nothing
+    outside torchrun, where the group is open already, or where the layout is not one
+    rank per process (which :func:`plan_layout` refuses under torchrun).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (not under_torchrun() or not dist.is_available() or dist.is_initialized()
+            or stages * data_parallel != world):
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def world_size() -> int:
+    """The processes of the run: the process group's size, 1 without one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def restart_hint() -> str:
+    """What to add to a refusal to overwrite a checkpoint, when torchrun restarted us."""
+    if not (under_torchrun() and restart_count()):
+        return ""
+    return (" (torchrun restarted this worker: launch with --resume auto so that restarts "
+            "continue the run)")
+
+
+def describe_replan(saved: dict[str, Any], config: TrainConfig, *,
+                    balance: list[int]) -> str | None:
+    """What changed since the checkpoint ``saved`` (its ``extra``) was written, in one
+    line: ``restart 1 of torchrun: world 2 -> 1: 2 stages -> 1, balance [3, 4] -> [7]``;
+    None when the layout is the same. Checkpoints from before elastic runs lack the
+    world and balance: the world is then their stages times replicas, and the balance
+    is not shown."""
+    world, stages, replicas = world_size(), config.stages, config.data_parallel
+    old = saved.get("config", {})
+    old_stages = int(old.get("stages", stages))
+    old_replicas = int(old.get("data_parallel", replicas))
+    old_world = int(saved.get("world", old_stages * old_replicas))
+    old_balance = saved.get("balance")
+    if (old_world, old_stages, old_replicas) == (world, stages, replicas) and (
+            old_balance is None or list(old_balance) == balance):
+        return None
+    changes = [f"{old_stages} stage{'s' * (old_stages != 1)} -> {stages}"]
+    if old_replicas != replicas:
+        changes.append(f"{old_replicas} replica{'s' * (old_replicas != 1)} -> {replicas}")
+    if old_balance is not None:
+        changes.append(f"balance {list(old_balance)} -> {balance}")
+    old_chunks = int(old.get("chunks", config.chunks))
+    if old_chunks != config.chunks:
+        changes.append(f"{old_chunks} micro-batches -> {config.chunks}")
+    restart = f"restart {restart_count()} of torchrun: " if restart_count() else ""
+    return f"{restart}world {old_world} -> {world}: " + ", ".join(changes)
