@@ -41,6 +41,10 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         transport.broken = transport.broken or (
             f"step {executor.runs} lost a peer ({report['error']}), so this pipeline "
             "refuses further steps: restart the job")
+    if report.get("step", executor.runs) > executor.runs:  # before any action of the step
+        attach_report(error, f"step {report['step']} did not start: rank {rank} lost rank "
+                             f"{report['rank']} between steps ({report['error']})")
+        return
     snapshots = whereabouts.gather(executor.runs, GATHER, silent)
     notes = _notes(snapshots, report, executor.deadlines.within)
     attach_report(error, render_report(executor.schedule, executor.kinds, snapshots, notes))

@@ -245,9 +245,27 @@ class P2PTransport:
         self._incoming[peer] = _Incoming(key, buffer, self._irecv(peer, buffer))
 
     def _irecv(self, peer: int, buffer: torch.Tensor) -> Any:
-        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo."""
-        work = dist.irecv(buffer, self.topology.global_rank(peer),
-                          group=self.topology.pipeline_group)
+        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo.
+
+        Raises:
+            PeerFailure: the connection to ``peer`` is closed (it died, e.g. between
+                two steps); the transport is broken from then on.
+        """
+        try:
+            work = dist.irecv(buffer, self.topology.global_rank(peer),
+                              group=self.topology.pipeline_group)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer"
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            failure = PeerFailure(
+                f"rank {self.topology.pipeline_rank} lost its peer rank {peer} ({text}) "
+                f"before it could receive from it in step {self.step}; that rank may have "
+                "died", stage=-1, microbatch=-1, action="recv")
+            failure.report = {"rank": peer, "stage": -1, "microbatch": -1, "action": "?",
+                              "silent": "closed", "error": f"its connection closed: {text}",
+                              "step": self.step}
+            self.broken = (f"step {self.step} lost rank {peer} ({text}), so this pipeline "
+                           "refuses further steps: restart the job")
+            raise failure from exc
         return work if self._watcher is None else self._watcher.watch(peer, work)
 
     def poll(self) -> None:
