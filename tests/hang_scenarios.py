@@ -126,7 +126,6 @@ def _stopping(how: str, stage: int | None) -> Any:
     return scenario
 
 
-scenario_hang_freeze_last = _stopping("freeze", None)
 scenario_hang_freeze_middle = _stopping("freeze", 1)
 scenario_hang_kill_middle = _stopping("kill", 1)
 scenario_hang_loop = _stopping("loop", None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -182,7 +181,7 @@ def _nan_on_marker(loss_fn: Any) -> Any:
 
 
 class Fails(nn.Module):
-    """Identity, except on rank ``fail_rank``: raises, dies, or has the wrong width.
+    """Identity, except on rank ``fail_rank``: raises, or has the wrong width.
 
     With a ``marker`` (for "raise"), the failing rank creates that file just before it
     raises, and every other rank counts in ``after_failure`` the forwards it starts once
@@ -209,8 +208,6 @@ class Fails(nn.Module):
                 if self.marker is not None:
                     self.marker.touch()
                 raise ValueError("injected failure")
-            if self.how == "kill" and self.calls == 2:
-                os.kill(os.getpid(), signal.SIGKILL)
             if self.how == "shape":
                 return x[:, :4]
         elif self.marker is not None:
@@ -256,10 +253,6 @@ def _fault(how: str, rank: int, world: int, out_dir: Path | None = None) -> None
 
 def scenario_fault_raise(rank: int, world: int, out_dir: Path) -> None:
     _fault("raise", rank, world, out_dir)
-
-
-def scenario_fault_kill(rank: int, world: int, out_dir: Path) -> None:
-    _fault("kill", rank, world)
 
 
 def scenario_fault_shape(rank: int, world: int, out_dir: Path) -> None:

@@ -69,8 +69,7 @@ def test_a_raise_and_a_shape_change_are_reported_and_the_next_steps_are_right(
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("scenario", "world", "frozen"),
-                         [("hang_freeze_last", 2, 1), ("hang_freeze_middle", 3, 1)])
+@pytest.mark.parametrize(("scenario", "world", "frozen"), [("hang_freeze_middle", 3, 1)])
 def test_a_frozen_rank_is_named_by_every_survivor_in_time(
         tmp_path: Path, scenario: str, world: int, frozen: int) -> None:
     outcome = launch(scenario, world, tmp_path, timeout=150)
@@ -85,6 +84,7 @@ def test_a_frozen_rank_is_named_by_every_survivor_in_time(
         assert "timed out after 3 s waiting for" in failed["error"] or \
                f"rank {frozen} failed (no answer within 3 s)" in failed["error"], failed
     # It froze in 1F1: the last stage after 1B0, a middle one before its first backward.
+    # (A frozen last rank of two: test_a_rank_frozen_in_the_tied_weights_all_reduce...)
     awaited = 1 if frozen == world - 1 else 0
     before = lines_of(steps_of(tmp_path, frozen - 1)[2]["where"])[frozen - 1]
     assert f"for the gradient of micro-batch {awaited} from stage {frozen} " \
