@@ -62,7 +62,7 @@ class Position:
     """
 
     __slots__ = ("rank", "column", "done", "action", "awaited", "state", "since", "step",
-                 "collective")
+                 "collective", "waited")
 
     def __init__(self, rank: int, column: Sequence[Action], step: int = 0) -> None:
         self.rank = rank
@@ -74,6 +74,7 @@ class Position:
         self.state = BETWEEN
         self.since = time.monotonic()
         self.collective: str | None = None
+        self.waited: float | None = None  # how long it had waited when it stopped
 
     def begin(self, action: Action) -> None:
         self.action, self.state, self.since = action, RUNNING, time.monotonic()
@@ -95,9 +96,10 @@ class Position:
     def failed(self, elsewhere: bool = False) -> None:
         """The rank's run ended with an error: its own (``FAILED``), or, ``elsewhere``,
         one it was told of (``STOPPED``)."""
-        if self.state not in (WAITING, COLLECTIVE):  # else: how long it waited
-            self.since = time.monotonic()
-        self.state = STOPPED if elsewhere else FAILED
+        now = time.monotonic()
+        if self.state in (WAITING, COLLECTIVE):
+            self.waited = now - self.since
+        self.state, self.since = (STOPPED if elsewhere else FAILED), now
 
     def seconds(self) -> float:
         """How long it has been in its state."""
@@ -117,6 +119,7 @@ class Position:
                 "microbatch": awaited.microbatch},
             "seconds": round(self.seconds(), 3),
             "collective": self.collective,
+            "waited": None if self.waited is None else round(self.waited, 3),
         }
 
 
@@ -129,11 +132,13 @@ def describe(snapshot: dict[str, Any]) -> str:
     if state == WAITING:
         here = f"in {snapshot['action']}, waiting {seconds} for {awaited}"
     elif state in (FAILED, STOPPED) and awaited is not None:
-        here = f"stopped in {snapshot['action']} after waiting {seconds} for {awaited}"
+        here = (f"stopped in {snapshot['action']} after waiting {snapshot['waited']:.1f} s "
+                f"for {awaited}")
     elif state == COLLECTIVE:
         here = f"done with its actions; in {snapshot['collective']} for {seconds}"
     elif state in (FAILED, STOPPED) and snapshot["collective"]:
-        here = f"done with its actions; stopped in {snapshot['collective']} after {seconds}"
+        here = (f"done with its actions; stopped in {snapshot['collective']} after "
+                f"{snapshot['waited']:.1f} s")
     elif state == STOPPED:
         here = (f"stopped in {snapshot['action']} {seconds} ago" if snapshot["action"]
                 else f"stopped before its next action {seconds} ago")
