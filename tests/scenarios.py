@@ -166,10 +166,16 @@ def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     torch.save({"norm": norm, "grads": _grads(pipe), "timeline": timeline.to_dict()},
                out_dir / f"rank{rank}.pt")
     pipe.zero_grad()
-    y = y.clone()
-    y[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
+    bad = y.clone()
+    bad[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
     pipe.loss_fn = _nan_on_marker(loss_fn)
-    pipe.step(x, y)
+    try:
+        pipe.step(x, bad)
+    except conveyor.ConveyorError:  # every rank: the NaN, or the news of it
+        pipe.loss_fn = loss_fn  # skip the bad batch: the next step must be exact
+        pipe.step(x, y)
+        torch.save(_grads(pipe), out_dir / f"after{rank}.pt")
+        raise
 
 
 def _nan_on_marker(loss_fn: Any) -> Any:

@@ -153,6 +153,16 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
     assert outcome.returncodes == [1, 1], "\n".join(outcome.outputs)
     for output in outcome.outputs:
         assert "the loss of micro-batch 1 is nan" in output
+    # Called again with a good batch, the pipeline computes the plain model's gradients:
+    # the failed step's messages are drained, not taken for the new step's.
+    model, loss_fn = case_model("lm")
+    loss_fn(model(x), y).backward()
+    unclipped = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    after = {name: grad for rank in range(2)
+             for name, grad in torch.load(tmp_path / f"after{rank}.pt").items()}
+    assert sorted(after) == sorted(unclipped)
+    for name, grad in after.items():
+        assert relative_error(grad, unclipped[name]) <= 1e-10, name
 
 
 def assert_every_rank_stops(outcome: Outcome, *, within: float, messages: list[str]) -> None:
