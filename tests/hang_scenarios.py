@@ -127,6 +127,7 @@ def _stopping(how: str, stage: int | None) -> Any:
 
 
 scenario_hang_freeze_middle = _stopping("freeze", 1)
+scenario_hang_kill_last = _stopping("kill", None)
 scenario_hang_kill_middle = _stopping("kill", 1)
 scenario_hang_loop = _stopping("loop", None)
 

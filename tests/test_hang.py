@@ -8,6 +8,7 @@ where each rank stood (``error.where``). The torchrun cases are in test_hang_ran
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -170,7 +171,6 @@ def test_kill_usr1_prints_where_the_ranks_are() -> None:
     thread.start()
     try:
         assert gate.entered.wait(10)
-        import contextlib
         with contextlib.redirect_stderr(printed):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.2)  # the handler runs in this (the main) thread
@@ -218,3 +218,20 @@ def test_the_report_marks_each_rank_on_the_clock() -> None:
         "        0    1    2    3    4    5\n"
         "rank 0  0F0  0F1  .    >0B0 .    0b1\n"
         "rank 1  .    1f0  1b0  1f1  1b1  .")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+def test_conveyor_train_installs_where_on_usr1_while_it_trains() -> None:
+    from conveyor.train.loop import _where_on_usr1
+
+    gate = Gate()
+    pipe = pipeline(gate)
+    pipe.step(*batch())
+    before = signal.getsignal(signal.SIGUSR1)
+    printed = io.StringIO()
+    with _where_on_usr1(pipe):
+        with contextlib.redirect_stderr(printed):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+    assert "done with its 8 actions" in printed.getvalue(), printed.getvalue()
+    assert signal.getsignal(signal.SIGUSR1) is before  # put back when training ends

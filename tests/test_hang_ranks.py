@@ -96,11 +96,13 @@ def test_a_frozen_rank_is_named_by_every_survivor_in_time(
 
 
 @pytest.mark.timeout(200)
-def test_a_killed_middle_rank_is_named_as_dead(tmp_path: Path) -> None:
-    outcome = launch("hang_kill_middle", 3, tmp_path, timeout=150)
+@pytest.mark.parametrize(("scenario", "world"), [("hang_kill_last", 2), ("hang_kill_middle", 3)])
+def test_a_killed_rank_is_named_as_dead(tmp_path: Path, scenario: str, world: int) -> None:
+    outcome = launch(scenario, world, tmp_path, timeout=150)
     assert outcome.returncodes[1] == -9
-    assert_exits(outcome, [0, 2])
-    for rank in (0, 2):
+    survivors = [r for r in range(world) if r != 1]
+    assert_exits(outcome, survivors)
+    for rank in survivors:
         failed = steps_of(tmp_path, rank)[2]
         assert failed["seconds"] < WITHIN, failed
         lines = lines_of(failed["where"])

@@ -41,7 +41,7 @@ from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.deadline import Deadlines
 from conveyor.engine.hangreport import render_report
 from conveyor.engine.loss import LossFn, loss_and_count
-from conveyor.engine.position import Awaited, Position
+from conveyor.engine.position import KIND_WORDS, Awaited, Position
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.stage import Stage, failure
@@ -58,8 +58,6 @@ from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
 
-_KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
-               Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
 
 
 @dataclass
@@ -263,7 +261,7 @@ class Executor:
                 exc.action = str(action)  # a stage recomputing cannot tell B from I
             error = failure(
                 exc,
-                f"stage {action.stage} failed in {_KIND_WORDS[action.kind]} of micro-batch "
+                f"stage {action.stage} failed in {KIND_WORDS[action.kind]} of micro-batch "
                 f"{action.microbatch} ({action})",
                 stage=action.stage,
                 microbatch=action.microbatch,

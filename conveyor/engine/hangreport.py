@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from conveyor.engine.position import describe
+from conveyor.engine.position import KIND_WORDS, describe
 from conveyor.schedules import (
     Action,
     Kind,
@@ -50,7 +50,7 @@ def render_report(schedule: Schedule, kinds: Iterable[Kind],
     kinds = set(kinds)
     phase = actions_of(schedule, kinds)
     step = next((s["step"] for s in snapshots.values() if s), 0)
-    what = "+".join(_PHASE_WORDS[k] for k in Kind if k in kinds)
+    what = "+".join(KIND_WORDS[k] for k in Kind if k in kinds)
     lines = [f"where each rank stood (step {step} of {schedule.name!r}, "
              f"{schedule.num_ranks} ranks, {schedule.num_microbatches} micro-batches; {what}):"]
     for rank in range(schedule.num_ranks):
@@ -61,10 +61,6 @@ def render_report(schedule: Schedule, kinds: Iterable[Kind],
     lines.append("clock (one tick per action): UPPER done, >here, lower not reached")
     lines.append(_marked_clock(schedule, kinds, phase, snapshots))
     return "\n".join(lines)
-
-
-_PHASE_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
-                Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
 
 
 def _marked_clock(schedule: Schedule, kinds: set[Kind], phase: Mapping[int, list[Action]],

@@ -20,11 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.schedules import Action
+from conveyor.schedules import Action, Kind
 
 __all__: list[str] = []
 
 BETWEEN, RUNNING, WAITING, FINISHED, FAILED = "between", "running", "waiting", "finished", "failed"
+KIND_WORDS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
+              Kind.INPUT: "input gradient", Kind.WEIGHT: "weight gradient"}
 COLLECTIVE = "collective"  # after its actions, in one of the step's collectives
 STOPPED = "stopped"  # told of a failure elsewhere (a peer's report, a timeout)
 
@@ -152,3 +154,8 @@ def describe(snapshot: dict[str, Any]) -> str:
     else:
         here = f"between actions for {seconds}"
     return f"{last}; {here} ({snapshot['done']}/{snapshot['actions']} done)"
+
+
+def doing(action: Action) -> str:
+    """What ``action`` does, in words: "forward of micro-batch 1 on stage 1"."""
+    return f"{KIND_WORDS[action.kind]} of micro-batch {action.microbatch} on stage {action.stage}"

@@ -26,15 +26,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from conveyor.engine.deadline import Deadlines
-from conveyor.engine.position import FAILED, RUNNING, Position
+from conveyor.engine.position import FAILED, RUNNING, Position, doing
 from conveyor.engine.transport import Transport
 from conveyor.errors import StepTimeout, add_note
+from conveyor.schedules import Action
 
 __all__: list[str] = []
 
 GRACE = 5.0  # seconds the other ranks get to stop once a run has failed
 
-_KIND_WORDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
 class WatchedRanks:
@@ -106,11 +106,9 @@ def stuck_action(positions: Mapping[int, Position], limit: float) -> StepTimeout
     for position in positions.values():
         action = position.action
         if position.state == RUNNING and action is not None and position.seconds() > limit:
-            return StepTimeout(
-                f"rank {position.rank} has run {action} ({_KIND_WORDS[action.kind.value]} of "
-                f"micro-batch {action.microbatch} on stage {action.stage}) for more than "
-                f"{limit:g} s: stuck in a layer, or slower than the timeout (raise timeout=)",
-                stage=action.stage, microbatch=action.microbatch, action=str(action))
+            return _too_long(position, action, f"for more than {limit:g} s: stuck in a "
+                                               "layer, or slower than the timeout (raise "
+                                               "timeout=)")
     return None
 
 
@@ -145,13 +143,16 @@ def _abandoned(error: BaseException, why: str, left: Sequence[Position]) -> Base
         position = computing[0]
         action = position.action
         assert action is not None
-        stuck = StepTimeout(
-            f"rank {position.rank} has run {action} ({_KIND_WORDS[action.kind.value]} of "
-            f"micro-batch {action.microbatch} on stage {action.stage}) for "
-            f"{position.seconds():.1f} s and did not stop when the step failed: stuck in a "
-            f"layer ({type(error).__name__} elsewhere: {error})",
-            stage=action.stage, microbatch=action.microbatch, action=str(action))
+        stuck = _too_long(position, action, f"for {position.seconds():.1f} s and did not stop "
+                                            "when the step failed: stuck in a layer "
+                                            f"({type(error).__name__} elsewhere: {error})")
         stuck.__cause__ = error
         error = stuck
     add_note(error, why)
     return error
+
+
+def _too_long(position: Position, action: Action, how: str) -> StepTimeout:
+    """The StepTimeout of a rank that has run ``action`` too long, ``how`` said."""
+    return StepTimeout(f"rank {position.rank} has run {action} ({doing(action)}) {how}",
+                       stage=action.stage, microbatch=action.microbatch, action=str(action))
