@@ -154,9 +154,13 @@ class Executor:
 
         A single busy rank runs in the calling thread. With the ``conveyor`` logger at
         DEBUG, the run and each action are logged (see ``conveyor.engine.actionlog``).
+        Each rank's place is kept in ``positions`` while it runs; a failed run's error
+        carries the report of them (``where``).
 
         Raises:
             StageError: an action failed (or the typed error a stage raised).
+            StepTimeout: a rank waited, or ran one action, longer than the timeout.
+            ConveyorError: an earlier run left a stuck thread behind.
         """
         if self.abandoned is not None:
             raise ConveyorError(self.abandoned)
@@ -167,16 +171,15 @@ class Executor:
         started = time.monotonic()
         if not actionlog.enabled():  # asked once per run: the actions pay nothing
             self._run(columns, state, None)
-            self.deadlines.measured(time.monotonic() - started)
-            return
-        log = actionlog.ActionLog(self.transport, columns, state.inputs)
-        self.transport = log.transport  # notes what each action receives and sends
-        try:
-            with log.phase():
-                self._run(columns, state, log)
-        finally:
-            self.transport = log.transport.inner
-        self.deadlines.measured(time.monotonic() - started)
+        else:
+            log = actionlog.ActionLog(self.transport, columns, state.inputs)
+            self.transport = log.transport  # notes what each action receives and sends
+            try:
+                with log.phase():
+                    self._run(columns, state, log)
+            finally:
+                self.transport = log.transport.inner
+        self.deadlines.measured(time.monotonic() - started)  # a run that went through
 
     def _run(self, columns: Mapping[int, Sequence[Action]], state: StepState,
              log: actionlog.ActionLog | None) -> None:
