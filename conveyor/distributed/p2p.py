@@ -47,6 +47,12 @@ from conveyor.distributed.envelope import (
     _encode_abort,
     _unpickle,
 )
+from conveyor.distributed.peerfailure import (
+    lost_between_steps,
+    reported,
+    timed_out,
+    wait_failed,
+)
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
 from conveyor.engine.deadline import Deadlines
@@ -255,16 +261,8 @@ class P2PTransport:
             work = dist.irecv(buffer, self.topology.global_rank(peer),
                               group=self.topology.pipeline_group)
         except RuntimeError as exc:  # gloo: "Connection closed by peer"
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            failure = PeerFailure(
-                f"rank {self.topology.pipeline_rank} lost its peer rank {peer} ({text}) "
-                f"before it could receive from it in step {self.step}; that rank may have "
-                "died", stage=-1, microbatch=-1, action="recv")
-            failure.report = {"rank": peer, "stage": -1, "microbatch": -1, "action": "?",
-                              "silent": "closed", "error": f"its connection closed: {text}",
-                              "step": self.step}
-            self.broken = (f"step {self.step} lost rank {peer} ({text}), so this pipeline "
-                           "refuses further steps: restart the job")
+            failure, self.broken = lost_between_steps(exc, self.topology.pipeline_rank, peer,
+                                                      self.step)
             raise failure from exc
         return work if self._watcher is None else self._watcher.watch(peer, work)
 
@@ -361,15 +359,8 @@ class P2PTransport:
             return
 
     def _raise_failure(self, report: dict[str, Any], stopped: str) -> None:
-        """Raises the failure a peer reported; ``stopped`` says where this rank stopped
-        ("stopped waiting for ...", "stopped before its next action")."""
-        failure = PeerFailure(
-            f"rank {report['rank']} failed ({report['error']}); rank "
-            f"{self.topology.pipeline_rank} {stopped}",
-            stage=report["stage"], microbatch=report["microbatch"], action=report["action"],
-        )
-        failure.report = report
-        raise failure
+        """Raises the failure a peer reported; ``stopped`` says where this rank stopped."""
+        raise reported(report, self.topology.pipeline_rank, stopped)
 
     def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
         """Waits for ``work``: a receive from ``peer`` or a send (None), at most a
@@ -388,30 +379,14 @@ class P2PTransport:
             try:
                 work.wait(datetime.timedelta(seconds=seconds))
             except Exception as exc:
-                if not (_timed_out(exc) and self._between_steps(peer)):
+                if not (timed_out(exc) and self._between_steps(peer)):
                     raise
                 extra = self.deadlines.opening - seconds
                 seconds = self.deadlines.opening
                 work.wait(datetime.timedelta(seconds=extra))
         except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            timed_out = _timed_out(exc)
-            reason = (f"timed out after {seconds:g} s" if timed_out
-                      else f"lost its peer ({text})")
-            failure = PeerFailure(
-                f"rank {self.topology.pipeline_rank} {reason} waiting for {what}; that rank "
-                "may have failed or be stuck",
-                stage=-1, microbatch=-1, action="recv",
-            )
-            if peer is not None:  # passed on to the other peers: who went silent, and how
-                failure.report = {
-                    "rank": peer, "stage": -1, "microbatch": -1, "action": "?",
-                    "silent": "timeout" if timed_out else "closed",
-                    "error": (f"no answer within {seconds:g} s" if timed_out
-                              else f"its connection closed: {text}")}
-            self.broken = (f"step {self.step} lost a peer (rank {self.topology.pipeline_rank} "
-                           f"{reason} waiting for {what}), so this pipeline refuses further "
-                           "steps: restart the job (torchrun --max-restarts restarts it)")
+            failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
+                                               seconds, self.step)
             raise failure from exc
 
     def _between_steps(self, peer: int | None) -> bool:
@@ -473,9 +448,3 @@ def _let_go_of_works() -> None:
     for transport in list(_transports):
         transport._sends = []
         transport._incoming = {}
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a wait's error says it ran out of time (not that the peer is gone)."""
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text

@@ -1,0 +1,72 @@
+"""The ``PeerFailure`` a rank raises when a peer fails, goes silent, or is gone.
+
+Each carries a ``report`` (plain data) that the rank passes on to its own peers when it
+stops, so that every rank names the same origin: the rank, what it was doing, and for a
+silent peer how it went silent ("timeout": no answer in time; "closed": its connection
+closed, the process died). A silent peer also breaks the transport: the reason returned
+beside the failure is what a further step is refused with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.errors import PeerFailure
+
+__all__: list[str] = []
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a wait's error says it ran out of time (not that the peer is gone)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def reported(report: dict[str, Any], rank: int, stopped: str) -> PeerFailure:
+    """The failure a peer reported, as rank ``rank`` raises it; ``stopped`` says where
+    this rank stopped ("stopped waiting for ...", "stopped before its next action")."""
+    failure = PeerFailure(f"rank {report['rank']} failed ({report['error']}); rank {rank} "
+                          f"{stopped}", stage=report["stage"], microbatch=report["microbatch"],
+                          action=report["action"])
+    failure.report = report
+    return failure
+
+
+def wait_failed(exc: BaseException, rank: int, peer: int | None, what: str, seconds: float,
+                step: int) -> tuple[PeerFailure, str]:
+    """Rank ``rank``'s failure when its wait for ``what`` (from ``peer``; None: a send)
+    ended in ``exc`` after ``seconds``, and why the transport refuses further steps."""
+    silent = "timeout" if timed_out(exc) else "closed"
+    reason = (f"timed out after {seconds:g} s" if silent == "timeout"
+              else f"lost its peer ({first_line(exc)})")
+    failure = PeerFailure(f"rank {rank} {reason} waiting for {what}; that rank may have "
+                          "failed or be stuck", stage=-1, microbatch=-1, action="recv")
+    if peer is not None:  # passed on to the other peers: who went silent, and how
+        failure.report = _silent(peer, silent, f"no answer within {seconds:g} s"
+                                 if silent == "timeout"
+                                 else f"its connection closed: {first_line(exc)}")
+    return failure, (f"step {step} lost a peer (rank {rank} {reason} waiting for {what}), so "
+                     "this pipeline refuses further steps: restart the job (torchrun "
+                     "--max-restarts restarts it)")
+
+
+def lost_between_steps(exc: BaseException, rank: int, peer: int,
+                       step: int) -> tuple[PeerFailure, str]:
+    """Rank ``rank``'s failure when it cannot even post a receive from ``peer`` at the
+    start of ``step`` (its connection closed), and why further steps are refused."""
+    text = first_line(exc)
+    failure = PeerFailure(f"rank {rank} lost its peer rank {peer} ({text}) before it could "
+                          f"receive from it in step {step}; that rank may have died",
+                          stage=-1, microbatch=-1, action="recv")
+    failure.report = {**_silent(peer, "closed", f"its connection closed: {text}"), "step": step}
+    return failure, (f"step {step} lost rank {peer} ({text}), so this pipeline refuses "
+                     "further steps: restart the job")
+
+
+def _silent(peer: int, how: str, error: str) -> dict[str, Any]:
+    return {"rank": peer, "stage": -1, "microbatch": -1, "action": "?", "silent": how,
+            "error": error}
