@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 import conveyor
+from conveyor.engine import partition
 from conveyor.engine.partition import _balance
 from tests.models import one_costly_layer, one_cpu_thread
 
@@ -35,11 +39,26 @@ def test_layers_equal_but_for_timing_noise_split_the_same_way(
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
-def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(chunks: int) -> None:
+def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(
+        chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipeline(balance="time") profiles ``sample`` as it is, whatever ``chunks``, as
+    balance_by_time does. The layers' times are made exact (the last costs 8, the others
+    1: [5, 1] is 8, [4, 2] 9) so that timing noise cannot decide the answer."""
     torch.manual_seed(0)
-    model = one_costly_layer(6, 5, times=8)  # [5, 1]: 8; [4, 2]: 9
+    model = one_costly_layer(6, 5, times=8)
     microbatch = torch.randn(64, 128)
+    profiled: list[tuple[int, ...]] = []
+    measure = partition.profile_layers
+
+    def exact(module: nn.Sequential, sample: torch.Tensor, **options: Any) -> list[Any]:
+        profiled.append(tuple(sample.shape))
+        return [dataclasses.replace(p, forward_seconds=8.0 if i == 5 else 1.0,
+                                    backward_seconds=0.0)
+                for i, p in enumerate(measure(module, sample, repeat=1))]
+
+    monkeypatch.setattr(partition, "profile_layers", exact)
     with one_cpu_thread():
         pipe = conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=chunks, balance="time",
                                  sample=microbatch, devices=["cpu"] * 2)
         assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]
+    assert profiled == [(64, 128), (64, 128)]
