@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.distributed.peerfailure import first_line, timed_out
+from conveyor.distributed.peerfailure import collective_failed
 from conveyor.distributed.watch import Watcher
-from conveyor.errors import PeerFailure
 
 __all__: list[str] = []
 
@@ -63,13 +62,4 @@ def _wait(work: Any, group: Any, what: str, seconds: float) -> None:
     try:
         waited.wait(datetime.timedelta(seconds=seconds))
     except Exception as exc:  # a TimeoutError, or the backend's RuntimeError
-        text, silent = first_line(exc), timed_out(exc)
-        reason = (f"waited {seconds:g} s" if silent else f"lost a peer ({text})")
-        failure = PeerFailure(
-            f"rank {dist.get_rank()} {reason} in {what}: a rank of it failed, froze or "
-            "never came to it", stage=-1, microbatch=-1, action="collective")
-        failure.report = {"rank": None, "stage": -1, "microbatch": -1, "action": what,
-                          "silent": "timeout" if silent else "closed",
-                          "error": f"no answer in {what} within {seconds:g} s" if silent
-                          else f"a connection closed in {what}: {text}"}
-        raise failure from exc
+        raise collective_failed(exc, dist.get_rank(), what, seconds) from exc

@@ -54,6 +54,22 @@ def wait_failed(exc: BaseException, rank: int, peer: int | None, what: str, seco
                      "--max-restarts restarts it)")
 
 
+def collective_failed(exc: BaseException, rank: int, what: str,
+                      seconds: float) -> PeerFailure:
+    """Rank ``rank``'s failure when its wait in the collective ``what`` ended in ``exc``
+    after ``seconds`` (the rank that went silent is not known: ``report['rank']`` is
+    None)."""
+    silent = "timeout" if timed_out(exc) else "closed"
+    reason = f"waited {seconds:g} s" if silent == "timeout" else f"lost a peer ({first_line(exc)})"
+    failure = PeerFailure(f"rank {rank} {reason} in {what}: a rank of it failed, froze or "
+                          "never came to it", stage=-1, microbatch=-1, action="collective")
+    failure.report = {**_silent(None, silent, f"no answer in {what} within {seconds:g} s"
+                                if silent == "timeout"
+                                else f"a connection closed in {what}: {first_line(exc)}"),
+                      "action": what}
+    return failure
+
+
 def lost_between_steps(exc: BaseException, rank: int, peer: int,
                        step: int) -> tuple[PeerFailure, str]:
     """Rank ``rank``'s failure when it cannot even post a receive from ``peer`` at the
@@ -67,6 +83,6 @@ def lost_between_steps(exc: BaseException, rank: int, peer: int,
                      "further steps: restart the job")
 
 
-def _silent(peer: int, how: str, error: str) -> dict[str, Any]:
+def _silent(peer: int | None, how: str, error: str) -> dict[str, Any]:
     return {"rank": peer, "stage": -1, "microbatch": -1, "action": "?", "silent": how,
             "error": error}

@@ -458,11 +458,15 @@ class Pipeline(KeepsPlacement):
                     seconds: float | None = None) -> None:
         """An all-reduce over ``group`` whose wait is bounded (the step's, by default);
         this rank's position says it is in ``what`` meanwhile."""
+        self._joining(what)
+        collective.all_reduce(tensor, group=group, what=what, op=op,
+                              seconds=self._deadlines.within if seconds is None else seconds)
+
+    def _joining(self, what: str) -> None:
+        """Notes in this rank's position that it is in the collective ``what``."""
         position = self._executor.positions.get(self.topology.pipeline_rank)
         if position is not None:
             position.joining(what)
-        collective.all_reduce(tensor, group=group, what=what, op=op,
-                              seconds=self._deadlines.within if seconds is None else seconds)
 
     def _snapshot(self) -> dict[str, Any] | None:
         """This rank's place in the current (or last) step, as plain data."""
@@ -483,10 +487,8 @@ class Pipeline(KeepsPlacement):
         if not topology.distributed:
             return value
         shared = value.to(self._device)
-        position = self._executor.positions.get(topology.pipeline_rank)
         what = "the broadcast of the step's loss from the last stage"
-        if position is not None:
-            position.joining(what)
+        self._joining(what)
         collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
                              group=topology.pipeline_group, what=what,
                              seconds=self._deadlines.within)
