@@ -37,8 +37,8 @@ from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
 from conveyor.engine import executor as executor_module  # noqa: E402
-from conveyor.engine.position import Awaited, Position  # noqa: E402
-from conveyor.engine.threads import WatchedRanks  # noqa: E402
+from conveyor.engine.watchdog.position import Awaited, Position  # noqa: E402
+from conveyor.engine.watchdog.threads import WatchedRanks  # noqa: E402
 from conveyor.models import feed_forward_stack  # noqa: E402
 from conveyor.schedules import Action, Kind  # noqa: E402
 

@@ -42,10 +42,10 @@ from conveyor.errors import (
 )
 
 if TYPE_CHECKING:
-    from conveyor.distributed.pipeline import Pipeline
+    from conveyor.pipeline import Pipeline
     from conveyor.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-    from conveyor.engine.gpipe import GPipe
-    from conveyor.engine.partition import (
+    from conveyor.gpipe import GPipe
+    from conveyor.graph.balance import (
         LayerProfile,
         balance_by_memory,
         balance_by_params,
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
         solve_balance,
     )
     from conveyor.engine.recompute import is_recomputing
-    from conveyor.engine.weights import initialize
-    from conveyor.engine.skip import isolate, pop, skippable, stash, verify_skips
+    from conveyor.graph.weights import initialize
+    from conveyor.graph.skip import isolate, pop, skippable, stash, verify_skips
     from conveyor.observe.check import CheckReport, check
     from conveyor.observe.rebalance_policy import Rebalance
     from conveyor.observe.recording import record
@@ -70,20 +70,20 @@ _LAZY = {
     "DeferredBatchNorm": "conveyor.engine.batchnorm",
     "convert_deferred_batch_norm": "conveyor.engine.batchnorm",
     "is_recomputing": "conveyor.engine.recompute",
-    "LayerProfile": "conveyor.engine.partition",
-    "balance_by_memory": "conveyor.engine.partition",
-    "balance_by_params": "conveyor.engine.partition",
-    "balance_by_time": "conveyor.engine.partition",
-    "profile_layers": "conveyor.engine.partition",
-    "solve_balance": "conveyor.engine.partition",
-    "GPipe": "conveyor.engine.gpipe",
-    "initialize": "conveyor.engine.weights",
-    "isolate": "conveyor.engine.skip",
-    "pop": "conveyor.engine.skip",
-    "skippable": "conveyor.engine.skip",
-    "stash": "conveyor.engine.skip",
-    "verify_skips": "conveyor.engine.skip",
-    "Pipeline": "conveyor.distributed.pipeline",
+    "LayerProfile": "conveyor.graph.balance",
+    "balance_by_memory": "conveyor.graph.balance",
+    "balance_by_params": "conveyor.graph.balance",
+    "balance_by_time": "conveyor.graph.balance",
+    "profile_layers": "conveyor.graph.balance",
+    "solve_balance": "conveyor.graph.balance",
+    "GPipe": "conveyor.gpipe",
+    "initialize": "conveyor.graph.weights",
+    "isolate": "conveyor.graph.skip",
+    "pop": "conveyor.graph.skip",
+    "skippable": "conveyor.graph.skip",
+    "stash": "conveyor.graph.skip",
+    "verify_skips": "conveyor.graph.skip",
+    "Pipeline": "conveyor.pipeline",
     "Schedule": "conveyor.schedules",
     "record": "conveyor.observe.recording",
     "Rebalance": "conveyor.observe.rebalance_policy",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine import deadline
+from conveyor.engine.watchdog import deadline
 
 FLOOR = 3.0  # the fitted timeout of a step after the first two, at least
 STEP = 0  # the step the scenario runs, read by the traps

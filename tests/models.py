@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.partition import solve_balance
+from conveyor.graph.balance import solve_balance
 
 
 def mlp(dropout: float = 0.0) -> nn.Sequential:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.distributed.instantiate import sequential
+from conveyor.graph.source import sequential
 
 STEPS = 6
 SLEEP = 0.004  # seconds per forward of a Slow layer: makes stage 1 the slow one

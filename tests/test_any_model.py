@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from conveyor.engine.graphstage import as_call
+from conveyor.graph.tracedstage import as_call
 from conveyor.engine.microbatch import split
 from conveyor.errors import BalanceError, ModelError
 from tests.crossing import UNet

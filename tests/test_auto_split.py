@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from conveyor.engine.autosplit import block_parameters, choose_split_at, find_blocks
+from conveyor.graph.autosplit import block_parameters, choose_split_at, find_blocks
 from conveyor.errors import BalanceError, ModelError
 from tests.test_any_model import (
     CHUNKS,

@@ -105,7 +105,7 @@ def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) 
 
 def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:
     import conveyor
-    from conveyor.distributed.instantiate import sequential
+    from conveyor.graph.source import sequential
     from tests.scenarios import deep_mlp
 
     torch.manual_seed(5)

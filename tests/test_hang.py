@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine import deadline
-from conveyor.engine.deadline import Deadlines
-from conveyor.engine.hangreport import render_report
+from conveyor.engine.watchdog import deadline
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.schedules import Kind, build
 
 FLOOR = 2.0  # the fitted timeout of a step after the first, at least

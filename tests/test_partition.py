@@ -11,7 +11,7 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError
-from conveyor.engine.partition import profile_layers, solve_balance, stage_costs, validate_balance
+from conveyor.graph.balance import profile_layers, solve_balance, stage_costs, validate_balance
 from tests.models import one_costly_layer, one_cpu_thread
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
-from conveyor.distributed.instantiate import sequential
+from conveyor.graph.source import sequential
 from conveyor.errors import NonFiniteLossError
 from tests.models import one_costly_layer, one_cpu_thread, paired, relative_error
 from tests.scenarios import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine import partition
-from conveyor.engine.partition import _balance
+from conveyor.graph import balance as partition
+from conveyor.graph.balance import _balance
 from tests.models import one_costly_layer, one_cpu_thread
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from conveyor.engine.skip import _store, skips_of, split_at_skips
+from conveyor.graph.skip import _store, skips_of, split_at_skips
 from conveyor.errors import BalanceError, ModelError, SkipError
 from tests.models import relative_error
 

@@ -20,7 +20,7 @@ from conveyor.train import saving
 from conveyor.cli import main
 from conveyor.train.data import text_corpus
 from conveyor.train.models import transformer_lm
-from conveyor.distributed.pipeline import Pipeline
+from conveyor.pipeline import Pipeline
 from conveyor.train.language import next_byte_loss
 from conveyor.schedules import build
 from tests.multiprocess import run_command

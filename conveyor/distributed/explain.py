@@ -3,7 +3,7 @@
 When a step fails on a rank (its own error, a peer's report, a timeout), the rank
 publishes its place and gathers the others' through the store
 (:mod:`conveyor.distributed.whereabouts`), then gives the error the report
-(:mod:`conveyor.engine.hangreport`) as ``where`` and as a note: every surviving rank
+(:mod:`conveyor.engine.watchdog.hangreport`) as ``where`` and as a note: every surviving rank
 prints the same merged view. A peer that went silent (it timed out, or its connection
 closed) also leaves the transport refusing further steps: the job must restart.
 """
@@ -15,9 +15,9 @@ from typing import Any
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
-from conveyor.engine.hangreport import render_report
-from conveyor.engine.position import COLLECTIVE, FAILED, RUNNING, STOPPED
-from conveyor.engine.threads import attach_report
+from conveyor.engine.watchdog.hangreport import render_report
+from conveyor.engine.watchdog.position import COLLECTIVE, FAILED, RUNNING, STOPPED
+from conveyor.engine.watchdog.threads import attach_report
 from conveyor.errors import PeerFailure
 
 __all__: list[str] = []

@@ -34,12 +34,12 @@ from conveyor.distributed import collective
 from conveyor.distributed.optimizer import adopt, move_state, release
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.engine.builder import NamedLayers, build_stages
+from conveyor.graph.layout import NamedLayers, build_stages
 from conveyor.engine.executor import Executor
 from conveyor.engine.stage import Stage
 
 if TYPE_CHECKING:
-    from conveyor.distributed.pipeline import Pipeline
+    from conveyor.pipeline import Pipeline
 
 __all__: list[str] = []
 

@@ -55,7 +55,7 @@ from conveyor.distributed.peerfailure import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.deadline import Deadlines
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.transport import (
     Aborted,
     LocalTransport,

@@ -9,9 +9,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.instantiate import LayerSource
+from conveyor.graph.source import LayerSource
 from conveyor.engine.devices import Device
-from conveyor.engine.partition import balance_by_time, solve_balance, validate_balance
+from conveyor.graph.balance import balance_by_time, solve_balance, validate_balance
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
 from conveyor.schedules import Edge, Schedule, validate
 from conveyor.schedules import build as build_schedule

@@ -32,12 +32,12 @@ from torch.utils.hooks import RemovableHandle
 
 from conveyor.distributed.moves import move_layers, share_bytes
 from conveyor.engine.recorder import Recorder
-from conveyor.engine.skip import skips_of
+from conveyor.graph.skip import skips_of
 from conveyor.errors import ConfigError
 from conveyor.schedules import Kind, Schedule
 
 if TYPE_CHECKING:
-    from conveyor.distributed.pipeline import Pipeline
+    from conveyor.pipeline import Pipeline
 
 __all__: list[str] = []
 

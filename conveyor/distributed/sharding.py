@@ -51,7 +51,7 @@ from torch import nn
 
 from conveyor.distributed.gradients import local_shard
 from conveyor.distributed.topology import Topology
-from conveyor.engine.graphstage import GraphStage
+from conveyor.graph.tracedstage import GraphStage
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ConveyorError, ModelError, ScheduleError

@@ -38,14 +38,14 @@ import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
-from conveyor.engine.deadline import Deadlines
-from conveyor.engine.hangreport import render_report
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.engine.loss import LossFn, loss_and_count
-from conveyor.engine.position import KIND_WORDS, Awaited, Position
+from conveyor.engine.watchdog.position import KIND_WORDS, Awaited, Position
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
 from conveyor.engine.stage import Stage, failure
-from conveyor.engine.threads import WatchedRanks, attach_report, notes
+from conveyor.engine.watchdog.threads import WatchedRanks, attach_report, notes
 from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
 from conveyor.engine.weightgrad import WeightGradient, backward_input
 from conveyor.errors import (

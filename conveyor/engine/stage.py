@@ -20,7 +20,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.graphstage import GraphStage
 from conveyor.engine.recompute import (
     Recomputation,
     checkpointed,
@@ -44,6 +43,27 @@ LayerLoop = Callable[[Any], Any]
 _STOP_RECOMPUTATION: type[BaseException] = getattr(
     torch.utils.checkpoint, "_StopRecomputationError", ConveyorError
 )
+
+
+class WholeStage(nn.Module):
+    """A layer that is a whole stage of a traced model (``conveyor.graph`` makes them).
+
+    It reads parameters and buffers that live elsewhere (the model's, under the model's
+    names), takes the values that cross into it and hands on a dict of the values it
+    makes, which :meth:`route` splits by the stage that uses each.
+    """
+
+    def bound_parameters(self) -> list[nn.Parameter]:
+        """The parameters this stage reads."""
+        raise NotImplementedError
+
+    def bound_modules(self) -> list[nn.Module]:
+        """The modules whose parameters or buffers this stage reads."""
+        raise NotImplementedError
+
+    def route(self, made: dict[str, Any], destinations: Sequence[int]) -> dict[int, Any]:
+        """What this stage made, split by the stage each value goes to."""
+        raise NotImplementedError
 
 
 class Partition(nn.Sequential):
@@ -83,11 +103,11 @@ class Stage:
         self.device = device
         self.randomness = randomness
         self._norms = running_stat_layers(layers) + [
-            norm for layer in layers if isinstance(layer, GraphStage)
+            norm for layer in layers if isinstance(layer, WholeStage)
             for module in layer.bound_modules() for norm in running_stat_layers(module)]
         self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
         # A traced stage: its values go to the stages that use them, not all to the next.
-        self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], GraphStage) \
+        self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], WholeStage) \
             else None
 
     def __repr__(self) -> str:
@@ -96,7 +116,7 @@ class Stage:
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (
-            layer.bound_parameters() if isinstance(layer, GraphStage) else layer.parameters())]
+            layer.bound_parameters() if isinstance(layer, WholeStage) else layer.parameters())]
         return [p for p in params if p.requires_grad]
 
     def route(self, outputs: Any, destinations: Sequence[int]) -> dict[int, Any]:
@@ -170,7 +190,7 @@ class Stage:
                 if error is exc:
                     raise
                 raise error from exc
-            if not isinstance(layer, GraphStage):  # values crossing stages may broadcast
+            if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
                 self._check_output(x, rows, offset, microbatch)
         return x
 

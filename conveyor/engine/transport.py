@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-from conveyor.engine.deadline import Deadlines
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import StepTimeout
 
 __all__: list[str] = []

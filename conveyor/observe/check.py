@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.distributed.instantiate import LayerBuilder
+from conveyor.graph.source import LayerBuilder
 from conveyor.engine.microbatch import batch_size, split
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.observe.checkruns import build_pipeline, float64, plain_model, run_plain

@@ -31,11 +31,11 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
-from conveyor.distributed.instantiate import LayerBuilder, sequential
-from conveyor.distributed.pipeline import Pipeline
-from conveyor.engine.graphstage import as_call
+from conveyor.graph.source import LayerBuilder, sequential
+from conveyor.pipeline import Pipeline
+from conveyor.graph.tracedstage import as_call
 from conveyor.engine.microbatch import gather, split
-from conveyor.engine.partition import (
+from conveyor.graph.balance import (
     balance_by_time,
     sequential_layers,
     solve_balance,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import microbatch_sizes, split
-from conveyor.engine.partition import sequential_layers
+from conveyor.graph.balance import sequential_layers
 from conveyor.engine.ties import find_ties
 from conveyor.errors import StageError
 from conveyor.observe import causes

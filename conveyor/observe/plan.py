@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.engine.microbatch import batch_size
-from conveyor.engine.partition import sequential_layers, solve_balance
+from conveyor.graph.balance import sequential_layers, solve_balance
 from conveyor.errors import BalanceError
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import build
@@ -117,8 +117,8 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
             ``conveyor.Pipeline`` for the errors of choosing a cut.
         ModelError: the model cannot be traced or cut there.
     """
-    from conveyor.engine.autosplit import choose_split_at
-    from conveyor.engine.graph import split_model
+    from conveyor.graph.autosplit import choose_split_at
+    from conveyor.graph.export import split_model
 
     if split_at is None:
         if stages is None:

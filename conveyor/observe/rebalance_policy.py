@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.distributed.rebalance import Proposal, StageTimes
-from conveyor.engine.partition import solve_measured_balance, stage_costs
+from conveyor.graph.balance import solve_measured_balance, stage_costs
 from conveyor.errors import ConfigError
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import Schedule

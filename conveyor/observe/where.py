@@ -1,6 +1,6 @@
 """``conveyor.where(pipe)`` and ``kill -USR1``: where each rank of a running step is.
 
-Reads the ranks' positions (:mod:`conveyor.engine.position`) without stopping them, and
+Reads the ranks' positions (:mod:`conveyor.engine.watchdog.position`) without stopping them, and
 prints the same report a failed step carries: for each rank of this process the last
 action it finished, the one it is in, the message it waits for and for how long, and
 the clock with its place marked. Under torchrun a process knows its own rank only;

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.engine.gpipe import GPipe
-from conveyor.engine.partition import solve_balance
+from conveyor.gpipe import GPipe
+from conveyor.graph.balance import solve_balance
 from conveyor.train.models import feed_forward_stack
 
 __all__: list[str] = []

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from conveyor.distributed.pipeline import Pipeline
+from conveyor.pipeline import Pipeline
 from conveyor.train.data import TextCorpus
 from conveyor.train.options import TrainConfig
 

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.pipeline import Pipeline
-from conveyor.engine.deadline import OPENING
+from conveyor.pipeline import Pipeline
+from conveyor.engine.watchdog.deadline import OPENING
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.distributed import collective
-from conveyor.distributed.pipeline import Pipeline
+from conveyor.pipeline import Pipeline
 
 __all__: list[str] = []
 

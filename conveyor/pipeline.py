@@ -28,7 +28,7 @@ from conveyor.distributed import collective
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.explain import explain
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
-from conveyor.distributed.instantiate import LayerBuilder, LayerSource
+from conveyor.graph.source import LayerBuilder, LayerSource
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.planning import (
     local_ranks,
@@ -42,8 +42,8 @@ from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.autosplit import choose_cut
-from conveyor.engine.builder import (
+from conveyor.graph.autosplit import choose_cut
+from conveyor.graph.layout import (
     NamedLayers,
     build_stages,
     build_traced_stages,
@@ -51,11 +51,11 @@ from conveyor.engine.builder import (
     new_step,
     refuse_initialisation,
 )
-from conveyor.engine.deadline import Deadlines
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, LossFn, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.engine.skip import split_at_skips
+from conveyor.graph.skip import split_at_skips
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     distinct_per_stage,
@@ -65,7 +65,7 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.engine.weights import InitFn, Weights, draw_init_seed
+from conveyor.graph.weights import InitFn, Weights, draw_init_seed
 from conveyor.errors import (
     BalanceError,
     ConveyorError,
@@ -130,7 +130,7 @@ class Pipeline(KeepsPlacement):
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
             peer's first message of a step, later 10 x the slowest recent step (at
-            least 30 s). See ``conveyor.engine.deadline``.
+            least 30 s). See ``conveyor.engine.watchdog.deadline``.
         deferred_batch_norm: batch-norm statistics over the whole mini-batch.
         init_fn: with ``split_at`` and a model on the meta device, ``init_fn(module)``
             initialises each module of the rank's stages (default: the model's

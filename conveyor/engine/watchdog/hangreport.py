@@ -1,6 +1,6 @@
 """The hang report: where every rank stood when a step failed or stopped moving.
 
-Made from the ranks' :class:`~conveyor.engine.position.Position` snapshots (in one
+Made from the ranks' :class:`~conveyor.engine.watchdog.position.Position` snapshots (in one
 process, read from the threads; under torchrun, gathered from the surviving ranks), it
 says for each rank the last action it finished, the action it is in, the message it
 waits for and for how long, and draws the table's clock with each rank's place marked::
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from conveyor.engine.position import KIND_WORDS, describe
+from conveyor.engine.watchdog.position import KIND_WORDS, describe
 from conveyor.schedules import (
     Action,
     Kind,

@@ -19,13 +19,13 @@ from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.executor import StepState
-from conveyor.engine.graph import split_model
+from conveyor.graph.export import split_model
 from conveyor.engine.microbatch import microbatch_sizes
 from conveyor.engine.recompute import recomputes, validate_mode
 from conveyor.engine.rng import LayerRandomness, draw_step_seed
 from conveyor.engine.stage import Partition, Stage
 from conveyor.engine.ties import TiedParameter
-from conveyor.engine.weights import InitFn, Weights
+from conveyor.graph.weights import InitFn, Weights
 from conveyor.errors import BalanceError, ModelError
 from conveyor.schedules import Edge
 

@@ -5,7 +5,7 @@ on a sample micro-batch (``torch.export``, non-strict: the model's own Python ru
 fake tensors, so shape logic such as a rotary embedding's is evaluated rather than
 traced symbolically), in training and in eval mode. Every operation of the graph knows
 the module it ran in; stage k begins at the first operation inside ``split_at[k-1]``
-(torch's ``SplitPoint.BEGINNING``). Each stage becomes a :class:`~conveyor.engine.graphstage.GraphStage`,
+(torch's ``SplitPoint.BEGINNING``). Each stage becomes a :class:`~conveyor.graph.tracedstage.GraphStage`,
 a layer that conveyor's engine runs like any other:
 
 * stage 0 takes the micro-batch as the model takes it (a tensor, a tuple of positional
@@ -23,7 +23,7 @@ a layer that conveyor's engine runs like any other:
 
 Under torchrun each rank builds only its own stages: it traces the whole model (built on
 the meta device, that costs no memory), gives storage and values only to the tensors its
-stages read (:mod:`conveyor.engine.weights`) and drops the others from the model.
+stages read (:mod:`conveyor.graph.weights`) and drops the others from the model.
 
 A value made on stage i and used on stage j > i + 1 (a long skip connection, an
 attention mask, rotary ``cos``/``sin``, position ids) goes from i to j directly, once per
@@ -58,9 +58,9 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from conveyor.engine.graphstage import Binding, GraphStage, Plan, StageProgram, as_call
+from conveyor.graph.tracedstage import Binding, GraphStage, Plan, StageProgram, as_call
 from conveyor.engine.ties import TiedParameter, equalize
-from conveyor.engine.weights import (
+from conveyor.graph.weights import (
     InitFn,
     Placement,
     Weights,
@@ -157,7 +157,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
 
     The tensors those stages read move to their devices (a model built on the meta device
     gets storage for them alone, and values from ``weights``, ``init_fn`` or its own
-    initialiser: :mod:`conveyor.engine.weights`); tensors of stages built elsewhere are
+    initialiser: :mod:`conveyor.graph.weights`); tensors of stages built elsewhere are
     removed from the model, which keeps the model's names for what it holds.
 
     Raises:

@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.engine import skip
+from conveyor.graph import skip
 from conveyor.errors import BalanceError
 
 __all__ = [

@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from conveyor.engine.deadline import Deadlines
-from conveyor.engine.position import FAILED, RUNNING, Position, doing
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.engine.watchdog.position import FAILED, RUNNING, Position, doing
 from conveyor.engine.transport import Transport
 from conveyor.errors import StepTimeout, add_note
 from conveyor.schedules import Action

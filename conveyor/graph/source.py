@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.engine.partition import sequential_layers
-from conveyor.engine.weights import draw_init_seed, reset_of, seeded
+from conveyor.graph.balance import sequential_layers
+from conveyor.graph.weights import draw_init_seed, reset_of, seeded
 
 __all__ = ["LayerBuilder", "sequential"]
 

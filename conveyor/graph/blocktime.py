@@ -1,5 +1,5 @@
 """What each of a model's blocks costs in time: its forward and backward, measured on a
-sample with hooks at the blocks' boundaries (for :mod:`conveyor.engine.autosplit`).
+sample with hooks at the blocks' boundaries (for :mod:`conveyor.graph.autosplit`).
 
 A run marks the time each block begins its forward, and, in backward, the time the
 gradient of each block's input arrives (a hook on that tensor)::
@@ -25,8 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.engine.graphstage import as_call
-from conveyor.engine.partition import preserved_state
+from conveyor.graph.tracedstage import as_call
+from conveyor.graph.balance import preserved_state
 from conveyor.errors import BalanceError, ModelError
 
 __all__: list[str] = []

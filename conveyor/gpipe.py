@@ -18,20 +18,20 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.autosplit import choose_cut
-from conveyor.engine.builder import (
+from conveyor.graph.autosplit import choose_cut
+from conveyor.graph.layout import (
     build_stages,
     build_traced_stages,
     check_options,
     new_step,
     refuse_initialisation,
 )
-from conveyor.engine.deadline import Deadlines
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
 from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.engine.partition import sequential_layers, validate_balance
-from conveyor.engine.skip import split_at_skips
+from conveyor.graph.balance import sequential_layers, validate_balance
+from conveyor.graph.skip import split_at_skips
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     TiedParameter,
@@ -42,7 +42,7 @@ from conveyor.engine.ties import (
     tie_layers,
 )
 from conveyor.engine.transport import LocalTransport
-from conveyor.engine.weights import InitFn, Weights
+from conveyor.graph.weights import InitFn, Weights
 from conveyor.errors import BalanceError, LayerOutputError
 from conveyor.schedules import Edge, Kind, Schedule, actions_of, gpipe, validate
 

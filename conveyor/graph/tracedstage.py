@@ -1,5 +1,5 @@
 """A traced stage at run time: :class:`GraphStage`, the layer that runs stage k of a
-model cut by :mod:`conveyor.engine.graph`.
+model cut by :mod:`conveyor.graph.export`.
 
 Stage 0 takes the micro-batch as the model takes it, a later stage the dict of values
 made before it that it uses; each returns the values it makes that later stages use
@@ -23,6 +23,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.engine.recompute import is_recomputing
+from conveyor.engine.stage import WholeStage
 from conveyor.errors import ModelError
 
 __all__: list[str] = []
@@ -166,7 +167,7 @@ def _read(binding: Binding) -> Any:
     return getattr(binding.owner, binding.attribute)
 
 
-class GraphStage(nn.Module):
+class GraphStage(WholeStage):
     """Stage k of a traced model, as one layer: a micro-batch (stage 0) or a dict of the
     values crossing into it, to the dict it hands on (or the model's output, last).
 
