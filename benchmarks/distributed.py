@@ -63,7 +63,7 @@ def main() -> int:
         return launch(args)
 
     import conveyor
-    from conveyor.models import feed_forward_stack
+    from conveyor.train.models import feed_forward_stack
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)

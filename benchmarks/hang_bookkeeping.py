@@ -39,7 +39,7 @@ import conveyor  # noqa: E402
 from conveyor.engine import executor as executor_module  # noqa: E402
 from conveyor.engine.watchdog.position import Awaited, Position  # noqa: E402
 from conveyor.engine.watchdog.threads import WatchedRanks  # noqa: E402
-from conveyor.models import feed_forward_stack  # noqa: E402
+from conveyor.train.models import feed_forward_stack  # noqa: E402
 from conveyor.schedules import Action, Kind  # noqa: E402
 
 STAGES, CHUNKS, BATCH = 2, 8, 256

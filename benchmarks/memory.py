@@ -38,7 +38,7 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from conveyor import GPipe  # noqa: E402
-from conveyor.models import feed_forward_stack  # noqa: E402
+from conveyor.train.models import feed_forward_stack  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 8, 512, 256
 

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from conveyor import GPipe  # noqa: E402
-from conveyor.models import transformer_lm  # noqa: E402
+from conveyor.train.models import transformer_lm  # noqa: E402
 
 
 def largest_fitting(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096) -> int:

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor.models import feed_forward_stack  # noqa: E402
+from conveyor.train.models import feed_forward_stack  # noqa: E402
 
 STAGES, CHUNKS, BATCH = 2, 8, 256
 START, BALANCED = [2, 6], [4, 4]

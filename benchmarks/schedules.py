@@ -3,11 +3,11 @@
 For two models, each cut into K=2 stages on CPU threads with M=8 micro-batches:
 
 * config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256, MSE loss);
-* ``conveyor.models.transformer_lm(4, 256, 1024, 4)`` on 32 sequences of 128 bytes;
+* ``conveyor.train.models.transformer_lm(4, 256, 1024, 4)`` on 32 sequences of 128 bytes;
 
 it times ``Pipeline.step`` for every schedule (gpipe, 1f1b, interleaved-1f1b with V=2,
 zero-bubble) and checkpoint mode (never, except_last), interleaved round-robin in one
-run, each with the planner's balance. The planner (``conveyor.plan.plan``, from FLOPs
+run, each with the planner's balance. The planner (``conveyor.observe.plan.plan``, from FLOPs
 measured on the meta device) predicts each step time; its rate is calibrated once per
 model (on 1F1B without recomputation), which scales every prediction alike and so
 leaves the ranking to the cost model. The benchmark then checks the two claims of
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor.models import feed_forward_stack, transformer_lm  # noqa: E402
-from conveyor.plan import measure, plan  # noqa: E402
+from conveyor.train.models import feed_forward_stack, transformer_lm  # noqa: E402
+from conveyor.observe.plan import measure, plan  # noqa: E402
 
 STAGES, CHUNKS = 2, 8
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)]

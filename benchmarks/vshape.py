@@ -4,13 +4,13 @@ For the two models of ``benchmarks/schedules.py``, each on K=2 ranks (CPU thread
 M=8 micro-batches and no recomputation:
 
 * config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256, MSE loss);
-* ``conveyor.models.transformer_lm(4, 256, 1024, 4)`` on 32 sequences of 128 bytes;
+* ``conveyor.train.models.transformer_lm(4, 256, 1024, 4)`` on 32 sequences of 128 bytes;
 
 it times ``Pipeline.step`` for 1f1b, zero-bubble (ZB-H1), zb-v and dualpipe-v,
 round-robin in one run, each with the planner's balance (the V shapes cut the model
 into 2K = 4 stages, two per rank). Next to each measured step, as a ratio to 1F1B's:
 
-* the planner's prediction (``conveyor.plan.plan``: the simulator under a cost model
+* the planner's prediction (``conveyor.observe.plan.plan``: the simulator under a cost model
   of FLOPs measured on the meta device, I = F, W = F);
 * the textbook simulation: every rank's layers cost F = I = W = 1 (``CostModel.per_rank``).
 
@@ -36,7 +36,7 @@ from schedules import models  # noqa: E402
 
 import conveyor  # noqa: E402
 from conveyor.observe.simulate import CostModel, simulate  # noqa: E402
-from conveyor.plan import measure, plan  # noqa: E402
+from conveyor.observe.plan import measure, plan  # noqa: E402
 from conveyor.schedules import build  # noqa: E402
 
 STAGES, CHUNKS = 2, 8

@@ -17,34 +17,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from conveyor.distributed.runtime import Runtime
+from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
-from conveyor.graph.autosplit import choose_cut
-from conveyor.graph.layout import (
-    build_stages,
-    build_traced_stages,
-    check_options,
-    new_step,
-    refuse_initialisation,
-)
-from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
-from conveyor.engine.executor import Executor, StepState
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.graph.balance import sequential_layers, validate_balance
-from conveyor.graph.skip import split_at_skips
-from conveyor.engine.stage import Stage
-from conveyor.engine.ties import (
-    TiedParameter,
-    distinct_per_stage,
-    find_ties,
-    stage_of_layer,
-    sum_tied_gradients,
-    tie_layers,
-)
-from conveyor.engine.transport import LocalTransport
-from conveyor.graph.weights import InitFn, Weights
+from conveyor.engine.step import StepState, check_options, new_step
+from conveyor.engine.ties import TiedParameter, sum_tied_gradients
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import BalanceError, LayerOutputError
-from conveyor.schedules import Edge, Kind, Schedule, actions_of, gpipe, validate
+from conveyor.graph.layout import cut
+from conveyor.graph.weights import InitFn, Weights
+from conveyor.schedules import Kind, gpipe, validate
 
 __all__ = ["GPipe"]
 
@@ -132,82 +116,38 @@ class GPipe(KeepsPlacement):
     ) -> None:
         super().__init__()
         check_options(chunks=chunks, checkpoint=checkpoint)
-        deadlines = Deadlines(timeout)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
         self.checkpoint: str = checkpoint
-        self.partitions: list[nn.Sequential] = []
-        count = stages if stages is not None else None if devices is None else len(devices)
-        split_at, balance = choose_cut(module, split_at, balance, sample, count)
-        self.split_at = split_at  # as given, or chosen among the model's blocks
-        self._edges: tuple[Edge, ...] = ()  # a traced model's values that skip stages
-        if split_at is None:
-            refuse_initialisation(init_fn, weights)
-            built = self._cut_layers(module, balance, sample, devices, deferred_batch_norm)
-        else:
-            built = self._cut_graph(module, split_at, sample, devices, balance=balance,
-                                    deferred_batch_norm=deferred_batch_norm,
-                                    init_fn=init_fn, weights=weights)
-        if stages is not None and stages != len(built):
-            raise BalanceError(f"stages={stages}, but {'split_at' if split_at else 'balance'} "
-                               f"gives {len(built)} stages")
-        self._stages = list(built.values())
-        self.partitions.extend(stage.layers for stage in self._stages)
-        self._schedule = gpipe(len(self.balance), chunks).with_edges(self._edges)
-        validate(self._schedule)
-        self._executor = Executor(built, self._schedule,
-                                  LocalTransport(self.devices, deadlines=deadlines), deadlines)
-
-    def _cut_layers(self, module: nn.Module, balance: Sequence[int] | str | None, sample: Any,
-                    devices: Sequence[Device] | None,
-                    deferred_batch_norm: bool) -> dict[int, Stage]:
-        """The stages of an ``nn.Sequential`` cut by ``balance``."""
-        if balance is None or isinstance(balance, str):
-            raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
-                               "split_at= (submodule names) and sample= for any module"
-                               + ("; conveyor.balance_by_time(model, sample, stages) "
-                                  "computes one by time" if balance == "time" else ""))
-        layers = sequential_layers(module)
-        self.balance: list[int] = validate_balance(balance, len(layers))
-        split_at = split_at_skips(layers, self.balance, sample=sample,
-                                  deferred_batch_norm=deferred_batch_norm)
-        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
-            stages = self._cut_graph(module, split_at, sample, devices)
-            self.balance = validate_balance(balance, len(layers))
-            return stages
+        count = _stage_count(module, balance, split_at, stages, devices)
         self.devices: list[torch.device] = resolve_devices(
-            devices, len(self.balance), what=f"balance has {len(self.balance)} stages")
-        starts = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
-        stage_layers = distinct_per_stage(
-            {s: layers[starts[s]:starts[s + 1]] for s in range(len(self.balance))})
-        names = [name for name, _ in layers]
-        # Ties are found on the model as given, before a stage's copies exist.
-        self._ties = tie_layers(find_ties(layers), stage_layers, stage_of_layer(names, starts),
-                                dict(enumerate(self.devices)))
-        return build_stages(
-            self,
-            stage_layers,
-            names=names,
-            first_layers=dict(enumerate(starts[:-1])),
-            devices=dict(enumerate(self.devices)),
-            concurrent=self.devices,
-            deferred_batch_norm=deferred_batch_norm,
-        )
+            devices, count, what=_counted_by(balance, split_at, stages, count))
+        layout = cut(self, module, stages=count, devices=dict(enumerate(self.devices)),
+                     local=range(count), concurrent=self.devices, balance=balance,
+                     split_at=split_at, sample=sample,
+                     deferred_batch_norm=deferred_batch_norm, init_fn=init_fn,
+                     weights=weights)
+        self.partitions: list[nn.Sequential] = [layout.stages[s].layers for s in range(count)]
+        schedule = gpipe(count, chunks).with_edges(layout.edges)
+        validate(schedule)
+        self._runtime = Runtime(layout, schedule, Topology(pipeline_size=count), self.devices,
+                                Deadlines(timeout))
 
-    def _cut_graph(self, module: nn.Module, split_at: Sequence[str], sample: Any,
-                   devices: Sequence[Device] | None, *,
-                   balance: Sequence[int] | str | None = None,
-                   deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
-                   weights: Weights | None = None) -> dict[int, Stage]:
-        """The stages of any module, traced on ``sample`` and cut at ``split_at``."""
-        count = len(split_at) + 1
-        self.balance = [1] * count
-        self.devices = resolve_devices(devices, count, what=f"split_at gives {count} stages")
-        stages, self._ties, self._edges = build_traced_stages(
-            self, module, split_at=split_at, sample=sample, balance=balance,
-            deferred_batch_norm=deferred_batch_norm, devices=dict(enumerate(self.devices)),
-            concurrent=self.devices, init_fn=init_fn, weights=weights)
-        return stages
+    @property
+    def runtime(self) -> Runtime:
+        """The layout, schedule table, transport and executor of this pipeline."""
+        return self._runtime
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (one per stage for a model cut at ``split_at``)."""
+        return self._runtime.layout.balance
+
+    @property
+    def split_at(self) -> list[str] | None:
+        """Where the model was cut (as given, or chosen among its blocks); None for an
+        ``nn.Sequential`` run layer by layer."""
+        return self._runtime.layout.split_at
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
@@ -229,12 +169,14 @@ class GPipe(KeepsPlacement):
         leaves = pytree.tree_leaves(input)
         wrt_inputs = [i for i, t in enumerate(leaves)
                       if isinstance(t, torch.Tensor) and t.requires_grad]
-        params = [p for stage in self._stages for p in stage.trainable_parameters()]
+        runtime = self._runtime
+        params = [p for s in sorted(runtime.stages)
+                  for p in runtime.stages[s].trainable_parameters()]
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
         state = new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
                          grad_enabled=grad_enabled, training=self.training)
-        step = _Step(self._executor, self._schedule, state, leaves=leaves,
-                     wrt_inputs=wrt_inputs, params=params, ties=self._ties)
+        step = _Step(runtime, state, leaves=leaves, wrt_inputs=wrt_inputs, params=params,
+                     ties=runtime.layout.ties)
         if not grad_enabled:
             return step.forward()
         flat = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
@@ -246,8 +188,7 @@ class _Step:
 
     def __init__(
         self,
-        executor: Executor,
-        schedule: Schedule,
+        runtime: Runtime,
         state: StepState,
         *,
         leaves: list[Any],
@@ -255,8 +196,7 @@ class _Step:
         params: list[nn.Parameter],
         ties: list[TiedParameter],
     ) -> None:
-        self.executor = executor
-        self.schedule = schedule
+        self.runtime = runtime
         self.state = state
         self.leaves = leaves
         self.wrt_inputs = wrt_inputs
@@ -268,7 +208,7 @@ class _Step:
         self.backward_done = False
 
     def forward(self) -> Any:
-        self.executor.run_committed(actions_of(self.schedule, [Kind.FORWARD]), self.state)
+        self.runtime.run([Kind.FORWARD], self.state)
         outputs = [self.state.outputs[m] for m in range(len(self.state.inputs))]
         with torch.no_grad():
             gathered = gather(outputs)
@@ -321,7 +261,7 @@ class _Step:
         # autograd.grad() returns them without touching .grad at all.
         earlier = SetAside(self.params)
         try:
-            self.executor.run(actions_of(self.schedule, [Kind.BACKWARD]), state)
+            self.runtime.run([Kind.BACKWARD], state, commit=False)
             sum_tied_gradients(self.ties)
             param_grads = [p.grad for p in self.params]
         finally:
@@ -367,3 +307,43 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("GPipe does not support higher-order gradients "
                                "(backward with create_graph=True)")
         return (None, *ctx.step.backward(grads))
+
+
+def _stage_count(module: nn.Module, balance: Sequence[int] | str | None,
+                 split_at: Sequence[str] | None, stages: int | None,
+                 devices: Sequence[Device] | None) -> int:
+    """The number of stages K that GPipe's arguments ask for.
+
+    Raises:
+        BalanceError: they disagree, or an ``nn.Sequential`` comes without a balance.
+    """
+    counts = {"stages": stages,
+              "balance": len(balance) if isinstance(balance, Sequence)
+              and not isinstance(balance, str) else None,
+              "split_at": len(split_at) + 1 if split_at is not None else None}
+    given = {name: count for name, count in counts.items() if count is not None}
+    if len(set(given.values())) > 1:
+        first, *others = given.items()
+        raise BalanceError(f"{first[0]}={stages if first[0] == 'stages' else '...'}, but "
+                           + ", ".join(f"{name} gives {count} stages" for name, count in others))
+    if given:
+        return next(iter(given.values()))
+    if isinstance(module, nn.Sequential):
+        raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
+                           "split_at= (submodule names) and sample= for any module"
+                           + ("; conveyor.balance_by_time(model, sample, stages) "
+                              "computes one by time" if balance == "time" else ""))
+    if devices is None:
+        raise BalanceError(f"to choose where to cut {type(module).__name__}, conveyor needs "
+                           "the number of stages: give stages= or devices= (one per "
+                           "stage), or split_at=")
+    return len(devices)
+
+
+def _counted_by(balance: Any, split_at: Any, stages: int | None, count: int) -> str:
+    """What says there are ``count`` stages, for an error about devices."""
+    if split_at is not None:
+        return f"split_at gives {count} stages"
+    if stages is not None or isinstance(balance, (str, type(None))):
+        return f"stages={count}"
+    return f"balance has {count} stages"

@@ -24,59 +24,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.distributed import collective
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
-from conveyor.distributed.explain import explain
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
-from conveyor.graph.source import LayerBuilder, LayerSource
-from conveyor.distributed.p2p import P2PTransport
-from conveyor.distributed.planning import (
-    local_ranks,
-    make_schedule,
-    resolve_balance,
-    with_model_edges,
-)
+from conveyor.distributed.planning import local_ranks, make_schedule, with_model_edges
 from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
+from conveyor.distributed.runtime import Runtime
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
-from conveyor.graph.autosplit import choose_cut
-from conveyor.graph.layout import (
-    NamedLayers,
-    build_stages,
-    build_traced_stages,
-    check_options,
-    new_step,
-    refuse_initialisation,
-)
-from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
-from conveyor.engine.executor import Executor, LossFn, StepState
+from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
-from conveyor.graph.skip import split_at_skips
-from conveyor.engine.stage import Stage
-from conveyor.engine.ties import (
-    distinct_per_stage,
-    find_ties,
-    stage_of_layer,
-    sum_tied_gradients,
-    tie_layers,
-)
-from conveyor.engine.transport import LocalTransport, Transport
-from conveyor.graph.weights import InitFn, Weights, draw_init_seed
-from conveyor.errors import (
-    BalanceError,
-    ConveyorError,
-    ModelError,
-    ScheduleError,
-)
-from conveyor.schedules import (
-    Kind,
-    Schedule,
-    actions_of,
-)
+from conveyor.engine.step import StepState, check_options, new_step
+from conveyor.engine.ties import sum_tied_gradients
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.errors import ConveyorError, ScheduleError
+from conveyor.graph.layout import cut
+from conveyor.graph.source import LayerBuilder
+from conveyor.graph.weights import InitFn, Weights
+from conveyor.schedules import Kind, Schedule
 
 __all__ = ["Pipeline"]
 
@@ -173,10 +141,9 @@ class Pipeline(KeepsPlacement):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.check_finite = check_finite
-        self._deferred_batch_norm = deferred_batch_norm
-        self._deadlines = Deadlines(timeout)
+        deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
-                                             timeout=self._deadlines.opening)
+                                             timeout=deadlines.opening)
         if topology is not None:
             agree({"ranks": topology.pipeline_size, "data_parallel": data_parallel,
                    "chunks": chunks, "schedule": schedule_of(schedule),
@@ -190,127 +157,58 @@ class Pipeline(KeepsPlacement):
                    "rebalance": None if rebalance is None else repr(rebalance)})
         ranks = topology.pipeline_size if topology else local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
-        self.schedule = make_schedule(schedule, ranks, chunks, virtual_stages)
+        table = make_schedule(schedule, ranks, chunks, virtual_stages)
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
-        split_at, balance = choose_cut(module, split_at, balance, sample,
-                                       self.schedule.num_stages)
-        self.split_at = split_at  # as given, or chosen among the model's blocks
-        sharded = check_sharding(sharding, self.schedule, self.topology)
-        if split_at is None:
-            refuse_initialisation(init_fn, weights)
-            if self.schedule.edges:
-                raise ScheduleError(
-                    f"the schedule table has edges ({' '.join(map(str, self.schedule.edges))}),"
-                    " but a sequence of layers sends each stage's output to the next stage "
-                    "alone; drop the edges, or give a model to trace with split_at=")
-            self._stages = self._cut_layers(module, LayerSource(module, layers), balance,
-                                            sample, tie_weights, deferred_batch_norm)
-        else:
-            self._stages = self._cut_graph(module, split_at, sample, balance=balance,
-                                           deferred_batch_norm=deferred_batch_norm,
-                                           init_fn=init_fn, weights=weights)
-        self._sharding = (Sharding(self._stages, self.topology, self.schedule, self._ties)
+        sharded = check_sharding(sharding, table, self.topology)
+        if split_at is None and table.edges and (
+                isinstance(module, nn.Sequential) or not isinstance(module, nn.Module)):
+            raise ScheduleError(
+                f"the schedule table has edges ({' '.join(map(str, table.edges))}),"
+                " but a sequence of layers sends each stage's output to the next stage "
+                "alone; drop the edges, or give a model to trace with split_at=")
+        distributed = self.topology.distributed
+        layout = cut(
+            self, module, stages=table.num_stages,
+            devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},
+            local=[s for s in range(table.num_stages)
+                   if not distributed or table.stage_ranks[s] == self.topology.pipeline_rank],
+            concurrent=self.devices if not distributed else [self.devices[0]],
+            balance=balance, split_at=split_at, sample=sample, layers=layers,
+            tie_weights=tie_weights, deferred_batch_norm=deferred_batch_norm,
+            init_fn=init_fn, weights=weights)
+        if layout.edges:
+            table = with_model_edges(table, layout.edges)
+        if distributed:
+            connect_ties(layout.ties, self.topology, table.stage_ranks)
+        self.schedule = table
+        self._sharding = (Sharding(layout.stages, self.topology, table, layout.ties)
                           if sharded else None)
-        self._whereabouts: Whereabouts | None = None
-        if self.topology.distributed:
-            self._whereabouts = Whereabouts(self.topology.pipeline_rank, ranks,
-                                            self.topology.data_rank, self._snapshot)
-        self._transport = self._make_transport()
-        self._executor = Executor(self._stages, self.schedule, self._transport, self._deadlines)
-        # Under torchrun a report gathers every rank's place, not this one's alone.
-        self._executor.reports = not self.topology.distributed
+        whereabouts = (Whereabouts(self.topology.pipeline_rank, ranks, self.topology.data_rank,
+                                   self._snapshot) if distributed else None)
+        self._runtime = Runtime(layout, table, self.topology, self.devices, deadlines,
+                                whereabouts=whereabouts)
         self._rebalancing: Rebalancing | None = None
         if rebalance is not None:
-            check_rebalance(self, rebalance, sharded=sharded)
-            self._rebalancing = Rebalancing(rebalance, len(self._source.names))
+            check_rebalance(self._runtime, rebalance, sharded=sharded)
+            self._rebalancing = Rebalancing(rebalance, len(self.balance))
 
-    def _cut_layers(self, module: nn.Module | LayerBuilder, source: LayerSource,
-                    balance: Sequence[int] | str | None, sample: Any,
-                    tie_weights: Sequence[Sequence[str]],
-                    deferred_batch_norm: bool) -> dict[int, Stage]:
-        """This process's stages of an ``nn.Sequential`` (or layer builder) cut by
-        ``balance``."""
-        self.balance = resolve_balance(balance, source, self.schedule.num_stages, sample)
-        self._source = source  # re-balancing builds the layers it receives from it
-        split_at = split_at_skips(source.layers_if_known(), self.balance, sample=sample,
-                                  deferred_batch_norm=deferred_batch_norm)
-        if split_at is not None:  # a layer pops what an earlier stage stashed: trace
-            balance = self.balance
-            stages = self._cut_graph(module, split_at, sample)
-            self.balance = balance
-            return stages
-        # Found on the model as given: materialising gives layers new Parameter objects.
-        tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
-        starts = [sum(self.balance[:s]) for s in range(self.schedule.num_stages + 1)]
-        stage_layers = self._local_layers(source, starts)
-        self._ties = tie_layers(tied, stage_layers, stage_of_layer(source.names, starts),
-                                {s: self._stage_device(s) for s in stage_layers})
-        if self.topology.distributed:
-            connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
-        return build_stages(
-            self, stage_layers, names=source.names,
-            first_layers={s: starts[s] for s in stage_layers},
-            devices={s: self._stage_device(s) for s in stage_layers},
-            concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
-            deferred_batch_norm=deferred_batch_norm,
-        )
+    @property
+    def runtime(self) -> Runtime:
+        """The layout, schedule table, transport and executor this process runs."""
+        return self._runtime
 
-    def _cut_graph(self, module: nn.Module | LayerBuilder, split_at: Sequence[str], sample: Any,
-                   *, balance: Sequence[int] | str | None = None,
-                   deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
-                   weights: Weights | None = None) -> dict[int, Stage]:
-        """This process's stages of any module, traced on ``sample`` (one micro-batch)
-        and cut at ``split_at``; under torchrun, each rank gives storage only to the
-        tensors of its own stages."""
-        count = self.schedule.num_stages
-        if not isinstance(module, nn.Module):
-            raise ModelError("split_at= cuts a model object; give the nn.Module itself")
-        if len(split_at) + 1 != count:
-            raise BalanceError(f"split_at gives {len(split_at) + 1} stages but the schedule "
-                               f"has {count} (ranks x virtual stages)")
-        self.balance = [1] * count
-        local = [s for s in range(count) if not self.topology.distributed
-                 or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
-        stages, self._ties, edges = build_traced_stages(
-            self, module, split_at=split_at, sample=sample, balance=balance,
-            deferred_batch_norm=deferred_batch_norm,
-            devices={s: self._stage_device(s) for s in local},
-            concurrent=self.devices if not self.topology.distributed else [self.devices[0]],
-            init_fn=init_fn, weights=weights)
-        self.schedule = with_model_edges(self.schedule, edges)
-        if self.topology.distributed:
-            connect_ties(self._ties, self.topology, self.schedule.stage_ranks)
-        return stages
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (one per stage for a model cut at ``split_at``)."""
+        return self._runtime.layout.balance
 
-    def _stage_device(self, stage: int) -> torch.device:
-        return self.devices[self.schedule.stage_ranks[stage]]
-
-    def _local_layers(self, source: LayerSource, starts: Sequence[int]) -> dict[int, NamedLayers]:
-        """The layers of the stages this process runs, built (or materialised) on their
-        devices; a layer object given for two stages gets a copy in the second."""
-        local = [s for s in range(self.schedule.num_stages)
-                 if not self.topology.distributed
-                 or self.schedule.stage_ranks[s] == self.topology.pipeline_rank]
-        init_seed = draw_init_seed()
-        return distinct_per_stage({
-            s: [(source.names[i], source.layer(i, self._stage_device(s), init_seed))
-                for i in range(starts[s], starts[s + 1])]
-            for s in local
-        })
-
-    def _make_transport(self) -> Transport:
-        if not self.topology.distributed:
-            return LocalTransport([self._stage_device(s)
-                                   for s in range(self.schedule.num_stages)],
-                                  deadlines=self._deadlines)
-        transport = P2PTransport(self.topology, self.schedule,
-                                 {s: stage.device for s, stage in self._stages.items()},
-                                 self._deadlines)
-        if self._whereabouts is not None:
-            transport.probe = self._whereabouts.probe
-        return transport
+    @property
+    def split_at(self) -> list[str] | None:
+        """Where the model was cut (as given, or chosen among its blocks); None for a
+        sequence of layers run as they are."""
+        return self._runtime.layout.split_at
 
     # ----------------------------------------------------------------- the user API
 
@@ -339,40 +237,40 @@ class Pipeline(KeepsPlacement):
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
                                "eval_step() for inference")
         if self._rebalancing is not None:  # between two steps: may move layers
-            self._rebalancing.before_step(self)
+            self._runtime = self._rebalancing.before_step(self._runtime, self)
+        runtime = self._runtime
         last = self.schedule.num_stages - 1
         state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
                                check_finite=self.check_finite)
-        if last in self._stages:
+        if last in self._runtime.stages:
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
             state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
         params = list(self.parameters())
         earlier = SetAside(params)  # this step's gradients alone, until they are reduced
         try:
-            self._run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
+            self._runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
             loss, divisor = self._step_loss(state)
             if self._sharding is not None:  # reduce-scattered once, after the last backward
-                self._sharding.reduce(divisor, lambda total, group: self._all_reduce(
+                self._sharding.reduce(divisor, lambda total, group: runtime.all_reduce(
                     total, group, "the all-reduce of the tied weights' gradients"))
             else:
-                sum_tied_gradients(self._ties, lambda total, group: self._all_reduce(
+                sum_tied_gradients(runtime.layout.ties, lambda total, group: runtime.all_reduce(
                     total, group, "the all-reduce of the tied weights' gradients"))
                 reduce_across_replicas(
                     params, self.topology.data_group, self.topology.data_size, divisor,
-                    lambda flat, op: self._all_reduce(flat, self.topology.data_group,
+                    lambda flat, op: runtime.all_reduce(flat, self.topology.data_group,
                                                       "the replicas' gradient averaging", op))
-        except BaseException as exc:
+        except BaseException:
             if self._sharding is not None:
                 self._sharding.discard()
             earlier.restore()
-            self._explain(exc)
             if self._rebalancing is not None:
-                self._rebalancing.after_step(self, completed=False)
+                self._rebalancing.after_step(self._runtime, completed=False)
             raise
         earlier.add_back()
         if self._rebalancing is not None:
-            self._rebalancing.after_step(self, completed=True)
+            self._rebalancing.after_step(self._runtime, completed=True)
         return loss
 
     @torch.no_grad()
@@ -384,21 +282,17 @@ class Pipeline(KeepsPlacement):
             None on the other ranks.
         """
         state = self._new_step(inputs, grad_enabled=False)
-        try:
-            self._run([Kind.FORWARD], state)
-        except BaseException as exc:
-            self._explain(exc)
-            raise
+        self._runtime.run([Kind.FORWARD], state)
         if self._sharding is not None:
             self._sharding.reshard()
-        if self.schedule.num_stages - 1 not in self._stages:
+        if self.schedule.num_stages - 1 not in self._runtime.stages:
             return None
         return gather([state.outputs[m] for m in range(self.chunks)])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips gradients by their norm over every stage and rank; returns that norm."""
         counted = {id(p) for p in self.parameters()}
-        for tie in self._ties:
+        for tie in self._runtime.layout.ties:
             for duplicate in tie.duplicates():
                 counted.discard(id(duplicate))
         params = list(self.parameters())
@@ -408,8 +302,8 @@ class Pipeline(KeepsPlacement):
 
         def reduce(norm: torch.Tensor, op: Any) -> None:
             for group in groups:
-                self._all_reduce(norm, group, "the all-reduce of the gradients' norm", op,
-                                 seconds=self._deadlines.opening)
+                self._runtime.all_reduce(norm, group, "the all-reduce of the gradients' norm",
+                                         op, seconds=self._runtime.deadlines.opening)
 
         return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
                               norm_type, self.topology.pipeline_group, reduce)
@@ -426,7 +320,7 @@ class Pipeline(KeepsPlacement):
     def timeouts(self) -> Deadlines:
         """The seconds a wait may take: ``opening`` (start-up, a peer's first message
         of a step, between steps) and ``within`` (any other wait of a step)."""
-        return self._deadlines
+        return self._runtime.deadlines
 
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
@@ -437,62 +331,18 @@ class Pipeline(KeepsPlacement):
     # ----------------------------------------------------------------- internals
 
     def _new_step(self, inputs: Any, *, grad_enabled: bool, **options: Any) -> StepState:
-        microbatches = split(inputs, self.chunks) if 0 in self._stages else []
+        microbatches = split(inputs, self.chunks) if 0 in self._runtime.stages else []
         return new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
                         grad_enabled=grad_enabled, training=self.training, **options)
 
-    @property
-    def _device(self) -> torch.device:
-        return self.topology.device or self.devices[-1]
-
-    def _run(self, kinds: list[Kind], state: StepState) -> None:
-        columns = actions_of(self.schedule, kinds)
-        if isinstance(self._transport, P2PTransport):
-            assert self._whereabouts is not None
-            self._whereabouts.start()
-            self._transport.prepare(columns)
-            columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
-        self._executor.run_committed(columns, state)
-
-    def _all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = None, *,
-                    seconds: float | None = None) -> None:
-        """An all-reduce over ``group`` whose wait is bounded (the step's, by default);
-        this rank's position says it is in ``what`` meanwhile."""
-        self._joining(what)
-        collective.all_reduce(tensor, group=group, what=what, op=op,
-                              seconds=self._deadlines.within if seconds is None else seconds)
-
-    def _joining(self, what: str) -> None:
-        """Notes in this rank's position that it is in the collective ``what``."""
-        position = self._executor.positions.get(self.topology.pipeline_rank)
-        if position is not None:
-            position.joining(what)
-
     def _snapshot(self) -> dict[str, Any] | None:
-        """This rank's place in the current (or last) step, as plain data."""
-        position = self._executor.positions.get(self.topology.pipeline_rank)
-        return None if position is None else position.snapshot()
-
-    def _explain(self, error: BaseException) -> None:
-        """Under torchrun, gives a failed step's ``error`` the report of where every rank
-        stood (see :mod:`conveyor.distributed.explain`)."""
-        if self._whereabouts is not None and isinstance(self._transport, P2PTransport):
-            explain(error, self._executor, self._whereabouts, self._transport,
-                    self.topology.pipeline_rank)
+        """This rank's place in the current (or last) step (the whereabouts' answer)."""
+        return self._runtime.snapshot()
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage's rank has it, on every rank of this pipeline
         (in one process: ``value`` itself). A collective: every rank calls it."""
-        topology = self.topology
-        if not topology.distributed:
-            return value
-        shared = value.to(self._device)
-        what = "the broadcast of the step's loss from the last stage"
-        self._joining(what)
-        collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
-                             group=topology.pipeline_group, what=what,
-                             seconds=self._deadlines.within)
-        return shared.to(value.device)
+        return self._runtime.from_last_stage(value)
 
     def _step_loss(self, state: StepState) -> tuple[torch.Tensor, float]:
         """The step's loss on every rank, and what its gradients are to be divided by
@@ -503,8 +353,8 @@ class Pipeline(KeepsPlacement):
         must agree on before the last stage has computed anything, and which keeps a
         float64 model's loss exact.
         """
-        totals = torch.zeros(3, dtype=torch.float64, device=self._device)
-        if self.schedule.num_stages - 1 in self._stages:
+        totals = torch.zeros(3, dtype=torch.float64, device=self._runtime.device)
+        if self.schedule.num_stages - 1 in self._runtime.stages:
             losses = torch.stack([state.losses[m] for m in range(self.chunks)]).to(totals)
             if state.counts:
                 counts = torch.stack([state.counts[m] for m in range(self.chunks)]).to(totals)
@@ -514,7 +364,8 @@ class Pipeline(KeepsPlacement):
         totals = self.from_last_stage(totals)
         replicas = self.topology.data_size
         if replicas > 1:
-            self._all_reduce(totals, self.topology.data_group, "the replicas' loss total")
+            self._runtime.all_reduce(totals, self.topology.data_group,
+                                     "the replicas' loss total")
         if not totals[2]:  # scalar losses: the replicas' mean
             return (totals[0] / replicas).detach(), replicas
         count = float(totals[1])

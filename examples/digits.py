@@ -3,7 +3,7 @@
     pip install 'conveyor[images]'      # scikit-learn, whose wheel ships the digits
     python examples/digits.py           # GPipe schedule, 2 stages on CPU threads
 
-The network is conveyor.models.convnet (a stem, cells with two reductions, a head), cut
+The network is conveyor.train.models.convnet (a stem, cells with two reductions, a head), cut
 into 2 stages; batch norm is deferred, so its running statistics follow whole
 mini-batches as in the plain model. Prints the held-out accuracy after each epoch.
 """
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.data import digits
-from conveyor.models import convnet
+from conveyor.train.data import digits
+from conveyor.train.models import convnet
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 import transformers
-from conveyor.data import text_corpus
+from conveyor.train.data import text_corpus
 
 import conveyor
 

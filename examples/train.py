@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.models import transformer_lm
+from conveyor.train.models import transformer_lm
 
 LENGTH = 64
 

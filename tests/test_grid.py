@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
+import conveyor.train.models
 from conveyor.engine.microbatch import split
 from tests.models import assert_same_grads, paired, relative_error
 from tests.scenarios import (
@@ -35,7 +36,7 @@ CHUNKS = 4
 
 def convnet() -> nn.Sequential:
     torch.manual_seed(0)
-    return conveyor.models.convnet(cells=4, channels=4).double()
+    return conveyor.train.models.convnet(cells=4, channels=4).double()
 
 
 def images(batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,8 +78,16 @@ def test_every_import_points_down_the_layers() -> None:
 
 
 def test_no_module_import_cycle() -> None:
+    """Every import counts: top-level, inside functions, under ``TYPE_CHECKING``."""
     modules = _modules()
-    graph = {name: {i for i in _imports(path, top_level_only=True) if i in modules and i != name}
+
+    def target(imported: str) -> str | None:  # the module an imported name lives in
+        while imported and imported not in modules:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    graph = {name: {t for i in _imports(path, top_level_only=False)
+                    if (t := target(i)) is not None and t != name}
              for name, path in modules.items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
@@ -100,8 +108,26 @@ def test_no_module_import_cycle() -> None:
     assert len(state) == len(modules) > 30
 
 
-@pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.simulate",
-                                    "conveyor.observe.simulate", "conveyor.trace",
+def test_the_cycle_check_sees_imports_in_functions_and_type_checking(tmp_path: Path) -> None:
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+              "    from conveyor.pipeline import Pipeline\n"
+              "def f():\n    from conveyor.engine import stage\n")
+    (tmp_path / "m.py").write_text(source)
+    assert _imports(tmp_path / "m.py", top_level_only=False) >= {
+        "conveyor.pipeline.Pipeline", "conveyor.engine.stage"}
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_rooms_and_modules_stay_small(room: str) -> None:
+    modules = [p for p in (PACKAGE / room).glob("*.py") if p.name != "__init__.py"]
+    assert len(modules) <= 18, f"conveyor/{room} holds {len(modules)} modules"
+    for path in modules:
+        lines = len(path.read_text().splitlines())
+        assert lines <= 450, f"{path.relative_to(PACKAGE)} has {lines} lines"
+
+
+@pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.observe.simulate",
+                                    "conveyor.observe.trace",
                                     "conveyor.train.options", "conveyor.train.outdir",
                                     "conveyor.cli"])
 def test_modules_that_import_no_torch(module: str) -> None:
@@ -111,17 +137,14 @@ def test_modules_that_import_no_torch(module: str) -> None:
     assert result.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("short,full", [("simulate", "conveyor.observe.simulate"),
-                                        ("trace", "conveyor.observe.trace"),
-                                        ("plan", "conveyor.observe.plan"),
-                                        ("models", "conveyor.train.models"),
-                                        ("data", "conveyor.train.data"),
-                                        ("saving", "conveyor.train.saving")])
-def test_short_module_paths_are_the_modules_themselves(short: str, full: str) -> None:
-    module = importlib.import_module(f"conveyor.{short}")
-    assert module is importlib.import_module(full)
-    assert getattr(conveyor, short) is module
-    assert module.__name__ == full and module.__spec__.name == full
+def test_no_import_hook_and_no_short_paths() -> None:
+    """Every module path is a file: ``conveyor.simulate`` is ``conveyor.observe.simulate``."""
+    import sys
+
+    assert not [finder for finder in sys.meta_path
+                if type(finder).__module__.startswith("conveyor")]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("conveyor.simulate")
 
 
 def test_every_public_error_is_exported_from_the_package() -> None:

@@ -42,8 +42,8 @@ def test_transformer_parameter_counts_follow_the_formula(layers: int, d: int, h:
 _PLAN_A_13B_MODEL = """
 import json, resource, time
 import torch  # loaded before the first reading: only the planner's growth counts
-from conveyor.models import transformer_figures
-from conveyor.plan import plan
+from conveyor.train.models import transformer_figures
+from conveyor.observe.plan import plan
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 figures = transformer_figures(80, 4096, 16384, 32, vocab=50000, length=2048)

@@ -1,4 +1,4 @@
-"""conveyor plan --model package.module:function, and conveyor.plan.measure_split: the
+"""conveyor plan --model package.module:function, and conveyor.observe.plan.measure_split: the
 user's own model cut as a pipeline cuts it, its per-stage memory from the traced stages."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import conveyor
+import conveyor.observe.plan
 from conveyor.cli import main
 from tests.extras import require
 from tests.user_models import LadderUNet, TiedLM, llama_on_meta
@@ -56,7 +57,7 @@ def test_split_at_is_taken_as_given(capsys: pytest.CaptureFixture[str]) -> None:
 def test_stage_figures_come_from_the_traced_stages() -> None:
     model = TiedLM()
     sample = torch.zeros(2, 3, dtype=torch.long)
-    first, last = conveyor.plan.measure_split(model, sample, stages=2)
+    first, last = conveyor.observe.plan.measure_split(model, sample, stages=2)
     assert (first.name, last.name) == ("(start)", "blocks.1")  # [80 + 64 | 64 + 80]
     # The head's weight is the embedding's: each stage holds a copy, the model stays tied.
     assert (first.parameters, last.parameters) == (80 + 64, 64 + 80)
@@ -65,7 +66,7 @@ def test_stage_figures_come_from_the_traced_stages() -> None:
     # (3 x 10); saved for backward, the inputs of the block and of the head.
     assert (last.input_bytes, last.output_bytes, last.activation_bytes) == (96, 120, 192)
     assert last.flops == 2 * 3 * (8 * 8 + 8 * 10)
-    meta = conveyor.plan.measure_split(TiedLM().to("meta"), sample.to("meta"), split_at=["blocks.1"])
+    meta = conveyor.observe.plan.measure_split(TiedLM().to("meta"), sample.to("meta"), split_at=["blocks.1"])
     assert [f.activation_bytes for f in meta] == [first.activation_bytes, 192]
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import conveyor
+import conveyor.train.saving
 from conveyor.train import saving
 from conveyor.cli import main
 from conveyor.train.data import text_corpus
@@ -109,7 +110,7 @@ def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
     assert extra["step"] == 3 and saved["extra"]["config"]["stages"] == 2
     assert len(four.balance) == 4
     plain = tiny_model()
-    plain.load_state_dict(conveyor.saving.load_weights(tmp_path))  # as the README says
+    plain.load_state_dict(conveyor.train.saving.load_weights(tmp_path))  # as the README says
     assert_same_tensors(dict(plain.state_dict()), saved["model"])
 
     # The optimizer's moments follow each parameter by name into its new stage.

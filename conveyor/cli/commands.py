@@ -8,28 +8,15 @@ import math
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from conveyor.cli import tables
 
 if TYPE_CHECKING:
     from conveyor.observe.simulate import CostModel, Simulation
     from conveyor.schedules import Schedule
 
 __all__: list[str] = []
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(row, widths))) for row in cells]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
-
-
-def _size(value: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:g} B"
 
 
 def _time(value: float, unit: str) -> str:
@@ -206,8 +193,8 @@ def _print_simulation(args: argparse.Namespace, table: Schedule, result: Simulat
                      str(held[0]) if len(held) == 1 else
                      ", ".join(f"stage {s}: {n}" for s, n in zip(stages, held, strict=True)),
                      f"{peak:.3g} micro-batch{'' if peak == 1 else 'es'}" if counting
-                     else _size(peak)])
-    print(_table(["", "stages", "busy", "bubble", "most micro-batches held",
+                     else tables.size(peak)])
+    print(tables.table(["", "stages", "busy", "bubble", "most micro-batches held",
                   "peak activations"], rows))
     notes = _notes(args, flags, unit, counting=counting,
                    per_rank=table.num_stages // table.num_ranks)
@@ -281,7 +268,7 @@ def trace_command(args: argparse.Namespace) -> int:
     print(f"{timeline.source} {timeline.name}: {scale * timeline.makespan:.1f} {unit}, "
           f"{len(timeline.events)} actions, bubble {100 * timeline.mean_bubble:.1f}%")
     parts = ("compute", "transfer", "waiting", "between", "imbalance")  # breakdown's keys
-    print(_table([""] + [f"{part} {unit}" for part in parts], rows))
+    print(tables.table([""] + [f"{part} {unit}" for part in parts], rows))
     return 0
 
 
@@ -333,17 +320,19 @@ def plan_command(args: argparse.Namespace) -> int:
     per = planning.OPTIMIZER_BYTES[args.optimizer]
     print(f"{args.model}, {args.layers} layers: {parameters / 1e9:.2f}B parameters, "
           f"{per} bytes each with {args.optimizer}; batch {args.batch}, {args.devices} "
-          f"devices of {_size(memory)}, re-materialization {'on' if remat else 'off'}")
+          f"devices of {tables.size(memory)}, re-materialization {'on' if remat else 'off'}")
     status = "fits" if chosen.fits else "does NOT fit"
     print(f"\nbest: {chosen.schedule}, {chosen.chunks} micro-batches, balance "
           f"{chosen.balance} - {status}")
     rows = [[f"stage {s}", f"{p.layers[0]}-{p.layers[1]}", f"{p.parameters / 1e6:.1f}M",
-             _size(p.parameter_bytes), _size(p.activation_bytes), _size(p.total_bytes)]
+             tables.size(p.parameter_bytes), tables.size(p.activation_bytes),
+             tables.size(p.total_bytes)]
             for s, p in enumerate(chosen.stages)]
-    print(_table(["", "layers", "params", "param+opt", "activations", "total"], rows))
+    print(tables.table(["", "layers", "params", "param+opt", "activations", "total"], rows))
     print("\nschedules and micro-batches (simulated, fitting first):")
-    rows = [[p.schedule, str(p.chunks), "yes" if p.fits else "no", _size(max(p.rank_bytes)),
+    rows = [[p.schedule, str(p.chunks), "yes" if p.fits else "no",
+             tables.size(max(p.rank_bytes)),
              f"{p.throughput:.1f}"] for p in plans[:args.top]]
-    print(_table(["schedule", "M", "fits", "largest rank", "samples/s"], rows))
+    print(tables.table(["schedule", "M", "fits", "largest rank", "samples/s"], rows))
     print(f"\nthe deepest {args.model} of this width that fits: {depth} layers")
     return 0

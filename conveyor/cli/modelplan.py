@@ -7,7 +7,7 @@ any batch size, figures are per sample). Without a sample the model gets token i
 ``--length`` (``input_ids``, and ``use_cache=False`` where its forward takes it), as a
 Hugging Face language model does. The model is cut at ``--split-at``, or into
 ``--stages`` stages where ``conveyor.Pipeline`` would cut it, and each stage's figures
-come from tracing it (:func:`conveyor.plan.measure_split`).
+come from tracing it (:func:`conveyor.observe.plan.measure_split`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.cli.commands import _size, _table
+from conveyor.cli import tables
 from conveyor.cli.loading import load_function
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe import plan as planning
@@ -124,17 +124,17 @@ def _plan_model(args: argparse.Namespace) -> int:
           f"{'off' if args.no_rematerialize else 'on'}")
     fit = ("memory per device not given (--memory): every plan counts as fitting"
            if math.isinf(memory) else
-           f"{_size(memory)} per device: {'fits' if best.fits else 'does NOT fit'}")
+           f"{tables.size(memory)} per device: {'fits' if best.fits else 'does NOT fit'}")
     print(f"\nbest: {best.schedule}, {best.chunks} micro-batches; {fit}")
-    print(_table(["", "begins at", "params", "param+opt", "activations", "total"],
-                 [[f"stage {k}", name, f"{s.parameters:,}", _size(s.parameter_bytes),
-                   _size(s.activation_bytes), _size(s.total_bytes)]
+    print(tables.table(["", "begins at", "params", "param+opt", "activations", "total"],
+                 [[f"stage {k}", name, f"{s.parameters:,}", tables.size(s.parameter_bytes),
+                   tables.size(s.activation_bytes), tables.size(s.total_bytes)]
                   for k, (name, s) in enumerate(pairs)]))
     print("\nactivations: at the schedule's peak of micro-batches held per stage, from "
           "the traced stages' saved tensors; a weight tied across stages counts on each")
     print("\nschedules and micro-batches (simulated, fitting first):")
-    print(_table(["schedule", "M", "fits", "largest rank", "samples/s"],
+    print(tables.table(["schedule", "M", "fits", "largest rank", "samples/s"],
                  [[p.schedule, str(p.chunks), "yes" if p.fits else "no",
-                   _size(max(p.rank_bytes)), f"{p.throughput:.1f}"]
+                   tables.size(max(p.rank_bytes)), f"{p.throughput:.1f}"]
                   for p in plans[:args.top]]))
     return 0

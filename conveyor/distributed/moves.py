@@ -16,80 +16,82 @@ stage keeps its number, device and rank; only the layers it holds change.
   forgets them. The messages go over the pipeline's process group, one per pair of
   ranks that exchange layers, each a bounded broadcast from the sender.
 
-Then the pipeline gets a new transport and executor for its new stages (the schedule
-table does not depend on the balance); the step count, and a recording under way,
-carry over.
+Then the pipeline gets a new runtime for its new stages, with a new transport and
+executor (the schedule table does not depend on the balance); the step count, and a
+recording under way, carry over.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from conveyor.distributed import collective
 from conveyor.distributed.optimizer import adopt, move_state, release
-from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.runtime import Runtime
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.graph.layout import NamedLayers, build_stages
-from conveyor.engine.executor import Executor
-from conveyor.engine.stage import Stage
-
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
+from conveyor.graph.layout import Layout, NamedLayers, build_stages
+from conveyor.graph.source import LayerSource
 
 __all__: list[str] = []
 
 
-def move_layers(pipe: Pipeline, balance: Sequence[int],
-                optimizer: torch.optim.Optimizer | None) -> None:
-    """Re-cuts ``pipe`` by ``balance`` between two steps (a collective under torchrun:
-    every rank calls it with the same balance)."""
-    names = pipe._source.names
-    old, new = _stage_of_layers(pipe.balance), _stage_of_layers(balance)
+def move_layers(runtime: Runtime, owner: nn.Module, balance: Sequence[int],
+                optimizer: torch.optim.Optimizer | None) -> Runtime:
+    """Re-cuts the pipeline by ``balance`` between two steps (a collective under
+    torchrun: every rank calls it with the same balance); returns the runtime that
+    replaces ``runtime``, its layers registered on ``owner``."""
+    layout = runtime.layout
+    assert layout.source is not None  # checked when re-balancing was asked for
+    names = layout.source.names
+    old, new = _stage_of_layers(layout.balance), _stage_of_layers(balance)
     held = {stage.first_layer + j: layer
-            for stage in pipe._stages.values() for j, layer in enumerate(stage.layers)}
+            for stage in runtime.stages.values() for j, layer in enumerate(stage.layers)}
     received: dict[int, nn.Module] = {}
-    if pipe.topology.distributed:
-        ranks = pipe.schedule.stage_ranks
-        received = _exchange(pipe, [ranks[s] for s in old], [ranks[s] for s in new], held,
+    if runtime.topology.distributed:
+        ranks = runtime.schedule.stage_ranks
+        received = _exchange(runtime, [ranks[s] for s in old], [ranks[s] for s in new], held,
                              optimizer)
     starts = [sum(balance[:s]) for s in range(len(balance) + 1)]
     stage_layers: dict[int, NamedLayers] = {}
-    for s in pipe._stages:
-        device = pipe._stage_device(s)
+    for s in runtime.stages:
+        device = runtime.stage_device(s)
         stage_layers[s] = [(names[i], _moved(held[i], device, optimizer) if i in held
                             else received[i]) for i in range(starts[s], starts[s + 1])]
     for name in names:  # registered again, in their new stages, by build_stages
-        pipe._modules.pop(name, None)
+        owner._modules.pop(name, None)
+    topology = runtime.topology
     stages = build_stages(
-        pipe, stage_layers, names=names, first_layers={s: starts[s] for s in stage_layers},
-        devices={s: pipe._stage_device(s) for s in stage_layers},
-        concurrent=pipe.devices if not pipe.topology.distributed else [pipe.devices[0]],
+        owner, stage_layers, names=names, first_layers={s: starts[s] for s in stage_layers},
+        devices={s: runtime.stage_device(s) for s in stage_layers},
+        concurrent=runtime.devices if not topology.distributed else [runtime.devices[0]],
         deferred_batch_norm=False)  # converted when first built, or when received
-    _install(pipe, stages, list(balance))
+    return runtime.replaced(Layout(stages, list(balance), None, layout.ties,
+                                   source=layout.source,
+                                   deferred_batch_norm=layout.deferred_batch_norm))
 
 
-def share_bytes(pipe: Pipeline, data: bytes, source: int, what: str) -> bytes:
+def share_bytes(runtime: Runtime, data: bytes, source: int, what: str) -> bytes:
     """``data`` from pipeline rank ``source``, on every rank of the pipeline (a
     collective: every rank calls it; the others' ``data`` is ignored).
 
     Raises:
         PeerFailure: a rank did not join within the pipeline's opening timeout.
     """
-    topology = pipe.topology
-    size = torch.tensor([len(data)], dtype=torch.int64, device=pipe._device)
+    topology = runtime.topology
+    size = torch.tensor([len(data)], dtype=torch.int64, device=runtime.device)
     src = topology.global_rank(source)
-    seconds = pipe.timeouts.opening
+    seconds = runtime.deadlines.opening
     collective.broadcast(size, src=src, group=topology.pipeline_group, what=what,
                          seconds=seconds)
     if topology.pipeline_rank == source:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(pipe._device)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(runtime.device)
     else:
-        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=pipe._device)
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=runtime.device)
     collective.broadcast(buffer, src=src, group=topology.pipeline_group, what=what,
                          seconds=seconds)
     return buffer.cpu().numpy().tobytes()
@@ -113,28 +115,28 @@ def _moved(layer: nn.Module, device: torch.device,
     return layer
 
 
-def _exchange(pipe: Pipeline, old_ranks: Sequence[int], new_ranks: Sequence[int],
+def _exchange(runtime: Runtime, old_ranks: Sequence[int], new_ranks: Sequence[int],
               held: Mapping[int, nn.Module],
               optimizer: torch.optim.Optimizer | None) -> dict[int, nn.Module]:
     """Sends the layers this rank gives away and receives those it takes over, pair of
     ranks by pair of ranks in the same order everywhere; returns the received layers
     by index, built on this rank's device."""
-    me = pipe.topology.pipeline_rank
+    me = runtime.topology.pipeline_rank
     moving = [i for i in range(len(old_ranks)) if old_ranks[i] != new_ranks[i]]
     pairs = sorted({(old_ranks[i], new_ranks[i]) for i in moving})
     received: dict[int, nn.Module] = {}
     for source, destination in pairs:
         layers = [i for i in moving if (old_ranks[i], new_ranks[i]) == (source, destination)]
-        data = _pack(pipe, layers, held, optimizer) if me == source else b""
+        data = _pack(layers, held, optimizer) if me == source else b""
         what = (f"the re-balance's move of layers {layers[0]}-{layers[-1]} from rank "
                 f"{source} to rank {destination}")
-        data = share_bytes(pipe, data, source, what)
+        data = share_bytes(runtime, data, source, what)
         if me == destination:
-            received.update(_unpack(pipe, data, optimizer))
+            received.update(_unpack(runtime, data, optimizer))
     return received
 
 
-def _pack(pipe: Pipeline, layers: Sequence[int], held: Mapping[int, nn.Module],
+def _pack(layers: Sequence[int], held: Mapping[int, nn.Module],
           optimizer: torch.optim.Optimizer | None) -> bytes:
     """The layers' state, gradients and optimizer shares, serialised; the layers leave
     this rank's optimizer."""
@@ -153,17 +155,19 @@ def _pack(pipe: Pipeline, layers: Sequence[int], held: Mapping[int, nn.Module],
     return buffer.getvalue()
 
 
-def _unpack(pipe: Pipeline, data: bytes,
+def _unpack(runtime: Runtime, data: bytes,
             optimizer: torch.optim.Optimizer | None) -> dict[int, nn.Module]:
     """The layers of a received payload, built on this rank and loaded with it."""
     payload = torch.load(io.BytesIO(data), weights_only=True)
-    device = pipe.topology.device or torch.device("cpu")
+    device = runtime.topology.device or torch.device("cpu")
+    source = runtime.layout.source
+    assert isinstance(source, LayerSource)
     layers = {}
     for i, part in payload.items():
         # The weights come with the layer: no need to draw an initialisation seed
         # (which would advance torch's generator on this rank alone).
-        layer = pipe._source.layer(i, device, 0)
-        if pipe._deferred_batch_norm:
+        layer = source.layer(i, device, 0)
+        if runtime.layout.deferred_batch_norm:
             layer = convert_deferred_batch_norm(layer)
         layer.load_state_dict(part["state"])
         params = dict(layer.named_parameters())
@@ -172,15 +176,3 @@ def _unpack(pipe: Pipeline, data: bytes,
         adopt(optimizer, params, part["optimizer"])
         layers[i] = layer
     return layers
-
-
-def _install(pipe: Pipeline, stages: dict[int, Stage], balance: list[int]) -> None:
-    """Gives ``pipe`` its new stages, with a new transport and executor."""
-    old, previous = pipe._executor, pipe._transport
-    pipe._stages, pipe.balance = stages, balance
-    pipe._transport = pipe._make_transport()
-    if isinstance(previous, P2PTransport) and isinstance(pipe._transport, P2PTransport):
-        pipe._transport.step = previous.step  # messages carry it; reports ask by it
-    pipe._executor = Executor(stages, pipe.schedule, pipe._transport, pipe._deadlines)
-    pipe._executor.runs, pipe._executor.reports = old.runs, old.reports
-    pipe._executor.recorder, pipe._executor.abandoned = old.recorder, old.abandoned

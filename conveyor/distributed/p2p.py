@@ -127,8 +127,8 @@ class P2PTransport:
         self.deadlines = deadlines
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
-        #: ``probe(rank, step)``: where a peer is (see whereabouts), None: no answer.
-        self.probe: Callable[[int, int], dict[str, Any] | None] | None = None
+        #: ``locate_peer(rank, step)``: where a peer is (see whereabouts), None: no answer.
+        self.locate_peer: Callable[[int, int], dict[str, Any] | None] | None = None
         self._heard: set[int] = set()  # peers whose messages of this step have come
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
@@ -394,10 +394,10 @@ class P2PTransport:
         longer than a step's timeout, has not reached the step yet (it is saving,
         evaluating...): then the wait goes on up to the opening timeout. A peer that is
         in the step, or does not answer, is not waited for any longer."""
-        if (peer is None or peer in self._heard or self.probe is None
+        if (peer is None or peer in self._heard or self.locate_peer is None
                 or self.deadlines.opening <= self.deadlines.within):
             return False
-        where = self.probe(peer, self.step)
+        where = self.locate_peer(peer, self.step)
         return where is not None and where["step"] < self.step
 
     # ------------------------------------------------------------ ending

@@ -24,20 +24,19 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from conveyor.distributed.moves import move_layers, share_bytes
+from conveyor.distributed.runtime import Runtime
 from conveyor.engine.recorder import Recorder
 from conveyor.graph.skip import skips_of
 from conveyor.errors import ConfigError
 from conveyor.schedules import Kind, Schedule
 
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
 
 __all__: list[str] = []
 
@@ -90,7 +89,7 @@ class BalancePolicy(Protocol):
                 schedule: Schedule) -> Proposal: ...
 
 
-def check_rebalance(pipe: Pipeline, policy: Any, *, sharded: bool) -> None:
+def check_rebalance(runtime: Runtime, policy: Any, *, sharded: bool) -> None:
     """Refuses a policy that is not one, and a pipeline whose layers cannot move yet.
 
     Raises:
@@ -102,9 +101,8 @@ def check_rebalance(pipe: Pipeline, policy: Any, *, sharded: bool) -> None:
         raise ConfigError(f"rebalance={policy!r}: give a policy, rebalance=conveyor.Rebalance() "
                           "(or Rebalance(window=10, threshold=0.1)), or None to keep the "
                           "balance")
-    source = getattr(pipe, "_source", None)
-    if pipe.split_at is not None or source is None \
-            or any(stage._graph is not None for stage in pipe._stages.values()):
+    source = runtime.layout.source
+    if runtime.layout.split_at is not None or source is None:
         raise ConfigError("rebalance= moves layers of an nn.Sequential (or a layer builder) "
                           "cut by balance; a model cut at split_at= (traced) cannot be "
                           "re-balanced yet: drop rebalance=, or give the model as an "
@@ -117,7 +115,7 @@ def check_rebalance(pipe: Pipeline, policy: Any, *, sharded: bool) -> None:
                           "supported yet: a move could make a skip cross stages; drop "
                           "rebalance=")
     ends = {source.names[0], source.names[-1]}
-    for tie in pipe._ties:
+    for tie in runtime.layout.ties:
         inner = sorted({name.split(".")[0] for name in tie.names} - ends)
         if inner:
             raise ConfigError(
@@ -150,18 +148,21 @@ class Rebalancing:
         self._first = 0
         self._hooks: list[RemovableHandle] = []
 
-    def before_step(self, pipe: Pipeline) -> None:
+    def before_step(self, runtime: Runtime, owner: nn.Module) -> Runtime:
         """At the start of a step: decides (and moves) when the window is full, then
-        starts measuring unless the step is a warm-up one."""
-        if getattr(pipe._transport, "broken", None) or pipe._executor.abandoned:
-            return  # the step refuses to run, and says why: no collective before that
+        starts measuring unless the step is a warm-up one. Returns the runtime to run
+        the step with: ``runtime``, or after a move the one that replaces it (the moved
+        layers registered on ``owner``, the pipeline module)."""
+        if getattr(runtime.transport, "broken", None) or runtime.executor.abandoned:
+            return runtime  # the step refuses to run, and says why: no collective first
         if self._measured >= self.policy.window and self.policy.window > 0:
-            self._decide(pipe)
+            runtime = self._decide(runtime, owner)
         self._since += 1
         if self._since > self.policy.warmup:
-            self._start(pipe)
+            self._start(runtime)
+        return runtime
 
-    def after_step(self, pipe: Pipeline, *, completed: bool) -> None:
+    def after_step(self, runtime: Runtime, *, completed: bool) -> None:
         """At the end of a step: stops measuring; a completed step joins the window."""
         self.steps += 1
         if self._recorder is None:
@@ -171,7 +172,7 @@ class Rebalancing:
         self._hooks = []
         records = self._recorder.records[self._first:]
         if self._own:
-            pipe._executor.recorder = None
+            runtime.executor.recorder = None
         self._recorder = None
         if not completed:
             return
@@ -186,21 +187,21 @@ class Rebalancing:
 
     # ------------------------------------------------------------------ measuring
 
-    def _start(self, pipe: Pipeline) -> None:
-        executor = pipe._executor
+    def _start(self, runtime: Runtime) -> None:
+        executor = runtime.executor
         self._own = executor.recorder is None  # conveyor.record() may be recording
         if self._own:
             executor.recorder = Recorder()
         self._recorder = executor.recorder
         assert self._recorder is not None
         self._first = len(self._recorder.records)
-        for stage in pipe._stages.values():
+        for stage in runtime.stages.values():
             for j, layer in enumerate(stage.layers):
                 self._hooks += _time_forward(layer, stage.first_layer + j, self._layers)
 
-    def _times(self, pipe: Pipeline) -> StageTimes:
+    def _times(self, runtime: Runtime) -> StageTimes:
         """The window's figures, summed over every rank of the pipeline (and replica)."""
-        count = pipe.schedule.num_stages
+        count = runtime.schedule.num_stages
         flat = torch.zeros(count * 8 + self._num_layers + 2, dtype=torch.float64)
         for (stage, kind), (seconds, n) in self._sums.items():
             slot = stage * 8 + 2 * _KINDS.index(kind)
@@ -208,14 +209,14 @@ class Rebalancing:
         flat[count * 8:count * 8 + self._num_layers] = torch.tensor(self._layers,
                                                                      dtype=torch.float64)
         flat[-2:] = torch.tensor(self._transfers, dtype=torch.float64)
-        topology = pipe.topology
+        topology = runtime.topology
         if topology.distributed:
-            shared = flat.to(pipe._device)
-            pipe._all_reduce(shared, topology.pipeline_group, "the re-balance's timings",
-                             seconds=pipe.timeouts.opening)
+            shared = flat.to(runtime.device)
+            runtime.all_reduce(shared, topology.pipeline_group, "the re-balance's timings",
+                             seconds=runtime.deadlines.opening)
             if topology.data_size > 1:
-                pipe._all_reduce(shared, topology.data_group, "the re-balance's timings",
-                                 seconds=pipe.timeouts.opening)
+                runtime.all_reduce(shared, topology.data_group, "the re-balance's timings",
+                                 seconds=runtime.deadlines.opening)
             flat = shared.cpu()
         values = flat.tolist()
 
@@ -237,35 +238,36 @@ class Rebalancing:
 
     # ------------------------------------------------------------------ deciding
 
-    def _decide(self, pipe: Pipeline) -> None:
-        times = self._times(pipe)
+    def _decide(self, runtime: Runtime, owner: nn.Module) -> Runtime:
+        times = self._times(runtime)
         self._since = self._measured = 0
         self._sums, self._layers = {}, [0.0] * self._num_layers
         self._transfers = [0.0, 0.0]
-        proposal = self._agreed(pipe, times)
+        proposal = self._agreed(runtime, times)
         if not proposal.move:
             logger.debug("no re-balance after step %d: %s", self.steps, proposal.reason)
-            return
-        devices = {pipe._stage_device(s) for s in range(pipe.schedule.num_stages)}
-        if self.optimizer is None and (pipe.topology.distributed or len(devices) > 1):
+            return runtime
+        devices = {runtime.stage_device(s) for s in range(runtime.schedule.num_stages)}
+        if self.optimizer is None and (runtime.topology.distributed or len(devices) > 1):
             raise ConfigError(
-                f"the re-balance after step {self.steps} moves layers ({pipe.balance} -> "
-                f"{proposal.balance}) to other devices or processes, and their optimizer "
+                f"the re-balance after step {self.steps} moves layers "
+                f"({runtime.layout.balance} -> {proposal.balance}) to other devices or processes, and their optimizer "
                 "state must go with them: call pipe.attach_optimizer(optimizer) once the "
                 "optimizer is built")
-        move_layers(pipe, proposal.balance, self.optimizer)
+        moved = move_layers(runtime, owner, proposal.balance, self.optimizer)
         self.moves += 1
         logger.info("rebalanced after step %d: %s", self.steps, proposal.reason)
+        return moved
 
-    def _agreed(self, pipe: Pipeline, times: StageTimes) -> Proposal:
+    def _agreed(self, runtime: Runtime, times: StageTimes) -> Proposal:
         """The policy's proposal as pipeline rank 0 makes it, on every rank."""
-        topology = pipe.topology
+        topology = runtime.topology
         if not topology.distributed:
-            return self.policy.propose(times, pipe.balance, pipe.schedule)
+            return self.policy.propose(times, runtime.layout.balance, runtime.schedule)
         data = b""
         if topology.pipeline_rank == 0:
-            data = pickle.dumps(tuple(self.policy.propose(times, pipe.balance, pipe.schedule)))
-        data = share_bytes(pipe, data, 0, "the re-balance's decision")
+            data = pickle.dumps(tuple(self.policy.propose(times, runtime.layout.balance, runtime.schedule)))
+        data = share_bytes(runtime, data, 0, "the re-balance's decision")
         balance, move, reason = pickle.loads(data)
         return Proposal(list(balance), bool(move), str(reason))
 

@@ -11,7 +11,7 @@ group was started with), which outlives any rank but the one that hosts it::
     frozen / dead  nothing: named as such in the report
 
 A rank that waits for a peer's first message of a step asks the same way whether the
-peer has reached the step (:meth:`Whereabouts.probe`): a peer still busy between steps
+peer has reached the step (:meth:`Whereabouts.locate`): a peer still busy between steps
 (saving, evaluating) gets the opening timeout, one in the step the shorter one.
 
 Every surviving rank prints the merged report in its error; rank 0's is the one to read.
@@ -99,7 +99,7 @@ class Whereabouts:
             pass
         return found
 
-    def probe(self, rank: int, step: int) -> dict[str, Any] | None:
+    def locate(self, rank: int, step: int) -> dict[str, Any] | None:
         """Where pipeline rank ``rank`` is, asked while this rank waits for it in
         ``step``; None if it does not answer within its answering thread's time
         (frozen, dead, or stuck outside Python) or the store cannot be reached."""

@@ -26,31 +26,28 @@ the first error is raised in the caller, naming the stage and micro-batch.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.hangreport import render_report
-from conveyor.engine.loss import LossFn, loss_and_count
 from conveyor.engine.watchdog.position import KIND_WORDS, Awaited, Position
 from conveyor.engine.recorder import Recorder
-from conveyor.engine.routing import Pair, check_no_gradient, output_pairs, summed
-from conveyor.engine.stage import Stage, failure
+from conveyor.engine.routing import check_no_gradient
+from conveyor.engine.layers import failure
+from conveyor.engine.stage import Stage
+from conveyor.engine.step import StepState
 from conveyor.engine.watchdog.threads import WatchedRanks, attach_report, notes
-from conveyor.engine.transport import Aborted, MessageKind, Transport, deliver
-from conveyor.engine.weightgrad import WeightGradient, backward_input
+from conveyor.engine.transport import Aborted, MessageKind, Transport
 from conveyor.errors import (
     ConveyorError,
-    NonFiniteLossError,
     PeerFailure,
     StageError,
 )
@@ -58,49 +55,6 @@ from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
 
-
-
-@dataclass
-class StepState:
-    """What one pipelined call keeps between its actions.
-
-    Attributes:
-        inputs: the micro-batches of stage 0 (only where stage 0 runs).
-        recompute: whether micro-batch m is recomputed in backward.
-        grad_enabled: whether forward records graphs for a backward.
-        step_seed: the seed of this call's random streams (None: not seeded).
-        targets: the micro-batches of targets, where the last stage runs a loss.
-        loss_fn: ``loss_fn(output, target)`` at the last stage; None returns outputs.
-        loss_scale: the weight of each micro-batch's scalar loss in the batch's (its
-            share of the samples), so that their sum is the loss of the whole batch.
-        check_finite: raise if a micro-batch's loss is NaN or infinite.
-        outputs: the last stage's output per micro-batch (without a loss).
-        losses: the last stage's unscaled loss per micro-batch, detached (for a
-            ``(loss_sum, count)`` pair, the sum).
-        counts: per micro-batch, the count of a ``(loss_sum, count)`` pair (float64).
-        output_grads: per micro-batch, gradients of the last stage's output leaves.
-        input_grads: per micro-batch, gradients of stage 0's input leaves.
-
-    Parameter gradients are not kept here: backward actions accumulate them into each
-    parameter's ``.grad``, as autograd does for the plain model.
-    """
-
-    inputs: Sequence[Any]
-    recompute: Callable[[int], bool]
-    grad_enabled: bool
-    step_seed: int | None
-    targets: Sequence[Any] | None = None
-    loss_fn: LossFn | None = None
-    loss_scale: Sequence[float] = ()
-    check_finite: bool = False
-    outputs: dict[int, Any] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)
-    output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
-    #: per (stage, micro-batch), the weight gradient an ``I`` left for its ``W``.
-    weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
 
 
 class Executor:
@@ -255,7 +209,7 @@ class Executor:
             elif action.kind is Kind.INPUT:
                 self._backward(action, state, split=True)
             else:
-                state.weight_work.pop((action.stage, action.microbatch)).run()
+                self.stages[action.stage].weight_one(action.microbatch, state)
         except Aborted:
             raise
         except Exception as exc:
@@ -293,147 +247,27 @@ class Executor:
         with self.recorder.transferring():
             self.transport.send(kind, stage, microbatch, value, source=source)
 
-    def _is_last(self, stage: int) -> bool:
-        return stage == len(self.stage_ranks) - 1
-
     def _forward(self, action: Action, state: StepState) -> None:
+        """Receives what the stage takes, has it run the micro-batch, sends what it made."""
         s, m = action.stage, action.microbatch
-        stage = self.stages[s]
-        received: dict[int, Any] = {}  # by sending stage
-        if s == 0:
-            inputs = deliver(state.inputs[m], stage.device)
-        else:
-            received = {i: self._recv("activation", s, m, i)
-                        for i in self.schedule.forward_from(s)}
-            inputs = stage.join(received)
-        recompute = state.grad_enabled and state.recompute(m)
-        outputs = stage.forward(inputs, m, step_seed=state.step_seed, recompute=recompute)
-        loss = None
-        sent: dict[int, Any] = {}  # by receiving stage
-        if self._is_last(s) and state.loss_fn is not None:
-            loss = self._loss(s, m, outputs, state)
-        elif self._is_last(s):
-            state.outputs[m] = outputs
-        else:
-            messages = self.schedule.messages(action)
-            sent = stage.route(outputs, [message.destination for message in messages])
-            for message in messages:
-                value = sent[message.destination]
-                if (s, message.destination) in self._no_gradient:
-                    check_no_gradient(value, s, message.destination)
-                self._send("activation", message.destination, m, value, s)
-        if state.grad_enabled:
-            state.saved[(s, m)] = _Saved(inputs, received, outputs, sent, loss, recompute)
-
-    def _loss(self, s: int, m: int, outputs: Any, state: StepState) -> torch.Tensor:
-        """The last stage's loss of micro-batch m, as its backward starts from: scaled by
-        the micro-batch's share of the batch, or (a ``(loss_sum, count)`` pair) the sum
-        alone, divided by the whole step's count once every micro-batch is done."""
-        assert state.loss_fn is not None and state.targets is not None
-        targets = deliver(state.targets[m], self.stages[s].device)
-        try:
-            result = state.loss_fn(outputs, targets)
-        except Exception as exc:
-            raise ConveyorError(f"loss_fn failed on micro-batch {m}: "
-                                f"{type(exc).__name__}: {exc}") from exc
-        loss, count = loss_and_count(result, m)
-        if state.losses and (count is not None) != bool(state.counts):
-            raise ConveyorError(
-                f"loss_fn returned {'a (loss_sum, count) pair' if count is not None else 'a scalar'}"
-                f" for micro-batch {m} but not for micro-batch {next(iter(state.losses))}; "
-                "return the same kind of loss for every micro-batch"
-            )
-        value = loss.detach().reshape(())
-        if state.check_finite and not math.isfinite(float(value)):
-            raise NonFiniteLossError(f"the loss of micro-batch {m} is {float(value)} "
-                                     f"(stage {s}); stopping before it reaches the weights")
-        state.losses[m] = value
-        if count is None:
-            return loss.reshape(()) * state.loss_scale[m]
-        state.counts[m] = count
-        return loss.reshape(())
+        received = {i: self._recv("activation", s, m, i) for i in self.schedule.forward_from(s)}
+        messages = self.schedule.messages(action)
+        sent = self.stages[s].forward_one(m, received, state,
+                                          [message.destination for message in messages])
+        for message in messages:
+            value = sent[message.destination]
+            if (s, message.destination) in self._no_gradient:
+                check_no_gradient(value, s, message.destination)
+            self._send("activation", message.destination, m, value, s)
 
     def _backward(self, action: Action, state: StepState, *, split: bool) -> None:
-        """``B`` (``split=False``): input and weight gradients at once. ``I``
-        (``split=True``): the input gradient; the weight gradient waits for ``W``."""
+        """Receives the gradients of what the stage sent, has it back-propagate the
+        micro-batch (``B``, or ``I`` when ``split``), sends its input's gradients back."""
         s, m = action.stage, action.microbatch
-        stage = self.stages[s]
-        saved = state.saved.pop((s, m))
-        inputs = saved.inputs
-        pairs: list[Pair]
-        if saved.loss is not None:
-            pairs = [(saved.loss, None)] if saved.loss.requires_grad else []
-        elif self._is_last(s):
-            pairs = output_pairs(saved.outputs, state.output_grads.pop(m))
-        else:
-            came = [pair for j in self.schedule.backward_from(s)
-                    for pair in output_pairs(saved.sent[j], self._recv("gradient", s, m, j))]
-            pairs = summed(came)  # a value sent to several stages: gradients add up
-        if pairs and split and saved.recomputed:
-            pairs = self._rebuilt(stage, m, saved, pairs, state)
-        input_leaves = pytree.tree_leaves(inputs)
-        wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
-        if pairs and split:
-            found, state.weight_work[(s, m)] = backward_input(
-                [out for out, _ in pairs], [g for _, g in pairs], wanted,
-                stage.trainable_parameters())
-        elif pairs:
-            # The graph of a stage starts at its own detached inputs, so backward reaches
-            # exactly this stage's parameters and input leaves. Accumulating into .grad
-            # (AccumulateGrad) adds each weight gradient while it is still in cache:
-            # 5-10% faster on CPU than collecting them with autograd.grad.
-            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
-            found = [t.grad for t in wanted]
-        elif split:
-            state.weight_work[(s, m)] = WeightGradient([], [])
-        grad_of = {id(t): grad for t, grad in zip(wanted, found)}
-        if s == 0:
-            state.input_grads[m] = [grad_of.get(id(t)) for t in input_leaves]
+        came = {j: self._recv("gradient", s, m, j) for j in self.schedule.backward_from(s)}
+        grads = self.stages[s].backward_one(m, came, state, split=split)
         for message in self.schedule.messages(action):  # to where the inputs came from
-            part = pytree.tree_leaves(saved.received[message.destination])
-            self._send("gradient", message.destination, m,
-                       [grad_of.get(id(t)) for t in part], s)
-
-    def _rebuilt(self, stage: Stage, m: int, saved: _Saved,
-                 pairs: list[Pair], state: StepState) -> list[Pair]:
-        """``pairs`` (output, gradient) moved onto a graph of the stage rebuilt now.
-
-        A split backward of a recomputed micro-batch rebuilds the stage's graph here,
-        once, and I and W both use it; left to torch.utils.checkpoint, each of the two
-        backward calls would recompute the stage. A loss at the last stage is first
-        back-propagated to the stage's outputs (its own graph was kept).
-        """
-        leaves = pytree.tree_leaves(saved.outputs)
-        positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-        if saved.loss is not None:
-            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = torch.autograd.grad(saved.loss, wanted, allow_unused=True)
-            pairs = [(t, g) for t, g in zip(wanted, grads) if g is not None]
-        outputs = pytree.tree_leaves(stage.recompute(saved.inputs, m, step_seed=state.step_seed))
-        return [(outputs[positions[id(out)]], grad) for out, grad in pairs]
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """What a forward keeps for its micro-batch's backward.
-
-    Attributes:
-        inputs: the stage's input, detached leaves.
-        received: the messages the input was joined from, by sending stage (their
-            leaves are the input's).
-        outputs: the stage's output (with only ``inputs`` saved, if ``recomputed``).
-        sent: the output as sent to each later stage, by receiving stage.
-        loss: at the last stage, the loss backward starts from (None: the outputs).
-        recomputed: whether the stage's graph is rebuilt for backward.
-    """
-
-    inputs: Any
-    received: dict[int, Any]
-    outputs: Any
-    sent: dict[int, Any]
-    loss: torch.Tensor | None
-    recomputed: bool
+            self._send("gradient", message.destination, m, grads[message.destination], s)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.graph import skip
+from conveyor.graph.source import sequential_layers
 from conveyor.errors import BalanceError
 
 __all__ = [
@@ -38,22 +39,6 @@ _MIN_SECONDS = 0.02
 _MAX_RUNS = 200
 # Stages whose measured times differ by less than this (relative) count as equal.
 _TIME_SLACK = 0.05
-
-
-def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers of ``module`` as ``(name, layer)`` pairs, in order.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(
-            f"conveyor pipelines an nn.Sequential, got {type(module).__name__}; wrap the "
-            "layers in order: nn.Sequential(layer0, layer1, ...), or cut any module at its "
-            "submodules: give split_at=[names], or no balance to cut among its blocks"
-        )
-    # Not named_children(): it skips a module that appears twice, which is a layer here.
-    return [(name, layer) for name, layer in module._modules.items() if layer is not None]
 
 
 def validate_balance(balance: Sequence[int], num_layers: int) -> list[int]:

@@ -1,32 +1,47 @@
-"""One way to build a pipeline's stages, shared by ``GPipe`` and ``Pipeline``.
+"""One way to cut a model into a pipeline's stages, shared by every face.
 
-Both faces check their options the same way, resolve devices the same way, register the
-model's layers under their own names on the pipeline module (refusing a name that would
-shadow an attribute), convert batch norms for deferred statistics, give each stage its
-random streams, and start every call with the same kind of :class:`StepState`. What
-differs stays with them: ``GPipe`` cuts an ``nn.Sequential`` by a balance and runs the
-GPipe table in this process; ``Pipeline`` takes any schedule and may hold only one
-rank's stages of a model built elsewhere.
+:func:`cut` turns (model, ``balance`` or ``split_at``, ``sample``, the number of stages,
+the stages this process runs) into a :class:`Layout`: the local stages, built and on
+their devices, with the balance, the cut, the tied weights and the values a traced model
+sends past the next stage. ``GPipe``, ``Pipeline``, ``conveyor.check`` and re-balancing
+all build their stages here::
+
+    nn.Sequential (+ balance)  --resolve balance-->  skips cross a stage? --no--> layers
+    any nn.Module (+ split_at) --choose the cut---------------------yes--> traced stages
+
+Every path registers the model's layers under their own names on the pipeline module
+(so its ``state_dict()`` has the plain model's keys), converts batch norms for deferred
+statistics where asked, and gives each stage its random streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.engine.executor import StepState
-from conveyor.graph.export import split_model
-from conveyor.engine.microbatch import microbatch_sizes
-from conveyor.engine.recompute import recomputes, validate_mode
-from conveyor.engine.rng import LayerRandomness, draw_step_seed
-from conveyor.engine.stage import Partition, Stage
-from conveyor.engine.ties import TiedParameter
-from conveyor.graph.weights import InitFn, Weights
+from conveyor.engine.rng import LayerRandomness
+from conveyor.engine.layers import Partition
+from conveyor.engine.stage import Stage
+from conveyor.engine.ties import (
+    TiedParameter,
+    distinct_per_stage,
+    find_ties,
+    stage_of_layer,
+    tie_layers,
+)
 from conveyor.errors import BalanceError, ModelError
+from conveyor.graph.autosplit import choose_cut
+from conveyor.graph.balance import balance_by_time, solve_balance, validate_balance
+from conveyor.graph.export import split_model
+from conveyor.graph.skip import split_at_skips
+from conveyor.graph.source import LayerBuilder, LayerSource
+from conveyor.graph.weights import InitFn, Weights, draw_init_seed
 from conveyor.schedules import Edge
 
 __all__: list[str] = []
@@ -34,15 +49,142 @@ __all__: list[str] = []
 NamedLayers = list[tuple[str, nn.Module]]
 
 
-def check_options(*, chunks: int, checkpoint: str) -> None:
-    """Checks the options every pipeline takes.
+@dataclass
+class Layout:
+    """A model cut into stages, as one process holds it.
+
+    Attributes:
+        stages: the stages this process runs, by stage number.
+        balance: layers per stage (one per stage for a traced model).
+        split_at: where a traced model was cut (as given or chosen); None for a
+            sequence of layers run as they are.
+        ties: weights used by several stages (every one, with this process's copies).
+        edges: values a traced model sends from a stage past the next one.
+        source: the layers as the user gave them (a sequence or a layer function), from
+            which moved layers are built again; None for a traced model.
+        deferred_batch_norm: whether batch norms keep statistics over the mini-batch
+            (a layer built again is converted too).
+    """
+
+    stages: dict[int, Stage]
+    balance: list[int]
+    split_at: list[str] | None
+    ties: list[TiedParameter]
+    edges: tuple[Edge, ...] = ()
+    source: LayerSource | None = None
+    deferred_batch_norm: bool = False
+
+
+def cut(
+    owner: nn.Module,
+    module: nn.Module | LayerBuilder,
+    *,
+    stages: int,
+    devices: Mapping[int, torch.device],
+    local: Collection[int],
+    concurrent: Sequence[torch.device],
+    balance: Sequence[int] | str | None = None,
+    split_at: Sequence[str] | None = None,
+    sample: Any = None,
+    layers: int | None = None,
+    tie_weights: Sequence[Sequence[str]] = (),
+    deferred_batch_norm: bool = False,
+    init_fn: InitFn | None = None,
+    weights: Weights | None = None,
+) -> Layout:
+    """Cuts ``module`` into ``stages`` stages and builds those in ``local``.
+
+    Args:
+        owner: the pipeline module the layers are registered on, under their names.
+        module: an ``nn.Sequential`` (possibly on the meta device), a function that
+            builds layer i (with ``layers``), or any ``nn.Module`` (cut at ``split_at``,
+            or where :func:`~conveyor.graph.autosplit.choose_cut` says).
+        stages: the number of stages K.
+        devices: the device of every stage, by stage number.
+        local: the stages this process runs (all of them in one process).
+        concurrent: the devices of the workers that run at once in this process.
+        balance: layers per stage; None evens out parameters, "time" forward and
+            backward time on ``sample``.
+        split_at: the submodules where stages 1, 2, ... begin.
+        sample: one micro-batch, to trace or profile the model.
+        layers: the number of layers, when ``module`` is a function.
+        tie_weights: groups of parameter names that are one weight.
+        deferred_batch_norm: batch-norm statistics over the whole mini-batch.
+        init_fn, weights: how a traced model on the meta device gets its values.
 
     Raises:
-        MicroBatchError: ``chunks`` is not a positive integer.
-        ValueError: ``checkpoint`` is not a checkpoint mode.
+        BalanceError: the balance or the cut does not fit the model or ``stages``.
+        ModelError: the model cannot be traced or cut there.
     """
-    microbatch_sizes(chunks, chunks)
-    validate_mode(checkpoint)
+    chosen, balance = choose_cut(module, split_at, balance, sample, stages)
+    if chosen is not None:
+        if not isinstance(module, nn.Module):
+            raise ModelError("split_at= cuts a model object; give the nn.Module itself")
+        if len(chosen) + 1 != stages:
+            raise BalanceError(f"split_at gives {len(chosen) + 1} stages but the schedule "
+                               f"has {stages} (ranks x virtual stages)")
+        return _cut_traced(owner, module, chosen, sample, devices, local, concurrent,
+                           balance=balance, deferred_batch_norm=deferred_batch_norm,
+                           init_fn=init_fn, weights=weights)
+    refuse_initialisation(init_fn, weights)
+    source = LayerSource(module, layers)
+    resolved = resolve_balance(balance, source, stages, sample)
+    crossing = split_at_skips(source.layers_if_known(), resolved, sample=sample,
+                              deferred_batch_norm=deferred_batch_norm)
+    if crossing is not None:  # a layer pops what an earlier stage stashed: trace
+        assert isinstance(module, nn.Module)
+        layout = _cut_traced(owner, module, crossing, sample, devices, local, concurrent)
+        layout.balance = resolved
+        return layout
+    # Found on the model as given: materialising gives layers new Parameter objects.
+    tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
+    starts = [sum(resolved[:s]) for s in range(stages + 1)]
+    init_seed = draw_init_seed() if source.builds_layers() else 0
+    stage_layers = distinct_per_stage({
+        s: [(source.names[i], source.layer(i, devices[s], init_seed))
+            for i in range(starts[s], starts[s + 1])]
+        for s in sorted(local)
+    })
+    ties = tie_layers(tied, stage_layers, stage_of_layer(source.names, starts),
+                      {s: devices[s] for s in stage_layers})
+    built = build_stages(owner, stage_layers, names=source.names,
+                         first_layers={s: starts[s] for s in stage_layers},
+                         devices=devices, concurrent=concurrent,
+                         deferred_batch_norm=deferred_batch_norm)
+    return Layout(built, resolved, None, ties, source=source,
+                  deferred_batch_norm=deferred_batch_norm)
+
+
+def resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
+                    num_stages: int, sample: Any) -> list[int]:
+    """Layers per stage of a sequence of layers: as given (checked), by parameters
+    (None) or by time on ``sample`` ("time"; under torchrun rank 0's timings decide).
+
+    Raises:
+        BalanceError: the balance does not fit the layers or the number of stages.
+    """
+    if balance is None:
+        return solve_balance(source.parameter_counts(), num_stages)
+    if isinstance(balance, str):
+        if balance != "time":
+            raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or "
+                               "'time'")
+        model = source.layers_if_known()
+        if sample is None or not model:
+            raise BalanceError("balance='time' profiles the model on a batch: pass "
+                               "sample=<a micro-batch> with an nn.Sequential built on a device")
+        result = balance_by_time(nn.Sequential(*[layer for _, layer in model]), sample,
+                                 num_stages)
+        if dist.is_available() and dist.is_initialized():
+            shared = [result]
+            dist.broadcast_object_list(shared, src=0)  # one rank's timings decide for all
+            result = shared[0]
+        return result
+    result = validate_balance(balance, len(source.names))
+    if len(result) != num_stages:
+        raise BalanceError(f"balance {result} has {len(result)} stages but the schedule has "
+                           f"{num_stages} (ranks x virtual stages)")
+    return result
 
 
 def build_stages(
@@ -83,28 +225,19 @@ def build_stages(
         layers = Partition(*[layer for _, layer in named]).to(device)
         randomness = LayerRandomness(device, shared=list(concurrent).count(device) > 1)
         stages[s] = Stage(s, layers, first_layer=first_layers[s], device=device,
-                          randomness=randomness)
+                          randomness=randomness,
+                          last=first_layers[s] + len(named) == len(names))
     return stages
 
 
-def build_traced_stages(
-    owner: nn.Module,
-    module: nn.Module,
-    *,
-    split_at: Sequence[str],
-    sample: Any,
-    balance: Any,
-    deferred_batch_norm: bool,
-    devices: Mapping[int, torch.device],
-    concurrent: Sequence[torch.device],
-    init_fn: InitFn | None = None,
-    weights: Weights | None = None,
-) -> tuple[dict[int, Stage], list[TiedParameter], tuple[Edge, ...]]:
-    """Traces ``module`` on ``sample``, cuts it at ``split_at``, builds the stages listed
-    in ``devices`` (stage k on ``devices[k]``; under torchrun, this rank's) and registers
-    the model's own modules on ``owner``; returns the stages, the ties found in the graph
-    (every tie, with this process's copies), and the edges (values sent past the next
-    stage) that the schedule must carry.
+def _cut_traced(owner: nn.Module, module: nn.Module, split_at: Sequence[str], sample: Any,
+                devices: Mapping[int, torch.device], local: Collection[int],
+                concurrent: Sequence[torch.device], *, balance: Any = None,
+                deferred_batch_norm: bool = False, init_fn: InitFn | None = None,
+                weights: Weights | None = None) -> Layout:
+    """Traces ``module`` on ``sample``, cuts it at ``split_at``, builds the ``local``
+    stages and registers the model's own modules on ``owner`` (under torchrun each rank
+    gives storage only to the tensors of its own stages).
 
     Raises:
         BalanceError: ``balance`` given too, no ``sample``, or deferred batch norm.
@@ -118,7 +251,8 @@ def build_traced_stages(
     if deferred_batch_norm:
         raise BalanceError("deferred_batch_norm=True needs an nn.Sequential with "
                            "balance=; a traced model's batch norms update per micro-batch")
-    split = split_model(module, sample, split_at, devices, init_fn=init_fn, weights=weights)
+    split = split_model(module, sample, split_at, {s: devices[s] for s in sorted(local)},
+                        init_fn=init_fn, weights=weights)
     for stage in split.stages.values():  # runs the program of the model's mode
         stage.train(module.training)
     stages = build_stages(
@@ -126,7 +260,7 @@ def build_traced_stages(
         names=split.names, first_layers={k: k for k in split.stages},
         devices=devices, concurrent=concurrent, deferred_batch_norm=False)
     adopt(owner, module)
-    return stages, split.ties, split.edges
+    return Layout(stages, [1] * split.count, list(split_at), split.ties, split.edges)
 
 
 def refuse_initialisation(init_fn: Any, weights: Any) -> None:
@@ -163,34 +297,10 @@ def adopt(owner: nn.Module, model: nn.Module) -> None:
 
 def _check_layer_names(owner: nn.Module, names: Sequence[str]) -> None:
     for name in names:
-        if hasattr(owner, name):
+        if hasattr(type(owner), name) or hasattr(owner, name):
             kind = type(owner).__name__
             raise ModelError(
                 f"layer name {name!r} clashes with an attribute of {kind}; rename the "
                 f"layer in the nn.Sequential (e.g. nn.Sequential(OrderedDict(...)) with "
                 f"another name for it)"
             )
-
-
-def new_step(microbatches: Sequence[Any], *, chunks: int, checkpoint: str,
-             grad_enabled: bool, training: bool, **options: Any) -> StepState:
-    """The state of one pipelined call.
-
-    Args:
-        microbatches: stage 0's micro-batches (empty where stage 0 does not run).
-        chunks: the number of micro-batches M.
-        checkpoint: the recomputation mode, deciding which micro-batches recompute.
-        grad_enabled: whether forward records graphs for a backward.
-        training: whether the model is in training mode.
-        options: the other fields of :class:`StepState` (loss, targets ...).
-    """
-    return StepState(
-        inputs=microbatches,
-        recompute=lambda m: recomputes(checkpoint, m, chunks),
-        grad_enabled=grad_enabled,
-        # Seeded whenever a backward may recompute, in eval mode too (a layer random
-        # in eval mode, MC dropout, must draw the same numbers again); inference in
-        # eval mode draws from torch's generators as the plain model does.
-        step_seed=draw_step_seed() if training or grad_enabled else None,
-        **options,
-    )

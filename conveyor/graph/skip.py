@@ -237,7 +237,7 @@ def verify_skips(model: nn.Module) -> None:
         SkipError: the layers that do not match, each with what to do.
         TypeError: ``model`` is not an ``nn.Sequential``.
     """
-    from conveyor.graph.balance import sequential_layers  # which profiles with ours
+    from conveyor.graph.source import sequential_layers  # which profiles with ours
 
     skips_of(sequential_layers(model))
 

@@ -15,12 +15,27 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.graph.balance import sequential_layers
 from conveyor.graph.weights import draw_init_seed, reset_of, seeded
 
 __all__ = ["LayerBuilder", "sequential"]
 
 LayerBuilder = Callable[[int], nn.Module]
+
+
+def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers of ``module`` as ``(name, layer)`` pairs, in order.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"conveyor pipelines an nn.Sequential, got {type(module).__name__}; wrap the "
+            "layers in order: nn.Sequential(layer0, layer1, ...), or cut any module at its "
+            "submodules: give split_at=[names], or no balance to cut among its blocks"
+        )
+    # Not named_children(): it skips a module that appears twice, which is a layer here.
+    return [(name, layer) for name, layer in module._modules.items() if layer is not None]
 
 
 def is_meta(layer: nn.Module) -> bool:
@@ -92,6 +107,11 @@ class LayerSource:
         else:
             raise TypeError(f"Pipeline takes an nn.Sequential or a function that builds "
                             f"layer i, got {type(module).__name__}")
+
+    def builds_layers(self) -> bool:
+        """Whether taking a layer creates or initialises one (a layer function, or a
+        layer on the meta device), so that an initialisation seed is needed."""
+        return self._layers is None or any(is_meta(layer) for _, layer in self._layers)
 
     def layers_if_known(self) -> list[tuple[str, nn.Module]]:
         return self._layers or []

@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.engine.recompute import is_recomputing
-from conveyor.engine.stage import WholeStage
+from conveyor.engine.layers import WholeStage
 from conveyor.errors import ModelError
 
 __all__: list[str] = []

@@ -35,16 +35,13 @@ from conveyor.graph.source import LayerBuilder, sequential
 from conveyor.pipeline import Pipeline
 from conveyor.graph.tracedstage import as_call
 from conveyor.engine.microbatch import gather, split
-from conveyor.graph.balance import (
-    balance_by_time,
-    sequential_layers,
-    solve_balance,
-    validate_balance,
-)
+from conveyor.graph.source import sequential_layers
+from conveyor.graph.layout import resolve_balance
+from conveyor.graph.source import LayerSource
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.rng import derive_seed, draw_step_seed
 from conveyor.engine.ties import find_ties
-from conveyor.errors import BalanceError, ConveyorError, ModelError
+from conveyor.errors import ConveyorError, ModelError
 from conveyor.observe.probe import Probe, digest, probe
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
@@ -160,7 +157,7 @@ class PipelineRun:
     def watch(self) -> list[Any]:
         """Puts a recorder on the executor and hooks on every layer; returns the hooks."""
         tap = _Tap()
-        self.pipe._executor.recorder = tap
+        self.pipe.runtime.executor.recorder = tap
         lock = threading.Lock()
         inputs: dict[tuple[int, int], tuple[list[int], str]] = {}
 
@@ -209,7 +206,7 @@ class PipelineRun:
         except Exception as exc:  # noqa: BLE001 - reported as a finding
             self.error = exc
         finally:
-            self.pipe._executor.recorder = None
+            self.pipe.runtime.executor.recorder = None
             for handle in handles:
                 handle.remove()
 
@@ -235,12 +232,12 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
         pipe = _local_pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
                                balance=balance, tie_weights=tie_weights, **options)
         layers = [Layer(k, f"stage{k}", stage.layers[0], k, True)
-                  for k, stage in sorted(pipe._stages.items())]
+                  for k, stage in sorted(pipe.runtime.stages.items())]
         return PipelineRun(pipe, layers)
     named = sequential_layers(plain)
     table = (schedule if isinstance(schedule, Schedule)
              else build_schedule(schedule, stages, chunks, virtual_stages=virtual_stages))
-    counts = _balance(plain, named, balance, table.num_stages, sample)
+    counts = resolve_balance(balance, LayerSource(plain, None), table.num_stages, sample)
     stage_of = [s for s, n in enumerate(counts) for _ in range(n)]
     rank_models = {rank: copy.deepcopy(plain) for rank in sorted(set(table.stage_ranks))}
     assembled = nn.Sequential(OrderedDict(
@@ -276,24 +273,6 @@ def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
             del os.environ["WORLD_SIZE"]
         else:
             os.environ["WORLD_SIZE"] = world
-
-
-def _balance(plain: nn.Module, named: list[tuple[str, nn.Module]],
-             balance: Sequence[int] | str | None, count: int, sample: Any) -> list[int]:
-    if balance is None:
-        return solve_balance([float(sum(p.numel() for p in layer.parameters()))
-                              for _, layer in named], count)
-    if balance == "time":
-        if sample is None:
-            raise BalanceError("balance='time' profiles the model: pass sample=")
-        return balance_by_time(plain, sample, count)  # type: ignore[arg-type]
-    if isinstance(balance, str):
-        raise BalanceError(f"balance={balance!r}: give a list, None (by parameters) or 'time'")
-    counts = validate_balance(balance, len(named))
-    if len(counts) != count:
-        raise BalanceError(f"balance {counts} has {len(counts)} stages but the schedule has "
-                           f"{count} (ranks x virtual stages)")
-    return counts
 
 
 def _retie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:

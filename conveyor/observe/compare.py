@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import microbatch_sizes, split
-from conveyor.graph.balance import sequential_layers
+from conveyor.graph.source import sequential_layers
 from conveyor.engine.ties import find_ties
 from conveyor.errors import StageError
 from conveyor.observe import causes
@@ -324,7 +324,7 @@ class Comparison:
         if not self.traced:
             layer = self.by_name.get(name.split(".", 1)[0])
             return (layer.stage if layer else None), name.split(".", 1)[0]
-        for k, stage in self.run.pipe._stages.items():
+        for k, stage in self.run.pipe.runtime.stages.items():
             if param is not None and any(p is param for p in stage.trainable_parameters()):
                 return k, name.rpartition(".")[0]
         return None, name.rpartition(".")[0]

@@ -4,7 +4,7 @@ The planner works from per-layer figures: parameters, the bytes autograd saves p
 sample, the bytes a layer hands on per sample, and forward FLOPs per sample.
 :func:`measure` takes them from one forward of the model on a sample, and on the meta
 device that costs no memory: an 80-billion-parameter Transformer plans on a laptop.
-(``conveyor.models.transformer_figures`` and ``convnet_figures`` measure the reference
+(``conveyor.train.models.transformer_figures`` and ``convnet_figures`` measure the reference
 families.) :func:`measure_split` takes them per stage of any model, cut as a pipeline
 cuts it (at ``split_at``, or among its blocks for K stages), one figure per stage.
 
@@ -32,7 +32,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.engine.microbatch import batch_size
-from conveyor.graph.balance import sequential_layers, solve_balance
+from conveyor.graph.balance import solve_balance
+from conveyor.graph.source import sequential_layers
 from conveyor.errors import BalanceError
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import build

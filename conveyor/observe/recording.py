@@ -34,7 +34,7 @@ def record(pipe: Any) -> Iterator[Timeline]:
     Yields:
         A Timeline, filled when the block ends (under torchrun, with every rank's events).
     """
-    executor = pipe._executor
+    executor = pipe.runtime.executor
     topology = getattr(pipe, "topology", None)
     group = topology.pipeline_group if topology is not None and topology.distributed else None
     if group is not None:
@@ -49,8 +49,8 @@ def record(pipe: Any) -> Iterator[Timeline]:
         yield timeline
     finally:
         executor.recorder = None
-        if pipe._executor.recorder is recorder:  # a re-balance gave the pipe a new executor
-            pipe._executor.recorder = None
+        if pipe.runtime.executor.recorder is recorder:  # a re-balance gave the pipe a new executor
+            pipe.runtime.executor.recorder = None
         events = [Event(r.rank, r.action.stage, r.action.kind.value, r.action.microbatch,
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]

@@ -2,7 +2,7 @@
 
 Each rank runs its column in order; an action starts when the rank is free and the
 results it needs have arrived (plus a transfer time when they come from another
-rank). The result is the same :class:`~conveyor.trace.Timeline` the runtime records,
+rank). The result is the same :class:`~conveyor.observe.trace.Timeline` the runtime records,
 with the makespan, each rank's bubble and the peak activations each stage holds. With
 uniform costs the textbook results come out exactly: GPipe's and 1F1B's bubble is
 (K-1)/(M+K-1), interleaving V stages per rank divides the bubble time by V, and ZB-H1's

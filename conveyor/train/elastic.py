@@ -21,15 +21,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.schedules import build
 
-if TYPE_CHECKING:  # options imports this module
-    from conveyor.train.options import TrainConfig
-
 __all__: list[str] = []
+
+
+class PipelineShape(Protocol):
+    """What a run's options say of its layout (a ``TrainConfig``, which imports this
+    module, has these)."""
+
+    stages: int
+    data_parallel: int
+    chunks: int
 
 RESUME_AUTO = "auto"  # --resume auto: continue the run in --out if it has a checkpoint
 
@@ -148,7 +154,7 @@ def restart_hint() -> str:
             "continue the run)")
 
 
-def describe_replan(saved: dict[str, Any], config: TrainConfig, *,
+def describe_replan(saved: dict[str, Any], config: PipelineShape, *,
                     balance: list[int]) -> str | None:
     """What changed since the checkpoint ``saved`` (its ``extra``) was written, in one
     line: ``restart 1 of torchrun: world 2 -> 1: 2 stages -> 1, balance [3, 4] -> [7]``;

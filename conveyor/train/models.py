@@ -172,7 +172,7 @@ def convnet(cells: int = 6, channels: int = 32, classes: int = 10, *,
 
 def transformer_figures(layers: int, width: int, hidden: int, heads: int, *,
                         vocab: int = 32000, length: int = 512) -> list[LayerFigures]:
-    """Figures of the Transformer LM T(L, H, A) (``conveyor.models.transformer_lm``).
+    """Figures of the Transformer LM T(L, H, A) (``conveyor.train.models.transformer_lm``).
 
     One block is measured on the meta device and repeated: the blocks are identical.
     """
@@ -187,7 +187,7 @@ def transformer_figures(layers: int, width: int, hidden: int, heads: int, *,
 
 def convnet_figures(cells: int, channels: int, *, image: int = 224,
                     classes: int = 1000) -> list[LayerFigures]:
-    """Figures of the AmoebaNet-like classifier ``conveyor.models.convnet`` on meta."""
+    """Figures of the AmoebaNet-like classifier ``conveyor.train.models.convnet`` on meta."""
     with torch.device("meta"):
         model = convnet(cells, channels, classes)
         sample = torch.zeros(1, 3, image, image)

@@ -1,0 +1,169 @@
+"""``Runtime``: what one pipeline runs with, built in one place for both faces.
+
+A runtime holds a :class:`~conveyor.graph.layout.Layout` (the stages this process runs),
+the schedule table, the transport between stages (threads of this process, or
+torch.distributed point-to-point under torchrun) and the executor that walks the table.
+``GPipe`` and ``Pipeline`` build one; re-balancing replaces it as a whole
+(:meth:`Runtime.replaced`) when layers move, carrying over what must survive a move: the
+step count that messages carry, the runs counted, a recording under way.
+
+Its collectives (the step's loss from the last stage, the all-reduces of ties, replicas
+and clipping) wait at most the step's timeout and note in this rank's position that it
+is in them, so that a hang report says where each rank stood.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from conveyor.distributed import collective
+from conveyor.distributed.explain import explain
+from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.topology import Topology
+from conveyor.distributed.whereabouts import Whereabouts
+from conveyor.engine.executor import Executor
+from conveyor.engine.stage import Stage
+from conveyor.engine.step import StepState
+from conveyor.engine.transport import LocalTransport, Transport
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.graph.layout import Layout
+from conveyor.schedules import Kind, Schedule, actions_of
+
+__all__: list[str] = []
+
+
+class Runtime:
+    """The layout, schedule, transport and executor of one pipeline in this process.
+
+    Args:
+        layout: the stages this process runs, as :func:`~conveyor.graph.layout.cut`
+            built them.
+        schedule: the table every rank walks (with the layout's edges).
+        topology: where this process sits (one process: ``Topology(pipeline_size=K)``).
+        devices: one device per pipeline rank.
+        deadlines: the seconds a wait may take.
+        whereabouts: under torchrun, how ranks ask each other where they stand.
+        previous: the runtime this one replaces (its step count, runs and recording
+            carry over).
+    """
+
+    def __init__(self, layout: Layout, schedule: Schedule, topology: Topology,
+                 devices: Sequence[torch.device], deadlines: Deadlines, *,
+                 whereabouts: Whereabouts | None = None,
+                 previous: Runtime | None = None) -> None:
+        self.layout = layout
+        self.schedule = schedule
+        self.topology = topology
+        self.devices = list(devices)
+        self.deadlines = deadlines
+        self.whereabouts = whereabouts
+        self.transport = self._make_transport(previous)
+        self.executor = Executor(layout.stages, schedule, self.transport, deadlines)
+        # Under torchrun a report gathers every rank's place, not this one's alone.
+        self.executor.reports = not topology.distributed
+        if previous is not None:
+            old = previous.executor
+            self.executor.runs, self.executor.reports = old.runs, old.reports
+            self.executor.recorder, self.executor.abandoned = old.recorder, old.abandoned
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        """The stages this process runs, by stage number."""
+        return self.layout.stages
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process's collectives run on."""
+        return self.topology.device or self.devices[-1]
+
+    def stage_device(self, stage: int) -> torch.device:
+        return self.devices[self.schedule.stage_ranks[stage]]
+
+    def replaced(self, layout: Layout) -> Runtime:
+        """A runtime for ``layout`` (the same stages, other layers) in this one's place."""
+        return Runtime(layout, self.schedule, self.topology, self.devices, self.deadlines,
+                       whereabouts=self.whereabouts, previous=self)
+
+    def _make_transport(self, previous: Runtime | None) -> Transport:
+        if not self.topology.distributed:
+            return LocalTransport([self.stage_device(s)
+                                   for s in range(self.schedule.num_stages)],
+                                  deadlines=self.deadlines)
+        transport = P2PTransport(self.topology, self.schedule,
+                                 {s: stage.device for s, stage in self.stages.items()},
+                                 self.deadlines)
+        if previous is not None and isinstance(previous.transport, P2PTransport):
+            transport.step = previous.transport.step  # messages carry it; reports ask by it
+        if self.whereabouts is not None:
+            transport.locate_peer = self.whereabouts.locate
+        return transport
+
+    # ------------------------------------------------------------------ a step
+
+    def run(self, kinds: Sequence[Kind], state: StepState, *, commit: bool = True) -> None:
+        """Runs the actions of ``kinds`` of every local rank's column; with ``commit``,
+        deferred batch-norm statistics are committed after (discarded on failure).
+
+        Raises:
+            StageError, StepTimeout, PeerFailure: as the executor's run; under torchrun
+                the error carries the report of where every rank stood.
+        """
+        columns = actions_of(self.schedule, list(kinds))
+        if isinstance(self.transport, P2PTransport):
+            assert self.whereabouts is not None
+            self.whereabouts.start()
+            self.transport.prepare(columns)
+            columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
+        try:
+            if commit:
+                self.executor.run_committed(columns, state)
+            else:
+                self.executor.run(columns, state)
+        except BaseException as exc:
+            self.explain(exc)
+            raise
+
+    def explain(self, error: BaseException) -> None:
+        """Under torchrun, gives a failed step's ``error`` the report of where every rank
+        stood (see :mod:`conveyor.distributed.explain`)."""
+        if self.whereabouts is not None and isinstance(self.transport, P2PTransport):
+            explain(error, self.executor, self.whereabouts, self.transport,
+                    self.topology.pipeline_rank)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """This rank's place in the current (or last) step, as plain data."""
+        position = self.executor.positions.get(self.topology.pipeline_rank)
+        return None if position is None else position.snapshot()
+
+    # ------------------------------------------------------------ collectives
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = None, *,
+                   seconds: float | None = None) -> None:
+        """An all-reduce over ``group`` whose wait is bounded (the step's, by default);
+        this rank's position says it is in ``what`` meanwhile."""
+        self.joining(what)
+        collective.all_reduce(tensor, group=group, what=what, op=op,
+                              seconds=self.deadlines.within if seconds is None else seconds)
+
+    def joining(self, what: str) -> None:
+        """Notes in this rank's position that it is in the collective ``what``."""
+        position = self.executor.positions.get(self.topology.pipeline_rank)
+        if position is not None:
+            position.joining(what)
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the last stage's rank has it, on every rank of this pipeline
+        (in one process: ``value`` itself). A collective: every rank calls it."""
+        topology = self.topology
+        if not topology.distributed:
+            return value
+        shared = value.to(self.device)
+        what = "the broadcast of the step's loss from the last stage"
+        self.joining(what)
+        collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
+                             group=topology.pipeline_group, what=what,
+                             seconds=self.deadlines.within)
+        return shared.to(value.device)

@@ -1,0 +1,95 @@
+"""A stage's layers as one module, and the errors that name the layer that failed.
+
+A stage holds its layers in a :class:`Partition`; a traced model's stage is one
+:class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
+exception raised in a layer into the error a user sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from torch import nn
+
+from conveyor.errors import ConveyorError, StageError, add_note
+
+__all__: list[str] = []
+
+LayerLoop = Callable[[Any], Any]
+
+# torch.utils.checkpoint stops a recomputation early by raising this through the layers.
+STOP_RECOMPUTATION: type[BaseException] = getattr(
+    torch.utils.checkpoint, "_StopRecomputationError", ConveyorError
+)
+
+
+class WholeStage(nn.Module):
+    """A layer that is a whole stage of a traced model (``conveyor.graph`` makes them).
+
+    It reads parameters and buffers that live elsewhere (the model's, under the model's
+    names), takes the values that cross into it and hands on a dict of the values it
+    makes, which :meth:`route` splits by the stage that uses each.
+    """
+
+    def bound_parameters(self) -> list[nn.Parameter]:
+        """The parameters this stage reads."""
+        raise NotImplementedError
+
+    def bound_modules(self) -> list[nn.Module]:
+        """The modules whose parameters or buffers this stage reads."""
+        raise NotImplementedError
+
+    def route(self, made: dict[str, Any], destinations: Sequence[int]) -> dict[int, Any]:
+        """What this stage made, split by the stage each value goes to."""
+        raise NotImplementedError
+
+
+class Partition(nn.Sequential):
+    """A stage's layers as one module.
+
+    Called by its stage, it runs the stage's loop over its layers (seeded, checked);
+    called directly, it is the plain ``nn.Sequential``.
+    """
+
+    def forward(self, input: Any, loop: LayerLoop | None = None) -> Any:
+        return super().forward(input) if loop is None else loop(input)
+
+
+def batch_rows(value: Any) -> tuple[int, torch.Size] | None:
+    """Dim 0 of the first tensor in ``value`` that has one, with its shape."""
+    if isinstance(value, torch.Tensor):  # the common case, without flattening
+        return (value.shape[0], value.shape) if value.dim() else None
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return leaf.shape[0], leaf.shape
+    return None
+
+
+def failure(
+    exc: Exception,
+    context: str,
+    *,
+    hint: str = "",
+    stage: int,
+    microbatch: int,
+    action: str,
+    layer: int | None = None,
+) -> Exception:
+    """The exception to raise for ``exc``, which happened in ``context``.
+
+    conveyor's own typed errors already say where they happened and pass as they are.
+    Out-of-memory errors keep their type too (``except torch.cuda.OutOfMemoryError``
+    must keep working) and get ``context`` as a note. Anything else is wrapped in a
+    StageError whose message starts with ``context``.
+    """
+    if isinstance(exc, ConveyorError):
+        return exc
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        add_note(exc, context)
+        return exc
+    return StageError(f"{context}: {type(exc).__name__}: {exc}{hint}", stage=stage,
+                      microbatch=microbatch, action=action, layer=layer)

@@ -1,0 +1,121 @@
+"""The state of one pipelined call: what its actions keep between them.
+
+Every face starts a call the same way (:func:`new_step`); the executor hands the state to
+each action, and the stage whose action it is reads and fills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conveyor.engine.loss import LossFn
+from conveyor.engine.microbatch import microbatch_sizes
+from conveyor.engine.recompute import recomputes, validate_mode
+from conveyor.engine.rng import draw_step_seed
+from conveyor.engine.weightgrad import WeightGradient
+
+__all__: list[str] = []
+
+
+@dataclass
+class StepState:
+    """What one pipelined call keeps between its actions.
+
+    Attributes:
+        inputs: the micro-batches of stage 0 (only where stage 0 runs).
+        recompute: whether micro-batch m is recomputed in backward.
+        grad_enabled: whether forward records graphs for a backward.
+        step_seed: the seed of this call's random streams (None: not seeded).
+        targets: the micro-batches of targets, where the last stage runs a loss.
+        loss_fn: ``loss_fn(output, target)`` at the last stage; None returns outputs.
+        loss_scale: the weight of each micro-batch's scalar loss in the batch's (its
+            share of the samples), so that their sum is the loss of the whole batch.
+        check_finite: raise if a micro-batch's loss is NaN or infinite.
+        outputs: the last stage's output per micro-batch (without a loss).
+        losses: the last stage's unscaled loss per micro-batch, detached (for a
+            ``(loss_sum, count)`` pair, the sum).
+        counts: per micro-batch, the count of a ``(loss_sum, count)`` pair (float64).
+        output_grads: per micro-batch, gradients of the last stage's output leaves.
+        input_grads: per micro-batch, gradients of stage 0's input leaves.
+
+    Parameter gradients are not kept here: backward actions accumulate them into each
+    parameter's ``.grad``, as autograd does for the plain model.
+    """
+
+    inputs: Sequence[Any]
+    recompute: Callable[[int], bool]
+    grad_enabled: bool
+    step_seed: int | None
+    targets: Sequence[Any] | None = None
+    loss_fn: LossFn | None = None
+    loss_scale: Sequence[float] = ()
+    check_finite: bool = False
+    outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    input_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
+    #: per (stage, micro-batch), the weight gradient an ``I`` left for its ``W``.
+    weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a forward keeps for its micro-batch's backward.
+
+    Attributes:
+        inputs: the stage's input, detached leaves.
+        received: the messages the input was joined from, by sending stage (their
+            leaves are the input's).
+        outputs: the stage's output (with only ``inputs`` saved, if ``recomputed``).
+        sent: the output as sent to each later stage, by receiving stage.
+        loss: at the last stage, the loss backward starts from (None: the outputs).
+        recomputed: whether the stage's graph is rebuilt for backward.
+    """
+
+    inputs: Any
+    received: dict[int, Any]
+    outputs: Any
+    sent: dict[int, Any]
+    loss: torch.Tensor | None
+    recomputed: bool
+
+
+def check_options(*, chunks: int, checkpoint: str) -> None:
+    """Checks the options every pipeline takes.
+
+    Raises:
+        MicroBatchError: ``chunks`` is not a positive integer.
+        ValueError: ``checkpoint`` is not a checkpoint mode.
+    """
+    microbatch_sizes(chunks, chunks)
+    validate_mode(checkpoint)
+
+
+def new_step(microbatches: Sequence[Any], *, chunks: int, checkpoint: str,
+             grad_enabled: bool, training: bool, **options: Any) -> StepState:
+    """The state of one pipelined call.
+
+    Args:
+        microbatches: stage 0's micro-batches (empty where stage 0 does not run).
+        chunks: the number of micro-batches M.
+        checkpoint: the recomputation mode, deciding which micro-batches recompute.
+        grad_enabled: whether forward records graphs for a backward.
+        training: whether the model is in training mode.
+        options: the other fields of :class:`StepState` (loss, targets ...).
+    """
+    return StepState(
+        inputs=microbatches,
+        recompute=lambda m: recomputes(checkpoint, m, chunks),
+        grad_enabled=grad_enabled,
+        # Seeded whenever a backward may recompute, in eval mode too (a layer random
+        # in eval mode, MC dropout, must draw the same numbers again); inference in
+        # eval mode draws from torch's generators as the plain model does.
+        step_seed=draw_step_seed() if training or grad_enabled else None,
+        **options,
+    )
