@@ -75,8 +75,9 @@ class GPipe(KeepsPlacement):
             on parallel CPU threads). Default: ``cuda:0..K-1`` if CUDA is available,
             else the CPU for every stage.
         chunks: the number of micro-batches M each batch is split into.
-        checkpoint: which micro-batches are recomputed in backward rather than kept:
+        recompute: which micro-batches are recomputed in backward rather than kept:
             ``"always"``, ``"except_last"`` (default, as the paper) or ``"never"``.
+        checkpoint: another name for ``recompute`` (torchgpipe's).
         deferred_batch_norm: make batch norms update running statistics once per step
             from the whole mini-batch, rather than once per micro-batch.
         init_fn: with ``split_at`` and a model on the meta device, ``init_fn(module)``
@@ -95,7 +96,7 @@ class GPipe(KeepsPlacement):
         BalanceError: ``balance`` does not fit the model, or ``devices`` the balance.
         ModelError: a layer's name would shadow an attribute of GPipe.
         MicroBatchError: ``chunks`` is not a positive integer.
-        ValueError: an unknown ``checkpoint`` mode.
+        ValueError: an unknown ``recompute`` mode, or both it and ``checkpoint``.
     """
 
     def __init__(
@@ -108,17 +109,18 @@ class GPipe(KeepsPlacement):
         stages: int | None = None,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        recompute: str | None = None,
+        checkpoint: str | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
         timeout: float | None = None,
     ) -> None:
         super().__init__()
-        check_options(chunks=chunks, checkpoint=checkpoint)
+        mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
-        self.checkpoint: str = checkpoint
+        self.recompute: str = mode
         count = _stage_count(module, balance, split_at, stages, devices)
         self.devices: list[torch.device] = resolve_devices(
             devices, count, what=_counted_by(balance, split_at, stages, count))
@@ -152,7 +154,7 @@ class GPipe(KeepsPlacement):
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
         return (f"balance={self.balance}, devices=[{devices}], chunks={self.chunks}, "
-                f"checkpoint={self.checkpoint!r}")
+                f"recompute={self.recompute!r}")
 
     def forward(self, input: Any) -> Any:
         """Runs the pipeline on a batch; returns the output on the last stage's device.
@@ -173,7 +175,7 @@ class GPipe(KeepsPlacement):
         params = [p for s in sorted(runtime.stages)
                   for p in runtime.stages[s].trainable_parameters()]
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
-        state = new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
+        state = new_step(microbatches, chunks=self.chunks, recompute=self.recompute,
                          grad_enabled=grad_enabled, training=self.training)
         step = _Step(runtime, state, leaves=leaves, wrt_inputs=wrt_inputs, params=params,
                      ties=runtime.layout.ties)

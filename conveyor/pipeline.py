@@ -80,7 +80,9 @@ class Pipeline(KeepsPlacement):
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
             the CPU for every rank).
-        checkpoint: "always", "except_last" (default) or "never".
+        recompute: which micro-batches are recomputed in backward rather than kept:
+            "always", "except_last" (default) or "never".
+        checkpoint: another name for ``recompute`` (torchgpipe's).
         data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
         sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
             gradients all-reduced) or "fsdp" (torch's FSDP2: 1/D of the parameters,
@@ -122,7 +124,8 @@ class Pipeline(KeepsPlacement):
         schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
         devices: Sequence[Device] | None = None,
-        checkpoint: str = "except_last",
+        recompute: str | None = None,
+        checkpoint: str | None = None,
         data_parallel: int = 1,
         sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
@@ -134,12 +137,12 @@ class Pipeline(KeepsPlacement):
         rebalance: BalancePolicy | None = None,
     ) -> None:
         super().__init__()
-        check_options(chunks=chunks, checkpoint=checkpoint)
+        mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         if isinstance(module, nn.Module):  # in the model's mode: train() or eval() to change
             self.training = module.training
         self.loss_fn = loss_fn
         self.chunks = chunks
-        self.checkpoint = checkpoint
+        self.recompute = mode
         self.check_finite = check_finite
         deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
@@ -150,7 +153,7 @@ class Pipeline(KeepsPlacement):
                    "virtual_stages": virtual_stages,
                    "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
                    "split_at": None if split_at is None else list(split_at),
-                   "checkpoint": checkpoint, "deferred_batch_norm": deferred_batch_norm,
+                   "recompute": mode, "deferred_batch_norm": deferred_batch_norm,
                    "check_finite": check_finite, "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module),
@@ -198,6 +201,11 @@ class Pipeline(KeepsPlacement):
     def runtime(self) -> Runtime:
         """The layout, schedule table, transport and executor this process runs."""
         return self._runtime
+
+    @property
+    def rebalancing(self) -> Rebalancing | None:
+        """The measurements and moves of ``rebalance=`` (``moves`` made so far), or None."""
+        return self._rebalancing
 
     @property
     def balance(self) -> list[int]:
@@ -326,13 +334,13 @@ class Pipeline(KeepsPlacement):
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
                  if self.topology.distributed else f"devices={[str(d) for d in self.devices]}")
         return (f"schedule={self.schedule.name!r}, balance={self.balance}, "
-                f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, {where}")
+                f"chunks={self.chunks}, recompute={self.recompute!r}, {where}")
 
     # ----------------------------------------------------------------- internals
 
     def _new_step(self, inputs: Any, *, grad_enabled: bool, **options: Any) -> StepState:
         microbatches = split(inputs, self.chunks) if 0 in self._runtime.stages else []
-        return new_step(microbatches, chunks=self.chunks, checkpoint=self.checkpoint,
+        return new_step(microbatches, chunks=self.chunks, recompute=self.recompute,
                         grad_enabled=grad_enabled, training=self.training, **options)
 
     def _snapshot(self) -> dict[str, Any] | None:

@@ -147,7 +147,7 @@ def test_a_failing_action_is_logged_and_the_error_still_raised(
     pipe = conveyor.Pipeline(nn.Sequential(*layers, FailsOnSecondCall()), stages=2,
                              balance=[2, 4], devices=["cpu", "cpu"], chunks=4,
                              schedule="gpipe", loss_fn=nn.functional.mse_loss)
-    transport = pipe._executor.transport
+    transport = pipe.runtime.executor.transport
     caplog.set_level(logging.DEBUG, logger="conveyor")
     with pytest.raises(StageError, match="stage 1, layer 5 .* micro-batch 1: ValueError"):
         pipe.step(*batch())
@@ -156,4 +156,4 @@ def test_a_failing_action_is_logged_and_the_error_still_raised(
                             r"StageError", m) for m in messages), messages
     assert any(re.fullmatch(r"run F\+B failed after \d+\.\d{3} ms: StageError", m)
                for m in messages), messages
-    assert pipe._executor.transport is transport  # the log's wrapper is gone
+    assert pipe.runtime.executor.transport is transport  # the log's wrapper is gone

@@ -18,13 +18,13 @@ from conveyor.engine.microbatch import split
 from conveyor.engine.routing import check_no_gradient
 from conveyor.errors import ConveyorError, ScheduleError
 from conveyor.schedules import Edge, parse
-from tests.crossing import Crossing, UNet, crossing, token_batch, token_loss
-from tests.models import relative_error
-from tests.multiprocess import launch
+from tests.support.crossing_models import Crossing, UNet, crossing, token_batch, token_loss
+from tests.support.models import relative_error
+from tests.support.launch import launch
 
 CHUNKS = 4
 FLOAT64 = 8
-# tests.crossing's token batch: 10 sequences of 5 tokens; the width is 8.
+# tests.support.crossing_models' token batch: 10 sequences of 5 tokens; the width is 8.
 SAMPLES, LENGTH, WIDTH = 10, 5, 8
 HIDDEN = SAMPLES * LENGTH * WIDTH * FLOAT64  # a (10, 5, 8) float64 tensor, all micro-batches
 MASK = SAMPLES * LENGTH  # the bool padding mask, (10, 5, 1)
@@ -33,7 +33,7 @@ MASK = SAMPLES * LENGTH  # the bool padding mask, (10, 5, 1)
 def flows(pipe: Any) -> dict[tuple[str, int, int], tuple[int, int]]:
     """What the pipeline's transport sent, as (messages, bytes) per (kind, source, destination)."""
     return {key: (flow.messages, flow.bytes)
-            for key, flow in pipe._transport.traffic.flows.items()}
+            for key, flow in pipe.runtime.transport.traffic.flows.items()}
 
 
 def traced(model: Crossing, schedule: str = "1f1b", *, virtual: int = 1,
@@ -112,7 +112,7 @@ def test_every_schedule_and_checkpoint_mode_keeps_the_plain_gradients(schedule: 
     if virtual == 2:  # stages 0 and 2 on rank 0: edge 0->2 stays on the rank
         assert pipe.schedule.stage_ranks == (0, 1, 0, 1)
     for checkpoint in ("always", "except_last", "never"):
-        pipe.checkpoint = checkpoint
+        pipe.recompute = checkpoint
         model.zero_grad(set_to_none=True)
         loss = pipe.step(*token_batch())
         ids, targets = token_batch()
@@ -125,10 +125,10 @@ def test_gpipe_sends_values_past_the_next_stage_too() -> None:
     ids, targets = token_batch()
     pipe = conveyor.GPipe(model, split_at=model.split_at(), sample=split(ids, CHUNKS)[0],
                           devices=["cpu"] * 4, chunks=CHUNKS)
-    assert pipe._schedule.edges == (Edge(0, 2), Edge(0, 3, gradient=False))
+    assert pipe.runtime.schedule.edges == (Edge(0, 2), Edge(0, 3, gradient=False))
     token_loss(pipe(ids), targets).backward()
     assert_gradients(model, plain_gradients(crossing()), "GPipe")
-    assert pipe._executor.transport.traffic.between(0, 3).bytes == MASK
+    assert pipe.runtime.executor.transport.traffic.between(0, 3).bytes == MASK
     with torch.no_grad():
         assert relative_error(pipe(ids), crossing()(ids)) <= 1e-12
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import mlp
+from tests.support.models import mlp
 
 
 def model8() -> nn.Sequential:
@@ -57,7 +57,7 @@ def test_chunks_must_be_a_positive_integer(chunks: object) -> None:
 
 
 def test_unknown_checkpoint_mode() -> None:
-    with pytest.raises(ValueError, match=r"checkpoint='sometimes' is not a checkpoint mode; "
+    with pytest.raises(ValueError, match=r"checkpoint='sometimes' is not a recompute mode; "
                                          r"use one of 'always', 'except_last', 'never'"):
         conveyor.GPipe(model8(), [8], devices=["cpu"], checkpoint="sometimes")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import build, paired, relative_error, sample, transformer
+from tests.support.models import build, paired, relative_error, sample, transformer
 
 
 def test_attributes() -> None:
@@ -19,7 +19,7 @@ def test_attributes() -> None:
     assert pipe.balance == [3, 2, 2]
     assert pipe.devices == [torch.device("cpu")] * 3
     assert pipe.chunks == 4
-    assert pipe.checkpoint == "except_last"
+    assert pipe.recompute == "except_last"
     assert [len(p) for p in pipe.partitions] == [3, 2, 2]
     assert pipe.partitions[1][0] is model[3]
 

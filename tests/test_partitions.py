@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import build, relative_error, sample
+from tests.support.models import build, relative_error, sample
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
@@ -49,7 +49,7 @@ def test_full_backward_hooks_on_a_partition_see_each_micro_batch_gradient() -> N
                              balance=[3, 4], devices=["cpu"] * 2, schedule="1f1b",
                              checkpoint="never")
     grads: list[torch.Size] = []
-    pipe._stages[1].layers.register_full_backward_hook(
+    pipe.runtime.stages[1].layers.register_full_backward_hook(
         lambda module, grad_in, grad_out: grads.append(grad_out[0].shape))
     x = sample("mlp")
     pipe.step(x, torch.zeros_like(model(x)))

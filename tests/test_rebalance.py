@@ -16,9 +16,9 @@ from conveyor.distributed.optimizer import adopt, release
 from conveyor.distributed.rebalance import StageTimes
 from conveyor.observe.rebalance_policy import layer_costs
 from conveyor.schedules import build
-from tests.models import relative_error
-from tests.multiprocess import launch
-from tests.rebalance_scenarios import (
+from tests.support.models import relative_error
+from tests.support.launch import launch
+from tests.support.scenarios.rebalance import (
     LAYERS,
     OPTIMIZERS,
     STEPS,
@@ -113,7 +113,7 @@ def test_a_recording_goes_on_across_a_move() -> None:
             pipe.step(x, y)
     assert pipe.balance != [1, 5]
     assert len(timeline.events) == 4 * 2 * 2 * 4  # steps x stages x (F, B) x micro-batches
-    assert pipe._executor.recorder is None
+    assert pipe.runtime.executor.recorder is None
 
 
 def test_deferred_batch_norm_statistics_move_with_their_layer() -> None:
@@ -203,7 +203,7 @@ def test_what_cannot_be_rebalanced_yet_is_refused() -> None:
     tied[3].weight = tied[0].weight  # the first and the last layer never move: allowed
     pipe = conveyor.Pipeline(tied, balance=[1, 3], devices=["cpu", "cpu"], chunks=2,
                              loss_fn=mse, rebalance=POLICY)
-    assert pipe._rebalancing is not None
+    assert pipe.rebalancing is not None
     block = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     with pytest.raises(conveyor.ConfigError, match=r"split_at= \(traced\) cannot be re-balanced"):
         conveyor.Pipeline(block, split_at=["2"], sample=torch.randn(2, 4), chunks=2,

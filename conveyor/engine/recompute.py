@@ -10,7 +10,10 @@ generator states itself.
 torch.utils.checkpoint rebuilds the graph inside each backward call that needs it. A
 split backward is two calls, I and later W, so it would recompute the stage twice; the
 executor rebuilds that graph itself instead, once, under :class:`Recomputation`, and
-keeps it from I to W (see ``Executor._rebuilt``).
+keeps it from I to W (see ``Stage._rebuilt``).
+
+The mode is the pipelines' ``recompute=`` option; ``checkpoint=``, torchgpipe's name for
+it, is accepted as an alias (:func:`recompute_mode`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 __all__ = ["is_recomputing"]
 
-CheckpointMode = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+RecomputeMode = Literal["always", "except_last", "never"]
+RECOMPUTE_MODES: tuple[str, ...] = ("always", "except_last", "never")
 
 _local = threading.local()
 
@@ -41,16 +44,22 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def validate_mode(mode: str) -> str:
-    """Returns ``mode`` if it names a checkpoint mode.
+def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
+    """The recompute mode of a pipeline given ``recompute=`` or its alias
+    ``checkpoint=`` (default ``"except_last"``, as the paper).
 
     Raises:
-        ValueError: an unknown mode; the message lists the known ones.
+        ValueError: both are given, or an unknown mode; the message lists the known ones.
     """
-    if mode not in CHECKPOINT_MODES:
+    if recompute is not None and checkpoint is not None:
+        raise ValueError(f"recompute={recompute!r} and checkpoint={checkpoint!r}: "
+                         "checkpoint= is another name for recompute=; give one of them")
+    named = "checkpoint" if checkpoint is not None else "recompute"
+    mode = checkpoint if checkpoint is not None else recompute or "except_last"
+    if mode not in RECOMPUTE_MODES:
         raise ValueError(
-            f"checkpoint={mode!r} is not a checkpoint mode; use one of "
-            + ", ".join(repr(m) for m in CHECKPOINT_MODES)
+            f"{named}={mode!r} is not a recompute mode; use one of "
+            + ", ".join(repr(m) for m in RECOMPUTE_MODES)
         )
     return mode
 

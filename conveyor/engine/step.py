@@ -14,7 +14,7 @@ import torch
 
 from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import microbatch_sizes
-from conveyor.engine.recompute import recomputes, validate_mode
+from conveyor.engine.recompute import recompute_mode, recomputes
 from conveyor.engine.rng import draw_step_seed
 from conveyor.engine.weightgrad import WeightGradient
 
@@ -86,32 +86,33 @@ class Saved:
     recomputed: bool
 
 
-def check_options(*, chunks: int, checkpoint: str) -> None:
-    """Checks the options every pipeline takes.
+def check_options(*, chunks: int, recompute: str | None, checkpoint: str | None) -> str:
+    """Checks the options every pipeline takes; returns the recompute mode.
 
     Raises:
         MicroBatchError: ``chunks`` is not a positive integer.
-        ValueError: ``checkpoint`` is not a checkpoint mode.
+        ValueError: not a recompute mode, or both ``recompute`` and its alias
+            ``checkpoint`` given.
     """
     microbatch_sizes(chunks, chunks)
-    validate_mode(checkpoint)
+    return recompute_mode(recompute, checkpoint)
 
 
-def new_step(microbatches: Sequence[Any], *, chunks: int, checkpoint: str,
+def new_step(microbatches: Sequence[Any], *, chunks: int, recompute: str,
              grad_enabled: bool, training: bool, **options: Any) -> StepState:
     """The state of one pipelined call.
 
     Args:
         microbatches: stage 0's micro-batches (empty where stage 0 does not run).
         chunks: the number of micro-batches M.
-        checkpoint: the recomputation mode, deciding which micro-batches recompute.
+        recompute: the recompute mode, deciding which micro-batches recompute.
         grad_enabled: whether forward records graphs for a backward.
         training: whether the model is in training mode.
         options: the other fields of :class:`StepState` (loss, targets ...).
     """
     return StepState(
         inputs=microbatches,
-        recompute=lambda m: recomputes(checkpoint, m, chunks),
+        recompute=lambda m: recomputes(recompute, m, chunks),
         grad_enabled=grad_enabled,
         # Seeded whenever a backward may recompute, in eval mode too (a layer random
         # in eval mode, MC dropout, must draw the same numbers again); inference in
