@@ -1,14 +1,13 @@
 """Running the actions of a schedule on stages.
 
 Each rank walks its column of the table in order; in one process every rank is a
-thread, under torchrun a process runs its own rank's column. A forward action takes
-the micro-batch (stage 0) or receives the previous stage's activation, runs the stage
-and sends the result on (the last stage keeps it, or computes the loss); a backward
-action ``B`` receives the gradient of the stage's output, back-propagates through the
-stage's graph of that micro-batch (accumulating the weight gradients) and sends the
-input gradient back. ``I`` does the same but computes only the input gradient, and
-keeps what the weight gradient needs for the micro-batch's ``W``, which runs later.
-Each action's kind alone says what it does. What a stage receives and sends is the
+thread, under torchrun a process runs its own rank's column. The executor only walks:
+for each action it receives what the action needs, has the stage do it and sends what
+the stage made. What an action means is the stage's (:class:`~conveyor.engine.stage.Stage`):
+``F`` runs the micro-batch (and the loss at the last stage), ``B`` back-propagates it,
+``I`` computes only its input gradient and keeps what the weight gradient needs for the
+micro-batch's ``W``, which runs later. Each action's kind alone says what it does.
+What a stage receives and sends is the
 schedule's: from and to its neighbours, and over the table's edges (a traced model's
 values that skip stages go from the stage that makes them straight to each stage that
 uses them; the gradients of those that carry one come back the same way, and a value

@@ -4,12 +4,12 @@ In forward, a checkpointed stage keeps only its input; in backward it runs its l
 again to rebuild the activations. conveyor uses torch.utils.checkpoint (non-reentrant),
 with two additions: layers can ask :func:`is_recomputing`, and running statistics of
 normalisation layers (batch norm) are not updated a second time by the recomputation.
-Random numbers are replayed by :mod:`conveyor.rng`, so the checkpoint does not stash
+Random numbers are replayed by :mod:`conveyor.engine.rng`, so the checkpoint does not stash
 generator states itself.
 
 torch.utils.checkpoint rebuilds the graph inside each backward call that needs it. A
 split backward is two calls, I and later W, so it would recompute the stage twice; the
-executor rebuilds that graph itself instead, once, under :class:`Recomputation`, and
+stage rebuilds that graph itself instead, once, under :class:`Recomputation`, and
 keeps it from I to W (see ``Stage._rebuilt``).
 
 The mode is the pipelines' ``recompute=`` option; ``checkpoint=``, torchgpipe's name for

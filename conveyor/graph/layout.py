@@ -3,8 +3,8 @@
 :func:`cut` turns (model, ``balance`` or ``split_at``, ``sample``, the number of stages,
 the stages this process runs) into a :class:`Layout`: the local stages, built and on
 their devices, with the balance, the cut, the tied weights and the values a traced model
-sends past the next stage. ``GPipe``, ``Pipeline``, ``conveyor.check`` and re-balancing
-all build their stages here::
+sends past the next stage. ``GPipe`` and ``Pipeline`` (and so ``conveyor.check``) cut
+here; re-balancing builds its moved stages with :func:`build_stages`, the same last step::
 
     nn.Sequential (+ balance)  --resolve balance-->  skips cross a stage? --no--> layers
     any nn.Module (+ split_at) --choose the cut---------------------yes--> traced stages

@@ -27,7 +27,7 @@ def where(pipe: Any, *, file: TextIO | None = None) -> str:
     Raises:
         TypeError: ``pipe`` is not a conveyor pipeline.
     """
-    executor = getattr(pipe, "_executor", None)
+    executor = getattr(getattr(pipe, "runtime", None), "executor", None)
     if executor is None or not hasattr(executor, "report"):
         raise TypeError(f"conveyor.where() reads a Pipeline or a GPipe, not "
                         f"{type(pipe).__name__}")
