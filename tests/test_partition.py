@@ -11,8 +11,9 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError
-from conveyor.graph.balance import profile_layers, solve_balance, stage_costs, validate_balance
-from tests.models import one_costly_layer, one_cpu_thread
+from conveyor.graph.balance import solve_balance, stage_costs, validate_balance
+from conveyor.graph.profile import profile_layers
+from tests.support.models import one_costly_layer, one_cpu_thread
 
 
 def compositions(total: int, parts: int) -> list[list[int]]:

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from conveyor.graph.blocktime import block_times
+from conveyor.graph.profile import block_times
 from conveyor.graph.export import trace
 from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
 from conveyor.errors import BalanceError, ModelError

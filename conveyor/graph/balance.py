@@ -1,4 +1,4 @@
-"""Cutting a sequence of layers into contiguous stages: validation, profiling, balancing.
+"""Cutting a sequence of layers into contiguous stages: validation and balancing.
 
 ``balance`` lists how many consecutive layers each stage holds: ``[3, 5]`` puts layers
 0-2 on stage 0 and 3-7 on stage 1. The ``balance_by_*`` functions find the balance that
@@ -9,34 +9,19 @@ the one whose stage costs are most even (least sum of squares).
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.graph import skip
-from conveyor.graph.source import sequential_layers
 from conveyor.errors import BalanceError
+from conveyor.graph.profile import LayerProfile, profile_layers
+from conveyor.graph.source import sequential_layers
 
-__all__ = [
-    "LayerProfile",
-    "balance_by_memory",
-    "balance_by_params",
-    "balance_by_time",
-    "profile_layers",
-    "solve_balance",
-]
+__all__ = ["balance_by_memory", "balance_by_params", "balance_by_time", "solve_balance"]
 
 
-# A layer is timed at least ``repeat`` times and for at least this long (up to _MAX_RUNS):
-# a fast layer's time is otherwise mostly noise.
-_MIN_SECONDS = 0.02
-_MAX_RUNS = 200
 # Stages whose measured times differ by less than this (relative) count as equal.
 _TIME_SLACK = 0.05
 
@@ -169,30 +154,6 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     return out
 
 
-@dataclass(frozen=True)
-class LayerProfile:
-    """What one layer costs, measured on a sample batch.
-
-    Attributes:
-        name: the layer's name in the ``nn.Sequential``.
-        parameters: the number of parameter elements.
-        parameter_bytes: bytes of parameters (gradients and optimizer state come on top).
-        forward_seconds: forward time (the fastest of the timed runs).
-        backward_seconds: backward time (input and weight gradients; the fastest run).
-        saved_bytes: bytes of tensors autograd saves for backward, parameters excluded,
-            each storage counted once.
-        output_bytes: bytes of the layer's output tensors.
-    """
-
-    name: str
-    parameters: int
-    parameter_bytes: int
-    forward_seconds: float
-    backward_seconds: float
-    saved_bytes: int
-    output_bytes: int
-
-
 def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
     """Balance that evens out the number of parameter elements per stage.
 
@@ -238,107 +199,3 @@ def balance_by_memory(
     profiles = profile_layers(module, sample, repeat=0)
     costs = [p.saved_bytes + param_scale * p.parameter_bytes for p in profiles]
     return solve_balance(costs, stages)
-
-
-def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> list[LayerProfile]:
-    """Measures each layer's time and memory on ``sample``, layer after layer.
-
-    Runs on the device of the model's first parameter (CPU if it has none). The model
-    is left as it was: random number generators and buffers (batch-norm statistics)
-    are restored afterwards, and no gradient is accumulated.
-
-    Args:
-        module: the model as an ``nn.Sequential``.
-        sample: an input batch for the first layer (tensor or nested structure).
-        repeat: timed runs per layer after one warm-up (at least; a fast layer runs until
-            20 ms are measured); 0 measures memory only. Times are the fastest run's.
-    """
-    layers = sequential_layers(module)
-    device = next(module.parameters(), torch.empty(0)).device
-    x = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
-    profiles = []
-    with preserved_state(module, device), skip.profiling():
-        for name, layer in layers:
-            profile, x = _profile_layer(name, layer, x, device, repeat)
-            profiles.append(profile)
-    return profiles
-
-
-def _profile_layer(
-    name: str, layer: nn.Module, x: Any, device: torch.device, repeat: int
-) -> tuple[LayerProfile, Any]:
-    params = [p for p in layer.parameters() if p.requires_grad]
-    param_ids = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_ids and t.device.type != "meta":
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def run(measure_memory: bool) -> tuple[float, float, Any]:
-        leaves = pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()),
-            x,
-        )
-        # The layer gets a copy, not the leaf itself: a layer that starts with an in-place
-        # op (ReLU(inplace=True)) may modify it, as it may inside a stage.
-        inputs = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.clone() if t.requires_grad else t, leaves)
-        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                 if measure_memory else contextlib.nullcontext())
-        _sync(device)
-        start = time.perf_counter()
-        with torch.enable_grad(), hooks:
-            out = layer(inputs)
-        _sync(device)
-        forward = time.perf_counter() - start
-        outs = [t for t in pytree.tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        wrt = [t for t in pytree.tree_leaves(leaves)
-               if isinstance(t, torch.Tensor) and t.requires_grad] + params
-        start = time.perf_counter()
-        if outs and wrt:
-            torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs],
-                                allow_unused=True)
-        _sync(device)
-        return forward, time.perf_counter() - start, out
-
-    _, _, out = run(measure_memory=True)
-    times: list[tuple[float, float]] = []
-    while repeat and (len(times) < repeat or (sum(f + b for f, b in times) < _MIN_SECONDS
-                                               and len(times) < _MAX_RUNS)):
-        times.append(run(measure_memory=False)[:2])
-    out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-    profile = LayerProfile(
-        name=name,
-        parameters=sum(p.numel() for p in layer.parameters()),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        forward_seconds=min(t[0] for t in times) if times else 0.0,
-        backward_seconds=min(t[1] for t in times) if times else 0.0,
-        saved_bytes=sum(saved.values()),
-        output_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
-                         if isinstance(t, torch.Tensor)),
-    )
-    return profile, out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Restores buffers and random generators after profiling runs the model."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
