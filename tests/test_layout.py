@@ -117,13 +117,26 @@ def test_the_cycle_check_sees_imports_in_functions_and_type_checking(tmp_path: P
         "conveyor.pipeline.Pipeline", "conveyor.engine.stage"}
 
 
-@pytest.mark.parametrize("room", ROOMS)
-def test_rooms_and_modules_stay_small(room: str) -> None:
-    modules = [p for p in (PACKAGE / room).glob("*.py") if p.name != "__init__.py"]
-    assert len(modules) <= 18, f"conveyor/{room} holds {len(modules)} modules"
-    for path in modules:
-        lines = len(path.read_text().splitlines())
-        assert lines <= 450, f"{path.relative_to(PACKAGE)} has {lines} lines"
+def test_rooms_modules_and_functions_stay_small() -> None:
+    """No room (a folder) over 18 modules, no module over 450 lines, no function body
+    over 65 lines (docstring aside)."""
+    for folder in sorted({path.parent for path in PACKAGE.rglob("__init__.py")}):
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 18, f"{folder.relative_to(PACKAGE.parent)} holds {len(modules)}"
+    for path in _modules().values():
+        source = path.read_text()
+        lines = len(source.splitlines())
+        assert lines <= 450, f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                documented = isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and len(body) > 1
+                start = body[1 if documented else 0].lineno
+                assert node.end_lineno is not None
+                length = node.end_lineno - start + 1
+                assert length <= 65, f"{path.relative_to(PACKAGE.parent)}: {node.name} " \
+                                     f"runs {length} lines"
 
 
 @pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.observe.simulate",
