@@ -243,15 +243,17 @@ class Stage:
         outputs = self.forward(inputs, m, step_seed=state.step_seed, recompute=recompute)
         loss = None
         sent: dict[int, Any] = {}  # by receiving stage
+        read = None  # the output as loss_fn read it
         if self.last and state.loss_fn is not None:
-            loss = self._loss(m, outputs, state)
+            read = _read_apart(outputs) if recompute else outputs
+            loss = self._loss(m, read, state)
         elif self.last:
             state.outputs[m] = outputs
         else:
             sent = self.route(outputs, destinations)
         if state.grad_enabled:
             state.saved[(self.index, m)] = Saved(inputs, dict(received), outputs, sent, loss,
-                                                 recompute)
+                                                 recompute, read)
         return sent
 
     def backward_one(self, microbatch: int, came: Mapping[int, Any], state: StepState, *,
@@ -339,16 +341,25 @@ class Stage:
         A split backward of a recomputed micro-batch rebuilds the stage's graph here,
         once, and I and W both use it; left to torch.utils.checkpoint, each of the two
         backward calls would recompute the stage. A loss at the last stage is first
-        back-propagated to the stage's outputs (its own graph was kept).
+        back-propagated to the stage's outputs (its own graph was kept), as loss_fn read
+        them: each through a view of its own (see :func:`_read_apart`), so that the
+        gradient of each is what the loss sends into it directly. The gradient of the
+        output itself would be the total one, which also counts what flows into it
+        through the stage from the other outputs (an output another one is made from,
+        an input the stage returns as it is); the rebuilt graph adds that again.
         """
-        leaves = pytree.tree_leaves(saved.outputs)
-        positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
         if saved.loss is not None:
-            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = torch.autograd.grad(saved.loss, wanted, allow_unused=True)
-            pairs = [(t, g) for t, g in zip(wanted, grads) if g is not None]
+            read = pytree.tree_leaves(saved.read)
+            at = [i for i, t in enumerate(read)
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = torch.autograd.grad(saved.loss, [read[i] for i in at], allow_unused=True)
+            by_position = [(i, g) for i, g in zip(at, grads) if g is not None]
+        else:
+            leaves = pytree.tree_leaves(saved.outputs)
+            positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+            by_position = [(positions[id(out)], grad) for out, grad in pairs]
         outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, step_seed=state.step_seed))
-        return [(outputs[positions[id(out)]], grad) for out, grad in pairs]
+        return [(outputs[i], grad) for i, grad in by_position]
 
     def end_step(self, *, commit: bool) -> None:
         """Commits (or, after a failure, discards) deferred batch-norm statistics."""
@@ -357,3 +368,13 @@ class Stage:
                 module.commit()
             else:
                 module.discard()
+
+
+def _read_apart(outputs: Any) -> Any:
+    """``outputs`` with each tensor that requires grad replaced by a view of it, made
+    for loss_fn alone: the loss's gradient w.r.t. the view is what loss_fn itself sends
+    into that output, and taking it runs nothing of the stage's graph (a recomputed
+    stage's, whose saved tensors would be recomputed to get through it)."""
+    return pytree.tree_map(
+        lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t,
+        outputs)

@@ -76,6 +76,8 @@ class Saved:
         sent: the output as sent to each later stage, by receiving stage.
         loss: at the last stage, the loss backward starts from (None: the outputs).
         recomputed: whether the stage's graph is rebuilt for backward.
+        read: at the last stage with a loss, the output as loss_fn read it (if
+            ``recomputed``, a view of each tensor; see ``stage._read_apart``).
     """
 
     inputs: Any
@@ -84,6 +86,7 @@ class Saved:
     sent: dict[int, Any]
     loss: torch.Tensor | None
     recomputed: bool
+    read: Any = None
 
 
 def check_options(*, chunks: int, recompute: str | None, checkpoint: str | None) -> str:
