@@ -95,7 +95,7 @@ def conveyor_step(name: str, size: dict[str, Any], batch: Batch,
     model, blocks = build(name, size)
     pipe = conveyor.Pipeline(model, split_at=[middle_block(model, blocks)],
                              sample=batch.sample, chunks=size["chunks"], schedule="1f1b",
-                             checkpoint=checkpoint, loss_fn=next_token_loss)
+                             recompute=checkpoint, loss_fn=next_token_loss)
     inputs = {"input_ids": batch.ids, "use_cache": False}
 
     def step() -> float:

@@ -76,7 +76,7 @@ def main() -> int:
 
     def conveyor_step(schedule: str, chunks: int) -> Callable[[], None]:
         pipe = conveyor.Pipeline(copy.deepcopy(model), chunks=chunks, schedule=schedule,
-                                 checkpoint="never", loss_fn=nn.functional.mse_loss)
+                                 recompute="never", loss_fn=nn.functional.mse_loss)
 
         def step() -> None:
             pipe.zero_grad(set_to_none=True)

@@ -94,7 +94,7 @@ class ActivationMemory(TorchDispatchMode):
 def stage_peak(blocks: int, chunks: int, mode: str) -> int:
     torch.manual_seed(0)
     layers = feed_forward_stack(blocks, WIDTH, 4 * WIDTH)
-    pipe = GPipe(layers, [blocks], devices=["cpu"], chunks=chunks, checkpoint=mode)
+    pipe = GPipe(layers, [blocks], devices=["cpu"], chunks=chunks, recompute=mode)
     x = torch.randn(BATCH, WIDTH, requires_grad=True)  # a middle stage: input gradients too
     grad = torch.randn(BATCH, WIDTH)
     tracker = ActivationMemory(layers)

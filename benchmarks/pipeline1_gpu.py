@@ -6,7 +6,7 @@ micro-batches alone let a much larger model train (AmoebaNet: 82M to 318M parame
 16) of width 2048 trained with RMSProp (12 bytes per parameter, as the paper):
 
 * naive: the plain model on the whole batch;
-* Pipeline-1: ``GPipe(model, [L + 3], chunks=M, checkpoint="except_last")``.
+* Pipeline-1: ``GPipe(model, [L + 3], chunks=M, recompute="except_last")``.
 
 For each, it searches the largest number of blocks L for which a training step runs
 without running out of memory (doubling, then bisection). ``--memory-gib`` caps the
@@ -71,7 +71,7 @@ def train_step(layers: int, *, pipelined: bool, args: argparse.Namespace,
     net: nn.Module = model
     if pipelined:
         net = GPipe(model, [len(model)], devices=[device], chunks=args.chunks,
-                    checkpoint="except_last")
+                    recompute="except_last")
     optimizer = torch.optim.RMSprop(net.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.length), device=device)
     logits = net(ids)

@@ -47,7 +47,7 @@ def pipeline(balance: list[int], rebalance: Any) -> tuple[conveyor.Pipeline, Any
     torch.manual_seed(0)
     pipe = conveyor.Pipeline(feed_forward_stack(8, 512, 2048), stages=STAGES,
                              devices=["cpu"] * STAGES, chunks=CHUNKS, schedule="1f1b",
-                             checkpoint="never", loss_fn=nn.functional.mse_loss,
+                             recompute="never", loss_fn=nn.functional.mse_loss,
                              balance=balance, rebalance=rebalance)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3, momentum=0.9)
     pipe.attach_optimizer(optimizer)

@@ -111,7 +111,7 @@ def main() -> int:
             torch.manual_seed(0)
             pipe = conveyor.Pipeline(build(), stages=STAGES, devices=["cpu"] * STAGES,
                                      chunks=CHUNKS, schedule=schedule, virtual_stages=virtual,
-                                     checkpoint=mode, loss_fn=loss_fn,
+                                     recompute=mode, loss_fn=loss_fn,
                                      balance=plans[label(schedule, mode)].balance)
 
             def step(pipe: conveyor.Pipeline = pipe) -> None:

@@ -41,7 +41,7 @@ def main() -> int:
         torch.manual_seed(0)
         pipes[name] = conveyor.Pipeline(
             feed_forward_stack(8, WIDTH, 4 * WIDTH), stages=STAGES, devices=["cpu"] * STAGES,
-            chunks=CHUNKS, schedule=name, virtual_stages=virtual, checkpoint="never",
+            chunks=CHUNKS, schedule=name, virtual_stages=virtual, recompute="never",
             loss_fn=nn.functional.mse_loss)
 
     def step(pipe: conveyor.Pipeline):  # type: ignore[no-untyped-def]

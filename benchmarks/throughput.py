@@ -119,7 +119,7 @@ def main() -> int:
         configs[f"plain 1 thread, M={chunks} in turn"] = with_threads(1, plain_microbatches(chunks))
         for mode in args.modes:
             pipe = GPipe(copy.deepcopy(model), [4, 4], devices=["cpu"] * STAGES, chunks=chunks,
-                         checkpoint=mode)
+                         recompute=mode)
             configs[f"gpipe {mode} M={chunks}"] = with_threads(2, pipelined(pipe))
             for stage in range(STAGES):
                 configs[f"stage {stage} alone {mode} M={chunks}"] = stage_alone(stage, chunks, mode)

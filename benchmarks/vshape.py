@@ -69,7 +69,7 @@ def run_model(build_model: Any, x: Any, y: Any, loss_fn: Any, rounds: int) -> di
     for name in SCHEDULES:
         torch.manual_seed(0)
         pipe = conveyor.Pipeline(build_model(), stages=STAGES, devices=["cpu"] * STAGES,
-                                 chunks=CHUNKS, schedule=name, checkpoint=CHECKPOINT,
+                                 chunks=CHUNKS, schedule=name, recompute=CHECKPOINT,
                                  loss_fn=loss_fn, balance=plans[name].balance)
 
         def step(pipe: conveyor.Pipeline = pipe) -> None:
