@@ -21,26 +21,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from conveyor.errors import (
-    BalanceError,
-    CheckpointError,
-    ConfigError,
-    ConveyorError,
-    LayerOutputError,
-    MicroBatchError,
-    ModelError,
-    NonFiniteLossError,
-    PeerFailure,
-    SaveError,
-    ScheduleError,
-    SkipError,
-    StageError,
-    StepTimeout,
-)
+from conveyor import errors as _errors
+from conveyor.errors import *  # noqa: F403 - the library's errors, as errors.__all__ lists them
 
 __version__ = "0.1.0"
 
-# The public names that need torch, by the module that defines them: the one list.
+# The public names beyond the library's errors (``errors.__all__``), by the module that
+# defines them: the one list. They load on first use.
 _PUBLIC = {
     "GPipe": "conveyor.gpipe",
     "Pipeline": "conveyor.pipeline",
@@ -70,13 +57,11 @@ _PUBLIC = {
     "plot_timelines": "conveyor.observe.trace",
     "where": "conveyor.observe.where",
     "report_on_signal": "conveyor.observe.where",
+    "CheckpointError": "conveyor.train.errors",
+    "SaveError": "conveyor.train.errors",
 }
 
-__all__ = sorted([
-    "BalanceError", "CheckpointError", "ConfigError", "ConveyorError", "LayerOutputError",
-    "MicroBatchError", "ModelError", "NonFiniteLossError", "PeerFailure", "SaveError",
-    "ScheduleError", "SkipError", "StageError", "StepTimeout", *_PUBLIC,
-])
+__all__ = sorted([*_errors.__all__, *_PUBLIC])
 
 
 def __getattr__(name: str) -> Any:

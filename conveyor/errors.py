@@ -6,7 +6,6 @@ from typing import Any
 
 __all__ = [
     "BalanceError",
-    "CheckpointError",
     "ConfigError",
     "ConveyorError",
     "LayerOutputError",
@@ -14,7 +13,6 @@ __all__ = [
     "ModelError",
     "NonFiniteLossError",
     "PeerFailure",
-    "SaveError",
     "ScheduleError",
     "SkipError",
     "StageError",
@@ -105,20 +103,10 @@ class NonFiniteLossError(ConveyorError, FloatingPointError):
     """The loss of a micro-batch is NaN or infinite (``check_finite=True``)."""
 
 
-class CheckpointError(ConveyorError, RuntimeError):
-    """A checkpoint is missing, unreadable, or made for another model."""
-
-
 class ConfigError(ConveyorError, ValueError):
     """A command's option (``conveyor train``, ``conveyor simulate``) is out of range or
     contradicts another one, or ``--out`` cannot be used (a file, not writable, or in use
     by another run); or the ranks of a job were started with different pipelines."""
-
-
-class SaveError(ConveyorError, RuntimeError):
-    """A run's output (a checkpoint, its summary) could not be written, e.g. on a full
-    disk; the message says which checkpoint is still intact. The ``OSError`` is the
-    ``__cause__``."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
-from conveyor.errors import ConfigError, SaveError
+from conveyor.errors import ConfigError
+from conveyor.train.errors import SaveError
 
 try:
     import fcntl

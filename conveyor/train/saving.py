@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.errors import CheckpointError
+from conveyor.train.errors import CheckpointError
 
 __all__ = ["CheckpointError", "exists", "load", "load_weights", "remove_temporaries", "save"]
 
