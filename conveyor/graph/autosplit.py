@@ -28,7 +28,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from conveyor.graph.profile import block_times
-from conveyor.graph.export import trace
+from conveyor.graph.export import export_model
 from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
 from conveyor.errors import BalanceError, ModelError
 
@@ -132,7 +132,7 @@ def block_parameters(model: nn.Module, names: Sequence[str],
     was_training = model.training
     try:
         model.train(True)
-        program = trace(model, sample)
+        program = export_model(model, sample)
     finally:
         model.train(was_training)
     index = {name: i for i, name in enumerate(names)}

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import BalanceError
-from conveyor.graph.profile import LayerProfile, profile_layers
+from conveyor.graph.profile import profile_layers
 from conveyor.graph.source import sequential_layers
 
 __all__ = ["balance_by_memory", "balance_by_params", "balance_by_time", "solve_balance"]

@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind
 
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ModelError
-from conveyor.graph.tracedstage import Binding, Plan
+from conveyor.graph.tracedstage import Binding, CutPlan
 from conveyor.graph.weights import Placement
 
 __all__: list[str] = []
@@ -30,7 +30,7 @@ class Binder:
     embeddings) is read by the lowest of them under the name that holds it and by each
     other through a copy installed under another of its names."""
 
-    def __init__(self, model: nn.Module, plans: Mapping[bool, Plan],
+    def __init__(self, model: nn.Module, plans: Mapping[bool, CutPlan],
                  devices: Mapping[int, torch.device]) -> None:
         self.model = model
         self.originals = dict(model.named_parameters(remove_duplicate=False))
@@ -47,7 +47,7 @@ class Binder:
         self._used: set[int] = set()
         self._find_ties(plans)
 
-    def _find_ties(self, plans: Mapping[bool, Plan]) -> None:
+    def _find_ties(self, plans: Mapping[bool, CutPlan]) -> None:
         """Every parameter several stages use, with a name per stage: the same on every
         rank, whichever stages it builds."""
         stages_of: dict[str, set[int]] = {}
@@ -85,7 +85,7 @@ class Binder:
         return next(n for n in self.aliases[id(tensor)]
                     if self.model.get_parameter(n) is tensor)
 
-    def bind(self, plan: Plan, k: int) -> list[Binding]:
+    def bind(self, plan: CutPlan, k: int) -> list[Binding]:
         """Stage k's parameters, buffers and constants, placed on its device."""
         device = self.devices[k]
         bindings = []
@@ -143,7 +143,7 @@ class Binder:
                 self.placement.devices[id(tensor)] = devices[0]
 
 
-def _constant(plan: Plan, target: str, device: torch.device) -> Any:
+def _constant(plan: CutPlan, target: str, device: torch.device) -> Any:
     """A constant the traced graph reads (a tensor made in forward), on ``device``."""
     value = plan.program.constants[target]
     if not isinstance(value, torch.Tensor):

@@ -59,7 +59,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.graph.binding import Binder
-from conveyor.graph.tracedstage import GraphStage, Plan, StageProgram, as_call
+from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram, as_call
 from conveyor.engine.ties import TiedParameter, equalize
 from conveyor.graph.weights import (
     InitFn,
@@ -75,7 +75,7 @@ from conveyor.schedules import Edge
 __all__: list[str] = []
 
 
-def trace(model: nn.Module, sample: Any) -> ExportedProgram:
+def export_model(model: nn.Module, sample: Any) -> ExportedProgram:
     """``model``'s forward on ``sample`` as an exported graph, every tensor dimension of
     the inputs left free (export fixes those the model's code depends on).
 
@@ -187,7 +187,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
     try:
         for training in (True, False):
             model.train(training)
-            plans[training] = _cut(trace(model, sample), split_at, count)
+            plans[training] = _cut(export_model(model, sample), split_at, count)
     finally:
         model.train(was_training)
     binder = Binder(model, plans, devices)
@@ -260,7 +260,7 @@ def _edges(plans: Any) -> tuple[Edge, ...]:
     return tuple(Edge(i, j, g) for (i, j), g in sorted(gradient.items()))
 
 
-def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
+def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> CutPlan:
     """Assigns every operation of ``program`` to a stage, and finds what crosses."""
     graph = program.graph
     stage_of: dict[fx.Node, int] = {}
@@ -309,7 +309,7 @@ def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> Plan:
             value = next(n for n in graph.nodes if n.name == spec.arg.name).meta.get("val")
             fixed_sizes.append({d: size for d, size in enumerate(getattr(value, "shape", ()))
                                 if isinstance(size, int)})
-    return Plan(program, stage_of, live_in, uses, fixed_sizes, sends,
+    return CutPlan(program, stage_of, live_in, uses, fixed_sizes, sends,
                 _differentiable(program))
 
 

@@ -51,7 +51,7 @@ class Binding:
 
 
 @dataclass
-class Plan:
+class CutPlan:
     """One traced program (one mode) cut into stages."""
 
     program: ExportedProgram
@@ -66,7 +66,7 @@ class Plan:
 class StageProgram:
     """Stage k of one traced program: its graph and what it reads and returns."""
 
-    def __init__(self, model: nn.Module, plan: Plan, k: int, stages: int,
+    def __init__(self, model: nn.Module, plan: CutPlan, k: int, stages: int,
                  bindings: list[Binding]) -> None:
         program = plan.program
         signature = program.graph_signature
