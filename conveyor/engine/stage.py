@@ -353,7 +353,8 @@ class Stage:
             at = [i for i, t in enumerate(read)
                   if isinstance(t, torch.Tensor) and t.requires_grad]
             grads = torch.autograd.grad(saved.loss, [read[i] for i in at], allow_unused=True)
-            by_position = [(i, g) for i, g in zip(at, grads) if g is not None]
+            by_position: list[tuple[int, torch.Tensor | None]] = [
+                (i, g) for i, g in zip(at, grads) if g is not None]
         else:
             leaves = pytree.tree_leaves(saved.outputs)
             positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
