@@ -6,8 +6,6 @@ gradients.)"""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,172 +16,26 @@ from torch import nn
 
 import conveyor
 from conveyor.graph.tracedstage import as_call
-from conveyor.engine.microbatch import split
 from conveyor.errors import BalanceError, ModelError
-from tests.crossing import UNet
-from tests.extras import require
-from tests.models import relative_error
-from tests.multiprocess import launch
-from tests.scenarios import ANY_MODEL_CASES, PAD
+from tests.support.any_models import (
+    ANY_MODEL_CASES,
+    CHUNKS,
+    MODELS,
+    assert_model_grads,
+    build,
+    llama,
+    loss_of,
+    output_of,
+    plain_loss,
+    plain_run,
+    plain_step,
+    sample_of,
+)
+from tests.support.launch import launch
+from tests.support.models import relative_error
+from tests.support.skip_models import long_skip
 
-CHUNKS = 4
 SCHEDULES = ["gpipe", "1f1b", "zero-bubble"]
-
-
-def quiet_transformers() -> Any:
-    transformers = require("transformers")
-    transformers.utils.logging.set_verbosity_error()
-    return transformers
-
-
-def unet() -> tuple[nn.Module, list[str], Any, Any]:
-    generator = torch.Generator().manual_seed(1)
-    return (UNet(), ["up2", "up1"], torch.randn(10, 2, 8, 8, generator=generator),
-            torch.randn(10, 2, 8, 8, generator=generator))
-
-
-def tokens(vocab: int = 100, length: int = 9, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, vocab, (10, length), generator=generator),
-            torch.randint(0, vocab, (10, length), generator=generator))
-
-
-def gpt2() -> tuple[nn.Module, list[str], Any, Any]:
-    t = quiet_transformers()
-    config = t.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=100, n_positions=32,
-                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                          attn_pdrop=0.0)
-    ids, targets = tokens()
-    return (t.GPT2LMHeadModel(config), ["transformer.h.2"],
-            {"input_ids": ids, "use_cache": False}, targets)
-
-
-def llama() -> tuple[nn.Module, list[str], Any, Any]:
-    t = quiet_transformers()
-    config = t.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-    ids, targets = tokens()
-    return (t.LlamaForCausalLM(config), ["model.layers.1", "model.layers.3"],
-            {"input_ids": ids, "use_cache": False}, targets)
-
-
-def bert() -> tuple[nn.Module, list[str], Any, Any]:
-    t = quiet_transformers()
-    config = t.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
-                          num_attention_heads=2, intermediate_size=32,
-                          max_position_embeddings=32, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0)
-    ids, targets = tokens(vocab=50)
-    mask = torch.ones_like(ids)
-    for row in range(10):  # padding of every length, so micro-batches count differently
-        mask[row, max(2, 9 - row):] = 0
-    targets = targets.masked_fill(mask == 0, PAD)
-    return (t.BertForMaskedLM(config), ["bert.encoder.layer.1"],
-            {"input_ids": ids, "attention_mask": mask}, targets)
-
-
-def resnet() -> tuple[nn.Module, list[str], Any, Any]:
-    t = quiet_transformers()
-    config = t.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
-                            depths=[1, 1], num_labels=3)
-    generator = torch.Generator().manual_seed(1)
-    return (t.ResNetForImageClassification(config), ["resnet.encoder.stages.1"],
-            torch.randn(10, 3, 16, 16, generator=generator),
-            torch.randint(0, 3, (10,), generator=generator))
-
-
-MODELS: dict[str, Callable[[], tuple[nn.Module, list[str], Any, Any]]] = {
-    "unet": unet, "gpt2": gpt2, "llama": llama, "bert": bert, "resnet": resnet}
-
-
-def output_of(result: Any) -> torch.Tensor:
-    return result if isinstance(result, torch.Tensor) else result["logits"]
-
-
-def loss_of(name: str) -> Callable[[Any, Any], Any]:
-    """Per micro-batch: a (sum, count) token loss for the language models (BERT's
-    padding makes the counts differ), a mean for the others."""
-    def token_loss(result: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = output_of(result)
-        total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD,
-                                reduction="sum")
-        return total, (targets != PAD).sum()
-
-    if name == "unet":
-        return lambda result, targets: F.mse_loss(result, targets)
-    if name == "resnet":
-        return lambda result, targets: F.cross_entropy(output_of(result), targets)
-    return token_loss
-
-
-def plain_loss(name: str, result: Any, targets: torch.Tensor) -> torch.Tensor:
-    loss = loss_of(name)(result, targets)
-    return loss[0] / loss[1] if isinstance(loss, tuple) else loss
-
-
-def plain_run(name: str, model: nn.Module, inputs: Any, targets: Any) -> tuple[torch.Tensor, Any]:
-    """The plain model's loss on the whole batch, and its output; batch norm (ResNet)
-    over the same micro-batches, as the pipeline normalises them."""
-    def call(batch: Any) -> Any:
-        args, kwargs = as_call(batch)
-        return model(*args, **kwargs)
-
-    if name == "resnet":
-        result = torch.cat([output_of(call(part)) for part in split(inputs, CHUNKS)])
-    else:
-        result = call(inputs)
-    return plain_loss(name, result, targets), result
-
-
-def plain_step(name: str, reference: nn.Module, inputs: Any, targets: Any) -> torch.Tensor:
-    """The plain model's loss on the whole batch, its gradients in ``reference``."""
-    expected, result = plain_run(name, reference, inputs, targets)
-    if name in ("llama", "gpt2", "bert"):
-        # The pipeline back-propagates the summed token loss and divides the gradients by
-        # the count at the end; so does the reference here. (Llama's RMSNorm computes in
-        # float32 even in a float64 model, so dividing before backward instead differs at
-        # float32's precision, in the plain model alone as well.)
-        total, count = loss_of(name)(result, targets)
-        total.backward()
-        for param in reference.parameters():
-            if param.grad is not None:
-                param.grad /= count
-    else:
-        expected.backward()
-    return expected.detach()
-
-
-def build(name: str) -> tuple[nn.Module, nn.Module, list[str], Any, Any]:
-    torch.manual_seed(0)
-    model, split_at, inputs, targets = MODELS[name]()
-    model = model.double()
-    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-              for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.double()
-    if isinstance(targets, torch.Tensor) and targets.is_floating_point():
-        targets = targets.double()
-    return model, copy.deepcopy(model), split_at, inputs, targets
-
-
-def assert_model_grads(pipe: nn.Module, reference: nn.Module) -> None:
-    """Every parameter of the pipeline has the plain model's name and gradient, and every
-    parameter of the plain model is there (a tie across stages as one copy per stage;
-    within a stage, as in the plain model, one Parameter under several names)."""
-    plain = dict(reference.named_parameters(remove_duplicate=False))
-    names = [name for name, _ in pipe.named_parameters()]
-    assert set(names) <= set(plain)
-    assert {id(plain[name]) for name in names} == {id(p) for p in reference.parameters()}
-    # Some gradients are zero in theory (BERT's key bias: softmax ignores a shift) and
-    # roundoff in practice: measured against the whole gradient's norm.
-    scale = torch.stack([p.grad.norm() for p in reference.parameters()]).norm()
-    for name, param in pipe.named_parameters():
-        expected = plain[name].grad
-        assert param.grad is not None and expected is not None, name
-        error = float((param.grad - expected).norm() / max(expected.norm(), 1e-6 * scale))
-        assert error <= 1e-10, f"{name}: relative error {error:.3g}"
-
-
-def sample_of(inputs: Any) -> Any:
-    return split(inputs, CHUNKS)[0]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -279,7 +131,7 @@ def test_bad_split_points_say_what_to_do() -> None:
 
 @pytest.fixture(scope="module")
 def torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch of two processes running every case of scenario_any_model."""
+    """One launch of two processes running every case of the any_model scenario."""
     from safetensors.torch import save_file
 
     out = tmp_path_factory.mktemp("any_model")
@@ -359,8 +211,6 @@ def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Pat
 
 @pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_skip_of_a_layer_list_crosses_ranks(torchrun: Path) -> None:
-    from tests.test_skip import long_skip
-
     _, reference, inputs, targets = long_skip()
     expected = F.mse_loss(reference(inputs.detach()), targets)
     expected.backward()

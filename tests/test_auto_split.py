@@ -16,9 +16,8 @@ from torch import nn
 import conveyor
 from conveyor.graph.autosplit import block_parameters, choose_split_at, find_blocks
 from conveyor.errors import BalanceError, ModelError
-from tests.test_any_model import (
+from tests.support.any_models import (
     CHUNKS,
-    UNet,
     assert_model_grads,
     build,
     loss_of,
@@ -26,7 +25,8 @@ from tests.test_any_model import (
     sample_of,
     unet,
 )
-from tests.user_models import LadderUNet
+from tests.support.crossing_models import UNet
+from tests.support.user_models import LadderUNet
 
 
 def ladder() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.microbatch import split
-from tests.models import assert_same_grads, paired, relative_error, weighted_loss
+from tests.support.models import assert_same_grads, paired, relative_error, weighted_loss
 
 
 def bn_model() -> nn.Sequential:

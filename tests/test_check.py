@@ -16,8 +16,8 @@ from torch import nn
 import conveyor
 from conveyor.cli import main
 from conveyor.errors import BalanceError, ConveyorError
-from tests import check_cases as cases
-from tests.extras import require
+from tests.support import check_cases as cases
+from tests.support.extras import require
 
 
 def test_a_correct_model_matches_with_dropout_under_every_kind_of_schedule() -> None:
@@ -200,21 +200,25 @@ def test_options_that_do_not_fit_raise() -> None:
 
 def test_the_command_exits_0_on_a_match_1_on_a_difference_2_on_bad_usage(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--model", "tests.check_cases:matching", "--chunks", "2"]) == 0
+    assert main(["check", "--model", "tests.support.check_cases:matching",
+                 "--chunks", "2"]) == 0
     out = capsys.readouterr().out
     assert "balance [3, 3]" in out and "MATCH" in out
-    assert main(["check", "--model", "tests.check_cases:batch_norm", "--stages", "2",
-                 "--json"]) == 1
+    assert main(["check", "--model", "tests.support.check_cases:batch_norm",
+                 "--stages", "2", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"] and report["findings"][0]["layer"] == "2"
     for argv, message in (
-            (["--model", "tests.check_cases"], "give package.module:function"),
+            (["--model", "tests.support.check_cases"], "give package.module:function"),
             (["--model", "tests.nowhere:f"], "cannot import tests.nowhere"),
-            (["--model", "tests.check_cases:returns_a_model", "--stages", "2"],
+            (["--model", "tests.support.check_cases:returns_a_model",
+              "--stages", "2"],
              "returned Sequential; return (model, inputs, targets"),
-            (["--model", "tests.check_cases:batch_norm", "--balance", "2,x"],
+            (["--model", "tests.support.check_cases:batch_norm",
+              "--balance", "2,x"],
              "--balance 2,x: give comma-separated values"),
-            (["--model", "tests.check_cases:batch_norm", "--balance", "3,4"],
+            (["--model", "tests.support.check_cases:batch_norm",
+              "--balance", "3,4"],
              "covers 7 layers but the model has 6")):
         assert main(["check", *argv]) == 2, argv
         err = capsys.readouterr().err

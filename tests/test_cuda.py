@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import conveyor
-from tests.models import assert_same_grads, build, even_balance, paired, sample, weighted_loss
+from tests.support.models import (
+    assert_same_grads,
+    build,
+    even_balance,
+    paired,
+    sample,
+    weighted_loss,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

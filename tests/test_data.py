@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conveyor.train.data import digits, text_corpus
-from tests.extras import require
+from tests.support.extras import require
 
 
 def test_the_text_corpus_is_real_python_split_by_file() -> None:

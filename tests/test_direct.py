@@ -19,8 +19,8 @@ from conveyor.engine.routing import check_no_gradient
 from conveyor.errors import ConveyorError, ScheduleError
 from conveyor.schedules import Edge, parse
 from tests.support.crossing_models import Crossing, UNet, crossing, token_batch, token_loss
-from tests.support.models import relative_error
 from tests.support.launch import launch
+from tests.support.models import relative_error
 
 CHUNKS = 4
 FLOAT64 = 8

@@ -1,7 +1,8 @@
 """Pipelines over processes (gloo on 127.0.0.1): equal to the plain model, and never hung.
 
-Each scenario starts its processes once (tests/multiprocess.py) and the tests compare
-what they wrote with the plain model, built here from the same functions.
+Each scenario (tests/support/scenarios/pipeline.py) starts its processes once
+(tests/support/launch.py) and the tests compare what they wrote with the plain model,
+built here from the same functions (tests/support/cases.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from conveyor.schedules import V_SHAPES
-from tests.models import relative_error
-from tests.multiprocess import Outcome, launch
-from tests.scenarios import case_batch, case_model, cases, padded_batch, plain_token_loss
+from tests.support.cases import case_batch, case_model, cases, padded_batch, plain_token_loss
+from tests.support.launch import Outcome, launch
+from tests.support.models import relative_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,7 +107,7 @@ def test_pipeline_and_data_parallel_2x2_equals_the_global_batch(tmp_path: Path) 
 def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:
     import conveyor
     from conveyor.graph.source import sequential
-    from tests.scenarios import deep_mlp
+    from tests.support.cases import deep_mlp
 
     torch.manual_seed(5)
     with torch.device("meta"):

@@ -3,8 +3,8 @@ on 127.0.0.1 train with a stage on each; one node is killed, the other restarts 
 with one stage from the newest checkpoint; the node comes back and the job grows to two
 stages again. The losses are those of a run never interrupted.
 
-The run steps behind a gate (tests/elastic_worker.py) so that the test, not the speed of
-this machine, decides at which step a node leaves or joins::
+The run steps behind a gate (tests/support/elastic_worker.py) so that the test, not the
+speed of this machine, decides at which step a node leaves or joins::
 
     world 2:  steps 1-4, checkpoints 2, 4        kill agent B; step 5 fails on A
     world 1:  resumes at 4: steps 5-8, saves 6, 8      start agent B'
@@ -31,9 +31,8 @@ from conveyor.cli import main
 from conveyor.errors import ConfigError
 from conveyor.train.elastic import describe_replan, plan_layout
 from conveyor.train.options import TrainConfig
-from tests.multiprocess import ROOT
-from tests.test_nodes import free_port
-from tests.test_train import TINY
+from tests.support.launch import ROOT
+from tests.support.training import TINY
 
 STEPS = 12
 FLAGS = [*TINY, "--steps", str(STEPS), "--save-every", "2", "--eval-every", str(STEPS),
@@ -129,7 +128,7 @@ class Agents:
                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "elastic", "--local-addr", "127.0.0.1",
                    # The store lives with agent A, which stays: B may die.
                    "--rdzv-conf", f"{RDZV},is_host={int(host)}",
-                   "-m", "tests.elastic_worker", *FLAGS, "--out", str(self.folder / "run"),
+                   "-m", "tests.support.elastic_worker", *FLAGS, "--out", str(self.folder / "run"),
                    "--resume", "auto"]
         with open(self.folder / f"{name}.log", "wb") as log:
             self.running[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
@@ -189,11 +188,12 @@ def losses(run: Path) -> list[float]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 @pytest.mark.timeout(240)
-def test_a_node_leaves_and_comes_back_and_the_run_goes_on(tmp_path: Path) -> None:
+def test_a_node_leaves_and_comes_back_and_the_run_goes_on(tmp_path: Path,
+                                                          free_port: int) -> None:
     assert main(["train", *FLAGS, "--out", str(tmp_path / "reference")]) == 0  # threads
     gate, run = tmp_path / "gate", tmp_path / "run"
     gate.write_text("4")
-    agents = Agents(tmp_path, free_port())
+    agents = Agents(tmp_path, free_port)
     try:
         agents.start("a", host=True)
         agents.start("b", host=False)

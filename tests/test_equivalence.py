@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import (
+from tests.support.models import (
     assert_same_grads,
     build,
     even_balance,

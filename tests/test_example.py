@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tests.extras import require
-from tests.multiprocess import run_command
+from tests.support.extras import require
+from tests.support.launch import run_command
 
 
 def run(command: list[str]) -> list[str]:

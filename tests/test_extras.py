@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.extras import REQUIRE_EXTRAS, require
+from tests.support.extras import REQUIRE_EXTRAS, require
 
 
 def test_an_installed_extra_is_imported() -> None:

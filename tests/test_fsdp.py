@@ -1,6 +1,6 @@
 """FSDP2 under the pipeline: 2 stages x 2 shards equal the plain model on the global
 batch (float64, gloo on 127.0.0.1), and a checkpoint resumes at another data-parallel
-size. One launch of 4 processes checks most things (tests/scenarios_fsdp.py)."""
+size. One launch of 4 processes checks most things (tests/support/scenarios/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models import relative_error
-from tests.multiprocess import launch
-from tests.scenarios import case_batch, case_model, padded_batch, plain_token_loss
-from tests.scenarios_fsdp import BATCH, CLIP, LR
+from tests.support.cases import case_batch, case_model, padded_batch, plain_token_loss
+from tests.support.launch import launch
+from tests.support.models import relative_error
+from tests.support.scenarios.fsdp import BATCH, CLIP, LR
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,8 +161,8 @@ def test_conveyor_train_shard_matches_threads_and_resumes_on_one_replica(
     import json
     import sys
 
-    from tests.multiprocess import run_command
-    from tests.test_train import TINY, train
+    from tests.support.launch import run_command
+    from tests.support.training import TINY, train
 
     def losses(out: Path) -> list[float]:
         summary = json.loads((out / "summary.json").read_text())
@@ -191,7 +191,7 @@ def test_conveyor_train_shard_matches_threads_and_resumes_on_one_replica(
 def test_shard_in_one_process_says_to_launch_processes(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from conveyor.cli import main
-    from tests.test_train import TINY
+    from tests.support.training import TINY
 
     assert main(["train", *TINY, "--out", str(tmp_path / "run"), "--shard"]) == 2
     assert "--shard shards each stage over its data-parallel processes: launch 2 with " \

@@ -15,8 +15,7 @@ from torch import nn
 import conveyor
 import conveyor.train.models
 from conveyor.engine.microbatch import split
-from tests.models import assert_same_grads, paired, relative_error
-from tests.scenarios import (
+from tests.support.cases import (
     PAD,
     case_batch,
     case_model,
@@ -24,6 +23,7 @@ from tests.scenarios import (
     plain_token_loss,
     token_loss,
 )
+from tests.support.models import assert_same_grads, paired, relative_error
 
 MODES = ["always", "except_last", "never"]
 # (schedule, virtual stages, ranks): every schedule on two ranks.

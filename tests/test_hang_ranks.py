@@ -1,8 +1,8 @@
 """Never hang, always explain, across processes: each case ends within the timeout plus
 a few seconds, every surviving rank exits non-zero, and its error carries the report of
 where every rank stood (gathered from the others), naming the right rank, action and
-awaited message. The scenarios are in tests/hang_scenarios.py (fitted timeouts with a
-3 s floor; steps 1 and 2 warm up)."""
+awaited message. The scenarios are in tests/support/scenarios/hang.py (fitted timeouts
+with a 3 s floor; steps 1 and 2 warm up)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.hang_scenarios import FLOOR
-from tests.multiprocess import Outcome, launch
+from tests.support.launch import Outcome, launch
+from tests.support.scenarios.hang import FLOOR
 
 # After the timeout: asking a silent peer whether it has reached the step (1.5 s), a
 # settle of the posted receives (at most 3 s here) and the gather of the others' places

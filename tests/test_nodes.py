@@ -5,19 +5,12 @@ stage on each node; the losses equal those of the same script on threads."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.multiprocess import ROOT, run_command
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.support.launch import ROOT, run_command
 
 
 def losses(output: str) -> list[str]:
@@ -25,11 +18,11 @@ def losses(output: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_two_nodes_train_with_a_stage_on_each() -> None:
+def test_two_nodes_train_with_a_stage_on_each(free_port: int) -> None:
     script = ["examples/train.py", "--steps", "3"]
     threads = run_command([sys.executable, *script])
     assert threads.returncode == 0, threads.stderr
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{free_port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",

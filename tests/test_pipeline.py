@@ -13,8 +13,8 @@ import conveyor
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
 from conveyor.graph.source import sequential
 from conveyor.errors import NonFiniteLossError
-from tests.models import one_costly_layer, one_cpu_thread, paired, relative_error
-from tests.scenarios import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm
+from tests.support.cases import MIXED, case_batch, case_model, deep_mlp, lm_loss, tied_lm
+from tests.support.models import one_costly_layer, one_cpu_thread, paired, relative_error
 
 SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
              ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2)]
@@ -215,7 +215,7 @@ def test_a_recomputed_micro_batch_is_recomputed_once(schedule: str, checkpoint: 
 @pytest.mark.parametrize("model_name", ["mlp", "lm"])
 def test_a_table_mixing_full_and_split_backwards_equals_the_plain_model(
         model_name: str, checkpoint: str) -> None:
-    # B on some micro-batches and stages, I then W on others (MIXED, in scenarios.py).
+    # B on some micro-batches and stages, I then W on others (MIXED, in support/cases.py).
     model, loss_fn = case_model(model_name)
     reference = copy.deepcopy(model)
     table = conveyor.schedules.parse(MIXED, name="mixed")

@@ -13,7 +13,7 @@ import pytest
 from conveyor.errors import BalanceError
 from conveyor.observe.plan import Plan, largest, parse_bytes, plan, rank_plans
 from conveyor.train.models import convnet_figures, transformer_figures
-from tests.models import paired
+from tests.support.models import paired
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ import torch
 import conveyor
 import conveyor.observe.plan
 from conveyor.cli import main
-from tests.extras import require
-from tests.user_models import LadderUNet, TiedLM, llama_on_meta
+from tests.support.extras import require
+from tests.support.user_models import LadderUNet, TiedLM, llama_on_meta
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -28,13 +28,13 @@ def test_a_model_on_meta_is_cut_where_pipeline_would_and_its_parameters_add_up(
     model = llama_on_meta()
     assert next(model.parameters()).is_meta
     total = sum(p.numel() for p in model.parameters())
-    args = ["plan", "--model", "tests.user_models:llama_on_meta", "--stages", "2",
-            "--length", "16", "--batch", "8"]
+    args = ["plan", "--model", "tests.support.user_models:llama_on_meta",
+            "--stages", "2", "--length", "16", "--batch", "8"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"tests.user_models:llama_on_meta (LlamaForCausalLM): {total:,} "
-                          "parameters, 16 bytes each with adam; 2 stages, split at "
-                          "model.layers.2 (chosen by parameters)")
+    assert out.startswith(f"tests.support.user_models:llama_on_meta (LlamaForCausalLM): "
+                          f"{total:,} parameters, 16 bytes each with adam; 2 stages, split "
+                          "at model.layers.2 (chosen by parameters)")
     rows = [line.split() for line in out.splitlines() if line.startswith("stage ")]
     assert [row[2] for row in rows] == ["(start)", "model.layers.2"]
     assert sum(int(row[3].replace(",", "")) for row in rows) == total  # no tie: each once
@@ -42,7 +42,7 @@ def test_a_model_on_meta_is_cut_where_pipeline_would_and_its_parameters_add_up(
 
 
 def test_split_at_is_taken_as_given(capsys: pytest.CaptureFixture[str]) -> None:
-    result = plan_json(capsys, "--model", "tests.user_models:ladder",
+    result = plan_json(capsys, "--model", "tests.support.user_models:ladder",
                        "--split-at", "blocks.2,blocks.4", "--memory", "16GiB")
     assert result["split_at"] == ["blocks.2", "blocks.4"] and not result["chosen"]
     stages = result["stages"]
@@ -75,10 +75,11 @@ def test_stage_figures_come_from_the_traced_stages() -> None:
      "--model llama: give transformer, convnet, or package.module:function"),
     (["--model", "tests.nowhere:build"],
      "cannot import tests.nowhere: No module named 'tests.nowhere'"),
-    (["--model", "tests.user_models:missing"], "tests.user_models has no 'missing'"),
-    (["--model", "tests.user_models:NOT_A_FUNCTION"],
+    (["--model", "tests.support.user_models:missing"],
+     "tests.support.user_models has no 'missing'"),
+    (["--model", "tests.support.user_models:NOT_A_FUNCTION"],
      "NOT_A_FUNCTION is a int, not a function that returns the model"),
-    (["--model", "tests.user_models:returns_a_number"],
+    (["--model", "tests.support.user_models:returns_a_number"],
      "returned a int; return an nn.Module, or (nn.Module, sample)"),
     ([], "give --stages K (cut where Pipeline would) or --split-at"),
     (["--split-at", "blocks.2", "--stages", "3"], "--split-at gives 2 stages but --stages is 3"),
@@ -86,7 +87,7 @@ def test_stage_figures_come_from_the_traced_stages() -> None:
 ])
 def test_bad_options_end_with_one_line(argv: list[str], message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--model", "tests.user_models:ladder", *argv]
+    args = ["plan", "--model", "tests.support.user_models:ladder", *argv]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("conveyor plan: error: ") and message in err[-1], err

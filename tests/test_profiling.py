@@ -12,7 +12,7 @@ from torch import nn
 import conveyor
 from conveyor.graph import balance as partition
 from conveyor.graph.balance import _balance
-from tests.models import one_costly_layer, one_cpu_thread
+from tests.support.models import one_costly_layer, one_cpu_thread
 
 
 def test_a_layer_starting_in_place_is_profiled() -> None:

@@ -11,7 +11,14 @@ from torch import nn
 import conveyor
 from conveyor.engine.microbatch import gather, split
 from conveyor.engine.rng import derive_seed, draw_step_seed
-from tests.models import assert_same_grads, build, even_balance, paired, sample, weighted_loss
+from tests.support.models import (
+    assert_same_grads,
+    build,
+    even_balance,
+    paired,
+    sample,
+    weighted_loss,
+)
 
 
 def seeded_reference(model: nn.Sequential, x: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:

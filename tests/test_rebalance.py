@@ -16,8 +16,8 @@ from conveyor.distributed.optimizer import adopt, release
 from conveyor.distributed.rebalance import StageTimes
 from conveyor.observe.rebalance_policy import layer_costs
 from conveyor.schedules import build
-from tests.support.models import relative_error
 from tests.support.launch import launch
+from tests.support.models import relative_error
 from tests.support.scenarios.rebalance import (
     LAYERS,
     OPTIMIZERS,

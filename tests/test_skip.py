@@ -17,34 +17,10 @@ from torch import nn
 import conveyor
 from conveyor.graph.skip import _store, skips_of, split_at_skips
 from conveyor.errors import BalanceError, ModelError, SkipError
-from tests.models import relative_error
+from tests.support.models import relative_error
+from tests.support.skip_models import Dense, Pop, Stash, build, long_skip
 
 CHUNKS = 4
-
-
-class Dense(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
-
-
-@conveyor.skippable(stash=["skip"])
-class Stash(Dense):
-    """Stashes its output."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.tanh(self.linear(x))
-        conveyor.stash("skip", y)
-        return y
-
-
-@conveyor.skippable(pop=["skip"])
-class Pop(Dense):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) + conveyor.pop("skip")
 
 
 @conveyor.skippable(stash=["index", "nothing"])
@@ -62,28 +38,6 @@ class PopIndex(Dense):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert conveyor.pop("nothing") is None
         return self.linear(x) * F.one_hot(conveyor.pop("index"), 6).to(x.dtype)
-
-
-class Mode(Dense):
-    """Computes another function in eval mode: the eval trace is a program of its own."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x)) if self.training else torch.sin(self.linear(x))
-
-
-def build(*layers: nn.Module) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor, torch.Tensor]:
-    """The model, its plain copy, a batch (requiring grad) and targets, in float64."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*layers).double()
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(8, 6, dtype=torch.float64, generator=generator)
-    targets = torch.randn(8, 6, dtype=torch.float64, generator=generator)
-    return model, copy.deepcopy(model), inputs.requires_grad_(), targets
-
-
-def long_skip() -> tuple[nn.Sequential, nn.Sequential, torch.Tensor, torch.Tensor]:
-    """Layer 0 stashes, layer 4 pops: with balance [2, 2, 1] the skip crosses two stages."""
-    return build(Stash(), Dense(), Mode(), Dense(), Pop())
 
 
 def assert_same_grads(pipe: nn.Module, reference: nn.Module) -> None:

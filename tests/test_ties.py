@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.models import relative_error
-from tests.scenarios import case_batch, case_model
+from tests.support.cases import case_batch, case_model
+from tests.support.models import relative_error
 
 
 def test_gpipe_trains_a_tied_language_model_as_the_plain_model() -> None:

@@ -24,26 +24,13 @@ from conveyor.train.models import transformer_lm
 from conveyor.pipeline import Pipeline
 from conveyor.train.language import next_byte_loss
 from conveyor.schedules import build
-from tests.multiprocess import run_command
-
-# T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds. No
-# warm-up: the full learning rate from the first step, so that a few steps learn.
-TINY = ["--layers", "2", "--width", "16", "--hidden", "32", "--heads", "2", "--length", "16",
-        "--batch", "4", "--chunks", "2", "--eval-every", "3", "--eval-batches", "1",
-        "--save-every", "3", "--sample-bytes", "4", "--warmup", "1"]
+from tests.support.launch import run_command
+from tests.support.training import TINY, checkpoint_state, one_error_line, train
 
 
 def tiny_model() -> torch.nn.Sequential:
+    """The model of a run on the TINY flags."""
     return transformer_lm(2, 16, 32, 2, max_length=16, tie=True)
-
-
-def train(out: Path, *flags: str) -> int:
-    return main(["train", *TINY, "--out", str(out), *flags])
-
-
-def checkpoint_state(out: Path) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(out / "checkpoint.pt", weights_only=False)
-    return state
 
 
 def assert_same_tensors(a: Any, b: Any, where: str = "") -> None:
@@ -192,13 +179,6 @@ def test_verbose_prints_every_action_of_a_step_to_stderr(
 
 
 # -- bad input --------------------------------------------------------------------------
-
-
-def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("conveyor train: error: ")
-    return err[0]
 
 
 @pytest.mark.parametrize("flags, message", [

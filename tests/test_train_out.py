@@ -18,8 +18,8 @@ import torch
 import conveyor
 from conveyor.train import loop, saving
 from conveyor.train.outdir import RunLock
-from tests.multiprocess import ROOT, run_command
-from tests.test_train import TINY, checkpoint_state, one_error_line, train
+from tests.support.launch import ROOT, run_command
+from tests.support.training import TINY, checkpoint_state, one_error_line, train
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

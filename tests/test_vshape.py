@@ -19,8 +19,8 @@ from conveyor.schedules import (
     validate,
     zero_bubble_v,
 )
-from tests.models import assert_same_grads, relative_error
-from tests.scenarios import case_batch, case_model
+from tests.support.cases import case_batch, case_model
+from tests.support.models import assert_same_grads, relative_error
 
 #: (K, M) with M >= 2K, where the published figures hold.
 FULL = [(k, m) for k in (1, 2, 3, 4, 5, 8) for m in (2 * k, 2 * k + 1, 3 * k, 4 * k, 24)]
@@ -198,8 +198,8 @@ def test_a_tied_lm_s_first_and_last_stage_share_rank_0(name: str) -> None:
 ])
 def test_a_traced_model_split_into_a_v_equals_the_plain_model(
         model_name: str, split_at: list[str], name: str) -> None:
-    from tests.test_any_model import CHUNKS, assert_model_grads, build as build_model
-    from tests.test_any_model import loss_of, plain_step, sample_of
+    from tests.support.any_models import CHUNKS, assert_model_grads, build as build_model
+    from tests.support.any_models import loss_of, plain_step, sample_of
 
     model, reference, _, inputs, targets = build_model(model_name)
     pipe = conveyor.Pipeline(model, split_at=split_at, sample=sample_of(inputs), stages=2,

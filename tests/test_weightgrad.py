@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.weightgrad import backward_input
-from tests.models import cnn, mlp, paired, relative_error, transformer
+from tests.support.models import cnn, mlp, paired, relative_error, transformer
 
 
 class TiedTwice(nn.Module):

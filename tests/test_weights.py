@@ -14,8 +14,8 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import BalanceError, ModelError
-from tests.models import relative_error
-from tests.test_any_model import CHUNKS, build, gpt2, loss_of, sample_of
+from tests.support.any_models import CHUNKS, build, gpt2, loss_of, sample_of
+from tests.support.models import relative_error
 
 
 class Scaled(nn.Module):

@@ -4,7 +4,8 @@ came (torchrun's SIGTERM when a node joins: the step in flight then finishes and
 as in any run). The test thus decides where the run stands when it kills or adds a
 node, however fast or slow this machine is.
 
-Run as ``python -m tests.elastic_worker <conveyor train flags>`` (torchrun ``-m``).
+Run as ``python -m tests.support.elastic_worker <conveyor train flags>`` (torchrun
+``-m``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Models as a user hands them to conveyor: no nn.Sequential, no split_at; and functions
-for ``conveyor plan --model tests.user_models:NAME``."""
+for ``conveyor plan --model tests.support.user_models:NAME``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""What each process of a multi-process test does (see tests/multiprocess.py).
+"""Multi-process scenarios of conveyor.Pipeline: equivalence with the plain model, data
+parallel, initialisation, clipping and a NaN, failures, checkpoints, models nobody here
+wrote, ranks started with different options, and direct sends between stages.
 
-Models and data come from the functions below, so the parent test builds exactly the
-same plain model and batch to compare with.
+Models and data come from tests.support.cases (and the other model modules of
+tests.support), so the parent test builds exactly the same plain model and batch to
+compare with.
 """
 
 from __future__ import annotations
@@ -17,98 +20,25 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from tests.models import VOCAB, WIDTH, Block
-
-
-def deep_mlp(depth: int = 12) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(6, 12)]
-    for i in range(depth - 2):
-        layers.append(nn.Tanh() if i % 2 else nn.Linear(12, 12))
-    layers.append(nn.Linear(12, 3))
-    return nn.Sequential(*layers).double()
-
-
-def tied_lm(blocks: int = 3) -> nn.Sequential:
-    """A Transformer LM whose output head is its input embedding (one Parameter)."""
-    embedding = nn.Embedding(VOCAB, WIDTH)
-    head = nn.Linear(WIDTH, VOCAB, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, *[Block(WIDTH) for _ in range(blocks)],
-                         nn.LayerNorm(WIDTH), head).double()
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def case_model(name: str) -> tuple[nn.Sequential, Any]:
-    torch.manual_seed(0)
-    if name == "mlp":
-        return deep_mlp(), nn.functional.mse_loss
-    return tied_lm(), lm_loss
-
-
-def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tuple[Any, Any]:
-    generator = torch.Generator().manual_seed(seed)
-    if name == "mlp":
-        return (torch.randn(batch, 6, dtype=torch.float64, generator=generator),
-                torch.randn(batch, 3, dtype=torch.float64, generator=generator))
-    return (torch.randint(0, VOCAB, (batch, length), generator=generator),
-            torch.randint(0, VOCAB, (batch, length), generator=generator))
-
-
-PAD = -100  # the target of a padded position
-
-
-def padded_batch(seed: int = 1, batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and targets whose rows end in padding of very different lengths: the
-    last micro-batches are mostly padding."""
-    x, y = case_batch("lm", batch=batch, seed=seed)
-    y = y.clone()
-    for row in range(batch):
-        y[row, max(1, 7 - row):] = PAD
-    return x, y
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD,
-                            reduction="sum")
-    return total, (targets != PAD).sum()
-
-
-def plain_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD)
-
-
-# A 2-rank table mixing full and split backwards: micro-batch 0 backs up fully (B) on
-# stage 1 and split (I, W) on stage 0; micro-batch 1 the other way round; micro-batch 2
-# like 0; micro-batch 3 split on both stages.
-MIXED = """
-0F0 0F1 0I0 0F2 0B1 0F3 0W0 0I2 0I3 0W3 0W2
-1F0 1B0 1F1 1I1 1F2 1B2 1W1 1F3 1I3 1W3
-"""
-
-
-def cases(world: int) -> list[tuple[str, str, int]]:
-    """(model, schedule, virtual stages) run by the equivalence scenario; "mixed" is
-    the table MIXED."""
-    found = [(model, schedule, 1) for model in ("mlp", "lm")
-             for schedule in ("gpipe", "1f1b", "zero-bubble")]
-    found.append(("mlp", "interleaved-1f1b", 2))
-    if world == 2:
-        found.append(("lm", "interleaved-1f1b", 2))
-        found.append(("lm", "mixed", 1))
-        # V shapes (4 micro-batches: 2K for dualpipe-v); the LM's tied embedding and
-        # head on stages 0 and 3, both on rank 0, which also holds the loss.
-        found += [("mlp", "zb-v", 1), ("lm", "zb-v", 1), ("lm", "dualpipe-v", 1)]
-    return found
+from tests.support.cases import (
+    MIXED,
+    case_batch,
+    case_model,
+    cases,
+    deep_mlp,
+    nan_on_marker,
+    padded_batch,
+    token_loss,
+)
+from tests.support.scenarios import scenario
 
 
 def _grads(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
 
 
-def scenario_equivalence(rank: int, world: int, out_dir: Path) -> None:
+@scenario("equivalence")
+def equivalence(rank: int, world: int, out_dir: Path) -> None:
     for model_name, schedule, virtual in cases(world):
         model, loss_fn = case_model(model_name)
         table = (conveyor.schedules.parse(MIXED, name="mixed") if schedule == "mixed"
@@ -126,7 +56,8 @@ def scenario_equivalence(rank: int, world: int, out_dir: Path) -> None:
         torch.save(result, out_dir / f"{model_name}-{schedule}-{virtual}-rank{rank}.pt")
 
 
-def scenario_data_parallel(rank: int, world: int, out_dir: Path) -> None:
+@scenario("data_parallel")
+def data_parallel(rank: int, world: int, out_dir: Path) -> None:
     model, loss_fn = case_model("lm")
     pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
                              loss_fn=loss_fn, timeout=30)
@@ -143,7 +74,8 @@ def scenario_data_parallel(rank: int, world: int, out_dir: Path) -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
-def scenario_initialisation(rank: int, world: int, out_dir: Path) -> None:
+@scenario("initialisation")
+def initialisation(rank: int, world: int, out_dir: Path) -> None:
     with torch.device("meta"):
         meta_model = deep_mlp()
     torch.manual_seed(5)
@@ -155,7 +87,8 @@ def scenario_initialisation(rank: int, world: int, out_dir: Path) -> None:
                out_dir / f"rank{rank}.pt")
 
 
-def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
+@scenario("clip_and_check")
+def clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     model, loss_fn = case_model("lm")
     pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", loss_fn=loss_fn,
                              check_finite=True, timeout=30)
@@ -168,7 +101,7 @@ def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     pipe.zero_grad()
     bad = y.clone()
     bad[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
-    pipe.loss_fn = _nan_on_marker(loss_fn)
+    pipe.loss_fn = nan_on_marker(loss_fn)
     try:
         pipe.step(x, bad)
     except conveyor.ConveyorError:  # every rank: the NaN, or the news of it
@@ -176,14 +109,6 @@ def scenario_clip_and_check(rank: int, world: int, out_dir: Path) -> None:
         pipe.step(x, y)
         torch.save(_grads(pipe), out_dir / f"after{rank}.pt")
         raise
-
-
-def _nan_on_marker(loss_fn: Any) -> Any:
-    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if bool((targets == -1).any()):
-            return torch.tensor(float("nan"), dtype=out.dtype)
-        return loss_fn(out, targets)
-    return loss
 
 
 class Fails(nn.Module):
@@ -257,15 +182,18 @@ def _fault(how: str, rank: int, world: int, out_dir: Path | None = None) -> None
             (out_dir / f"rank{rank}.json").write_text(json.dumps(counts))
 
 
-def scenario_fault_raise(rank: int, world: int, out_dir: Path) -> None:
+@scenario("fault_raise")
+def fault_raise(rank: int, world: int, out_dir: Path) -> None:
     _fault("raise", rank, world, out_dir)
 
 
-def scenario_fault_shape(rank: int, world: int, out_dir: Path) -> None:
+@scenario("fault_shape")
+def fault_shape(rank: int, world: int, out_dir: Path) -> None:
     _fault("shape", rank, world)
 
 
-def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
+@scenario("checkpoint_crash")
+def checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
     """Saves with torch.distributed.checkpoint, crashes in the next save, loads again."""
     import torch.distributed.checkpoint as dcp
 
@@ -301,25 +229,23 @@ def scenario_checkpoint_crash(rank: int, world: int, out_dir: Path) -> None:
                out_dir / f"rank{rank}.pt")
 
 
-# Split at (2 ranks) per model of tests/test_any_model.py; the U-Net also as four stages
-# on two ranks (interleaved), its first level's output crossing three stages.
-ANY_MODEL_SPLITS = {"unet": ["up1"], "gpt2": ["transformer.h.2"], "llama": ["model.layers.2"],
-                    "bert": ["bert.encoder.layer.1"], "resnet": ["resnet.encoder.stages.1"]}
-ANY_MODEL_CASES = [(name, schedule, split_at, 1) for name, split_at in ANY_MODEL_SPLITS.items()
-                   for schedule in ("gpipe", "1f1b", "zero-bubble")]
-ANY_MODEL_CASES.append(("unet", "interleaved-1f1b", ["down2", "up2", "up1"], 2))
-# In a V: the U-Net's outer skip and GPT-2's tied head stay on rank 0, with the loss.
-ANY_MODEL_CASES += [("unet", "dualpipe-v", ["down2", "up2", "up1"], 1),
-                    ("gpt2", "zb-v", ["transformer.h.1", "transformer.h.2", "transformer.h.3"], 1)]
-
-
-def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
+@scenario("any_model")
+def any_model(rank: int, world: int, out_dir: Path) -> None:
     """Models nobody here wrote, as constructed, split over the ranks: each model built
     whole on every rank (the same weights), then GPT-2 built on the meta device with
     weights read from a file, Llama on the meta device initialised by its own
     initialiser, and an nn.Sequential whose skip connection crosses the ranks."""
-    from tests.test_any_model import CHUNKS, build, gpt2, llama, loss_of, sample_of
-    from tests.test_skip import long_skip
+    from tests.support.any_models import (
+        ANY_MODEL_CASES,
+        ANY_MODEL_SPLITS,
+        CHUNKS,
+        build,
+        gpt2,
+        llama,
+        loss_of,
+        sample_of,
+    )
+    from tests.support.skip_models import long_skip
 
     for name, schedule, split_at, virtual in ANY_MODEL_CASES:
         model, _, _, inputs, targets = build(name)
@@ -352,7 +278,8 @@ def scenario_any_model(rank: int, world: int, out_dir: Path) -> None:
     torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"skip-rank{rank}.pt")
 
 
-def scenario_mismatch(rank: int, world: int, out_dir: Path) -> None:
+@scenario("mismatch")
+def mismatch(rank: int, world: int, out_dir: Path) -> None:
     """Ranks started with different options: each refuses, then a matching pipeline runs."""
     messages = {}
     mismatched: dict[str, dict[str, Any]] = {
@@ -376,12 +303,13 @@ def scenario_mismatch(rank: int, world: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(messages))
 
 
-def scenario_direct_edges(rank: int, world: int, out_dir: Path) -> None:
+@scenario("direct_edges")
+def direct_edges(rank: int, world: int, out_dir: Path) -> None:
     """A traced model over processes (split_at under torchrun), each rank building its
     own stage from the whole model's trace: first a context used by stages 1 and 2 (edge
     0->2, its gradients summed on stage 0), then a mask used by stage 2 alone (edge 0~>2,
     no gradient comes back)."""
-    from tests.crossing import crossing
+    from tests.support.crossing_models import crossing
 
     runs = [("context", (1, 2), (), "1f1b", "except_last"),
             ("context", (1, 2), (), "zero-bubble", "always"),
@@ -394,23 +322,19 @@ def scenario_direct_edges(rank: int, world: int, out_dir: Path) -> None:
 
 def _traced_step(model: nn.Module, schedule_name: str, checkpoint: str, rank: int,
                  world: int, chunks: int = 4) -> dict[str, Any]:
-    """One training step of ``model`` (a tests.crossing.Crossing) cut into ``world``
+    """One training step of ``model`` (a tests.support.crossing_models.Crossing) cut into ``world``
     stages under torchrun, this rank's stage alone; its gradients and what its
     transport sent."""
     from conveyor.engine.microbatch import split
-    from tests.crossing import token_batch, token_loss
+    from tests.support.crossing_models import token_batch, token_loss
 
     ids, targets = token_batch()
     pipe = conveyor.Pipeline(model, split_at=model.split_at(), sample=split(ids, chunks)[0],
                              chunks=chunks, schedule=schedule_name, checkpoint=checkpoint,
                              loss_fn=token_loss, timeout=30)
-    pipe._transport.traffic.clear()
+    pipe.runtime.transport.traffic.clear()
     pipe.step(ids, targets)
     return {"edges": [str(e) for e in pipe.schedule.edges],
             "grads": {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
             "traffic": {key: (f.messages, f.bytes, f.wire)
-                        for key, f in pipe._transport.traffic.flows.items()}}
-
-
-# The FSDP scenarios live beside these (tests/multiprocess.py looks them up here).
-from tests.scenarios_fsdp import scenario_fsdp, scenario_fsdp_resume  # noqa: E402, F401
+                        for key, f in pipe.runtime.transport.traffic.flows.items()}}

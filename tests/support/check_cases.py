@@ -1,6 +1,6 @@
 """Small models with one cause of divergence each, planted in a known layer, for
 ``conveyor.check``; the functions at the end are what ``conveyor check --model
-tests.check_cases:NAME`` loads."""
+tests.support.check_cases:NAME`` loads."""
 
 from __future__ import annotations
 

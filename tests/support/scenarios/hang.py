@@ -1,4 +1,4 @@
-"""Multi-process scenarios of a step that fails or stops moving (run by tests.multiprocess).
+"""Multi-process scenarios of a step that fails or stops moving (tests/test_hang_ranks.py).
 
 Each rank writes ``rank{r}.json``: per step, the loss and the plain model's, or the
 error with its report (``where``) and the seconds the step took. A ``Trap`` layer ends
@@ -20,6 +20,7 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.watchdog import deadline
+from tests.support.scenarios import scenario
 
 FLOOR = 3.0  # the fitted timeout of a step after the first two, at least
 STEP = 0  # the step the scenario runs, read by the traps
@@ -110,7 +111,8 @@ def _run(rank: int, world: int, out_dir: Path, plans: dict[int, dict[tuple[int, 
         raise error
 
 
-def scenario_hang_recover(rank: int, world: int, out_dir: Path) -> None:
+@scenario("hang_recover")
+def hang_recover(rank: int, world: int, out_dir: Path) -> None:
     """Step 2: the last stage raises in its third forward (micro-batch 2). Step 4: stage
     0's output loses two features, so stage 1 fails. Steps 3 and 5 run as if nothing
     happened (the failed steps' messages are drained)."""
@@ -120,19 +122,20 @@ def scenario_hang_recover(rank: int, world: int, out_dir: Path) -> None:
 def _stopping(how: str, stage: int | None) -> Any:
     """A scenario where ``stage`` (None: the last) does ``how`` in its second forward of
     step 3 (steps 1 and 2 warm up)."""
-    def scenario(rank: int, world: int, out_dir: Path) -> None:
+    def run(rank: int, world: int, out_dir: Path) -> None:
         where = world - 1 if stage is None else stage
         _run(rank, world, out_dir, {where: {(3, 2): how}}, 3)
-    return scenario
+    return run
 
 
-scenario_hang_freeze_middle = _stopping("freeze", 1)
-scenario_hang_kill_last = _stopping("kill", None)
-scenario_hang_kill_middle = _stopping("kill", 1)
-scenario_hang_loop = _stopping("loop", None)
+hang_freeze_middle = scenario("hang_freeze_middle")(_stopping("freeze", 1))
+hang_kill_last = scenario("hang_kill_last")(_stopping("kill", None))
+hang_kill_middle = scenario("hang_kill_middle")(_stopping("kill", 1))
+hang_loop = scenario("hang_loop")(_stopping("loop", None))
 
 
-def scenario_hang_freeze_in_tie(rank: int, world: int, out_dir: Path) -> None:
+@scenario("hang_freeze_in_tie")
+def hang_freeze_in_tie(rank: int, world: int, out_dir: Path) -> None:
     """``conveyor train``'s tied language model on two ranks; in step 3 the last rank
     freezes as it enters the all-reduce of the tied weights' gradients, where rank 0
     already waits: rank 0 reports the collective, and the frozen rank as silent."""

@@ -1,4 +1,4 @@
-"""Re-balancing under torchrun (see tests/multiprocess.py): what each process does.
+"""Re-balancing under torchrun (see tests/support/launch.py): what each process does.
 
 The parent test (tests/test_rebalance.py) trains the plain model with the same
 functions and compares, step by step, every parameter and optimizer state.
@@ -17,6 +17,7 @@ from torch import nn
 
 import conveyor
 from conveyor.graph.source import sequential
+from tests.support.scenarios import scenario
 
 STEPS = 6
 SLEEP = 0.004  # seconds per forward of a Slow layer: makes stage 1 the slow one
@@ -92,7 +93,8 @@ def train(pipe: conveyor.Pipeline, optimizer: torch.optim.Optimizer) -> list[dic
     return steps
 
 
-def scenario_rebalance_moves(rank: int, world: int, out_dir: Path) -> None:
+@scenario("rebalance_moves")
+def rebalance_moves(rank: int, world: int, out_dir: Path) -> None:
     """AdamW (two groups) on an nn.Sequential given whole to every rank, and SGD with
     momentum on a model built by a layer builder, each moved from balance [1, 5]."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

@@ -1,6 +1,6 @@
 """Models whose values cross stages past the next one (edges of the schedule), for the
 tests of direct sends in threads (tests/test_direct.py, tests/test_any_model.py) and in
-processes (tests/scenarios.py)."""
+processes (tests/support/scenarios/pipeline.py)."""
 
 from __future__ import annotations
 

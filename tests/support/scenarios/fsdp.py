@@ -1,5 +1,5 @@
-"""What each process of the FSDP tests does (see tests/test_fsdp.py): 2 stages x 2
-shards, compared by the parent with the plain model on the global batch."""
+"""Multi-process scenarios of FSDP (see tests/test_fsdp.py): 2 stages x 2 shards,
+compared by the parent with the plain model on the global batch."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 import conveyor
 from conveyor.train import saving
-from tests.scenarios import (
-    _nan_on_marker,
+from tests.support.cases import (
     case_batch,
     case_model,
+    nan_on_marker,
     padded_batch,
     token_loss,
 )
+from tests.support.scenarios import scenario
 
 BATCH = 12
 CLIP = 0.05
@@ -94,7 +95,8 @@ def _local_fraction(pipe: conveyor.Pipeline) -> float:
     return local / sum(p.numel() for p in pipe.parameters())
 
 
-def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
+@scenario("fsdp")
+def fsdp(rank: int, world: int, out_dir: Path) -> None:
     """Equivalence under three schedules, accumulation of a token loss, clipping,
     AdamW, a checkpoint, then a NaN loss on every replica."""
     result: dict[str, Any] = {}
@@ -112,7 +114,7 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
         result[f"{schedule}-eval"] = pipe.eval_step(x[replica::2])
         result[f"{schedule}-gathered"] = _gathered(pipe)  # after eval_step: none
         result[f"{schedule}-collectives"] = dict(counted.calls, units=sum(
-            1 for stage in pipe._stages.values() for layer in stage.layers
+            1 for stage in pipe.runtime.stages.values() for layer in stage.layers
             if any(True for _ in layer.parameters())))
     model, loss_fn = case_model("lm")  # tied embedding and head
     pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
@@ -134,7 +136,7 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
     result["stepped"] = _params(pipe)
     result["moments"] = _moments(pipe, optimizer)
     saving.save(out_dir / "run", model=pipe, optimizer=optimizer, extra={"step": 1})
-    pipe.loss_fn = _nan_on_marker(loss_fn)
+    pipe.loss_fn = nan_on_marker(loss_fn)
     bad = y.clone()
     bad[6:8, 0] = -1  # a NaN loss in micro-batch 1 of both replicas, after 1B0
     try:
@@ -154,8 +156,9 @@ def scenario_fsdp(rank: int, world: int, out_dir: Path) -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
-def scenario_fsdp_resume(rank: int, world: int, out_dir: Path) -> None:
-    """The checkpoint of :func:`scenario_fsdp` (2 x 2 shards) loaded by 2 stages x 1,
+@scenario("fsdp_resume")
+def fsdp_resume(rank: int, world: int, out_dir: Path) -> None:
+    """The checkpoint of :func:`fsdp` (2 x 2 shards) loaded by 2 stages x 1,
     sharded and replicated."""
     result: dict[str, Any] = {}
     for sharding in ("fsdp", "replicate"):

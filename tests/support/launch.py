@@ -1,13 +1,14 @@
-"""Runs a scenario in several processes (gloo on 127.0.0.1) and collects what they wrote.
+"""Runs commands from the repository root, and a scenario in several processes (gloo on
+127.0.0.1), collecting what they wrote.
 
-The parent calls :func:`launch`; each child runs ``python -m tests.multiprocess
+The parent calls :func:`launch`; each child runs ``python -m tests.support.scenarios
 SCENARIO OUT_DIR`` with RANK and WORLD_SIZE set, joins a process group through a file
-(no fixed port), runs ``scenario_SCENARIO(rank, world, out_dir)`` and exits.
+(no fixed port), runs the scenario registered under that name and exits (see
+tests/support/scenarios/__main__.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -15,11 +16,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
 class Outcome:
+    """Each process's exit code (None: still running at the timeout, then killed), its
+    output, and the seconds the launch took."""
+
     returncodes: list[int | None]
     outputs: list[str]
     seconds: float
@@ -46,7 +50,7 @@ def launch(scenario: str, world: int, out_dir: Path, *, timeout: float = 120.0,
                      "PYTHONPATH": str(ROOT)}
         with open(logs[rank], "w") as log:
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.multiprocess", scenario, str(out_dir)],
+                [sys.executable, "-m", "tests.support.scenarios", scenario, str(out_dir)],
                 cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
     codes: list[int | None] = [None] * world
     while time.monotonic() - start < timeout and any(c is None for c in codes):
@@ -58,24 +62,3 @@ def launch(scenario: str, world: int, out_dir: Path, *, timeout: float = 120.0,
             process.wait()
     return Outcome(codes, [log.read_text() for log in logs], time.monotonic() - start)
 
-
-def _main() -> None:
-    import torch
-    import torch.distributed as dist
-
-    from tests import hang_scenarios, rebalance_scenarios, scenarios
-
-    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['CONVEYOR_INIT_FILE']}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    module = (hang_scenarios if scenario.startswith("hang_")
-              else rebalance_scenarios if scenario.startswith("rebalance_") else scenarios)
-    getattr(module, f"scenario_{scenario}")(rank, world, out_dir)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,0 +1,107 @@
+"""The two models of the multi-process tests (a deep MLP and a Transformer LM whose head
+is its embedding), their batches and losses: the scenarios run them in each process, and
+the parent test (or a test in one process) builds exactly the same plain model and batch
+to compare with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.support.models import VOCAB, WIDTH, Block
+
+
+def deep_mlp(depth: int = 12) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(6, 12)]
+    for i in range(depth - 2):
+        layers.append(nn.Tanh() if i % 2 else nn.Linear(12, 12))
+    layers.append(nn.Linear(12, 3))
+    return nn.Sequential(*layers).double()
+
+
+def tied_lm(blocks: int = 3) -> nn.Sequential:
+    """A Transformer LM whose output head is its input embedding (one Parameter)."""
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    head = nn.Linear(WIDTH, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, *[Block(WIDTH) for _ in range(blocks)],
+                         nn.LayerNorm(WIDTH), head).double()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def case_model(name: str) -> tuple[nn.Sequential, Any]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return deep_mlp(), nn.functional.mse_loss
+    return tied_lm(), lm_loss
+
+
+def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tuple[Any, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return (torch.randn(batch, 6, dtype=torch.float64, generator=generator),
+                torch.randn(batch, 3, dtype=torch.float64, generator=generator))
+    return (torch.randint(0, VOCAB, (batch, length), generator=generator),
+            torch.randint(0, VOCAB, (batch, length), generator=generator))
+
+
+PAD = -100  # the target of a padded position
+
+
+def padded_batch(seed: int = 1, batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets whose rows end in padding of very different lengths: the
+    last micro-batches are mostly padding."""
+    x, y = case_batch("lm", batch=batch, seed=seed)
+    y = y.clone()
+    for row in range(batch):
+        y[row, max(1, 7 - row):] = PAD
+    return x, y
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD,
+                            reduction="sum")
+    return total, (targets != PAD).sum()
+
+
+def plain_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD)
+
+
+# A 2-rank table mixing full and split backwards: micro-batch 0 backs up fully (B) on
+# stage 1 and split (I, W) on stage 0; micro-batch 1 the other way round; micro-batch 2
+# like 0; micro-batch 3 split on both stages.
+MIXED = """
+0F0 0F1 0I0 0F2 0B1 0F3 0W0 0I2 0I3 0W3 0W2
+1F0 1B0 1F1 1I1 1F2 1B2 1W1 1F3 1I3 1W3
+"""
+
+
+def cases(world: int) -> list[tuple[str, str, int]]:
+    """(model, schedule, virtual stages) run by the equivalence scenario; "mixed" is
+    the table MIXED."""
+    found = [(model, schedule, 1) for model in ("mlp", "lm")
+             for schedule in ("gpipe", "1f1b", "zero-bubble")]
+    found.append(("mlp", "interleaved-1f1b", 2))
+    if world == 2:
+        found.append(("lm", "interleaved-1f1b", 2))
+        found.append(("lm", "mixed", 1))
+        # V shapes (4 micro-batches: 2K for dualpipe-v); the LM's tied embedding and
+        # head on stages 0 and 3, both on rank 0, which also holds the loss.
+        found += [("mlp", "zb-v", 1), ("lm", "zb-v", 1), ("lm", "dualpipe-v", 1)]
+    return found
+
+
+def nan_on_marker(loss_fn: Any) -> Any:
+    """``loss_fn``, but NaN for a micro-batch whose targets hold -1 (the marker)."""
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if bool((targets == -1).any()):
+            return torch.tensor(float("nan"), dtype=out.dtype)
+        return loss_fn(out, targets)
+    return loss

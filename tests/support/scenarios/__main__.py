@@ -1,0 +1,39 @@
+"""One process of a multi-process test: ``python -m tests.support.scenarios NAME OUT_DIR``.
+
+Started by ``tests.support.launch.launch`` with RANK, WORLD_SIZE and CONVEYOR_INIT_FILE
+set: joins a gloo process group through that file (no fixed port), runs the scenario
+registered as NAME with ``(rank, world, out_dir)`` and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.support.scenarios import SCENARIOS, fsdp, hang, pipeline, rebalance
+
+#: Importing these modules registers their scenarios in SCENARIOS.
+MODULES = (pipeline, fsdp, hang, rebalance)
+
+
+def main() -> None:
+    name, out_dir = sys.argv[1], Path(sys.argv[2])
+    if name not in SCENARIOS:
+        raise SystemExit(f"no scenario {name!r} in {', '.join(m.__name__ for m in MODULES)}; "
+                         f"registered: {', '.join(sorted(SCENARIOS))}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['CONVEYOR_INIT_FILE']}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    SCENARIOS[name](rank, world, out_dir)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""``conveyor train`` in a test: a tiny run's flags, the command on them, its checkpoint,
+and the one line it prints for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conveyor.cli import main
+
+# T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds. No
+# warm-up: the full learning rate from the first step, so that a few steps learn.
+TINY = ["--layers", "2", "--width", "16", "--hidden", "32", "--heads", "2", "--length", "16",
+        "--batch", "4", "--chunks", "2", "--eval-every", "3", "--eval-batches", "1",
+        "--save-every", "3", "--sample-bytes", "4", "--warmup", "1"]
+
+
+def train(out: Path, *flags: str) -> int:
+    return main(["train", *TINY, "--out", str(out), *flags])
+
+
+def checkpoint_state(out: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(out / "checkpoint.pt", weights_only=False)
+    return state
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The single line ``conveyor train`` wrote to stderr, an error."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("conveyor train: error: ")
+    return err[0]
