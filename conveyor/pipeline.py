@@ -195,7 +195,8 @@ class Pipeline(KeepsPlacement):
         self._rebalancing: Rebalancing | None = None
         if rebalance is not None:
             check_rebalance(self._runtime, rebalance, sharded=sharded)
-            self._rebalancing = Rebalancing(rebalance, len(self.balance))
+            assert layout.source is not None  # check_rebalance refuses a traced model
+            self._rebalancing = Rebalancing(rebalance, len(layout.source.names))
 
     @property
     def runtime(self) -> Runtime:
@@ -269,10 +270,11 @@ class Pipeline(KeepsPlacement):
                     params, self.topology.data_group, self.topology.data_size, divisor,
                     lambda flat, op: runtime.all_reduce(flat, self.topology.data_group,
                                                       "the replicas' gradient averaging", op))
-        except BaseException:
+        except BaseException as exc:
             if self._sharding is not None:
                 self._sharding.discard()
             earlier.restore()
+            runtime.explain(exc)  # a collective's failure too, not only the run's
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=False)
             raise
