@@ -17,10 +17,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.distributed.runtime import Runtime
+from conveyor.distributed.runtime import Runtime, RunsRuntime
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
+from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import TiedParameter, sum_tied_gradients
@@ -33,7 +33,7 @@ from conveyor.schedules import Kind, gpipe, validate
 __all__ = ["GPipe"]
 
 
-class GPipe(KeepsPlacement):
+class GPipe(RunsRuntime):
     """Wraps a model so that it trains as a GPipe pipeline: an ``nn.Sequential`` cut by
     ``balance``, or any module cut at named submodules (``split_at``).
 
@@ -134,22 +134,6 @@ class GPipe(KeepsPlacement):
         validate(schedule)
         self._runtime = Runtime(layout, schedule, Topology(pipeline_size=count), self.devices,
                                 Deadlines(timeout))
-
-    @property
-    def runtime(self) -> Runtime:
-        """The layout, schedule table, transport and executor of this pipeline."""
-        return self._runtime
-
-    @property
-    def balance(self) -> list[int]:
-        """Layers per stage (one per stage for a model cut at ``split_at``)."""
-        return self._runtime.layout.balance
-
-    @property
-    def split_at(self) -> list[str] | None:
-        """Where the model was cut (as given, or chosen among its blocks); None for an
-        ``nn.Sequential`` run layer by layer."""
-        return self._runtime.layout.split_at
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)

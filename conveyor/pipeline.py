@@ -28,13 +28,13 @@ from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.planning import local_ranks, make_schedule, with_model_edges
 from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
-from conveyor.distributed.runtime import Runtime
+from conveyor.distributed.runtime import Runtime, RunsRuntime
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
-from conveyor.engine.devices import Device, KeepsPlacement, resolve_devices
+from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
 from conveyor.engine.step import StepState, check_options, new_step
@@ -49,7 +49,7 @@ from conveyor.schedules import Kind, Schedule
 __all__ = ["Pipeline"]
 
 
-class Pipeline(KeepsPlacement):
+class Pipeline(RunsRuntime):
     """A model trained by a pipeline schedule, in one process or over many.
 
     Args:
@@ -199,25 +199,9 @@ class Pipeline(KeepsPlacement):
             self._rebalancing = Rebalancing(rebalance, len(layout.source.names))
 
     @property
-    def runtime(self) -> Runtime:
-        """The layout, schedule table, transport and executor this process runs."""
-        return self._runtime
-
-    @property
     def rebalancing(self) -> Rebalancing | None:
         """The measurements and moves of ``rebalance=`` (``moves`` made so far), or None."""
         return self._rebalancing
-
-    @property
-    def balance(self) -> list[int]:
-        """Layers per stage (one per stage for a model cut at ``split_at``)."""
-        return self._runtime.layout.balance
-
-    @property
-    def split_at(self) -> list[str] | None:
-        """Where the model was cut (as given, or chosen among its blocks); None for a
-        sequence of layers run as they are."""
-        return self._runtime.layout.split_at
 
     # ----------------------------------------------------------------- the user API
 

@@ -24,6 +24,7 @@ from conveyor.distributed.explain import explain
 from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
+from conveyor.engine.devices import KeepsPlacement
 from conveyor.engine.executor import Executor
 from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
@@ -167,3 +168,26 @@ class Runtime:
                              group=topology.pipeline_group, what=what,
                              seconds=self.deadlines.within)
         return shared.to(value.device)
+
+
+class RunsRuntime(KeepsPlacement):
+    """What the two faces, ``GPipe`` and ``Pipeline``, share: a module that runs a
+    :class:`Runtime` (set as ``_runtime`` by the face's constructor) and shows its cut."""
+
+    _runtime: Runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        """The layout, schedule table, transport and executor this process runs."""
+        return self._runtime
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (one per stage for a model cut at ``split_at``)."""
+        return self._runtime.layout.balance
+
+    @property
+    def split_at(self) -> list[str] | None:
+        """Where the model was cut (as given, or chosen among its blocks); None for a
+        sequence of layers run as they are."""
+        return self._runtime.layout.split_at
