@@ -124,12 +124,14 @@ class GPipe(RunsRuntime):
         count = _stage_count(module, balance, split_at, stages, devices)
         self.devices: list[torch.device] = resolve_devices(
             devices, count, what=_counted_by(balance, split_at, stages, count))
+        # Set before the layers are registered, so that a layer cannot take their names.
+        self.partitions: list[nn.Sequential] = []
         layout = cut(self, module, stages=count, devices=dict(enumerate(self.devices)),
                      local=range(count), concurrent=self.devices, balance=balance,
                      split_at=split_at, sample=sample,
                      deferred_batch_norm=deferred_batch_norm, init_fn=init_fn,
                      weights=weights)
-        self.partitions: list[nn.Sequential] = [layout.stages[s].layers for s in range(count)]
+        self.partitions.extend(layout.stages[s].layers for s in range(count))
         schedule = gpipe(count, chunks).with_edges(layout.edges)
         validate(schedule)
         self._runtime = Runtime(layout, schedule, Topology(pipeline_size=count), self.devices,

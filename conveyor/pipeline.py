@@ -172,6 +172,7 @@ class Pipeline(RunsRuntime):
                 " but a sequence of layers sends each stage's output to the next stage "
                 "alone; drop the edges, or give a model to trace with split_at=")
         distributed = self.topology.distributed
+        self.schedule = table  # before the layers are registered: no layer takes the name
         layout = cut(
             self, module, stages=table.num_stages,
             devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},

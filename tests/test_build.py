@@ -32,7 +32,7 @@ def _model(first: str = "embed") -> nn.Sequential:
 
 
 @pytest.mark.parametrize("builder", BUILDERS.values(), ids=list(BUILDERS))
-@pytest.mark.parametrize("name", ["chunks", "checkpoint", "devices", "balance"])
+@pytest.mark.parametrize("name", ["chunks", "recompute", "devices", "balance"])
 def test_a_layer_name_that_shadows_an_attribute_is_refused_alike(
         builder: Callable[..., nn.Module], name: str) -> None:
     with pytest.raises(conveyor.ModelError,
