@@ -305,22 +305,21 @@ def _stage_count(module: nn.Module, balance: Sequence[int] | str | None,
     Raises:
         BalanceError: they disagree, or an ``nn.Sequential`` comes without a balance.
     """
-    counts = {"stages": stages,
-              "balance": len(balance) if isinstance(balance, Sequence)
-              and not isinstance(balance, str) else None,
-              "split_at": len(split_at) + 1 if split_at is not None else None}
-    given = {name: count for name, count in counts.items() if count is not None}
-    if len(set(given.values())) > 1:
-        first, *others = given.items()
-        raise BalanceError(f"{first[0]}={stages if first[0] == 'stages' else '...'}, but "
-                           + ", ".join(f"{name} gives {count} stages" for name, count in others))
-    if given:
-        return next(iter(given.values()))
+    given = "split_at" if split_at is not None else "balance"
+    derived = (len(split_at) + 1 if split_at is not None
+               else len(balance) if isinstance(balance, Sequence) and not isinstance(balance, str)
+               else None)
+    if derived is not None:
+        if stages is not None and stages != derived:
+            raise BalanceError(f"stages={stages}, but {given} gives {derived} stages")
+        return derived
     if isinstance(module, nn.Sequential):
         raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
                            "split_at= (submodule names) and sample= for any module"
                            + ("; conveyor.balance_by_time(model, sample, stages) "
                               "computes one by time" if balance == "time" else ""))
+    if stages is not None:
+        return stages
     if devices is None:
         raise BalanceError(f"to choose where to cut {type(module).__name__}, conveyor needs "
                            "the number of stages: give stages= or devices= (one per "
