@@ -59,3 +59,16 @@ def test_a_returned_value_made_earlier_keeps_split_backward_exact(
         assert p.grad is not None, name
         error = ((p.grad - expected[name]).norm() / expected[name].norm()).item()
         assert error < 1e-10, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("command", ["train", "simulate", "trace", "plan", "check", "demo"])
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``conveyor train --help`` crashed (TypeError: must be real number, not dict): an
+    option's help said ">10% faster", and argparse formats help text with %. Fixed: the
+    options' help is escaped."""
+    from conveyor.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args([command, "--help"])
+    assert exit.value.code == 0
+    assert f"usage: conveyor {command}" in capsys.readouterr().out

@@ -137,14 +137,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(float64, as conveyor check does) and stop unless they match")
     for option in fields(TrainConfig):
         kind = type(option.default)
+        # argparse formats help with %: a literal one (">10% faster") must be doubled.
+        text = f"{option.metadata['help']} (default {option.default})".replace("%", "%%")
         if kind is bool:  # --shard and --no-shard (the latter to resume unsharded)
             parser.add_argument(_flag(option.name), action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS,
-                                help=f"{option.metadata['help']} (default {option.default})")
+                                default=argparse.SUPPRESS, help=text)
             continue
         parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,
                             metavar="DIR" if option.name == "out" else _METAVARS[kind],
-                            help=f"{option.metadata['help']} (default {option.default})")
+                            help=text)
 
 
 def from_arguments(args: argparse.Namespace) -> TrainConfig:
