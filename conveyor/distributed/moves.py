@@ -34,7 +34,8 @@ from conveyor.distributed import collective
 from conveyor.distributed.optimizer import adopt, move_state, release
 from conveyor.distributed.runtime import Runtime
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.graph.layout import Layout, NamedLayers, build_stages
+from conveyor.engine.ties import NamedLayers
+from conveyor.graph.layout import Layout, build_stages
 from conveyor.graph.source import LayerSource
 
 __all__: list[str] = []

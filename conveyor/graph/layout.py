@@ -29,6 +29,7 @@ from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.layers import Partition
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
+    NamedLayers,
     TiedParameter,
     distinct_per_stage,
     find_ties,
@@ -45,8 +46,6 @@ from conveyor.graph.weights import InitFn, Weights, draw_init_seed
 from conveyor.schedules import Edge
 
 __all__: list[str] = []
-
-NamedLayers = list[tuple[str, nn.Module]]
 
 
 @dataclass
