@@ -55,7 +55,6 @@ from conveyor.distributed.peerfailure import (
 )
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.transport import (
     Aborted,
     LocalTransport,
@@ -63,6 +62,7 @@ from conveyor.engine.transport import (
     Traffic,
     neighbour,
 )
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Schedule
 

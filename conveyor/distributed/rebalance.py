@@ -33,8 +33,8 @@ from torch.utils.hooks import RemovableHandle
 from conveyor.distributed.moves import move_layers, share_bytes
 from conveyor.distributed.runtime import Runtime
 from conveyor.engine.recorder import Recorder
-from conveyor.graph.skip import skips_of
 from conveyor.errors import ConfigError
+from conveyor.graph.skip import skips_of
 from conveyor.schedules import Kind, Schedule
 
 
@@ -213,10 +213,10 @@ class Rebalancing:
         if topology.distributed:
             shared = flat.to(runtime.device)
             runtime.all_reduce(shared, topology.pipeline_group, "the re-balance's timings",
-                             seconds=runtime.deadlines.opening)
+                               seconds=runtime.deadlines.opening)
             if topology.data_size > 1:
                 runtime.all_reduce(shared, topology.data_group, "the re-balance's timings",
-                                 seconds=runtime.deadlines.opening)
+                                   seconds=runtime.deadlines.opening)
             flat = shared.cpu()
         values = flat.tolist()
 

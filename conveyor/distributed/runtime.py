@@ -67,8 +67,8 @@ class Runtime:
         self.executor.reports = not topology.distributed
         if previous is not None:
             old = previous.executor
-            self.executor.runs, self.executor.reports = old.runs, old.reports
-            self.executor.recorder, self.executor.abandoned = old.recorder, old.abandoned
+            self.executor.runs, self.executor.recorder = old.runs, old.recorder
+            self.executor.abandoned = old.abandoned
 
     @property
     def stages(self) -> dict[int, Stage]:

@@ -51,10 +51,10 @@ from torch import nn
 
 from conveyor.distributed.gradients import local_shard
 from conveyor.distributed.topology import Topology
-from conveyor.graph.tracedstage import GraphStage
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ConveyorError, ModelError, ScheduleError
+from conveyor.graph.tracedstage import GraphStage
 from conveyor.schedules import Kind, Schedule
 
 __all__: list[str] = []

@@ -35,16 +35,16 @@ import torch
 
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
+from conveyor.engine.layers import failure
+from conveyor.engine.recorder import Recorder
+from conveyor.engine.routing import check_no_gradient
+from conveyor.engine.stage import Stage
+from conveyor.engine.step import StepState
+from conveyor.engine.transport import Aborted, MessageKind, Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.engine.watchdog.position import KIND_WORDS, Awaited, Position
-from conveyor.engine.recorder import Recorder
-from conveyor.engine.routing import check_no_gradient
-from conveyor.engine.layers import failure
-from conveyor.engine.stage import Stage
-from conveyor.engine.step import StepState
 from conveyor.engine.watchdog.threads import WatchedRanks, attach_report, notes
-from conveyor.engine.transport import Aborted, MessageKind, Transport
 from conveyor.errors import (
     ConveyorError,
     PeerFailure,

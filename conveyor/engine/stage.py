@@ -21,12 +21,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.recompute import (
-    Recomputation,
-    checkpointed,
-    is_recomputing,
-    running_stat_layers,
-)
 from conveyor.engine.layers import (
     STOP_RECOMPUTATION,
     Partition,
@@ -35,6 +29,12 @@ from conveyor.engine.layers import (
     failure,
 )
 from conveyor.engine.loss import loss_and_count
+from conveyor.engine.recompute import (
+    Recomputation,
+    checkpointed,
+    is_recomputing,
+    running_stat_layers,
+)
 from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
@@ -252,7 +252,7 @@ class Stage:
         else:
             sent = self.route(outputs, destinations)
         if state.grad_enabled:
-            state.saved[(self.index, m)] = Saved(inputs, dict(received), outputs, sent, loss,
+            state.saved[(self.index, m)] = Saved(inputs, received, outputs, sent, loss,
                                                  recompute, read)
         return sent
 

@@ -6,7 +6,7 @@ each action, and the stage whose action it is reads and fills it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +81,7 @@ class Saved:
     """
 
     inputs: Any
-    received: dict[int, Any]
+    received: Mapping[int, Any]
     outputs: Any
     sent: dict[int, Any]
     loss: torch.Tensor | None

@@ -27,10 +27,10 @@ from typing import Any
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from conveyor.graph.profile import block_times
-from conveyor.graph.export import export_model
-from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
 from conveyor.errors import BalanceError, ModelError
+from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
+from conveyor.graph.export import export_model
+from conveyor.graph.profile import block_times
 
 __all__: list[str] = []
 

@@ -58,9 +58,10 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from conveyor.engine.ties import TiedParameter, equalize
+from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.binding import Binder
 from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram, as_call
-from conveyor.engine.ties import TiedParameter, equalize
 from conveyor.graph.weights import (
     InitFn,
     Placement,
@@ -69,7 +70,6 @@ from conveyor.graph.weights import (
     fill,
     tensor_slots,
 )
-from conveyor.errors import BalanceError, ModelError
 from conveyor.schedules import Edge
 
 __all__: list[str] = []

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
-from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.layers import Partition
+from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     NamedLayers,

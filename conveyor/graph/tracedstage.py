@@ -22,8 +22,8 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from conveyor.engine.recompute import is_recomputing
 from conveyor.engine.layers import WholeStage
+from conveyor.engine.recompute import is_recomputing
 from conveyor.errors import ModelError
 
 __all__: list[str] = []

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.graph.source import LayerBuilder
 from conveyor.engine.microbatch import batch_size, split
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
+from conveyor.graph.source import LayerBuilder
 from conveyor.observe.checkruns import build_pipeline, float64, plain_model, run_plain
 from conveyor.observe.compare import Comparison, Finding
 from conveyor.schedules import Schedule

@@ -31,18 +31,18 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
-from conveyor.graph.source import LayerBuilder, sequential
-from conveyor.pipeline import Pipeline
-from conveyor.graph.tracedstage import as_call
 from conveyor.engine.microbatch import gather, split
-from conveyor.graph.source import sequential_layers
-from conveyor.graph.layout import resolve_balance
-from conveyor.graph.source import LayerSource
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.rng import derive_seed, draw_step_seed
 from conveyor.engine.ties import find_ties
 from conveyor.errors import ConveyorError, ModelError
+from conveyor.graph.layout import resolve_balance
+from conveyor.graph.source import LayerBuilder, sequential
+from conveyor.graph.source import sequential_layers
+from conveyor.graph.source import LayerSource
+from conveyor.graph.tracedstage import as_call
 from conveyor.observe.probe import Probe, digest, probe
+from conveyor.pipeline import Pipeline
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import microbatch_sizes, split
-from conveyor.graph.source import sequential_layers
 from conveyor.engine.ties import find_ties
 from conveyor.errors import StageError
+from conveyor.graph.source import sequential_layers
 from conveyor.observe import causes
 from conveyor.observe.checkruns import Layer, Leaves, PipelineRun, PlainRun, leaves, whole_loss
 

@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.engine.microbatch import batch_size
+from conveyor.errors import BalanceError
 from conveyor.graph.balance import solve_balance
 from conveyor.graph.source import sequential_layers
-from conveyor.errors import BalanceError
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import build
 

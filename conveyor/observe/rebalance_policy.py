@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.distributed.rebalance import Proposal, StageTimes
-from conveyor.graph.balance import solve_measured_balance, stage_costs
 from conveyor.errors import ConfigError
+from conveyor.graph.balance import solve_measured_balance, stage_costs
 from conveyor.observe.simulate import CostModel, simulate
 from conveyor.schedules import Schedule
 

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.pipeline import Pipeline
 from conveyor.engine.watchdog.deadline import OPENING
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
 from conveyor.observe.where import report_on_signal
+from conveyor.pipeline import Pipeline
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus

@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from conveyor.engine.transport import Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.position import FAILED, RUNNING, Position, doing
-from conveyor.engine.transport import Transport
 from conveyor.errors import StepTimeout, add_note
 from conveyor.schedules import Action
 
