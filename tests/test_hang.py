@@ -149,8 +149,13 @@ def test_where_reads_the_ranks_of_a_running_step_without_stopping_it() -> None:
     thread.start()
     try:
         assert gate.entered.wait(10)
-        time.sleep(0.3)
+        # Rank 0 goes on until it waits for rank 1: poll for that (a busy machine may
+        # take longer than any fixed pause), then read the report as it stands.
+        deadline = time.monotonic() + 10
         text = conveyor.where(pipe, file=io.StringIO())
+        while "waiting" not in text and time.monotonic() < deadline:
+            time.sleep(0.05)
+            text = conveyor.where(pipe, file=io.StringIO())
         assert "in 1F1, computing for" in text, text
         assert "rank 0  finished " in text and "waiting" in text, text
         assert not done.is_set()
