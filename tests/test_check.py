@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 import pytest
@@ -244,3 +245,89 @@ def test_train_check_runs_before_training_and_is_not_saved(
     with pytest.raises(ConveyorError, match="--check: the pipeline does not compute"):
         checkstep.check_first_step(config)
     assert not (tmp_path / "options.json").exists()
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder whose state every decoder block reads and the model returns beside the
+    logits (as T5 and BART return ``encoder_last_hidden_state``); its blocks are where
+    ``stages=K`` cuts it."""
+
+    def __init__(self, width: int = 8, blocks: int = 4) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        e = torch.tanh(self.encoder(x))
+        h = e
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * e
+        return {"logits": self.head(h), "encoder_last_hidden_state": e}
+
+
+def logits_loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"], y)
+
+
+def encoder_decoder() -> dict[str, Any]:
+    """What ``conveyor check --model tests.test_check:encoder_decoder`` checks."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    return {"model": EncoderDecoder(), "inputs": torch.randn(8, 8, generator=generator),
+            "targets": torch.randint(0, 3, (8,), generator=generator),
+            "loss_fn": logits_loss}
+
+
+def encoder_decoder_sample() -> tuple[nn.Module, torch.Tensor]:
+    """What ``conveyor plan --model tests.test_check:encoder_decoder_sample`` plans."""
+    made = encoder_decoder()
+    return made["model"], made["inputs"][:2]
+
+
+def _counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reintroduces the defect fixed in the engine (tests/test_bugs.py): the loss reads
+    the last stage's outputs themselves, so a split backward of a recomputed micro-batch
+    starts from their total gradients, and what flows into the encoder's state through
+    the decoder counts twice."""
+    import conveyor.engine.stage
+
+    monkeypatch.setattr(conveyor.engine.stage, "_read_apart", lambda outputs: outputs)
+
+
+def test_a_returned_value_counted_twice_by_split_backward_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made = encoder_decoder()
+    options = dict(loss_fn=logits_loss, stages=2, chunks=4, recompute="always")
+    exact = conveyor.check(made["model"], made["inputs"], made["targets"],
+                           schedule="zero-bubble", **options)
+    assert exact.ok, str(exact)
+    assert exact.setup.startswith("2 stages, split at ['blocks.2'], zero-bubble")
+    _counted_twice(monkeypatch)
+    report = conveyor.check(made["model"], made["inputs"], made["targets"],
+                            schedule="zero-bubble", **options)
+    first = report.findings[0]
+    assert (first.kind, first.stage, first.name) == ("gradient", 0, "encoder.weight"), report
+    assert re.fullmatch(
+        r"stage 0's output \['encoder_last_hidden_state'\] reaches the model's output "
+        r"directly and its gradient was counted twice under split backward with "
+        r"recomputation \(the gradients upstream of it are 1\.\d+x the plain model's\).*"
+        r"Run with recompute='never' or schedule='1f1b'.*", first.cause), first.cause
+    # The other causes keep their words: a full backward is exact, with the defect too.
+    assert conveyor.check(made["model"], made["inputs"], made["targets"],
+                          schedule="1f1b", **options).ok
+
+
+def test_check_cuts_any_module_among_its_blocks_as_pipeline_does(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--model", "tests.test_check:encoder_decoder", "--stages", "2",
+                 "--sample", "2", "--schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages, split at ['blocks.2'], 1f1b, 4 micro-batches" in out and "MATCH" in out
+    assert main(["check", "--model", "tests.test_check:encoder_decoder", "--stages", "3",
+                 "--balance", "time", "--recompute", "never", "--json"]) == 0
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert re.match(r"3 stages, split at \['blocks\.\d', 'blocks\.\d'\], gpipe, 4 "
+                    r"micro-batches, recompute 'never'", setup), setup
+    assert main(["check", "--model", "tests.test_check:encoder_decoder", "--stages", "5"]) == 2
+    assert "'blocks' holds 4 blocks, fewer than the 5 stages" in capsys.readouterr().err

@@ -43,7 +43,8 @@ def test_a_model_on_meta_is_cut_where_pipeline_would_and_its_parameters_add_up(
 
 def test_split_at_is_taken_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     result = plan_json(capsys, "--model", "tests.support.user_models:ladder",
-                       "--split-at", "blocks.2,blocks.4", "--memory", "16GiB")
+                       "--split-at", "blocks.2,blocks.4", "--memory", "16GiB",
+                       "--no-verify")
     assert result["split_at"] == ["blocks.2", "blocks.4"] and not result["chosen"]
     stages = result["stages"]
     assert [s["begins_at"] for s in stages] == ["(start)", "blocks.2", "blocks.4"]
@@ -100,3 +101,41 @@ def test_a_family_still_needs_devices_and_memory(capsys: pytest.CaptureFixture[s
     assert main(["plan", "--model", "convnet", "--devices", "2", "--memory", "1GiB",
                  "--split-at", "x"]) == 2
     assert re.search(r"--split-at is for your own model", capsys.readouterr().err)
+
+
+def test_plan_recommends_only_a_schedule_checked_exact_on_the_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The encoder-decoder of tests/test_check.py, with the engine's fixed defect put
+    back: zero-bubble (simulated fastest) counts its encoder's gradient twice, so the
+    plan checks it, excludes it with the difference found, and recommends the next
+    schedule only once a check found that one exact."""
+    from tests.test_check import _counted_twice
+
+    args = ["--model", "tests.test_check:encoder_decoder_sample", "--stages", "2",
+            "--batch", "8"]
+    result = plan_json(capsys, *args)
+    assert result["best"]["schedule"] == "zero-bubble"  # exact with the fix
+    assert list(result["verified"]) == ["zero-bubble"] and result["unverified"] is None
+    assert result["verified"]["zero-bubble"]["exact"]
+    _counted_twice(monkeypatch)
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert "\nbest: zero-bubble" not in out
+    assert re.search(r"best: (gpipe|1f1b), \d+ micro-batches;.*\nexact: yes, checked "
+                     r"\(conveyor check, float64\): 2 micro-batches of the sample", out), out
+    assert re.search(r"\nexcluded: zero-bubble, not exact on this model: gradient of "
+                     r"'encoder.weight' \(stage 0\).*counted twice under split backward", out)
+    options = out[out.index("schedules and micro-batches"):]
+    assert "zero-bubble" not in options and re.search(r"\n(gpipe|1f1b) +\d+ +yes +yes", options)
+    assert main(["plan", *args, "--no-verify", "--json"]) == 0
+    unchecked = json.loads(capsys.readouterr().out)
+    assert unchecked["best"]["schedule"] == "zero-bubble" and unchecked["verified"] == {}
+    assert unchecked["unverified"].startswith("not verified (--no-verify)")
+
+
+def test_a_model_on_meta_is_planned_but_said_unverified(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "tests.support.user_models:tied_on_meta",
+                       "--stages", "2", "--length", "4", "--batch", "4")
+    assert result["verified"] == {}
+    assert result["unverified"].startswith("not verified: the model is on the meta device")

@@ -39,18 +39,26 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
     sub.add_argument("--model", required=True, metavar="PACKAGE.MODULE:FUNCTION",
                      help="a function of no arguments returning (model, inputs, targets"
                           "[, loss_fn]) or a dict of conveyor.check's arguments")
-    sub.add_argument("--stages", type=int, metavar="K", help="pipeline ranks K to emulate")
-    sub.add_argument("--balance", metavar="N,N,...", help="layers per stage (nn.Sequential)")
+    sub.add_argument("--stages", type=int, metavar="K",
+                     help="pipeline ranks K to emulate; a model that is not an "
+                          "nn.Sequential is cut among its blocks, as Pipeline cuts it")
+    sub.add_argument("--balance", metavar="N,N,...|time",
+                     help="layers per stage (nn.Sequential), or 'time' (balanced by time "
+                          "on the sample)")
     sub.add_argument("--split-at", metavar="NAME,...",
                      help="submodules where stages 1, 2, ... begin (any nn.Module)")
+    sub.add_argument("--sample", type=int, metavar="ROWS",
+                     help="trace (or time) the model on the batch's first ROWS rows "
+                          "(default: one micro-batch)")
     sub.add_argument("--schedule", metavar="NAME",
                      help="gpipe (default), 1f1b, interleaved-1f1b, zero-bubble, zb-v or "
                           "dualpipe-v")
     sub.add_argument("--chunks", type=int, metavar="M", help="micro-batches M (default 4)")
     sub.add_argument("--virtual-stages", type=int, metavar="V",
                      help="stages per rank, for interleaved-1f1b")
-    sub.add_argument("--checkpoint", choices=["always", "except_last", "never"],
-                     help="recomputation (default except_last)")
+    sub.add_argument("--recompute", "--checkpoint", dest="recompute",
+                     choices=["always", "except_last", "never"],
+                     help="which micro-batches recompute in backward (default except_last)")
     sub.add_argument("--deferred-batch-norm", action="store_true", default=None,
                      help="batch-norm running statistics over the whole batch")
     sub.add_argument("--seed", type=int, metavar="N",
@@ -103,10 +111,10 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
                           f"{type(made['model']).__name__}, not an nn.Module")
     flags: dict[str, Any] = {
         "stages": args.stages, "schedule": args.schedule, "chunks": args.chunks,
-        "virtual_stages": args.virtual_stages, "checkpoint": args.checkpoint,
+        "virtual_stages": args.virtual_stages, "recompute": args.recompute,
         "deferred_batch_norm": args.deferred_batch_norm, "seed": args.seed,
         "rtol": args.rtol,
-        "balance": _list(args.balance, int, "--balance") if args.balance else None,
+        "balance": _balance(args.balance),
         "split_at": _list(args.split_at, str, "--split-at") if args.split_at else None,
     }
     arguments = {**made, **{k: v for k, v in flags.items() if v is not None}}
@@ -114,9 +122,35 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
         arguments.pop("split_at", None)
     if args.split_at:
         arguments.pop("balance", None)
+    if args.recompute:
+        arguments.pop("checkpoint", None)
     arguments.setdefault("chunks", 4)
+    if args.sample is not None:
+        arguments["sample"] = _first_rows(arguments["inputs"], args.sample)
     arguments.setdefault("loss_fn", default_loss)
     return arguments
+
+
+def _balance(text: str | None) -> list[int] | str | None:
+    if text is None or text == "time":
+        return text
+    return _list(text, int, "--balance")
+
+
+def _first_rows(inputs: Any, rows: int) -> Any:
+    """``--sample ROWS``: the batch's first rows, as the model takes them.
+
+    Raises:
+        ConfigError: ROWS is not a positive number.
+    """
+    import torch
+    import torch.utils._pytree as pytree
+
+    from conveyor.errors import ConfigError
+
+    if rows < 1:
+        raise ConfigError(f"--sample {rows}: give the number of rows to trace with, e.g. 2")
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[:rows] if t.dim() else t, inputs)
 
 
 def _list(text: str, kind: type, flag: str) -> list[Any]:

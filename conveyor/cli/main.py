@@ -125,12 +125,22 @@ def _plan_parser(commands: _Commands) -> None:
                     "can: nothing is allocated), or (model, sample) with sample one batch "
                     "as the model takes it; a model alone gets token ids of --length. It "
                     "is cut at --split-at, or into --stages stages where conveyor.Pipeline "
-                    "would cut it.")
+                    "would cut it. Only schedules the runtime computes exactly on your "
+                    "model are recommended: the top ones are checked in order with "
+                    "conveyor check (float64, on a copy) until one matches; the excluded "
+                    "ones are listed with the difference found.")
     sub.add_argument("--model", default="transformer",
                      help="transformer, convnet, or package.module:function returning your "
                           "model or (model, sample)")
     sub.add_argument("--split-at", metavar="NAME,...",
                      help="your model: the submodules where stages 1.. begin")
+    sub.add_argument("--balance", choices=["parameters", "time"], default="parameters",
+                     help="your model with --stages: choose the cut among its blocks by "
+                          "parameters (default) or by forward+backward time on the sample, "
+                          "as Pipeline's balance=None or 'time'")
+    sub.add_argument("--no-verify", action="store_true",
+                     help="your model: do not check (float64, on a copy) that the runtime "
+                          "computes the recommended schedule exactly on it")
     sub.add_argument("--layers", type=int, default=24, help="blocks (transformer) or cells")
     sub.add_argument("--d-model", type=int, default=1024)
     sub.add_argument("--d-ff", type=int, default=4096)

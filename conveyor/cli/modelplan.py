@@ -93,10 +93,13 @@ def _plan_model(args: argparse.Namespace) -> int:
     split_at, stages = _split_at(args)
     if sample is None:
         sample = token_sample(model, args.length)
-    parameters = sum(p.numel() for p in model.parameters())
+    if split_at is None and args.balance == "time":
+        from conveyor.graph.autosplit import choose_split_at
+
+        split_at = choose_split_at(model, stages, sample, by="time")
+        args.chosen_by = "time"
     figures = planning.measure_split(model, sample, split_at=split_at, stages=stages)
     names = [f.name for f in figures]  # where each stage begins
-    chosen = names[1:]
     memory = planning.parse_bytes(args.memory) if args.memory else math.inf
     plans = planning.rank_plans(figures, devices=stages, memory=memory, batch=args.batch,
                                 optimizer=args.optimizer, schedules=_SCHEDULES,
@@ -104,37 +107,78 @@ def _plan_model(args: argparse.Namespace) -> int:
                                 flops_per_second=args.flops)
     if not plans:
         raise ConfigError(f"--batch {args.batch} allows no number of micro-batches")
+    verdicts, unverified = _verify(args, model, sample, names[1:], plans)
+    kept = [p for p in plans if p.schedule not in verdicts or verdicts[p.schedule].exact]
+    if not kept:
+        print(f"conveyor plan: no schedule is computed exactly on {args.model}:",
+              file=sys.stderr)
+        for verdict in verdicts.values():
+            print(f"  {verdict.schedule}: {verdict.reason}", file=sys.stderr)
+        return 1
+    _print_plan(args, model, names, kept, memory, split_at is None,
+                verdicts=verdicts, unverified=unverified)
+    return 0
+
+
+def _verify(args: argparse.Namespace, model: nn.Module, sample: Any, split_at: list[str],
+            plans: list[planning.Plan]) -> tuple[dict[str, planning.Exactness], str]:
+    """The verdicts of the top schedules (checked in order until one is exact), or why
+    none was checked."""
+    command = (f"conveyor check --model ... --split-at {','.join(split_at)} --schedule "
+               f"{plans[0].schedule}")
+    if args.no_verify:
+        return {}, f"not verified (--no-verify); run {command}"
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return {}, ("not verified: the model is on the meta device, with nothing to run; "
+                    f"check a small build of it: {command}")
+    mode = "never" if args.no_rematerialize else "except_last"
+    return planning.verify_plans(plans, model, sample, split_at=split_at, recompute=mode), ""
+
+
+def _print_plan(args: argparse.Namespace, model: nn.Module, names: list[str],
+                plans: list[planning.Plan], memory: float, chosen: bool, *,
+                verdicts: dict[str, planning.Exactness], unverified: str) -> None:
     best = plans[0]
+    parameters = sum(p.numel() for p in model.parameters())
     pairs = list(zip(names, best.stages, strict=True))
-    rows = [{"begins_at": name, "parameters": s.parameters,
-             "parameter_bytes": s.parameter_bytes, "activation_bytes": s.activation_bytes,
-             "total_bytes": s.total_bytes} for name, s in pairs]
+    excluded = [v for v in verdicts.values() if not v.exact]
     if args.json:
+        rows = [{"begins_at": name, "parameters": s.parameters,
+                 "parameter_bytes": s.parameter_bytes, "activation_bytes": s.activation_bytes,
+                 "total_bytes": s.total_bytes} for name, s in pairs]
         print(json.dumps({"model": args.model, "class": type(model).__name__,
-                          "parameters": parameters, "split_at": chosen,
-                          "chosen": split_at is None, "stages": rows,
-                          "best": best.summary(), "options": [p.summary() for p in plans]},
-                         indent=2))
-        return 0
+                          "parameters": parameters, "split_at": names[1:], "chosen": chosen,
+                          "stages": rows, "best": best.summary(),
+                          "options": [p.summary() for p in plans],
+                          "verified": {v.schedule: {"exact": v.exact, "reason": v.reason}
+                                       for v in verdicts.values()},
+                          "unverified": unverified or None}, indent=2))
+        return
     per = planning.OPTIMIZER_BYTES[args.optimizer]
-    how = "chosen by parameters" if split_at is None else "as given"
+    how = (f"chosen by {getattr(args, 'chosen_by', 'parameters')}" if chosen else "as given")
     print(f"{args.model} ({type(model).__name__}): {parameters:,} parameters, {per} bytes "
-          f"each with {args.optimizer}; {stages} stages, split at {', '.join(chosen)} "
+          f"each with {args.optimizer}; {len(names)} stages, split at {', '.join(names[1:])} "
           f"({how}); batch {args.batch}, re-materialization "
           f"{'off' if args.no_rematerialize else 'on'}")
     fit = ("memory per device not given (--memory): every plan counts as fitting"
            if math.isinf(memory) else
            f"{tables.size(memory)} per device: {'fits' if best.fits else 'does NOT fit'}")
     print(f"\nbest: {best.schedule}, {best.chunks} micro-batches; {fit}")
+    exact = verdicts.get(best.schedule)
+    checked = f"yes, checked (conveyor check, float64): {exact.reason}" if exact else ""
+    print(f"exact: {checked or unverified}")
+    for verdict in excluded:
+        print(f"excluded: {verdict.schedule}, not exact on this model: {verdict.reason}")
     print(tables.table(["", "begins at", "params", "param+opt", "activations", "total"],
                  [[f"stage {k}", name, f"{s.parameters:,}", tables.size(s.parameter_bytes),
                    tables.size(s.activation_bytes), tables.size(s.total_bytes)]
                   for k, (name, s) in enumerate(pairs)]))
     print("\nactivations: at the schedule's peak of micro-batches held per stage, from "
           "the traced stages' saved tensors; a weight tied across stages counts on each")
-    print("\nschedules and micro-batches (simulated, fitting first):")
-    print(tables.table(["schedule", "M", "fits", "largest rank", "samples/s"],
+    print("\nschedules and micro-batches (simulated, fitting first; exact: checked on "
+          "this model, ? not checked):")
+    print(tables.table(["schedule", "M", "fits", "exact", "largest rank", "samples/s"],
                  [[p.schedule, str(p.chunks), "yes" if p.fits else "no",
+                   "yes" if p.schedule in verdicts else "?",
                    tables.size(max(p.rank_bytes)), f"{p.throughput:.1f}"]
                   for p in plans[:args.top]]))
-    return 0

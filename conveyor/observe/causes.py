@@ -8,6 +8,10 @@ breaks the pipeline's equivalence with the plain model, and the fix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from conveyor.observe.probe import Probe
 
@@ -43,7 +47,7 @@ def of_layer(where: str, probe: Probe | None, *, mutated_stage_input: int | None
                 "input: it reads something that changed between the two calls (a global, "
                 "the time, a random generator conveyor does not see, such as numpy's or "
                 "Python's `random`); compute forward from its inputs and parameters alone, "
-                "or use checkpoint='never'")
+                "or use recompute='never'")
     return (f"{where} computes differently on a micro-batch on a stage's thread than on "
             "the whole batch: it mixes the samples of its batch (a statistic over the batch, "
             "as batch norm takes), or reads state that differs on the stage's thread "
@@ -124,3 +128,46 @@ def random_with_batch_norm(where: str, modules: Sequence[str]) -> str:
 
 def follows(kind: str) -> str:
     return f"follows from the {kind} difference above"
+
+
+def returned_early(pipe: Any) -> list[tuple[str, int]]:
+    """The leaves of a traced model's output that a stage before the last makes and the
+    last stage returns as they came to it (an encoder's state returned beside the
+    logits), each as (its path in the output, the stage that makes it).
+
+    Args:
+        pipe: a :class:`conveyor.Pipeline` with every stage in this process.
+    """
+    stages = pipe.runtime.stages
+    programs = {k: getattr(stage.layers[0], "programs", {}).get(stage.layers[0].training)
+                for k, stage in stages.items()}
+    last = programs.get(max(stages))
+    if last is None:  # not a traced model
+        return []
+    received = set(last.receives)
+    names = [v.name if isinstance(v, fx.Node) and v.name in received else None
+             for v in last.user_outputs]
+    found = []
+    for path, name in pytree.tree_flatten_with_path(
+            pytree.tree_unflatten(names, last.out_spec))[0]:
+        maker = next((k for k, program in sorted(programs.items())
+                      if program is not None and name in program.made), None)
+        if name is not None and maker is not None:
+            found.append((pytree.keystr(path), maker))
+    return found
+
+
+def counted_twice(early: Sequence[tuple[str, int]], ratio: float) -> str:
+    """A gradient of a value the model returns from an earlier stage, counted twice
+    (or lost) by a split backward of a recomputed last stage."""
+    path, stage = early[0]
+    more = "".join(f", stage {k}'s {p}" for p, k in early[1:])
+    what = "counted twice" if ratio > 1 else "lost"
+    return (f"stage {stage}'s output {path}{more} reaches the model's output directly and "
+            f"its gradient was {what} under split backward with recomputation (the "
+            f"gradients upstream of it are {ratio:.3g}x the plain model's): the last "
+            "stage's input-gradient pass I started from the loss's total gradient of that "
+            "output, which already holds what flows into it through the last stage, and "
+            "the rebuilt graph adds that again. Run with recompute='never' or "
+            "schedule='1f1b', or return only the values the loss reads (leave "
+            f"{path} out of the model's output)")

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import batch_size, split
+from conveyor.engine.recompute import recompute_mode
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.graph.source import LayerBuilder
-from conveyor.observe.checkruns import build_pipeline, float64, plain_model, run_plain
+from conveyor.observe.checkruns import build_pipeline, float64, plain_model, run_plain, traced
 from conveyor.observe.compare import Comparison, Finding
 from conveyor.schedules import Schedule
 
@@ -100,7 +101,8 @@ def check(
     sample: Any = None,
     schedule: str | Schedule = "gpipe",
     virtual_stages: int = 1,
-    checkpoint: str = "except_last",
+    recompute: str | None = None,
+    checkpoint: str | None = None,
     layers: int | None = None,
     tie_weights: Sequence[Sequence[str]] = (),
     deferred_batch_norm: bool = False,
@@ -115,8 +117,10 @@ def check(
     the ranks of a torchrun job would run). Torch's random state is left as it was.
 
     Args:
-        model: the model (an ``nn.Sequential``, or any module with ``split_at``), or a
-            function that builds layer i (with ``layers``).
+        model: the model, taken as ``Pipeline`` takes it: an ``nn.Sequential`` (cut by
+            ``balance``), any other module (cut at ``split_at``, or among its blocks
+            for ``stages=K``, traced on ``sample``: default, the first micro-batch), or
+            a function that builds layer i (with ``layers``).
         inputs, targets: one batch, as ``Pipeline.step`` takes it.
         loss_fn: as for ``Pipeline``: a mean over the micro-batch's samples, or
             ``(loss_sum, count)``.
@@ -131,35 +135,40 @@ def check(
             fit the model or the batch.
     """
     count = _stage_count(stages, balance, split_at, virtual_stages)
+    mode = recompute_mode(recompute, checkpoint)
     # Everything runs on the CPU: its generator is the only one the check reseeds.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         plain = plain_model(model, layers)
         inputs, targets = float64(inputs), float64(targets)
-        if sample is None and (split_at is not None or balance == "time"):
+        builder = not isinstance(model, nn.Module)
+        cut = traced(plain, builder=builder, balance=balance, split_at=split_at)
+        if sample is None and (cut or balance == "time"):
             sample = split(inputs, chunks)[0]
-        run = build_pipeline(plain, builder=not isinstance(model, nn.Module), loss_fn=loss_fn,
+        sample = float64(sample)  # traced as the float64 copy computes
+        run = build_pipeline(plain, builder=builder, loss_fn=loss_fn,
                              stages=count, chunks=chunks, balance=balance, split_at=split_at,
                              sample=sample, schedule=schedule, virtual_stages=virtual_stages,
-                             checkpoint=checkpoint, tie_weights=tie_weights,
+                             recompute=mode, tie_weights=tie_weights,
                              deferred_batch_norm=deferred_batch_norm)
         run.step(float64(inputs), float64(targets), seed)
         if isinstance(run.error, (MicroBatchError, BalanceError, ScheduleError, ConfigError)):
             raise run.error
+        pipe = run.pipe
+        if cut:  # as given, or chosen among the model's blocks
+            split_at = pipe.split_at
         reference = run_plain(plain, run, inputs, targets, loss_fn=loss_fn, chunks=chunks,
                               seed=seed, split_at=split_at)
         comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
                                 chunks=chunks, rows=batch_size(inputs), rtol=rtol, atol=atol,
-                                traced=split_at is not None,
-                                declared=[tuple(g) for g in tie_weights],
-                                builder=not isinstance(model, nn.Module))
+                                traced=cut, declared=[tuple(g) for g in tie_weights],
+                                builder=builder)
         findings = comparison.findings()
-    pipe = run.pipe
-    cut = (f"split at {list(split_at)}" if split_at is not None else f"balance {pipe.balance}")
+    where = (f"split at {list(split_at)}" if split_at is not None else f"balance {pipe.balance}")
     shape = (f"{count} ranks ({pipe.schedule.num_stages} stages)" if virtual_stages > 1
              else f"{count} stages")
-    setup = (f"{shape}, {cut}, {pipe.schedule.name}, {chunks} micro-batches, "
-             f"checkpoint {checkpoint!r}; one CPU thread per rank")
+    setup = (f"{shape}, {where}, {pipe.schedule.name}, {chunks} micro-batches, "
+             f"recompute {mode!r}; one CPU thread per rank")
     return CheckReport(setup, comparison.compared(), findings, rtol)
 
 

@@ -215,7 +215,7 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
                    stages: int, chunks: int,
                    balance: Sequence[int] | str | None, split_at: Sequence[str] | None,
                    sample: Any, schedule: str | Schedule, virtual_stages: int,
-                   checkpoint: str, tie_weights: Sequence[Sequence[str]],
+                   recompute: str, tie_weights: Sequence[Sequence[str]],
                    deferred_batch_norm: bool) -> PipelineRun:
     """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``
     (in this process, under torchrun too).
@@ -226,9 +226,10 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
     """
     options: dict[str, Any] = dict(
         stages=stages, chunks=chunks, schedule=schedule, virtual_stages=virtual_stages,
-        devices=["cpu"] * stages, checkpoint=checkpoint, loss_fn=loss_fn,
+        devices=["cpu"] * stages, recompute=recompute, loss_fn=loss_fn,
         deferred_batch_norm=deferred_batch_norm)
-    if split_at is not None:
+    if traced(plain, builder=builder, balance=balance, split_at=split_at):
+        # Cut as Pipeline cuts it: at split_at, or among its blocks (stages=K alone).
         pipe = _local_pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
                                balance=balance, tie_weights=tie_weights, **options)
         layers = [Layer(k, f"stage{k}", stage.layers[0], k, True)
@@ -251,6 +252,15 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
                     i == 0 or stage_of[i - 1] != stage_of[i])
               for i, (name, _) in enumerate(named)]
     return PipelineRun(pipe, layers, rank_models=rank_models)
+
+
+def traced(model: nn.Module, *, builder: bool, balance: Sequence[int] | str | None,
+           split_at: Sequence[str] | None) -> bool:
+    """Whether Pipeline traces ``model`` to cut it: ``split_at`` given, or any module
+    but an ``nn.Sequential`` with no list of layers per stage (the cut chosen among its
+    blocks, by parameters or by time)."""
+    return split_at is not None or (not builder and not isinstance(model, nn.Sequential)
+                                    and (balance is None or balance == "time"))
 
 
 def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:

@@ -17,6 +17,7 @@ from conveyor.errors import StageError
 from conveyor.graph.source import sequential_layers
 from conveyor.observe import causes
 from conveyor.observe.checkruns import Layer, Leaves, PipelineRun, PlainRun, leaves, whole_loss
+from conveyor.schedules import Kind
 
 __all__: list[str] = []
 
@@ -256,37 +257,66 @@ class Comparison:
                        for o, t, n in zip(outputs, targets, self.sizes))
 
     def _gradients(self, found: list[Finding]) -> Finding | None:
-        hidden = self._hidden_ties()
-        undeclared = self._undeclared_ties()
-        first: Finding | None = None
-        differing = 0
+        differing = []
         for name, param in self.run.pipe.named_parameters():
             want = _grad(self.plain.get_parameter(name))
             self.counts["gradient"] = self.counts.get("gradient", 0) + 1
             gap = difference(leaves(_grad(param)), leaves(want), self.rtol, self.atol)
-            if gap is None:
-                continue
-            differing += 1
-            if first is not None:
-                continue
-            stage, layer = self._owner(name, param)
-            if name in hidden:
-                cause = hidden[name]
-            elif name in undeclared:
-                cause = causes.undeclared_tie(undeclared[name])
-            elif found:
-                cause = causes.follows(found[0].kind)
-            else:
-                cause = (f"the forward of every layer matches but the gradient of {name!r} "
-                         "does not: a custom backward that reads state, or a weight that "
-                         "two stages use without a tie (name both uses in tie_weights=)")
-            owner = self.by_name.get(layer) if not self.traced else None
-            at = f"stage {stage}, {owner.describe()}" if owner else f"stage {stage}"
-            first = Finding("gradient", f"{name!r} ({at})", stage=stage, layer=layer,
-                            name=name, max_abs=gap.max_abs, max_rel=gap.max_rel, cause=cause)
-        if first is not None:
-            first.count = differing
-        return first
+            if gap is not None:
+                differing.append((name, param, gap))
+        if not differing:
+            return None
+        name, param, gap = differing[0]
+        stage, layer = self._owner(name, param)
+        hidden = self._hidden_ties()
+        undeclared = self._undeclared_ties()
+        if name in hidden:
+            cause = hidden[name]
+        elif name in undeclared:
+            cause = causes.undeclared_tie(undeclared[name])
+        elif found:
+            cause = causes.follows(found[0].kind)
+        else:
+            cause = self._counted_twice([(n, p) for n, p, _ in differing]) or (
+                f"the forward of every layer matches but the gradient of {name!r} "
+                "does not: a custom backward that reads state, or a weight that "
+                "two stages use without a tie (name both uses in tie_weights=)")
+        owner = self.by_name.get(layer) if not self.traced else None
+        at = f"stage {stage}, {owner.describe()}" if owner else f"stage {stage}"
+        return Finding("gradient", f"{name!r} ({at})", stage=stage, layer=layer, name=name,
+                       max_abs=gap.max_abs, max_rel=gap.max_rel, count=len(differing),
+                       cause=cause)
+
+    def _counted_twice(self, differing: list[tuple[str, torch.Tensor]]) -> str | None:
+        """The cause when a value the model returns from an earlier stage had its
+        gradient counted twice (or lost) by a split backward with recomputation: the
+        schedule splits backward, stages recompute, and every differing gradient is of a
+        parameter upstream of such a value, up to 2x (or 0x) the plain model's."""
+        pipe = self.run.pipe
+        if not self.traced or pipe.recompute == "never" or \
+                not any(a.kind is Kind.INPUT for a in pipe.schedule.actions):
+            return None
+        early = causes.returned_early(pipe)
+        if not early:
+            return None
+        upstream = max(stage for _, stage in early)
+        got, want = [], []
+        for name, param in differing:
+            stage, _ = self._owner(name, param)
+            if stage is None or stage > upstream:
+                return None
+            got.append(_grad(param).flatten())
+            want.append(_grad(self.plain.get_parameter(name)).flatten())
+        g, w = torch.cat(got).double(), torch.cat(want).double()
+        if not w.any():
+            return None
+        ratio = float(g @ w / (w @ w))
+        # 2x where the loss reads only what is made from the value and every backward
+        # of the last stage is split and recomputed; between 1x and 2x where the loss
+        # reads the value too (only the part through the last stage doubles) or some
+        # micro-batches keep their graph. 0x: the gradient is lost.
+        return causes.counted_twice(early, ratio) if (
+            1.0 + 1e-6 < ratio <= 2.0 + 1e-6 or abs(ratio) <= 0.1) else None
 
     def _buffers(self, found: list[Finding]) -> Finding | None:
         first: Finding | None = None

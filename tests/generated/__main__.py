@@ -1,0 +1,81 @@
+"""``python -m tests.generated``: run generated cases against the plain model.
+
+    python -m tests.generated --seed 123          # one case, printed in full
+    python -m tests.generated --count 10000       # seeds 0..9999, with progress
+    python -m tests.generated --count 500 --start 20000 --json out.json
+
+Each failure is shrunk to a smallest failing case and printed with the line that
+reproduces it. The exit status is 1 when any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from tests.generated.cases import Case, Result, draw_case, run_case
+from tests.generated.shrink import shrink
+
+
+def _quiet() -> None:
+    """Keep torch.export's notes about specialised shapes out of a long run's output."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    logging.getLogger("conveyor").setLevel(logging.ERROR)
+
+
+def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, object]:
+    print(f"FAIL {case}\n     {result}", flush=True)
+    smallest, failure = shrink(case, result, budget=shrink_budget,
+                               progress=lambda c: print(f"     shrunk: {c}", flush=True))
+    print(f"     smallest: {smallest}\n     {failure}\n"
+          f"     reproduce: python -m tests.generated --seed {case.seed}", flush=True)
+    return {"seed": case.seed, "case": str(case), "result": str(result),
+            "smallest": str(smallest), "smallest_result": str(failure)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.generated", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, help="run this one case and print it")
+    parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--count", type=int, default=100, help="how many seeds (default 100)")
+    parser.add_argument("--shrink", type=int, default=200,
+                        help="the most runs spent shrinking one failure (default 200)")
+    parser.add_argument("--json", type=Path, help="write the counts and failures here")
+    args = parser.parse_args(argv)
+    _quiet()
+    torch.set_num_threads(1)
+    seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.count)
+    failures = []
+    start = time.monotonic()
+    for done, seed in enumerate(seeds, 1):
+        case = draw_case(seed)
+        if args.seed is not None:
+            print(case)
+        result = run_case(case)
+        if not result.ok:
+            failures.append(report(case, result, shrink_budget=args.shrink))
+        elif args.seed is not None:
+            print(f"ok: {result}")
+        if done % 50 == 0 or done == len(seeds):
+            elapsed = time.monotonic() - start
+            print(f"{done}/{len(seeds)} cases, {len(failures)} failed, {elapsed:.0f} s",
+                  file=sys.stderr, flush=True)
+    elapsed = time.monotonic() - start
+    summary = {"start": seeds[0], "count": len(seeds), "failed": len(failures),
+               "seconds": round(elapsed, 1), "torch": torch.__version__, "failures": failures}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""A case: a generated model, a way to cut it, a schedule and its options; and its run
+against the plain model in float64.
+
+A case is drawn from a seed alone, so ``python -m tests.generated --seed N`` rebuilds it
+anywhere. :func:`run_case` returns the worst error over the loss, every parameter's
+gradient and every buffer, measured against the gradients' overall scale (a parameter
+whose true gradient is exactly zero, as an attention key bias has, counts no more than
+roundoff), or the exception the pipeline raised.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.engine.microbatch import gather, split
+from conveyor.engine.rng import derive_seed, draw_step_seed
+from conveyor.graph.binding import COPY_MARK
+from conveyor.observe.checkruns import _traced_per_microbatch
+from conveyor.schedules.builders import SCHEDULES, V_SHAPES, build
+from conveyor.schedules.table import Action, Kind, Schedule
+from tests.generated.models import (
+    CLASSES,
+    CONTEXT_FREE,
+    Generated,
+    Spec,
+    draw_spec,
+    loss_fn,
+    sequential_model,
+)
+
+__all__ = ["TOLERANCE", "Case", "Result", "draw_case", "run_case"]
+
+TOLERANCE = 1e-10
+CUTS = ("split_at", "auto", "sequential")
+RECOMPUTE = ("always", "except_last", "never")
+#: The schedule names, and "mixed": zero-bubble's table with some I+W pairs run as one B.
+SCHEDULE_NAMES = (*SCHEDULES, "mixed")
+
+
+@dataclass(frozen=True)
+class Case:
+    """Everything a run needs; ``seed`` alone rebuilds it through :func:`draw_case`."""
+
+    seed: int
+    spec: Spec
+    cut: str                    # "split_at", "auto" (stages=K) or "sequential" (balance)
+    boundaries: tuple[int, ...]  # blocks that begin a stage (split_at, sequential)
+    ranks: int
+    virtual: int
+    schedule: str
+    chunks: int
+    batch: int
+    recompute: str
+    train: bool
+    mixed_seed: int = 0
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.virtual
+
+    def __str__(self) -> str:
+        cut = self.cut if self.cut == "auto" else f"{self.cut} at {list(self.boundaries)}"
+        return (f"seed {self.seed}: {self.schedule} K={self.ranks}x{self.virtual} "
+                f"M={self.chunks} N={self.batch} recompute={self.recompute} "
+                f"{'train' if self.train else 'eval'} {cut}; {self.spec}")
+
+
+@dataclass(frozen=True)
+class Result:
+    """The worst relative error and where, or the pipeline's exception."""
+
+    error: float
+    where: str
+    exception: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exception is None and self.error <= TOLERANCE
+
+    def __str__(self) -> str:
+        if self.exception is not None:
+            return f"raised {type(self.exception).__name__}: {self.exception}"
+        return f"error {self.error:.3g} at {self.where}"
+
+
+def draw_case(seed: int) -> Case:
+    """The case of ``seed``: random model, cut, K (1–4), M (1–8), schedule and options."""
+    rng = random.Random(seed)
+    spec = draw_spec(rng)
+    cut = rng.choice(CUTS)
+    if cut == "sequential":
+        spec = replace(spec, blocks=tuple(k if k in CONTEXT_FREE else "linear"
+                                          for k in spec.blocks),
+                       memory_from=None, skip=None, shared=None, tie_head=False,
+                       positions=False, output="tensor", extra=None, scale=False)
+    schedule = rng.choice(SCHEDULE_NAMES)
+    virtual = 2 if schedule in V_SHAPES or (schedule == "interleaved-1f1b"
+                                             and rng.random() < 0.7) else 1
+    layers = len(spec.blocks) + (3 if cut == "sequential" else 0)
+    ranks = rng.randint(1, max(1, min(4, layers // virtual)))
+    stages = ranks * virtual
+    boundaries: tuple[int, ...] = ()
+    if cut == "split_at":
+        if stages > len(spec.blocks):
+            cut = "auto"
+        else:
+            boundaries = tuple(sorted(rng.sample(range(1, len(spec.blocks)), stages - 1)))
+    if cut == "sequential":
+        boundaries = tuple(sorted(rng.sample(range(1, layers), stages - 1)))
+    chunks = rng.randint(1, 8)
+    if schedule in ("interleaved-1f1b", "dualpipe-v") and ranks > 1:
+        chunks = max(chunks - chunks % ranks, ranks) * (2 if schedule == "dualpipe-v" else 1)
+    batch = chunks * rng.randint(1, 3) + rng.randrange(chunks)  # uneven micro-batches
+    return Case(seed=seed, spec=spec, cut=cut, boundaries=boundaries, ranks=ranks,
+                virtual=virtual, schedule=schedule, chunks=chunks, batch=max(batch, 2),
+                recompute=rng.choice(RECOMPUTE), train=rng.random() < 0.7,
+                mixed_seed=rng.randrange(1 << 30))
+
+
+def mixed_table(ranks: int, chunks: int, seed: int) -> Schedule:
+    """Zero-bubble's table with a random half of its backward pairs as one ``B``.
+
+    The ``B`` takes the place of the ``I`` and its ``W`` is dropped, which keeps every
+    dependency: a mixed table of ``B``, ``I`` and ``W``.
+    """
+    table = build("zero-bubble", ranks, chunks)
+    rng = random.Random(seed)
+    whole = {(a.stage, a.microbatch) for column in table.columns for a in column
+             if a.kind is Kind.INPUT and rng.random() < 0.5}
+    columns = tuple(
+        tuple(Action(a.stage, Kind.BACKWARD, a.microbatch) if a.kind is Kind.INPUT
+              and (a.stage, a.microbatch) in whole else a
+              for a in column if not (a.kind is Kind.WEIGHT and (a.stage, a.microbatch) in whole))
+        for column in table.columns)
+    return Schedule(columns, table.num_stages, table.num_microbatches, name="mixed")
+
+
+def build_model(case: Case) -> nn.Module:
+    """The case's model in float64, seeded by the spec, in train or eval mode."""
+    torch.manual_seed(case.spec.weights_seed)
+    model = sequential_model(case.spec) if case.cut == "sequential" else Generated(case.spec)
+    model = model.double().train(case.train)
+    if case.train and case.chunks > 1:
+        # Batch statistics of a micro-batch are not those of the batch: a model trained
+        # in micro-batches keeps its batch norms frozen (as fine-tuning often does).
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+    return model
+
+
+def batch_of(case: Case) -> tuple[Any, torch.Tensor]:
+    """Inputs (a dict when the model takes a keyword argument) and class targets."""
+    g = torch.Generator().manual_seed(case.seed)
+    spec = case.spec
+    if spec.vocab:
+        x = torch.randint(0, spec.vocab, (case.batch, spec.length), generator=g)
+    else:
+        x = torch.randn(case.batch, spec.length, 3, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, spec.vocab if spec.tie_head else CLASSES, (case.batch,),
+                            generator=g)
+    inputs = {"x": x, "scale": 0.5} if spec.scale else x
+    return inputs, targets
+
+
+def make_pipeline(case: Case, model: nn.Module, inputs: Any) -> conveyor.Pipeline:
+    schedule: str | Schedule = case.schedule
+    if case.schedule == "mixed":
+        schedule = mixed_table(case.ranks, case.chunks, case.mixed_seed)
+    options: dict[str, Any] = {}
+    if case.cut == "sequential":
+        edges = (0, *case.boundaries, len(model))
+        options["balance"] = [b - a for a, b in zip(edges, edges[1:])]
+    else:
+        options["sample"] = split(inputs, case.chunks)[0]
+        if case.cut == "split_at":
+            options["split_at"] = [f"blocks.{i}" for i in case.boundaries]
+        else:
+            options["stages"] = case.ranks  # the pipeline's ranks: V stages on each
+    if case.schedule == "interleaved-1f1b":
+        options["virtual_stages"] = case.virtual
+    return conveyor.Pipeline(model, loss_fn=loss_fn, chunks=case.chunks, schedule=schedule,
+                             devices=["cpu"] * case.ranks, recompute=case.recompute,
+                             **options)
+
+
+def _draws_random(model: nn.Module) -> bool:
+    return model.training and any(
+        (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, nn.MultiheadAttention)
+                                                    and m.dropout > 0)
+        for m in model.modules())
+
+
+def reference_output(case: Case, plain: nn.Module, inputs: Any,
+                     split_at: list[str] | None, step_seed: int) -> Any:
+    """The plain model's output on the whole batch; a model that draws random numbers
+    runs micro-batch by micro-batch with the pipeline's streams, as it promises."""
+    if not _draws_random(plain):
+        return plain(**inputs) if isinstance(inputs, dict) else plain(inputs)
+    if split_at is not None:
+        return _traced_per_microbatch(plain, inputs, case.chunks, step_seed, split_at)
+    outputs = []
+    for m, part in enumerate(split(inputs, case.chunks)):
+        h = part
+        for i, layer in enumerate(plain):
+            torch.manual_seed(derive_seed(step_seed, i, m))
+            h = layer(h)
+        outputs.append(h)
+    return gather(outputs)
+
+
+def compare(pipe: nn.Module, plain: nn.Module, loss: torch.Tensor,
+            expected: torch.Tensor) -> Result:
+    """The worst error of the loss, the gradients and the buffers, on the overall scale."""
+    worst = Result(abs(loss.item() - expected.item()) / max(abs(expected.item()), 1e-30),
+                   "the loss")
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    grads = [p.grad for p in plain.parameters() if p.grad is not None]
+    scale = max((float(g.abs().max()) for g in grads), default=0.0) or 1.0
+    for name, param in pipe.named_parameters():
+        want = reference[name.split(COPY_MARK)[0]].grad  # a tie's copy: the parameter's
+        got = param.grad
+        want = torch.zeros_like(param) if want is None else want
+        got = torch.zeros_like(param) if got is None else got
+        error = float((got - want).abs().max()) / scale
+        if error > worst.error:
+            worst = Result(error, f"the gradient of {name}")
+    buffers = dict(plain.named_buffers())
+    for name, buffer in pipe.state_dict().items():
+        if name in buffers and buffer.is_floating_point():
+            want = buffers[name]
+            error = float((buffer - want).abs().max()) / max(float(want.abs().max()), 1.0)
+            if error > worst.error:
+                worst = Result(error, f"the buffer {name}")
+    return worst
+
+
+def run_case(case: Case) -> Result:
+    """Runs one step of the case's pipeline and of the plain model; compares them."""
+    model = build_model(case)
+    plain = copy.deepcopy(model)
+    inputs, targets = batch_of(case)
+    try:
+        pipe = make_pipeline(case, model, inputs)
+        torch.manual_seed(case.seed)
+        loss = pipe.step(inputs, targets)
+    except Exception as exc:  # noqa: BLE001 - the generator reports any failure
+        return Result(float("inf"), "the pipeline", exc)
+    torch.manual_seed(case.seed)
+    step_seed = draw_step_seed()
+    expected = loss_fn(reference_output(case, plain, inputs, pipe.split_at, step_seed), targets)
+    expected.backward()
+    return compare(pipe, plain, loss.detach(), expected.detach())

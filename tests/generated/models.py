@@ -1,0 +1,235 @@
+"""Random models from a menu of blocks, described by a :class:`Spec` that can shrink.
+
+A generated model embeds its input (integer ids, or float features), runs a list of
+blocks over a hidden state of shape (batch, length, width), and pools into a head:
+
+    x ─ embed ─(+ positions)─ blocks[0] ─ blocks[1] ─ ... ─ blocks[n-1] ─ head ─ logits
+                 │               │  memory ──────────┬────────┬─▶ cross blocks
+                 └─ made once, read by every block ─┘  skip ───▶ one later block
+
+Values that cross stages the way real models make them: a memory kept after one block
+and read by every later cross-attention block (an encoder's output in a decoder), a
+position table and an attention bias made once and reused by every block (as T5 makes
+its position bias in the first block), a long skip, a weight shared by two distant
+blocks and a head tied to the embedding. The output may be a tensor, a tuple or a dict
+that carries an earlier value beside the logits and an integer side output.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["BLOCKS", "CONTEXT_FREE", "Generated", "Spec", "draw_spec", "sequential_model"]
+
+#: The menu. Context-free blocks map the hidden state alone; the rest also read what
+#: the model made earlier (memory, positions, the attention bias, a skip).
+CONTEXT_FREE = ("linear", "mlp", "inplace", "conv1d", "conv2d", "layernorm", "rmsnorm",
+                "batchnorm", "dropout", "buffer")
+BLOCKS = CONTEXT_FREE + ("attention", "cross", "gate")
+CLASSES = 5
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What to build; every field can be simplified by the shrinker."""
+
+    blocks: tuple[str, ...]
+    width: int = 8
+    length: int = 4
+    vocab: int = 0                      # > 0: integer ids embedded; 0: float features
+    memory_from: int | None = None      # the block whose output cross blocks read
+    skip: tuple[int, int] | None = None  # (from, to): a gate block reads from's output
+    shared: tuple[int, int] | None = None  # two linear blocks holding one weight
+    tie_head: bool = False              # head weight is the embedding's (needs vocab)
+    positions: bool = False             # a position table added at every block
+    output: str = "tensor"              # "tensor", "tuple" or "dict"
+    extra: str | None = None            # an earlier value returned: "embedding", "memory"
+    scale: bool = False                 # a non-tensor keyword argument
+    dropout: float = 0.1
+    weights_seed: int = 0
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __str__(self) -> str:
+        parts = [f"blocks={list(self.blocks)}"]
+        for name in ("vocab", "memory_from", "skip", "shared", "tie_head", "positions",
+                     "output", "extra", "scale"):
+            value = getattr(self, name)
+            if value not in (None, False, 0, "tensor"):
+                parts.append(f"{name}={value}")
+        return " ".join(parts)
+
+
+def draw_spec(rng: random.Random) -> Spec:
+    """A random :class:`Spec`: 2–8 blocks and each cross-stage value at some odds."""
+    n = rng.randint(2, 8)
+    blocks = [rng.choice(BLOCKS) for _ in range(n)]
+    memory_from = rng.randrange(n - 1) if rng.random() < 0.5 else None
+    if memory_from is None:
+        blocks = ["attention" if kind == "cross" else kind for kind in blocks]
+    else:  # cross blocks read memory, so they come after it
+        blocks = [kind if kind != "cross" or i > memory_from else "mlp"
+                  for i, kind in enumerate(blocks)]
+    skip = None
+    if n >= 3 and rng.random() < 0.4:
+        source = rng.randrange(n - 2)
+        target = rng.randrange(source + 2, n)
+        blocks[target] = "gate"
+        skip = (source, target)
+    blocks = ["attention" if kind == "gate" and (skip is None or i != skip[1]) else kind
+              for i, kind in enumerate(blocks)]
+    linears = [i for i, kind in enumerate(blocks) if kind == "linear"]
+    shared = (linears[0], linears[-1]) if len(linears) >= 2 and rng.random() < 0.6 else None
+    vocab = rng.choice([0, CLASSES, 11])
+    return Spec(
+        blocks=tuple(blocks), width=rng.choice([4, 8]), length=rng.choice([3, 4, 6]),
+        vocab=vocab, memory_from=memory_from, skip=skip, shared=shared,
+        tie_head=vocab == CLASSES and rng.random() < 0.7,
+        positions=rng.random() < 0.4,
+        output=rng.choice(["tensor", "tuple", "dict"]),
+        extra=rng.choice([None, "embedding", "memory" if memory_from is not None else None]),
+        scale=rng.random() < 0.3, dropout=rng.choice([0.0, 0.1, 0.3]),
+        weights_seed=rng.randrange(1 << 30))
+
+
+class Block(nn.Module):
+    """One block of the menu; ``forward(h, *, memory, positions, bias, skip)``."""
+
+    def __init__(self, kind: str, width: int, dropout: float) -> None:
+        super().__init__()
+        self.kind = kind
+        d = width
+        if kind in ("linear", "inplace"):
+            self.f = nn.Linear(d, d)
+        elif kind == "mlp":
+            self.f = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(inplace=True), nn.Linear(2 * d, d))
+        elif kind == "conv1d":
+            self.f = nn.Conv1d(d, d, 3, padding=1)
+        elif kind == "conv2d":
+            self.f = nn.Conv2d(1, 2, 3, padding=1)
+        elif kind == "layernorm":
+            self.f = nn.LayerNorm(d)
+        elif kind == "rmsnorm":
+            self.f = nn.RMSNorm(d)
+        elif kind == "batchnorm":
+            self.f = nn.BatchNorm1d(d)
+        elif kind == "dropout":
+            self.f = nn.Dropout(dropout)
+        elif kind == "buffer":
+            self.register_buffer("gain", torch.linspace(0.5, 1.5, d))
+        elif kind in ("attention", "cross"):
+            self.f = nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout)
+        elif kind == "gate":
+            self.f = nn.Linear(d, d)
+        else:
+            raise ValueError(f"unknown block kind {kind!r}")
+
+    def forward(self, h: torch.Tensor, *, memory: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                skip: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:
+            h = h + positions
+        kind = self.kind
+        if kind == "linear":
+            return h + self.f(h)
+        if kind == "inplace":
+            y = self.f(h)
+            return h + y.tanh_()
+        if kind == "mlp":
+            return h + self.f(h)
+        if kind == "conv1d":
+            return h + self.f(h.transpose(1, 2)).transpose(1, 2)
+        if kind == "conv2d":
+            return h + self.f(h.unsqueeze(1)).mean(1)
+        if kind == "batchnorm":
+            return self.f(h.transpose(1, 2)).transpose(1, 2)
+        if kind == "buffer":
+            return h * self.gain
+        if kind == "attention":
+            return h + self.f(h, h, h, attn_mask=bias, need_weights=False)[0]
+        if kind == "cross":
+            assert memory is not None
+            return h + self.f(h, memory, memory, need_weights=False)[0]
+        if kind == "gate":
+            assert skip is not None
+            return h + self.f(h) * torch.sigmoid(skip)
+        return self.f(h)  # layernorm, rmsnorm, dropout
+
+
+class Generated(nn.Module):
+    """The model a :class:`Spec` describes."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        d = spec.width
+        self.embed: nn.Module = nn.Embedding(spec.vocab, d) if spec.vocab else nn.Linear(3, d)
+        if spec.positions:
+            self.positions = nn.Parameter(torch.randn(spec.length, d) * 0.1)
+        self.blocks = nn.ModuleList(Block(kind, d, spec.dropout) for kind in spec.blocks)
+        if spec.shared is not None:
+            first, second = spec.shared
+            self.blocks[second].f.weight = self.blocks[first].f.weight
+        self.head = nn.Linear(d, spec.vocab if spec.tie_head else CLASSES)
+        if spec.tie_head:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> Any:
+        spec = self.spec
+        h = self.embed(x)
+        embedded = h
+        positions = self.positions if spec.positions else None
+        # An additive attention bias made once and read by every attention block.
+        steps = torch.arange(spec.length, dtype=h.dtype, device=h.device)
+        bias = -(steps[:, None] - steps[None, :]).abs() * 0.5
+        memory = kept = None
+        for i, block in enumerate(self.blocks):
+            h = block(h, memory=memory, positions=positions, bias=bias,
+                      skip=kept if spec.skip is not None and i == spec.skip[1] else None)
+            if i == spec.memory_from:
+                memory = h
+            if spec.skip is not None and i == spec.skip[0]:
+                kept = h
+        logits = self.head(h).mean(1) * scale
+        extra = embedded if spec.extra == "embedding" else memory
+        if spec.output == "tuple":
+            return (logits, extra) if spec.extra else (logits,)
+        if spec.output == "dict":
+            out = {"logits": logits, "predicted": logits.argmax(-1)}
+            if spec.extra:
+                out["extra"] = extra
+            return out
+        return logits
+
+
+class _Pool(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(1)
+
+
+def sequential_model(spec: Spec) -> nn.Sequential:
+    """The context-free form of ``spec`` as an ``nn.Sequential`` of layers."""
+    d = spec.width
+    layers: list[nn.Module] = [nn.Embedding(spec.vocab, d) if spec.vocab else nn.Linear(3, d)]
+    layers += [Block(kind, d, spec.dropout) for kind in spec.blocks]
+    layers += [_Pool(), nn.Linear(d, CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of any generated model's output."""
+    if isinstance(output, dict):
+        return output["logits"]
+    if isinstance(output, tuple):
+        return output[0]
+    return output
+
+
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the samples, averaged: the pipeline weights each micro-batch."""
+    return F.cross_entropy(logits_of(output), targets)
