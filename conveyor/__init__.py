@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "GPipe": "conveyor.gpipe",
     "Pipeline": "conveyor.pipeline",
+    "generate": "conveyor.decoding",
     "Schedule": "conveyor.schedules",
     "DeferredBatchNorm": "conveyor.engine.batchnorm",
     "convert_deferred_batch_norm": "conveyor.engine.batchnorm",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from conveyor.graph.autosplit import block_parameters, choose_split_at, find_blocks
+from conveyor.graph.autosplit import auto_cut, block_parameters, choose_split_at, find_blocks
 from conveyor.errors import BalanceError, ModelError
 from tests.support.any_models import (
     CHUNKS,
@@ -41,8 +41,9 @@ def ladder() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
 def test_the_blocks_are_the_largest_list_of_one_kind() -> None:
     model = ladder()[0]
     assert find_blocks(model).names == [f"blocks.{i}" for i in range(6)]  # not stem's 2
-    with pytest.raises(ModelError, match=r"UNet has no repeated blocks \(an nn.ModuleList, "
-                                         r"or an nn.Sequential of modules of one class\).*"
+    with pytest.raises(ModelError, match=r"UNet has no repeated blocks \(an nn.ModuleList "
+                                         r"or nn.Sequential of modules of one class, two or "
+                                         r"more with parameters\).*"
                                          r"give split_at=.*\['down1', 'down2', 'middle', "
                                          r"'up2', 'up1'\]"):
         find_blocks(UNet())  # its Sequentials are (conv, tanh): blocks, not lists of them
@@ -80,7 +81,10 @@ def test_pipeline_chooses_the_cut_and_matches_the_plain_model(
                                  loss_fn=loss_of("gpt2"))
     assert pipe.split_at == ["transformer.h.2"]
     assert ("split_at=['transformer.h.2']: 2 stages among the 4 blocks of 'transformer.h', "
-            "by parameters (per stage: 29632 parameters, 28672 parameters)") in caplog.text
+            "by parameters\n"
+            "  stage 0: transformer.h.0..transformer.h.1 (2 blocks): 29632 parameters (50.8%)\n"
+            "  stage 1: transformer.h.2..transformer.h.3 (2 blocks): 28672 parameters (49.2%)"
+            ) in caplog.text
     loss = pipe.step(inputs, targets)
     _, result = plain_run("gpt2", reference, inputs, targets)
     total, count = loss_of("gpt2")(result, targets)
@@ -200,3 +204,96 @@ def test_errors_say_what_to_give() -> None:
                                            r"balance by parameters"):
         choose_split_at(meta, 2, torch.randn(2, 2, 8, 8, device="meta"), by="time")
     assert choose_split_at(meta, 2, torch.randn(2, 2, 8, 8, device="meta")) == ["blocks.1"]
+
+
+class FeedForward(nn.Module):
+    """A feed-forward whose layers are a list of mixed modules, as diffusers' (its
+    UNet2DConditionModel's ``ff.net``: ``[GEGLU, Dropout, Linear]``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([nn.Linear(width, 4 * width), nn.Dropout(0.0),
+                                  nn.Linear(4 * width, width)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class Attended(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.ff = FeedForward(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(self.norm(x))
+
+
+class DiffusersLike(nn.Module):
+    """Two blocks of one kind, each with a three-layer feed-forward list inside: the
+    largest list by count is a feed-forward's, whose cut into 3 leaves the dropout a
+    stage with no parameters."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Attended(width) for _ in range(2))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_lists_of_mixed_modules_are_not_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = DiffusersLike()
+    assert find_blocks(model).owner == "blocks"  # not 'blocks.0.ff.net'
+    with caplog.at_level(logging.INFO, logger="conveyor"):
+        cut = auto_cut(model, 2, torch.randn(2, 8))
+    assert cut.split_at == ["blocks.1"]
+    # ln (16) + ff (8*32+32 + 32*8+8 = 552) per block, and the head (72) on the last stage.
+    assert [(s.blocks, s.parameters) for s in cut.stages] == [
+        (["blocks.0"], 568), (["blocks.1"], 640)]
+    assert [round(s.share, 3) for s in cut.stages] == [0.47, 0.53]
+    assert str(cut) in caplog.text and "stage 1: blocks.1 (1 blocks): 640 parameters (53.0%)" \
+        in str(cut)
+    with pytest.raises(BalanceError, match=r"'blocks' holds 2 blocks, fewer than the 3 "
+                                           r"stages asked of DiffusersLike"):
+        auto_cut(model, 3, torch.randn(2, 8))
+
+
+class Gate(nn.Module):
+    def __init__(self, used: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.used = used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) if self.used else torch.tanh(x)
+
+
+class Skipping(nn.Module):
+    """Three blocks; the middle one runs but reads none of its parameters: cut into 3,
+    that stage would compute with no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Gate(used=i != 1) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_stage_without_parameters_is_refused_unless_split_at_asks() -> None:
+    sample = torch.randn(2, 4)
+    with pytest.raises(BalanceError, match=r"leaves stage 1 \(blocks.1\) without "
+                                           r"parameters:\n.*\n.*\n  stage 1: blocks.1 \(1 "
+                                           r"blocks\): 0 parameters \(0.0%\)\n.*\nuse fewer "
+                                           r"stages, or give split_at= to cut there anyway"):
+        conveyor.GPipe(Skipping(), sample=sample, devices=["cpu"] * 3)
+    assert auto_cut(Skipping(), 2, sample).split_at == ["blocks.1"]

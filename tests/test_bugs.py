@@ -152,14 +152,16 @@ def test_a_parameter_read_by_every_stage_under_one_name_is_tied(schedule: str) -
     assert torch.equal(copies["table@stage1"], plain.table)
 
 
-def test_a_frozen_batch_norm_stays_frozen_in_a_traced_model_that_trains() -> None:
-    """Found by the generator (seed 6): tracing called model.train() on every module, so
-    a batch norm the user had frozen normalised with batch statistics in the pipeline
-    (and stayed unfrozen in the user's model)."""
+@pytest.mark.parametrize("cut", [{"split_at": ["blocks.1"], "stages": 2}, {"stages": 2}])
+def test_a_frozen_batch_norm_stays_frozen_in_a_traced_model_that_trains(
+        cut: dict[str, Any]) -> None:
+    """Found by the generator (seeds 6 and 52): tracing, and auto split's trace, called
+    model.train() on every module, so a batch norm the user had frozen normalised with
+    batch statistics in the pipeline (and stayed unfrozen in the user's model)."""
     model, plain = _shared_table_pair()
     x, y = torch.randn(8, 4, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-    pipe = conveyor.Pipeline(model, split_at=["blocks.1"], sample=x[:2], chunks=4,
-                             devices=["cpu"] * 2, loss_fn=nn.functional.cross_entropy)
+    pipe = conveyor.Pipeline(model, sample=x[:2], chunks=4, loss_fn=nn.functional.cross_entropy,
+                             **cut)
     assert model.training and not model.norm.training
     pipe.step(x, y)
     nn.functional.cross_entropy(plain(x), y).backward()

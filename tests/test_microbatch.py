@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from conveyor.errors import MicroBatchError
-from conveyor.engine.microbatch import gather, microbatch_sizes, split
+import conveyor
+from conveyor.engine.microbatch import gather, microbatch_count, microbatch_sizes, split
+from conveyor.errors import ConveyorError, MicroBatchError
+from conveyor.schedules.builders import SCHEDULES, V_SHAPES
+from tests.support.models import assert_same_grads, build, relative_error, sample
 
 
 def test_uneven_sizes_follow_tensor_split() -> None:
@@ -40,6 +44,53 @@ def test_fewer_samples_than_chunks() -> None:
                                               r"micro-batches; use chunks <= 3 or a batch of "
                                               r"at least 4 samples"):
         split(torch.zeros(3, 2), 4)
+
+
+def test_a_forward_only_call_counts_one_micro_batch_per_sample_at_most() -> None:
+    assert [microbatch_count(torch.zeros(n, 2), 4) for n in (1, 3, 4, 9)] == [1, 3, 4, 4]
+    with pytest.raises(MicroBatchError, match=r"chunks must be a positive integer, got 0"):
+        microbatch_count(torch.zeros(3, 2), 0)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_eval_step_runs_a_batch_smaller_than_chunks_by_every_schedule(schedule: str) -> None:
+    model, reference = build("mlp")
+    two_per_rank = schedule in V_SHAPES or schedule == "interleaved-1f1b"
+    pipe = conveyor.Pipeline(model, stages=2, balance=[2, 2, 2, 1] if two_per_rank else [3, 4],
+                             chunks=4, schedule=schedule, devices=["cpu"] * 2,
+                             virtual_stages=2 if two_per_rank else 1, loss_fn=F.mse_loss)
+    x = sample("mlp", batch=3)
+    with torch.no_grad():
+        for n in (1, 2, 3):
+            assert relative_error(pipe.eval_step(x[:n]), reference(x[:n])) <= 1e-12, n
+    pipe.eval()
+    assert relative_error(pipe(x[:1]), reference(x[:1])) <= 1e-12
+
+
+def test_pipeline_call_is_inference_and_says_how_to_train() -> None:
+    model, reference = build("mlp")
+    pipe = conveyor.Pipeline(model, stages=2, balance=[3, 4], chunks=4, devices=["cpu"] * 2,
+                             loss_fn=F.mse_loss)
+    x = sample("mlp", batch=6)
+    with pytest.raises(ConveyorError, match=r"Pipeline\(inputs\) runs inference, the same as "
+                                            r"pipe.eval_step\(inputs\): call pipe.eval\(\) "
+                                            r"first or run it under torch.no_grad\(\); to "
+                                            r"train, call pipe.step\(inputs, targets\)"):
+        pipe(x)
+    with torch.no_grad():
+        assert relative_error(pipe(x), reference(x)) <= 1e-12
+    pipe.eval()
+    out = pipe(x)
+    assert relative_error(out, reference(x)) <= 1e-12 and not out.requires_grad
+
+
+def test_gpipe_trains_on_a_batch_smaller_than_chunks() -> None:
+    model, reference = build("mlp")
+    pipe = conveyor.GPipe(model, balance=[3, 4], devices=["cpu"] * 2, chunks=4)
+    x, y = sample("mlp", batch=2), sample("mlp", batch=2, seed=2)[:, :3]
+    F.mse_loss(pipe(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
 
 
 def test_batch_sizes_must_agree() -> None:

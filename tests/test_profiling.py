@@ -62,3 +62,72 @@ def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(
                                  sample=microbatch, devices=["cpu"] * 2)
         assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]
     assert profiled == [(64, 128), (64, 128)]
+
+
+class SeesMode(nn.Module):
+    """Notes the mode and whether gradients are on each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.training, torch.is_grad_enabled()))
+        return torch.tanh(self.linear(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SeesMode() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_profiling_trains_and_puts_every_module_s_mode_back() -> None:
+    """As torchgpipe: profiled in training mode with gradients (as the pipeline trains),
+    an eval model stays eval after, and a submodule's own mode is kept."""
+    from conveyor.graph.autosplit import choose_split_at
+
+    model = nn.Sequential(SeesMode(), nn.BatchNorm1d(4), SeesMode())
+    model.eval()
+    model[2].train()  # a mixed model: its modes come back one by one
+    statistics = model[1].running_mean.clone()
+    with torch.no_grad():  # the caller's grad mode does not matter
+        conveyor.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
+    conveyor.balance_by_memory(model, torch.randn(8, 4), 2)
+    assert [m.training for m in model] == [False, False, True] and not model.training
+    assert torch.equal(model[1].running_mean, statistics)
+    assert model[0].seen and set(model[0].seen) == {(True, True)}
+    blocks = Blocks().eval()
+    choose_split_at(blocks, 2, torch.randn(8, 4), by="time")
+    assert not any(m.training for m in blocks.modules())
+    assert set(blocks.blocks[0].seen) == {(True, True)}
+
+
+def test_profiling_leaves_existing_gradients_as_they_were() -> None:
+    from conveyor.graph.autosplit import choose_split_at
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model(torch.randn(3, 4)).sum().backward()
+    model[2].bias.grad = None  # one parameter without a gradient
+    before = {name: p.grad for name, p in model.named_parameters()}
+    values = {name: g.clone() for name, g in before.items() if g is not None}
+    conveyor.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
+    conveyor.balance_by_memory(model, torch.randn(8, 4), 2)
+    conveyor.profile_layers(model, torch.randn(8, 4), repeat=1)
+    blocks = Blocks()
+    blocks(torch.randn(2, 4)).sum().backward()
+    block_grads = [p.grad.clone() for p in blocks.parameters()]  # type: ignore[union-attr]
+    choose_split_at(blocks, 2, torch.randn(8, 4), by="time")
+    for name, param in model.named_parameters():
+        assert param.grad is before[name], name  # the same tensor, or still None
+        if param.grad is not None:
+            assert torch.equal(param.grad, values[name]), name
+    assert model[2].bias.grad is None
+    for param, grad in zip(blocks.parameters(), block_grads, strict=True):
+        assert torch.equal(param.grad, grad)  # type: ignore[arg-type]

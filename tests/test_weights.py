@@ -80,6 +80,57 @@ def test_a_tied_meta_model_matches_initialize_and_keeps_its_tie() -> None:
         assert torch.equal(pipe.state_dict()[key], value), key
 
 
+def test_initialize_depends_only_on_the_seed_and_the_module_s_name() -> None:
+    torch.manual_seed(1)
+    torch.randn(100)  # one generator state ...
+    first = conveyor.initialize(meta_net(), seed=5).state_dict()
+    torch.manual_seed(2)  # ... and another
+    second = conveyor.initialize(meta_net(), seed=5).state_dict()
+    other = conveyor.initialize(meta_net(), seed=6).state_dict()
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key
+        assert not torch.equal(other[key], value), key  # the seed does count
+    # Without seed=: torch's seed (what manual_seed set), whatever was drawn since.
+    torch.manual_seed(5)
+    torch.randn(7)
+    drawn = conveyor.initialize(meta_net()).state_dict()
+    for key, value in first.items():
+        assert torch.equal(drawn[key], value), key
+
+
+class Wider(nn.Module):
+    """Net's ``first`` and ``last`` under the same names, another ``middle`` and a module
+    more: same names, same values, whatever else the model holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(3, 3)
+        self.first = nn.Linear(6, 8)
+        self.middle = nn.Linear(8, 5)
+        self.last = nn.Linear(8, 3)
+
+
+def test_a_module_name_gets_the_same_values_in_models_of_other_shapes() -> None:
+    plain = conveyor.initialize(meta_net(), seed=11).state_dict()
+    with torch.device("meta"):
+        wider = Wider().double()
+    values = conveyor.initialize(wider, seed=11).state_dict()
+    for key in ("first.weight", "first.bias", "last.weight", "last.bias"):
+        assert torch.equal(values[key], plain[key]), key
+    assert values["middle.weight"].shape != plain["middle.weight"].shape
+
+
+def test_a_pipeline_starts_as_initialize_whatever_was_drawn_before() -> None:
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.manual_seed(3)
+    torch.randn(1000)  # draws before the pipeline do not change its weights
+    pipe = conveyor.GPipe(meta_net(), split_at=["last"], sample=x[:2], devices=["cpu"] * 2,
+                          chunks=2)
+    plain = conveyor.initialize(meta_net(), seed=3).state_dict()
+    for key, value in plain.items():
+        assert torch.equal(pipe.state_dict()[key], value), key
+
+
 @pytest.mark.parametrize("form", ["state_dict", "torch.save", "safetensors"])
 def test_weights_give_the_plain_model_s_values(form: str, tmp_path: Path) -> None:
     model, reference, _, inputs, targets = build("gpt2")

@@ -40,6 +40,17 @@ def microbatch_sizes(batch_size: int, chunks: int) -> list[int]:
     return [base + 1] * extra + [base] * (chunks - extra)
 
 
+def microbatch_count(batch: Any, chunks: int) -> int:
+    """The number of micro-batches a forward-only call splits ``batch`` into: ``chunks``,
+    or one per sample when the batch has fewer (generation one sequence at a time).
+
+    Raises:
+        MicroBatchError: ``chunks`` is not positive, or the batch holds no batched tensor.
+    """
+    microbatch_sizes(chunks, chunks)  # checks chunks
+    return min(chunks, batch_size(batch))
+
+
 def batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: dim 0 of its first batched tensor.
 

@@ -1,10 +1,12 @@
 """Choosing where to cut a model: among its repeated blocks, by parameters or by time.
 
 ``Pipeline(model, stages=K, sample=...)`` (or ``GPipe``) with no ``split_at`` comes here.
-The blocks are the children of the model's largest ``nn.ModuleList`` (or ``nn.Sequential``
-of modules of one class): a Transformer's layers, a ResNet's stages. Stage k begins at a
-block, so the cut is a balance of blocks; what runs before the first block (embeddings)
-stays on the first stage and what runs after the last (final norm, head) on the last,
+The blocks are the children of the model's largest ``nn.ModuleList`` or
+``nn.Sequential`` of blocks of one kind (one class, two or more holding parameters): a
+Transformer's layers, a ResNet's stages; never a list of mixed modules such as a
+feed-forward's ``[Linear, Dropout, Linear]``, whose cut would leave a stage with the
+dropout alone. Stage k begins at a block, so the cut is a balance of blocks; what runs
+before the first block (embeddings) stays on the first stage and what runs after the last (final norm, head) on the last,
 and they weigh there::
 
     costs  [embeddings + block 0,  block 1,  ...,  block N-2,  block N-1 + norm + head]
@@ -14,7 +16,11 @@ By parameters, a block costs the parameter elements its operations read in the t
 graph (a weight tied between the embedding and the head counts on both ends, as each
 end's stage holds a copy). By time, it costs its forward and backward on the sample,
 measured with hooks at the blocks' boundaries. :func:`conveyor.solve_balance` finds the
-cut. An ``nn.Sequential`` is cut by ``balance=`` (layers per stage) and never comes here.
+cut. A cut that leaves a stage without parameters is refused (``split_at=`` cuts there
+if that is what you want). The cut is logged at INFO with each stage's blocks and share
+of the parameters, and :func:`auto_cut` returns it as an :class:`AutoCut` to inspect
+before building. An ``nn.Sequential`` is cut by ``balance=`` (layers per stage) and
+never comes here.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch.export.graph_signature import InputKind
 
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
-from conveyor.graph.export import export_model
+from conveyor.graph.tracing import export_model, in_mode
 from conveyor.graph.profile import block_times
 
 __all__: list[str] = []
@@ -50,10 +56,54 @@ class Blocks:
     names: list[str]
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a chosen cut.
+
+    Attributes:
+        blocks: the blocks it holds (the first stage also runs what comes before the
+            first block, the last what comes after the last).
+        parameters: by parameters, the parameter elements its operations read (a tied
+            weight counts on each stage that reads it); by time, those its blocks hold.
+        share: ``parameters`` as a fraction of all stages'.
+        seconds: by time, its forward and backward on the sample; else None.
+    """
+
+    blocks: list[str]
+    parameters: int
+    share: float
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoCut:
+    """The cut conveyor chose: ``split_at`` and what each stage holds."""
+
+    owner: str
+    by: str
+    split_at: list[str]
+    stages: list[StagePlan]
+
+    def __str__(self) -> str:
+        count = sum(len(stage.blocks) for stage in self.stages)
+        lines = [f"split_at={self.split_at}: {len(self.stages)} stages among the {count} "
+                 f"blocks of {self.owner!r}, by {self.by}"]
+        for k, stage in enumerate(self.stages):
+            held = (stage.blocks[0] if len(stage.blocks) == 1
+                    else f"{stage.blocks[0]}..{stage.blocks[-1]}")
+            time = "" if stage.seconds is None else f"{1e3 * stage.seconds:.3g} ms, "
+            what = "parameters" if self.by == "parameters" else "parameters in its blocks"
+            lines.append(f"  stage {k}: {held} ({len(stage.blocks)} blocks): {time}"
+                         f"{stage.parameters} {what} ({100 * stage.share:.1f}%)")
+        return "\n".join(lines)
+
+
 def find_blocks(model: nn.Module) -> Blocks:
-    """The children of ``model``'s largest ``nn.ModuleList``, or ``nn.Sequential`` whose
-    children are all of one class (a ``Sequential(conv, tanh)`` is a block, not a list of
-    blocks): the most children, then the most parameters, then the first found.
+    """The children of ``model``'s largest ``nn.ModuleList`` or ``nn.Sequential`` of
+    blocks of one kind: all of one class, two or more holding parameters (a ``Sequential(conv,
+    tanh)`` is a block, not a list of blocks; a feed-forward's ``ModuleList([Linear,
+    Dropout, Linear])`` is not a list of blocks either): the most children, then the most
+    parameters, then the first found.
 
     Raises:
         ModelError: no such list with two children or more.
@@ -65,16 +115,18 @@ def find_blocks(model: nn.Module) -> Blocks:
         children = [(key, child) for key, child in module._modules.items() if child is not None]
         if len(children) < 2:
             continue
-        if isinstance(module, nn.Sequential) and len({type(c) for _, c in children}) > 1:
+        holding = sum(any(True for _ in c.parameters()) for _, c in children)
+        if len({type(c) for _, c in children}) > 1 or holding < 2:
             continue
         size = sum(p.numel() for p in module.parameters())
         found.append((len(children), size, name, [f"{name}.{key}" for key, _ in children]))
     if not found:
         top = [name for name, _ in model.named_children()]
         raise ModelError(
-            f"{type(model).__name__} has no repeated blocks (an nn.ModuleList, or an "
-            "nn.Sequential of modules of one class) among which to choose where stages "
-            "begin; give split_at=[the submodules where stages 1..K-1 begin], e.g. among "
+            f"{type(model).__name__} has no repeated blocks (an nn.ModuleList or "
+            "nn.Sequential of modules of one class, two or more with parameters) among which "
+            "to choose where stages begin; give split_at=[the submodules where stages "
+            "1..K-1 begin], e.g. among "
             f"its children {top}")
     _, _, owner, names = max(found, key=lambda f: (f[0], f[1]))
     return Blocks(owner, names)
@@ -82,21 +134,27 @@ def find_blocks(model: nn.Module) -> Blocks:
 
 def choose_split_at(model: nn.Module, stages: int, sample: Any, *,
                     by: str = "parameters") -> list[str]:
-    """The submodules where stages 1..K-1 begin: blocks of :func:`find_blocks`, cut so
-    that the largest stage's cost is least.
+    """The submodules where stages 1..K-1 begin: :func:`auto_cut`'s ``split_at``."""
+    return [] if stages == 1 else auto_cut(model, stages, sample, by=by).split_at
+
+
+def auto_cut(model: nn.Module, stages: int, sample: Any, *,
+             by: str = "parameters") -> AutoCut:
+    """The cut of ``model`` into ``stages`` stages among the blocks of
+    :func:`find_blocks` for which the largest stage's cost is least, with each stage's
+    blocks and share of the parameters (also logged at INFO).
 
     Args:
         model: any ``nn.Module`` (on the meta device too, by parameters).
-        stages: the number of stages K (with interleaving, ranks x virtual stages).
+        stages: the number of stages K >= 2 (with interleaving, ranks x virtual stages).
         sample: one micro-batch as the model takes it, to trace (and time) the model.
         by: ``"parameters"`` or ``"time"`` (forward and backward on ``sample``).
 
     Raises:
         ModelError: no repeated blocks, or they do not run in their order.
-        BalanceError: fewer blocks than stages, no sample, or ``by="time"`` on meta.
+        BalanceError: fewer blocks than stages, no sample, ``by="time"`` on meta, or a
+            stage would hold no parameters.
     """
-    if stages == 1:
-        return []
     blocks = find_blocks(model)
     _check_enough(model, blocks, blocks.names, stages)
     if sample is None:
@@ -111,13 +169,28 @@ def choose_split_at(model: nn.Module, stages: int, sample: Any, *,
         raise BalanceError(f"cannot balance by {by!r}: use 'parameters' or 'time'")
     _check_enough(model, blocks, ran, stages)
     balance = (solve_measured_balance if by == "time" else solve_balance)(costs, stages)
-    starts = [sum(balance[:k]) for k in range(stages)]
-    split_at = [ran[start] for start in starts[1:]]
-    shown = [f"{1e3 * cost:.3g} ms" if by == "time" else f"{cost:.0f} parameters"
-             for cost in stage_costs(costs, balance)]
-    logger.info("split_at=%s: %d stages among the %d blocks of %r, by %s (per stage: %s)",
-                split_at, stages, len(ran), blocks.owner, by, ", ".join(shown))
-    return split_at
+    starts = [sum(balance[:k]) for k in range(stages + 1)]
+    held = [ran[starts[k]:starts[k + 1]] for k in range(stages)]
+    if by == "time":
+        counts = [sum(p.numel() for name in names
+                      for p in model.get_submodule(name).parameters()) for names in held]
+        seconds: list[float | None] = list(stage_costs(costs, balance))
+    else:
+        counts = [int(c) for c in stage_costs(costs, balance)]
+        seconds = [None] * stages
+    total = sum(counts) or 1
+    cut = AutoCut(blocks.owner, by, [names[0] for names in held[1:]],
+                  [StagePlan(names, count, count / total, time)
+                   for names, count, time in zip(held, counts, seconds)])
+    empty = [k for k, count in enumerate(counts) if count == 0]
+    if empty:
+        k = empty[0]
+        raise BalanceError(
+            f"cutting {type(model).__name__} into {stages} stages among the blocks of "
+            f"{blocks.owner!r} leaves stage {k} ({', '.join(held[k])}) without parameters:\n"
+            f"{cut}\nuse fewer stages, or give split_at= to cut there anyway")
+    logger.info("%s", cut)
+    return cut
 
 
 def block_parameters(model: nn.Module, names: Sequence[str],
@@ -129,12 +202,8 @@ def block_parameters(model: nn.Module, names: Sequence[str],
     Raises:
         ModelError: tracing fails, or the blocks do not run in their order.
     """
-    was_training = model.training
-    try:
-        model.train(True)
+    with in_mode(model, True):
         program = export_model(model, sample)
-    finally:
-        model.train(was_training)
     index = {name: i for i, name in enumerate(names)}
     segment: dict[str, int] = {}  # node -> the block it runs in or after (-1: before all)
     current = -1

@@ -1,8 +1,11 @@
 """Measuring a model on a sample: the one profiler behind ``balance="time"`` and friends.
 
-Two views of the same kind of run, both leaving the model as it was (buffers and random
-generators restored, no gradient accumulated), both keeping the fastest of several runs
-after a warm-up (a busy machine slows some runs; the fastest is the code's own time):
+Two views of the same kind of run, both in training mode (as the pipeline will train the
+model: dropout on, batch norm on the batch) and both leaving the model as it was (each
+module's mode, buffers, random generators and every ``.grad`` restored; gradients are
+taken with ``torch.autograd.grad``, never accumulated), both keeping the fastest of
+several runs after a warm-up (a busy machine slows some runs; the fastest is the code's
+own time):
 
 * :func:`profile_layers`: each layer of an ``nn.Sequential`` alone, layer after layer on
   the previous layer's output: its forward and backward time, the bytes autograd saves
@@ -76,9 +79,9 @@ class LayerProfile:
 def profile_layers(module: nn.Sequential, sample: Any, *, repeat: int = 3) -> list[LayerProfile]:
     """Measures each layer's time and memory on ``sample``, layer after layer.
 
-    Runs on the device of the model's first parameter (CPU if it has none). The model
-    is left as it was: random number generators and buffers (batch-norm statistics)
-    are restored afterwards, and no gradient is accumulated.
+    Runs on the device of the model's first parameter (CPU if it has none), in training
+    mode. The model is left as it was: each module's mode, random number generators,
+    buffers (batch-norm statistics) and ``.grad`` are restored afterwards.
 
     Args:
         module: the model as an ``nn.Sequential``.
@@ -165,13 +168,22 @@ def _sync(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def preserved_state(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Restores buffers and random generators after profiling runs the model."""
+    """Within: the model in training mode, as it will train. After: each module's mode,
+    buffers, random generators and parameters' ``.grad`` as they were (the runs take
+    gradients with ``autograd.grad``; a ``.grad`` is put back as the same tensor)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.grad) for p in module.parameters()]
     devices = [device] if device.type == "cuda" else []
     try:
+        module.train(True)
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        for submodule, training in modes:
+            submodule.training = training
+        for param, grad in grads:
+            param.grad = grad
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
@@ -206,8 +218,8 @@ def block_times(model: nn.Module, names: Sequence[str], sample: Any, *,
                 repeat: int = 5) -> tuple[list[str], list[float]]:
     """The blocks named ``names`` that the forward runs, and the seconds each takes
     (forward and backward, with what runs before the first and after the last block
-    counted on them): per block, the fastest of at least ``repeat`` runs after one
-    warm-up, and of more, up to a tenth of a second, when runs are fast (a busy machine
+    counted on them), in training mode (the model's modes restored after): per block,
+    the fastest of at least ``repeat`` runs after one warm-up, and of more, up to a tenth of a second, when runs are fast (a busy machine
     slows some runs of a block; the fastest is the block's own time).
 
     Raises:

@@ -11,10 +11,13 @@ then gives storage only to the tensors its stages read. Their values come, in th
 3. else from the model's own initialiser (Hugging Face's ``_init_weights(module)``);
 4. else from each module's ``reset_parameters()``.
 
-Each module is initialised under its own seed, derived from one seed drawn from torch's
-generator and the module's qualified name: so a model cut into 1, 2 or 4 stages, on any
-ranks, starts from the same weights, and :func:`initialize` gives the whole model those
-same weights in one process (the plain model to compare with).
+Each module is initialised under its own seed, derived from one seed and the module's
+qualified name alone: torch's seed (``torch.initial_seed()``, what ``torch.manual_seed``
+last set, not the generator's state: draws made since do not change it), or ``seed=``.
+So a model cut into 1, 2 or 4 stages, on any ranks, starts from the same weights, a
+module of one name gets the same values in models of other shapes, and
+:func:`initialize` gives the whole model those same weights in one process (the plain
+model to compare with).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ _INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-
 
 
 def draw_init_seed() -> int:
-    """The seed all initialisations derive from, drawn from torch's generator."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    """The seed all initialisations derive from: torch's seed, as ``torch.manual_seed``
+    last set it (``torch.initial_seed()``); the generator's state is neither read nor
+    advanced, so the weights do not depend on what was drawn before."""
+    return torch.initial_seed()
 
 
 @contextlib.contextmanager
@@ -72,10 +77,22 @@ class Placement:
 
 def initialize(model: nn.Module, *, device: torch.device | str = "cpu",
                init_fn: InitFn | None = None, weights: Weights | None = None,
-               init_seed: int | None = None) -> nn.Module:
+               seed: int | None = None) -> nn.Module:
     """Gives every meta tensor of ``model`` storage on ``device`` and the values a
-    pipeline built from the same model (after the same ``torch.manual_seed``) gives its
+    pipeline built from the same model (after ``torch.manual_seed(seed)``) gives its
     stages; tensors already real are moved to ``device``. Returns ``model``.
+
+    Each module's values depend only on ``seed`` and its qualified name: its
+    initialiser runs with torch's generators seeded from the two (then restored), so
+    they do not depend on the generators' state, on the other modules, or on how the
+    model is cut.
+
+    Args:
+        model: the model, built on the meta device (its real tensors are moved).
+        device: where the tensors get storage.
+        init_fn, weights: where values come from (see the module's docstring).
+        seed: the seed of the whole model (default: torch's seed, as the last
+            ``torch.manual_seed`` set it, which a pipeline uses too).
 
     Raises:
         ModelError: a module has tensors but no way to initialise them, or ``weights``
@@ -84,7 +101,7 @@ def initialize(model: nn.Module, *, device: torch.device | str = "cpu",
     device = torch.device(device)
     tensors = [*model.parameters(), *model.buffers()]
     fill(model, Placement({id(t): device for t in tensors}), init_fn=init_fn, weights=weights,
-         init_seed=draw_init_seed() if init_seed is None else init_seed)
+         init_seed=draw_init_seed() if seed is None else seed)
     return model
 
 

@@ -2,7 +2,7 @@
 
     python -m tests.generated --seed 123          # one case, printed in full
     python -m tests.generated --count 10000       # seeds 0..9999, with progress
-    python -m tests.generated --count 500 --start 20000 --json out.json
+    python -m tests.generated --count 500 --start 20000 --jobs 2 --json out.json
 
 Each failure is shrunk to a smallest failing case and printed with the line that
 reproduces it. The exit status is 1 when any case failed.
@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import sys
 import time
 import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,12 +36,33 @@ def _quiet() -> None:
 
 def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, object]:
     print(f"FAIL {case}\n     {result}", flush=True)
-    smallest, failure = shrink(case, result, budget=shrink_budget,
+    rerun = run_case(case)  # here: a worker's exception came back as its text only
+    smallest, failure = shrink(case, rerun, budget=shrink_budget,
                                progress=lambda c: print(f"     shrunk: {c}", flush=True))
     print(f"     smallest: {smallest}\n     {failure}\n"
           f"     reproduce: python -m tests.generated --seed {case.seed}", flush=True)
     return {"seed": case.seed, "case": str(case), "result": str(result),
             "smallest": str(smallest), "smallest_result": str(failure)}
+
+
+def _run_seed(seed: int) -> tuple[int, Result]:
+    _quiet()
+    torch.set_num_threads(1)
+    result = run_case(draw_case(seed))
+    if result.exception is not None:  # not every exception pickles: its text does
+        result = Result(result.error, result.where,
+                        RuntimeError(f"{type(result.exception).__name__}: {result.exception}"))
+    return seed, result
+
+
+def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[int, Result]]:
+    """Each seed's result, in order, from ``jobs`` worker processes (or this one)."""
+    if jobs <= 1:
+        yield from ((seed, run_case(draw_case(seed))) for seed in seeds)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        yield from pool.map(_run_seed, seeds, chunksize=4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,20 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=100, help="how many seeds (default 100)")
     parser.add_argument("--shrink", type=int, default=200,
                         help="the most runs spent shrinking one failure (default 200)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--json", type=Path, help="write the counts and failures here")
     args = parser.parse_args(argv)
     _quiet()
     torch.set_num_threads(1)
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.count)
+    if args.seed is not None:
+        print(draw_case(args.seed))
     failures = []
     start = time.monotonic()
-    for done, seed in enumerate(seeds, 1):
-        case = draw_case(seed)
-        if args.seed is not None:
-            print(case)
-        result = run_case(case)
+    for done, (seed, result) in enumerate(_results(seeds, args.jobs), 1):
         if not result.ok:
-            failures.append(report(case, result, shrink_budget=args.shrink))
+            failures.append(report(draw_case(seed), result, shrink_budget=args.shrink))
         elif args.seed is not None:
             print(f"ok: {result}")
         if done % 50 == 0 or done == len(seeds):

@@ -28,6 +28,7 @@ from conveyor.schedules.table import Action, Kind, Schedule
 from tests.generated.models import (
     CLASSES,
     CONTEXT_FREE,
+    PARAMETERLESS,
     Generated,
     Spec,
     draw_spec,
@@ -90,8 +91,9 @@ class Result:
         return f"error {self.error:.3g} at {self.where}"
 
 
-def draw_case(seed: int) -> Case:
-    """The case of ``seed``: random model, cut, K (1–4), M (1–8), schedule and options."""
+def draw_case(seed: int, *, ranks: int | None = None) -> Case:
+    """The case of ``seed``: random model, cut, K (1–4, or ``ranks``), M (1–8), schedule
+    and options."""
     rng = random.Random(seed)
     spec = draw_spec(rng)
     cut = rng.choice(CUTS)
@@ -104,19 +106,28 @@ def draw_case(seed: int) -> Case:
     virtual = 2 if schedule in V_SHAPES or (schedule == "interleaved-1f1b"
                                              and rng.random() < 0.7) else 1
     layers = len(spec.blocks) + (3 if cut == "sequential" else 0)
-    ranks = rng.randint(1, max(1, min(4, layers // virtual)))
+    if ranks is None:
+        ranks = rng.randint(1, max(1, min(4, layers // virtual)))
+    elif layers < ranks * virtual:  # more blocks, for a given number of ranks
+        spec = replace(spec, blocks=spec.blocks + ("linear",) * (ranks * virtual - layers))
     stages = ranks * virtual
     boundaries: tuple[int, ...] = ()
+    holding = sum(kind not in PARAMETERLESS for kind in spec.blocks)
+    if cut == "auto" and holding < max(stages, 2):  # auto split would refuse, and says so
+        cut = "split_at"
     if cut == "split_at":
         if stages > len(spec.blocks):
             cut = "auto"
+            spec = replace(spec, blocks=spec.blocks + ("linear",) * stages)
         else:
             boundaries = tuple(sorted(rng.sample(range(1, len(spec.blocks)), stages - 1)))
     if cut == "sequential":
         boundaries = tuple(sorted(rng.sample(range(1, layers), stages - 1)))
     chunks = rng.randint(1, 8)
-    if schedule in ("interleaved-1f1b", "dualpipe-v") and ranks > 1:
-        chunks = max(chunks - chunks % ranks, ranks) * (2 if schedule == "dualpipe-v" else 1)
+    if schedule == "interleaved-1f1b":  # micro-batches in rounds of K
+        chunks = max(chunks - chunks % ranks, ranks)
+    if schedule == "dualpipe-v":  # its warm-up fills both arms of the V
+        chunks = max(chunks, 2 * ranks)
     batch = chunks * rng.randint(1, 3) + rng.randrange(chunks)  # uneven micro-batches
     return Case(seed=seed, spec=spec, cut=cut, boundaries=boundaries, ranks=ranks,
                 virtual=virtual, schedule=schedule, chunks=chunks, batch=max(batch, 2),
@@ -186,9 +197,10 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any) -> conveyor.Pipelin
             options["stages"] = case.ranks  # the pipeline's ranks: V stages on each
     if case.schedule == "interleaved-1f1b":
         options["virtual_stages"] = case.virtual
+    if not torch.distributed.is_initialized():  # else a rank of a process group
+        options["devices"] = ["cpu"] * case.ranks
     return conveyor.Pipeline(model, loss_fn=loss_fn, chunks=case.chunks, schedule=schedule,
-                             devices=["cpu"] * case.ranks, recompute=case.recompute,
-                             **options)
+                             recompute=case.recompute, timeout=60, **options)
 
 
 def _draws_random(model: nn.Module) -> bool:

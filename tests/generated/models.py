@@ -25,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BLOCKS", "CONTEXT_FREE", "Generated", "Spec", "draw_spec", "sequential_model"]
+__all__ = ["BLOCKS", "CONTEXT_FREE", "PARAMETERLESS", "Generated", "Spec", "draw_spec", "sequential_model"]
 
 #: The menu. Context-free blocks map the hidden state alone; the rest also read what
 #: the model made earlier (memory, positions, the attention bias, a skip).
 CONTEXT_FREE = ("linear", "mlp", "inplace", "conv1d", "conv2d", "layernorm", "rmsnorm",
                 "batchnorm", "dropout", "buffer")
 BLOCKS = CONTEXT_FREE + ("attention", "cross", "gate")
+PARAMETERLESS = ("dropout", "buffer")
 CLASSES = 5
 
 

@@ -72,8 +72,9 @@ def _simpler_cases(case: Case) -> Iterator[Case]:
             yield replace(case, boundaries=case.boundaries[:i] + case.boundaries[i + 1:],
                           ranks=case.ranks - 1)
     if case.chunks > 1:
-        step = case.ranks if case.schedule in ("interleaved-1f1b", "dualpipe-v") else 1
-        fewer = max(case.chunks - step, step)
+        step = case.ranks if case.schedule == "interleaved-1f1b" else 1
+        least = 2 * case.ranks if case.schedule == "dualpipe-v" else step
+        fewer = max(case.chunks - step, least)
         if fewer != case.chunks:
             yield replace(case, chunks=fewer, batch=max(fewer, min(case.batch, 2 * fewer)))
     if case.batch > case.chunks + 1:

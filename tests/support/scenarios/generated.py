@@ -1,0 +1,21 @@
+"""Generated cases (tests/generated) on the ranks of a process group: each rank runs the
+seeds listed in ``OUT_DIR/seeds.json`` and writes, per seed, its worst error over the
+loss and the gradients it holds, against the plain model it computes itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.generated.cases import draw_case, run_case
+from tests.support.scenarios import scenario
+
+
+@scenario("generated")
+def generated(rank: int, world: int, out_dir: Path) -> None:
+    results = {}
+    for seed in json.loads((out_dir / "seeds.json").read_text()):
+        case = draw_case(seed, ranks=world)
+        result = run_case(case)
+        results[seed] = {"ok": result.ok, "result": str(result), "case": str(case)}
+    (out_dir / f"generated{rank}.json").write_text(json.dumps(results))

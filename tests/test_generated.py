@@ -1,0 +1,57 @@
+"""Generated models against the plain model (tests/generated): a fixed sample in CI.
+
+``make fuzz`` runs thousands of seeds (see the README); a failure here prints the line
+that reruns its case, and ``python -m tests.generated --seed N`` shrinks it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.generated.cases import draw_case, run_case
+from tests.generated.shrink import shrink
+from tests.support.launch import launch
+
+#: The CI sample: 48 seeds on threads (about 1.5 s each on two cores).
+THREAD_SEEDS = range(48)
+#: Seeds run again on two processes, each case as two ranks.
+PROCESS_SEEDS = [1000 + i for i in range(6)]
+
+
+@pytest.mark.parametrize("seed", THREAD_SEEDS)
+def test_generated_case_matches_the_plain_model(seed: int) -> None:
+    case = draw_case(seed)
+    result = run_case(case)
+    assert result.ok, (f"{case}\n{result}\n"
+                       f"reproduce (and shrink): python -m tests.generated --seed {seed}")
+
+
+def test_generated_cases_on_two_processes(tmp_path: Path) -> None:
+    (tmp_path / "seeds.json").write_text(json.dumps(PROCESS_SEEDS))
+    outcome = launch("generated", 2, tmp_path, timeout=300)
+    assert outcome.returncodes == [0, 0], "\n".join(o[-3000:] for o in outcome.outputs)
+    for rank in range(2):
+        results = json.loads((tmp_path / f"generated{rank}.json").read_text())
+        assert sorted(map(int, results)) == PROCESS_SEEDS
+        failed = {seed: r for seed, r in results.items() if not r["ok"]}
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_the_shrinker_finds_a_smaller_failing_case() -> None:
+    """A planted failure (any model whose blocks include a layer norm "fails") shrinks
+    to a case with that block alone, one stage and one micro-batch."""
+    case = next(c for c in map(draw_case, range(100))
+                if "layernorm" in c.spec.blocks and len(c.spec.blocks) >= 4 and c.chunks > 2)
+
+    def planted(candidate):  # type: ignore[no-untyped-def]
+        from tests.generated.cases import Result
+        failing = "layernorm" in candidate.spec.blocks
+        return Result(1.0 if failing else 0.0, "planted")
+
+    smallest, failure = shrink(case, planted(case), run=planted)
+    assert failure.error == 1.0
+    assert smallest.spec.blocks == ("layernorm",)
+    assert smallest.chunks < case.chunks and not smallest.train
