@@ -21,7 +21,13 @@ from conveyor.distributed.runtime import Runtime, RunsRuntime
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
-from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.engine.microbatch import (
+    batch_size,
+    gather,
+    microbatch_count,
+    microbatch_sizes,
+    split,
+)
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import TiedParameter, sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
@@ -148,12 +154,15 @@ class GPipe(RunsRuntime):
         Args:
             input: a tensor or nested tuple/list/dict of tensors whose dim 0 is the batch.
 
+        A batch of fewer samples than ``chunks`` runs as one micro-batch per sample.
+
         Raises:
-            MicroBatchError: the batch cannot be split into ``chunks`` micro-batches.
+            MicroBatchError: the batch holds no batched tensor, or they disagree on its size.
             StageError: a layer failed; the message names the stage, layer and micro-batch.
             LayerOutputError: a layer returned something that is not tensors.
         """
-        microbatches = split(input, self.chunks)
+        count = microbatch_count(input, self.chunks)
+        microbatches = split(input, count)
         leaves = pytree.tree_leaves(input)
         wrt_inputs = [i for i, t in enumerate(leaves)
                       if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -161,7 +170,7 @@ class GPipe(RunsRuntime):
         params = [p for s in sorted(runtime.stages)
                   for p in runtime.stages[s].trainable_parameters()]
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
-        state = new_step(microbatches, chunks=self.chunks, recompute=self.recompute,
+        state = new_step(microbatches, chunks=count, recompute=self.recompute,
                          grad_enabled=grad_enabled, training=self.training)
         step = _Step(runtime, state, leaves=leaves, wrt_inputs=wrt_inputs, params=params,
                      ties=runtime.layout.ties)
@@ -196,7 +205,7 @@ class _Step:
         self.backward_done = False
 
     def forward(self) -> Any:
-        self.runtime.run([Kind.FORWARD], self.state)
+        self.runtime.run([Kind.FORWARD], self.state, microbatches=len(self.state.inputs))
         outputs = [self.state.outputs[m] for m in range(len(self.state.inputs))]
         with torch.no_grad():
             gathered = gather(outputs)
@@ -249,7 +258,8 @@ class _Step:
         # autograd.grad() returns them without touching .grad at all.
         earlier = SetAside(self.params)
         try:
-            self.runtime.run([Kind.BACKWARD], state, commit=False)
+            self.runtime.run([Kind.BACKWARD], state, commit=False,
+                             microbatches=num_microbatches)
             sum_tied_gradients(self.ties)
             param_grads = [p.grad for p in self.params]
         finally:

@@ -36,12 +36,26 @@ from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.loss import LossFn
-from conveyor.engine.microbatch import batch_size, gather, microbatch_sizes, split
+from conveyor.engine.microbatch import (
+    batch_size,
+    gather,
+    microbatch_count,
+    microbatch_sizes,
+    split,
+)
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import ConveyorError, ScheduleError
-from conveyor.graph.layout import cut
+from conveyor.errors import ConveyorError
+from conveyor.graph.layout import (
+    adopt,
+    cut,
+    cuts_at_first_step,
+    first_microbatch,
+    keep_copies_equal,
+    not_cut,
+    refuse_edges,
+)
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.schedules import Kind, Schedule
@@ -72,11 +86,12 @@ class Pipeline(RunsRuntime):
             model's repeated blocks (the children of its largest ``nn.ModuleList``),
             balanced as ``balance`` says; the cut is kept as ``pipe.split_at``.
         sample: one micro-batch as the model takes it (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments): traced to cut a model at
-            submodules (every rank passes it), profiled for ``balance="time"``, or
-            traced to cut an ``nn.Sequential`` whose skips (``conveyor.skippable``)
-            cross stages.
-        schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", or a Schedule.
+            arguments or a dict of any of forward's arguments by name), to trace or profile
+            the model. Optional in one process: the first micro-batch of the first
+            :meth:`step` is then the sample (until then ``parameters()`` are the model's).
+            Under torchrun each rank keeps only its stages: every rank passes it, alike.
+        schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-v",
+            "dualpipe-v" (``conveyor.schedules.SCHEDULES``), or a Schedule table.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
             the CPU for every rank).
@@ -165,39 +180,56 @@ class Pipeline(RunsRuntime):
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)
         sharded = check_sharding(sharding, table, self.topology)
-        if split_at is None and table.edges and (
-                isinstance(module, nn.Sequential) or not isinstance(module, nn.Module)):
-            raise ScheduleError(
-                f"the schedule table has edges ({' '.join(map(str, table.edges))}),"
-                " but a sequence of layers sends each stage's output to the next stage "
-                "alone; drop the edges, or give a model to trace with split_at=")
-        distributed = self.topology.distributed
+        refuse_edges(table.edges, module, split_at)
         self.schedule = table  # before the layers are registered: no layer takes the name
+        self._rebalancing: Rebalancing | None = None
+        self._pending: dict[str, Any] | None = dict(
+            module=module, deadlines=deadlines, sharded=sharded, rebalance=rebalance, cut=dict(
+                balance=balance, split_at=split_at, layers=layers, tie_weights=tie_weights,
+                deferred_batch_norm=deferred_batch_norm, init_fn=init_fn, weights=weights))
+        if sample is None and isinstance(module, nn.Module) and cuts_at_first_step(
+                module, balance, split_at, distributed=self.topology.distributed):
+            adopt(self, module)  # parameters() and state_dict() as the model's until the cut
+        else:
+            self._build(sample)
+
+    def _build(self, sample: Any) -> None:
+        """Cuts the model and builds the runtime (when built, or at the first step)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        table, distributed, ranks = self.schedule, self.topology.distributed, len(self.devices)
         layout = cut(
-            self, module, stages=table.num_stages,
+            self, pending["module"], stages=table.num_stages,
             devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},
             local=[s for s in range(table.num_stages)
                    if not distributed or table.stage_ranks[s] == self.topology.pipeline_rank],
-            concurrent=self.devices if not distributed else [self.devices[0]],
-            balance=balance, split_at=split_at, sample=sample, layers=layers,
-            tie_weights=tie_weights, deferred_batch_norm=deferred_batch_norm,
-            init_fn=init_fn, weights=weights)
+            concurrent=self.devices if not distributed else [self.devices[0]], sample=sample,
+            **pending["cut"])
         if layout.edges:
             table = with_model_edges(table, layout.edges)
         if distributed:
             connect_ties(layout.ties, self.topology, table.stage_ranks)
         self.schedule = table
-        self._sharding = (Sharding(layout.stages, self.topology, table, layout.ties)
-                          if sharded else None)
+        sharded, rebalance = pending["sharded"], pending["rebalance"]
+        self._sharding = Sharding(layout.stages, self.topology, table, layout.ties) if sharded \
+            else None
         whereabouts = (Whereabouts(self.topology.pipeline_rank, ranks, self.topology.data_rank,
                                    self._snapshot) if distributed else None)
-        self._runtime = Runtime(layout, table, self.topology, self.devices, deadlines,
-                                whereabouts=whereabouts)
-        self._rebalancing: Rebalancing | None = None
+        self._runtime = Runtime(layout, table, self.topology, self.devices,
+                                pending["deadlines"], whereabouts=whereabouts)
         if rebalance is not None:
             check_rebalance(self._runtime, rebalance, sharded=sharded)
             assert layout.source is not None  # check_rebalance refuses a traced model
             self._rebalancing = Rebalancing(rebalance, len(layout.source.names))
+
+    @property  # type: ignore[override]
+    def _runtime(self) -> Runtime:
+        built: Runtime = self.__dict__["_built"] if "_built" in self.__dict__ else not_cut()
+        return built
+
+    @_runtime.setter
+    def _runtime(self, runtime: Runtime) -> None:
+        self.__dict__["_built"] = runtime
 
     @property
     def rebalancing(self) -> Rebalancing | None:
@@ -230,6 +262,7 @@ class Pipeline(RunsRuntime):
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
                                "eval_step() for inference")
+        self._cut_at_first_call(inputs)
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
         runtime = self._runtime
@@ -272,17 +305,50 @@ class Pipeline(RunsRuntime):
     def eval_step(self, inputs: Any) -> Any:
         """The pipelined forward of a batch, without gradients or recomputation.
 
+        A batch of fewer samples than ``chunks`` runs as one micro-batch per sample (the
+        first actions of the table), so one pipeline serves batches of any size, a
+        single sequence included. Under torchrun, stage 0's rank decides the number
+        and tells the others (a broadcast): every rank calls it.
+
         Returns:
             The gathered output where the last stage runs (in one process: always),
             None on the other ranks.
         """
-        state = self._new_step(inputs, grad_enabled=False)
-        self._runtime.run([Kind.FORWARD], state)
+        self._cut_at_first_call(inputs)
+        first = 0 in self._runtime.stages  # under torchrun, its rank counts for all
+        count = self._runtime.from_first_stage(
+            microbatch_count(inputs, self.chunks) if first else self.chunks)
+        microbatches = split(inputs, count) if 0 in self._runtime.stages else []
+        state = new_step(microbatches, chunks=count, recompute=self.recompute,
+                         grad_enabled=False, training=self.training)
+        self._runtime.run([Kind.FORWARD], state, microbatches=count)
         if self._sharding is not None:
             self._sharding.reshard()
         if self.schedule.num_stages - 1 not in self._runtime.stages:
             return None
-        return gather([state.outputs[m] for m in range(self.chunks)])
+        return gather([state.outputs[m] for m in range(count)])
+
+    def forward(self, inputs: Any) -> Any:
+        """``pipe(inputs)``: inference, as :meth:`eval_step` (in eval mode, or with
+        gradients off). Training goes through :meth:`step`, which runs the backward
+        too; ``conveyor.GPipe`` is the face whose forward is differentiable.
+
+        Raises:
+            ConveyorError: in training mode with gradients enabled.
+        """
+        if self.training and torch.is_grad_enabled():
+            raise ConveyorError(
+                "Pipeline(inputs) runs inference, the same as pipe.eval_step(inputs): call "
+                "pipe.eval() first or run it under torch.no_grad(); to train, call "
+                "pipe.step(inputs, targets) (forward and backward by the schedule), or use "
+                "conveyor.GPipe, whose forward is differentiable")
+        return self.eval_step(inputs)
+
+    def _cut_at_first_call(self, inputs: Any) -> None:
+        """Built without ``sample=``: cuts the model on the first call's first micro-batch."""
+        if self._pending is not None:
+            self._build(first_microbatch(inputs, self.chunks, self._pending["module"]))
+            keep_copies_equal(self, self._runtime.layout.ties)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips gradients by their norm over every stage and rank; returns that norm."""
@@ -320,7 +386,8 @@ class Pipeline(RunsRuntime):
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
                  if self.topology.distributed else f"devices={[str(d) for d in self.devices]}")
-        return (f"schedule={self.schedule.name!r}, balance={self.balance}, "
+        balance = "cut at the first step" if self._pending is not None else self.balance
+        return (f"schedule={self.schedule.name!r}, balance={balance}, "
                 f"chunks={self.chunks}, recompute={self.recompute!r}, {where}")
 
     # ----------------------------------------------------------------- internals

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import conveyor
+from tests.support.any_models import quiet_transformers
 from tests.support.models import mlp
 
 
@@ -62,12 +64,14 @@ def test_unknown_checkpoint_mode() -> None:
         conveyor.GPipe(model8(), [8], devices=["cpu"], checkpoint="sometimes")
 
 
-def test_fewer_samples_than_chunks() -> None:
-    pipe = conveyor.GPipe(model8(), [4, 4], devices=["cpu"] * 2, chunks=4)
+def test_a_training_step_with_fewer_samples_than_chunks() -> None:
+    """(Inference runs such a batch as fewer micro-batches: tests/test_microbatch.py.)"""
+    pipe = conveyor.Pipeline(model8(), balance=[4, 4], devices=["cpu"] * 2, chunks=4,
+                             loss_fn=nn.functional.mse_loss)
     with pytest.raises(conveyor.MicroBatchError,
                        match=r"a batch of 3 samples cannot be split into 4 micro-batches; "
                              r"use chunks <= 3"):
-        pipe(torch.randn(3, 4))
+        pipe.step(torch.randn(3, 4), torch.randn(3, 4))
 
 
 class Returns(nn.Module):
@@ -355,3 +359,92 @@ def test_values_that_are_not_batched_may_pass_through_a_layer() -> None:
     pipe = conveyor.GPipe(model, [2, 1], devices=["cpu"] * 2, chunks=2)
     x = torch.randn(4, 4)
     assert torch.equal(pipe(x), model(x))
+
+
+# --------------------------------------------- tracing a model: the cause and the fix
+
+
+class DynamicCache:
+    """Like transformers' cache of past keys and values: torch.export cannot take it
+    apart."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class Cached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, use_cache: bool = True) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return (x, DynamicCache(x)) if use_cache else x
+
+
+def test_a_cache_in_the_output_says_use_cache_false_and_is_left_to_conveyor() -> None:
+    x = torch.randn(4, 4)
+    with pytest.raises(conveyor.ModelError,
+                       match=r"hint: Cached returns a DynamicCache \(use_cache=True\): pass "
+                             r"use_cache=False in the sample .* or leave use_cache out and "
+                             r"conveyor passes use_cache=False"):
+        conveyor.GPipe(Cached(), stages=2, sample={"x": x, "use_cache": True})
+    model = Cached()
+    pipe = conveyor.GPipe(model, stages=2, sample={"x": x[:2]}, chunks=2)
+    assert torch.equal(pipe({"x": x}), model(x, use_cache=False))
+
+
+def test_a_forward_taking_kwargs_says_how_to_give_the_sample() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Cached()
+
+        def forward(self, **inputs: Any) -> Any:
+            return self.inner(**inputs)
+
+    with pytest.raises(conveyor.ModelError,
+                       match=r"Wrapper.forward takes the sample's \['use_cache', 'x'\] through "
+                             r"\*\*inputs, whose sizes torch.export cannot leave free .* give "
+                             r"forward named parameters"):
+        conveyor.GPipe(Wrapper(), stages=2, sample={"x": torch.randn(2, 4), "use_cache": False})
+
+
+def test_a_missing_model_input_is_named() -> None:
+    t = quiet_transformers()
+    config = t.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=20, n_positions=8)
+    with pytest.raises(conveyor.ModelError,
+                       match=r"failed in transformer \(GPT2Model\): ValueError: .*\nhint: the "
+                             r"error names input_ids and inputs_embeds, which "
+                             r"GPT2LMHeadModel.forward takes and the sample does not give \(it "
+                             r"gives attention_mask\): add input_ids to the sample"):
+        conveyor.GPipe(t.GPT2LMHeadModel(config), stages=2,
+                       sample={"attention_mask": torch.ones(2, 3, dtype=torch.long)})
+    with pytest.raises(conveyor.ModelError, match=r"the micro-batch does not fit Cached.forward"
+                                                  r".*missing a required argument: 'x'"):
+        conveyor.GPipe(Cached(), stages=2, sample={"use_cache": False})
+
+
+def test_eager_experts_name_the_module_and_the_setting_that_traces(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' eager experts branch on which experts tokens chose; torch prints
+    the partial graph, which goes to the log rather than the terminal."""
+    t = quiet_transformers()
+    config = t.MixtralConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                             num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                             num_local_experts=4, num_experts_per_tok=2,
+                             experts_implementation="eager")
+    model = t.MixtralForCausalLM(config)
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="conveyor"), pytest.raises(
+            conveyor.ModelError,
+            match=r"failed in model.layers.0.mlp.experts \(MixtralExperts\): .*\nhint: "
+                  r"data-dependent Python control flow in MixtralExperts.forward: "
+                  r"transformers' eager experts .* model.set_experts_implementation"
+                  r"\('batched_mm'\)"):
+        conveyor.Pipeline(model, stages=2, loss_fn=nn.MSELoss(), chunks=2,
+                          sample={"input_ids": torch.randint(0, 50, (2, 5))})
+    assert "def forward(" not in capfd.readouterr().err
+    assert "torch.export's partial graph of MixtralForCausalLM:\n" in caplog.text
+    assert "def forward(" in caplog.text

@@ -3,8 +3,9 @@
 Each stage's graph reads a parameter, buffer or constant where the model keeps it, under
 the model's name for it. A parameter that several stages use (tied embeddings) is read by
 the lowest of them under the name that holds it, and by each other stage through a copy
-installed under another of its names; the copies are :class:`TiedParameter` s whose
-gradients the pipeline sums.
+installed under another of its names (or, lacking one, under ``<name>@stage<k>``, kept
+out of state dicts); the copies are :class:`TiedParameter` s whose gradients the
+pipeline sums.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
+from torch.utils.weak import WeakIdKeyDictionary
 
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ModelError
@@ -22,6 +24,12 @@ from conveyor.graph.tracedstage import Binding, CutPlan
 from conveyor.graph.weights import Placement
 
 __all__: list[str] = []
+
+# A tied weight's copy made by a cut -> the weight (both alive only while the model is).
+_copies_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: Between a parameter's name and the stage of a copy that has no other name.
+COPY_MARK = "@stage"
 
 
 class Binder:
@@ -67,12 +75,9 @@ class Binder:
             stages = sorted(used_by)
             held = self._holding_name(tensor)
             spare = [n for n in self.aliases[id(tensor)] if n != held]
-            if len(spare) < len(stages) - 1:
-                raise ModelError(
-                    f"parameter {held!r} is used by stages {stages} under "
-                    f"{len(spare) + 1} name(s), so not every stage's copy can have a name "
-                    "of its own; move the split so that fewer stages use it, or tie it "
-                    "through two modules (as an embedding and a head)")
+            # A parameter read by more stages than it has names (a position table read
+            # by every block) gives each further copy a name of its own beside it.
+            spare += [f"{held}{COPY_MARK}{k}" for k in stages[len(spare) + 1:]]
             names = [held, *spare[:len(stages) - 1]]
             self._tie_names[id(tensor)] = dict(zip(stages, names))
             self._ties_by_tensor[id(tensor)] = tie = TiedParameter(
@@ -126,6 +131,9 @@ class Binder:
                      else tensor.detach().to(self.devices[k], copy=True))
             copy = nn.Parameter(value, requires_grad=tensor.requires_grad)
             setattr(owner, attribute, copy)
+            _copies_of[copy] = tensor
+            if COPY_MARK in attribute:
+                keep_out_of_state_dict(owner, attribute)
             self.placement.devices[id(copy)] = self.devices[k]
             self.placement.aliases[id(copy)] = self.aliases[id(tensor)]
             self._ties_by_tensor[id(tensor)].copies.append(copy)
@@ -141,6 +149,40 @@ class Binder:
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             if id(tensor) not in bound:
                 self.placement.devices[id(tensor)] = devices[0]
+
+
+def keep_out_of_state_dict(owner: nn.Module, attribute: str) -> None:
+    """The copy ``owner.<attribute>`` (named ``<name>@stage<k>``) stays out of state
+    dicts: saved under the parameter's own name where the process lacks it (its stage
+    under torchrun), loaded from that name."""
+    own = attribute.split(COPY_MARK)[0]
+
+    def saving(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+        value = state.pop(prefix + attribute, None)
+        if value is not None:
+            state.setdefault(prefix + own, value)
+
+    def loading(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        if prefix + own in state:
+            state[prefix + attribute] = state[prefix + own]
+
+    owner.register_state_dict_post_hook(saving)
+    owner.register_load_state_dict_pre_hook(loading)
+
+
+def restore_ties(model: nn.Module) -> None:
+    """Puts back the weights that an earlier cut of ``model`` replaced with per-stage
+    copies (where the weight is still the model's), so that the model is traced as it
+    was built: tied, and with the tensors of a trace kept for it."""
+    held = {id(p) for p in model.parameters()}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            original = _copies_of.get(param) if param is not None else None
+            if original is not None and id(original) in held:
+                if COPY_MARK in name:  # a name the cut made: gone with the copy
+                    del module._parameters[name]
+                else:
+                    module._parameters[name] = original  # type: ignore[assignment]
 
 
 def _constant(plan: CutPlan, target: str, device: torch.device) -> Any:

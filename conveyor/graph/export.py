@@ -45,8 +45,6 @@ gradient comes back over it::
 from __future__ import annotations
 
 import copy
-import inspect
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,13 +53,15 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.export import Dim, ExportedProgram
+from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.engine.ties import TiedParameter, equalize
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.binding import Binder
-from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram, as_call
+from conveyor.graph.calls import CallForm
+from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram
+from conveyor.graph.tracing import traced_call
 from conveyor.graph.weights import (
     InitFn,
     Placement,
@@ -73,56 +73,6 @@ from conveyor.graph.weights import (
 from conveyor.schedules import Edge
 
 __all__: list[str] = []
-
-
-def export_model(model: nn.Module, sample: Any) -> ExportedProgram:
-    """``model``'s forward on ``sample`` as an exported graph, every tensor dimension of
-    the inputs left free (export fixes those the model's code depends on).
-
-    Raises:
-        ModelError: torch.export cannot trace the model; the message says why and what
-            helps.
-    """
-    args, kwargs = as_call(sample)
-
-    def free(leaf: Any) -> Any:
-        return ({d: Dim.AUTO for d in range(leaf.dim())} if isinstance(leaf, torch.Tensor)
-                else None)
-
-    try:
-        arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    except TypeError as exc:
-        raise ModelError(f"the sample does not fit {type(model).__name__}.forward: {exc}; "
-                         "pass a tensor, a tuple of positional arguments or a dict of "
-                         "keyword arguments") from None
-    dynamic = {name: pytree.tree_map(free, value) for name, value in arguments.items()}
-    try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    except Exception as exc:  # noqa: BLE001 - explained and re-raised
-        raise ModelError(
-            f"conveyor traces the model with torch.export to split it, and tracing "
-            f"{type(model).__name__} on the sample failed{_where(model, exc)}: "
-            f"{type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
-            "hint: data-dependent Python control flow (an `if` on a tensor's values) cannot "
-            "be traced: move it out of forward, or cut the model so that the module runs "
-            "whole in one stage and give it as an nn.Sequential with balance=; run "
-            "torch.export.export(model, args, kwargs, strict=False) on the sample to see "
-            "the whole trace"
-        ) from exc
-
-
-def _where(model: nn.Module, exc: BaseException) -> str:
-    """`` in name (Type)``: the innermost submodule whose forward the failure passed
-    through, or nothing."""
-    names = {id(module): name for name, module in model.named_modules()}
-    found = ""
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        module = frame.f_locals.get("self")
-        name = names.get(id(module)) if isinstance(module, nn.Module) else None
-        if name:
-            found = f" in {name} ({type(module).__name__})"
-    return found
 
 
 @dataclass
@@ -182,14 +132,19 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
     if traced_on.type == "meta":
         sample = pytree.tree_map(
             lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, sample)
-    was_training = model.training
-    plans = {}
+    # The program of the model's own mode is traced with each module as the user holds
+    # it (a batch norm frozen in a model that trains stays frozen); the other mode's,
+    # after model.train(). Every module's mode is restored after.
+    modes = {module: module.training for module in model.modules()}
+    plans: dict[bool, CutPlan] = {}
     try:
-        for training in (True, False):
-            model.train(training)
-            plans[training] = _cut(export_model(model, sample), split_at, count)
+        for training in (model.training, not model.training):
+            if plans:
+                model.train(training)
+            plans[training] = _cut(*traced_call(model, sample), split_at, count)
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     binder = Binder(model, plans, devices)
     split = SplitModel(count, ties=binder.ties)
     for k in sorted(devices):
@@ -260,7 +215,8 @@ def _edges(plans: Any) -> tuple[Edge, ...]:
     return tuple(Edge(i, j, g) for (i, j), g in sorted(gradient.items()))
 
 
-def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> CutPlan:
+def _cut(program: ExportedProgram, form: CallForm, split_at: list[str],
+         stages: int) -> CutPlan:
     """Assigns every operation of ``program`` to a stage, and finds what crosses."""
     graph = program.graph
     stage_of: dict[fx.Node, int] = {}
@@ -310,7 +266,7 @@ def _cut(program: ExportedProgram, split_at: list[str], stages: int) -> CutPlan:
             fixed_sizes.append({d: size for d, size in enumerate(getattr(value, "shape", ()))
                                 if isinstance(size, int)})
     return CutPlan(program, stage_of, live_in, uses, fixed_sizes, sends,
-                _differentiable(program))
+                   _differentiable(program), form)
 
 
 def _inputs(node: fx.Node, program: ExportedProgram) -> list[fx.Node]:

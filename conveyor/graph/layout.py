@@ -16,16 +16,21 @@ statistics where asked, and gives each stage its random streams.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.layers import Partition
+from conveyor.engine.microbatch import split
 from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
@@ -36,8 +41,9 @@ from conveyor.engine.ties import (
     stage_of_layer,
     tie_layers,
 )
-from conveyor.errors import BalanceError, ModelError
+from conveyor.errors import BalanceError, ConveyorError, ModelError, ScheduleError
 from conveyor.graph.autosplit import choose_cut
+from conveyor.graph.binding import COPY_MARK, keep_out_of_state_dict, restore_ties
 from conveyor.graph.balance import balance_by_time, solve_balance, validate_balance
 from conveyor.graph.export import split_model
 from conveyor.graph.skip import split_at_skips
@@ -46,6 +52,8 @@ from conveyor.graph.weights import InitFn, Weights, draw_init_seed
 from conveyor.schedules import Edge
 
 __all__: list[str] = []
+
+logger = logging.getLogger("conveyor")
 
 
 @dataclass
@@ -115,6 +123,8 @@ def cut(
         BalanceError: the balance or the cut does not fit the model or ``stages``.
         ModelError: the model cannot be traced or cut there.
     """
+    if isinstance(module, nn.Module) and not isinstance(module, nn.Sequential):
+        restore_ties(module)  # cut before: traced tied, as built
     chosen, balance = choose_cut(module, split_at, balance, sample, stages)
     if chosen is not None:
         if not isinstance(module, nn.Module):
@@ -262,6 +272,96 @@ def _cut_traced(owner: nn.Module, module: nn.Module, split_at: Sequence[str], sa
     return Layout(stages, [1] * split.count, list(split_at), split.ties, split.edges)
 
 
+def cuts_at_first_step(module: Any, balance: Any, split_at: Sequence[str] | None, *,
+                       distributed: bool) -> bool:
+    """Whether a pipeline built without ``sample=`` cuts ``module`` at its first step,
+    on the first micro-batch: a model to trace (not an ``nn.Sequential``), in one
+    process, with storage (its parameters are the pipeline's until the cut).
+
+    Raises:
+        BalanceError: the model must be traced, but under torchrun or on the meta device.
+    """
+    if not isinstance(module, nn.Module) or isinstance(module, nn.Sequential) or (
+            split_at is None and balance not in (None, "time")):
+        return False
+    name = type(module).__name__
+    if distributed:
+        raise BalanceError(
+            f"conveyor traces {name} to cut it, and under torchrun every rank cuts it the "
+            "same way when the pipeline is built (each keeps only its stages' parameters, "
+            "for its optimizer), while only the first stage's rank sees the inputs: pass "
+            "sample=<one micro-batch as the model takes it>, the same shapes on every rank")
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        raise BalanceError(
+            f"{name} is on the meta device and gets its storage when it is cut, which traces "
+            "it: pass sample=<one micro-batch as the model takes it>, so that the pipeline "
+            "is cut (and its parameters are real) when it is built")
+    return True
+
+
+def first_microbatch(inputs: Any, chunks: int, model: nn.Module) -> Any:
+    """The first micro-batch of ``inputs``, on the device of ``model``'s first tensor:
+    the sample of a pipeline built without one (logged at INFO)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    sample = split(inputs, chunks)[0]
+    shapes = [tuple(t.shape) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
+    logger.info("conveyor cuts %s on the first micro-batch of the first step (tensor shapes "
+                "%s): no sample= was given", type(model).__name__, shapes)
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, sample)
+
+
+def keep_copies_equal(owner: nn.Module, ties: Sequence[TiedParameter]) -> None:
+    """Keeps the copies of tied weights that a cut made after an optimizer was built
+    equal to the weight: an optimizer that steps a tied weight but not its copies sets
+    them to its value after each step (and clears their gradients), as the plain model
+    has one weight. For as long as ``owner`` lives (an optimizer over all copies steps
+    them alike, so nothing changes)."""
+    pairs = [(weakref.ref(tie.copies[0]), [weakref.ref(c) for c in tie.copies[1:]])
+             for tie in ties if len(tie.copies) > 1]
+    if not pairs:
+        return
+
+    def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for held, copies in pairs:
+            weight = held()
+            if weight is None or id(weight) not in stepped:
+                continue
+            for copy in (c() for c in copies):
+                if copy is not None and id(copy) not in stepped:
+                    with torch.no_grad():
+                        copy.copy_(weight)
+                    copy.grad = None
+
+    handle = register_optimizer_step_post_hook(after_step)
+    weakref.finalize(owner, handle.remove)
+
+
+def not_cut() -> NoReturn:
+    """Raises the error of a pipeline asked for its stages before its first step cut it.
+
+    Raises:
+        ConveyorError: always.
+    """
+    raise ConveyorError("the pipeline cuts the model at its first step() (no sample= was "
+                        "given), not run yet; call step() first, or build it with sample=")
+
+
+def refuse_edges(edges: Sequence[Edge], module: Any, split_at: Sequence[str] | None) -> None:
+    """Refuses a schedule table with edges for a sequence of layers (no ``split_at``).
+
+    Raises:
+        ScheduleError: the table has edges, and the model is a sequence of layers.
+    """
+    if split_at is None and edges and (
+            isinstance(module, nn.Sequential) or not isinstance(module, nn.Module)):
+        raise ScheduleError(
+            f"the schedule table has edges ({' '.join(map(str, edges))}), but a sequence of "
+            "layers sends each stage's output to the next stage alone; drop the edges, or "
+            "give a model to trace with split_at=")
+
+
 def refuse_initialisation(init_fn: Any, weights: Any) -> None:
     """Refuses ``init_fn=``/``weights=`` where they have no effect (no ``split_at=``).
 
@@ -284,11 +384,16 @@ def adopt(owner: nn.Module, model: nn.Module) -> None:
     children = dict(model.named_children())
     params = dict(model.named_parameters(recurse=False))
     buffers = dict(model.named_buffers(recurse=False))
-    _check_layer_names(owner, [*children, *params, *buffers])
+    held = {**owner._modules, **owner._parameters, **owner._buffers}
+    _check_layer_names(owner, [name for name, value in [*children.items(), *params.items(),
+                                                        *buffers.items()]
+                               if held.get(name, None) is not value])  # adopted before
     for name, child in children.items():
         owner.add_module(name, child)
     for name, param in params.items():
         owner.register_parameter(name, param)
+        if COPY_MARK in name:  # a tie's copy at the model's top
+            keep_out_of_state_dict(owner, name)
     for name, buffer in buffers.items():
         owner.register_buffer(name, buffer,
                               persistent=name not in model._non_persistent_buffers_set)

@@ -25,18 +25,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from conveyor.engine.layers import WholeStage
 from conveyor.engine.recompute import is_recomputing
 from conveyor.errors import ModelError
+from conveyor.graph.calls import CallForm
+from conveyor.graph.calls import as_call as as_call  # profile, plan and check import it here
 
 __all__: list[str] = []
-
-
-def as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A micro-batch as the model's arguments: a tuple is positional, a dict keywords,
-    anything else the one positional argument."""
-    if isinstance(batch, tuple):
-        return batch, {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return (batch,), {}
 
 
 @dataclass
@@ -61,6 +53,7 @@ class CutPlan:
     fixed_sizes: list[dict[int, int]]  # per user input, the dims the trace fixed: size
     sends: list[dict[int, list[fx.Node]]]  # per stage, per later stage, what goes there
     differentiable: set[fx.Node]  # the values that may carry a gradient
+    form: CallForm  # how a micro-batch calls the model
 
 
 class StageProgram:
@@ -75,6 +68,7 @@ class StageProgram:
         self.in_spec = program.call_spec.in_spec
         self.out_spec = program.call_spec.out_spec
         self.fixed_sizes = plan.fixed_sizes
+        self.form = plan.form
         self.receives = [node.name for node in plan.live_in[k]]
         # What goes to each later stage, by name; the values made here, each once.
         self.sends = {j: [node.name for node in nodes] for j, nodes in plan.sends[k].items()}
@@ -121,12 +115,10 @@ class StageProgram:
     def __call__(self, live: Any) -> Any:
         values = [_read(b) for b in self.bindings]
         if self.first:
-            args, kwargs = as_call(live)
+            args, kwargs = self.form.call(live)
             leaves, spec = pytree.tree_flatten((args, kwargs))
             if spec != self.in_spec:
-                raise ModelError(
-                    f"the pipeline was traced on inputs structured as {self.in_spec}, but "
-                    f"this micro-batch is {spec}; call it with the sample's structure")
+                raise self._mismatch(args, kwargs, spec)
             self._check_shapes(leaves)
             inputs = leaves
         else:
@@ -146,6 +138,24 @@ class StageProgram:
         """The values ``made`` by this stage, as a dict for each stage of
         ``destinations`` (empty for one that takes nothing from it in this mode)."""
         return {j: {name: made[name] for name in self.sends.get(j, ())} for j in destinations}
+
+    def _mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  spec: pytree.TreeSpec) -> ModelError:
+        """The error of a micro-batch that does not call the model as the sample did."""
+        traced = {*self.form.names, *self.form.added}
+        given = set(kwargs)
+        if given != traced and self.form.signature is not None:
+            missing, extra = sorted(traced - given), sorted(given - traced)
+            said = [f"lacks {missing}" if missing else "",
+                    f"gives {extra}, which the sample did not" if extra else ""]
+            return ModelError(
+                f"the pipeline traced {self.form.model} on a sample with the inputs "
+                f"{sorted(traced)}, but this micro-batch {' and '.join(s for s in said if s)}"
+                "; give every micro-batch the sample's inputs, or build the pipeline on a "
+                "sample with these")
+        return ModelError(
+            f"the pipeline was traced on inputs structured as {self.in_spec}, but this "
+            f"micro-batch is {spec}; call it with the sample's structure")
 
     def _check_shapes(self, leaves: list[Any]) -> None:
         """Refuses an input whose size differs in a dimension the trace fixed: the graph
