@@ -150,6 +150,11 @@ def test_a_parameter_read_by_every_stage_under_one_name_is_tied(schedule: str) -
     assert torch.equal(copies["table@stage1"], copies["table"])
     pipe.load_state_dict(plain.state_dict())
     assert torch.equal(copies["table@stage1"], plain.table)
+    # A second pipeline of the same model is cut as the model was built: one table.
+    again = conveyor.Pipeline(model, split_at=["blocks.1", "blocks.2"], sample=x[:2],
+                              chunks=4, devices=["cpu"] * 3, loss_fn=nn.functional.cross_entropy)
+    assert [n for n, _ in again.named_parameters() if n.startswith("table")] == sorted(copies)
+    assert list(again.state_dict()) == list(plain.state_dict())
 
 
 @pytest.mark.parametrize("cut", [{"split_at": ["blocks.1"], "stages": 2}, {"stages": 2}])
