@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test typecheck bench clean
+.PHONY: train demo test typecheck bench faults fuzz zoo clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -15,6 +15,16 @@ demo: $(VENV)/.installed
 # Every extra is installed here, so a test that needs one fails rather than skips.
 test: $(VENV)/.installed
 	CONVEYOR_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest
+
+# Every generated fault case (tests/faults): launchers x faults x phases x ranks, one
+# after the other; CI runs a fixed sample of them (tests/test_faults.py).
+faults: $(VENV)/.installed
+	$(BIN)/python -m tests.faults --all
+
+# Every family of the zoo (tests/zoo): Hugging Face models from tiny configs, pipelined by
+# stages=2 and by a named split, under 1f1b and zero-bubble; CI runs a sample (test_zoo).
+zoo: $(VENV)/.installed
+	$(BIN)/python -m tests.zoo --json benchmarks/results/zoo.json
 
 typecheck: $(VENV)/.installed
 	$(BIN)/python -m mypy
@@ -35,3 +45,11 @@ $(VENV)/.installed: pyproject.toml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+
+# Generated models against the plain model: FUZZ_COUNT seeds from FUZZ_START (see README).
+FUZZ_START ?= 0
+FUZZ_COUNT ?= 10000
+FUZZ_JOBS ?= 2
+fuzz: $(VENV)/.installed
+	$(BIN)/python -m tests.generated --start $(FUZZ_START) --count $(FUZZ_COUNT) \
+		--jobs $(FUZZ_JOBS) --json benchmarks/results/fuzz.json

@@ -200,7 +200,7 @@ def test_mismatched_shapes_stop_every_rank_naming_the_stage(tmp_path: Path) -> N
     outcome = launch("fault_shape", 2, tmp_path, timeout=120)
     failing = r"stage 1, layer 3 \(Linear\) failed on micro-batch 0: RuntimeError: mat1 and mat2"
     assert_every_rank_stops(outcome, within=60,
-                            messages=[r"rank 1 failed \(StageError: " + failing, failing])
+                            messages=[r"rank 1 failed in 1F0 \(StageError: " + failing, failing])
 
 
 def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -11,22 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.generated.cases import draw_case, run_case
+from tests.generated.cases import draw_case, draw_cases, run_cases
 from tests.generated.shrink import shrink
 from tests.support.launch import launch
 
-#: The CI sample: 48 seeds on threads (about 1.5 s each on two cores).
-THREAD_SEEDS = range(48)
-#: Seeds run again on two processes, each case as two ranks.
-PROCESS_SEEDS = [1000 + i for i in range(6)]
+#: The CI sample: 40 seeds on threads, each a model and four ways to run it.
+THREAD_SEEDS = range(40)
+#: Seeds run again on two processes, two cases each, as two ranks.
+PROCESS_SEEDS = [1000 + i for i in range(5)]
 
 
 @pytest.mark.parametrize("seed", THREAD_SEEDS)
-def test_generated_case_matches_the_plain_model(seed: int) -> None:
-    case = draw_case(seed)
-    result = run_case(case)
-    assert result.ok, (f"{case}\n{result}\n"
-                       f"reproduce (and shrink): python -m tests.generated --seed {seed}")
+def test_generated_cases_match_the_plain_model(seed: int) -> None:
+    cases = draw_cases(seed)
+    failed = [f"{case}\n  {result}" for case, result in zip(cases, run_cases(cases))
+              if not result.ok]
+    assert not failed, ("\n".join(failed) + "\nreproduce (and shrink): "
+                        f"python -m tests.generated --seed {seed}")
 
 
 def test_generated_cases_on_two_processes(tmp_path: Path) -> None:
@@ -35,7 +36,7 @@ def test_generated_cases_on_two_processes(tmp_path: Path) -> None:
     assert outcome.returncodes == [0, 0], "\n".join(o[-3000:] for o in outcome.outputs)
     for rank in range(2):
         results = json.loads((tmp_path / f"generated{rank}.json").read_text())
-        assert sorted(map(int, results)) == PROCESS_SEEDS
+        assert sorted(results) == sorted(f"{s}.{v}" for s in PROCESS_SEEDS for v in (0, 1))
         failed = {seed: r for seed, r in results.items() if not r["ok"]}
         assert not failed, f"rank {rank}: {failed}"
 

@@ -6,20 +6,29 @@ partition, and a different ``chunks`` surfaces later as a shape error in the los
 before anything else a pipeline's processes exchange their options and the names and
 shapes of the model's parameters (one collective), and all refuse together, naming each
 option that differs and its value on every rank.
+
+The exchange goes through the job's store, each call bounded and the whole of it at
+most ``seconds`` (a rank that never comes is named, not waited for 30 minutes).
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent
+from conveyor.engine.watchdog.deadline import OPENING
 from conveyor.errors import ConfigError
 
 __all__: list[str] = []
+
+_agreements = 0  # agreements made in this process: every rank makes them in one order
 
 
 def model_shapes(module: Any) -> list[tuple[str, tuple[int, ...], str]] | None:
@@ -38,31 +47,57 @@ def schedule_of(schedule: Any) -> str:
     return f"a table ({hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]})"
 
 
-def agree(options: Mapping[str, Any]) -> None:
+def agree(options: Mapping[str, Any], *, seconds: float = OPENING) -> None:
     """Checks that every process of the job was given the same ``options``.
 
     A collective over the default process group: every process calls it once, when it
-    builds its pipeline.
+    builds its pipeline, and waits at most ``seconds`` for the others (start-up's
+    timeout: processes may be started seconds or minutes apart).
 
     Raises:
         ConfigError: an option differs between processes; on every process, naming the
             option and each process's value.
-            Also when a process did not take part (it failed before, or was started
-            differently).
+            Also when a process did not take part in time (it failed before, or was
+            started differently), naming it.
     """
-    gathered: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(gathered, dict(options))
-    except RuntimeError as exc:
-        raise ConfigError(f"rank {dist.get_rank()} could not compare its pipeline's options "
-                          "with the other ranks' (one failed before building its pipeline, "
-                          f"or was started with another world size): {exc}") from exc
+    gathered = _exchange(dict(options), seconds)
     differences = [_describe(key, [ranked.get(key) for ranked in gathered])
                    for key in options if any(r.get(key) != options[key] for r in gathered)]
     if differences:
         raise ConfigError("the ranks were started with different pipelines: "
                           + "; ".join(differences)
                           + ". Start every rank with the same options and model")
+
+
+def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
+    """Every rank's ``options``: through the store (bounded), else a collective."""
+    global _agreements
+    _agreements += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = BoundedStore()
+    if not store.available:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, options)
+        return gathered
+    prefix = f"conveyor/agree/{_agreements}"
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.set(keys[rank], pickle.dumps(options))
+        end = time.monotonic() + seconds
+        while not store.check(keys):
+            if time.monotonic() > end:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                raise ConfigError(
+                    f"rank {rank} waited {seconds:g} s to compare its pipeline's options "
+                    f"with the other ranks', but {_ranks(missing)} never came (failed before "
+                    "building its pipeline, froze, or was started with another world size)")
+            time.sleep(0.05)
+        return [pickle.loads(store.get(key)) for key in keys]
+    except (StoreSilent, StoreGone) as exc:
+        raise ConfigError(f"rank {rank} could not compare its pipeline's options with the "
+                          f"other ranks': {exc}") from exc
+    finally:
+        store.close()
 
 
 def _describe(key: str, values: list[Any]) -> str:

@@ -9,39 +9,52 @@ asynchronously, and this rank waits at most ``seconds``, then raises
 :class:`~conveyor.PeerFailure` naming the collective. On gloo the wait itself is done
 by a watcher thread (see :mod:`conveyor.distributed.watch`), so giving up does not
 close the group's connections.
+
+A rank that fails posts a notice of its failure in the job's store first thing (see
+:mod:`conveyor.distributed.whereabouts`); a rank waiting in a collective looks for it
+twice a second (``notice``), and when the collective's connections close (the failed
+rank has gone), so that its error names the failed rank, its action and its exception
+rather than gloo's "Connection closed by peer".
 """
 
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from conveyor.distributed.peerfailure import collective_failed
+from conveyor.distributed.peerfailure import collective_failed, reported
 from conveyor.distributed.watch import Watcher
 
 __all__: list[str] = []
 
 _watcher: Watcher | None = None
 _COLLECTIVES = -1  # the watcher's queue for collectives (its others are peers' ranks)
+_LOOK = 0.5  # seconds between two looks for a failure's notice
+
+#: ``notice()``: the failure a rank of the step announced, or None.
+Notice = Callable[[], "dict[str, Any] | None"]
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Any, what: str, seconds: float,
-               op: Any = None) -> None:
-    """``dist.all_reduce`` of ``tensor`` over ``group``, waiting at most ``seconds``.
+               op: Any = None, notice: Notice | None = None) -> None:
+    """``dist.all_reduce`` of ``tensor`` over ``group``, waiting at most ``seconds``
+    (and no longer once ``notice()`` tells of a rank's failure).
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
     """
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
                            async_op=True)
-    _wait(work, group, what, seconds)
+    _wait(work, group, what, seconds, notice)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
-              seconds: float) -> None:
+              seconds: float, notice: Notice | None = None) -> None:
     """``dist.broadcast`` of ``tensor`` from global rank ``src``, waiting at most
     ``seconds``.
 
@@ -49,17 +62,45 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
     """
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    _wait(work, group, what, seconds)
+    _wait(work, group, what, seconds, notice)
 
 
-def _wait(work: Any, group: Any, what: str, seconds: float) -> None:
+def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | None) -> None:
     global _watcher
-    waited: Any = work
-    if dist.get_backend(group) == "gloo":  # its wait(timeout) would close the group
-        if _watcher is None:
-            _watcher = Watcher()
-        waited = _watcher.watch(_COLLECTIVES, work)
+    rank = dist.get_rank()
+    if dist.get_backend(group) != "gloo" or notice is None:
+        waited: Any = work
+        if dist.get_backend(group) == "gloo":  # its wait(timeout) would close the group
+            if _watcher is None:
+                _watcher = Watcher()
+            waited = _watcher.watch(_COLLECTIVES, work)
+        try:
+            waited.wait(datetime.timedelta(seconds=seconds))
+        except Exception as exc:  # a TimeoutError, or the backend's RuntimeError
+            raise _named(exc, notice, rank, what, seconds) from exc
+        return
+    if _watcher is None:
+        _watcher = Watcher()
+    watched = _watcher.watch(_COLLECTIVES, work)
+    end = time.monotonic() + seconds
+    while not watched.done(min(_LOOK, end - time.monotonic())):
+        report = notice()
+        if report is not None:
+            raise reported(report, rank, f"stopped waiting in {what}")
+        if time.monotonic() >= end:
+            raise _named(TimeoutError(f"timed out after {seconds:g} s"), notice, rank, what,
+                         seconds)
     try:
-        waited.wait(datetime.timedelta(seconds=seconds))
-    except Exception as exc:  # a TimeoutError, or the backend's RuntimeError
-        raise collective_failed(exc, dist.get_rank(), what, seconds) from exc
+        watched.wait(datetime.timedelta(seconds=0))
+    except Exception as exc:  # the backend's error: a connection closed
+        raise _named(exc, notice, rank, what, seconds) from exc
+
+
+def _named(exc: BaseException, notice: Notice | None, rank: int, what: str,
+           seconds: float) -> BaseException:
+    """The failure of a collective that ended in ``exc``: the announced failure of the
+    rank that caused it, if one was posted, else what this rank saw."""
+    report = notice() if notice is not None else None
+    if report is not None:
+        return reported(report, rank, f"stopped waiting in {what}")
+    return collective_failed(exc, rank, what, seconds)

@@ -16,7 +16,7 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
 from conveyor.engine.watchdog.hangreport import render_report
-from conveyor.engine.watchdog.position import COLLECTIVE, FAILED, RUNNING, STOPPED
+from conveyor.engine.watchdog.position import COLLECTIVE, FAILED, RUNNING, STOPPED, WAITING
 from conveyor.engine.watchdog.threads import attach_report
 from conveyor.errors import PeerFailure
 
@@ -31,6 +31,8 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
     (once); a silent peer leaves ``transport`` broken."""
     if getattr(error, "where", None) is not None:
         return
+    if not isinstance(error, PeerFailure):  # this rank's own failure: say so first
+        whereabouts.announce(transport.step, own_report(error, rank))
     position = executor.positions.get(rank)
     if position is not None and position.state == COLLECTIVE:  # it failed in one
         position.failed(elsewhere=isinstance(error, PeerFailure))
@@ -47,7 +49,80 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         return
     snapshots = whereabouts.gather(executor.runs, GATHER, silent)
     notes = _notes(snapshots, report, executor.deadlines.within)
+    hosting = _store_host(whereabouts, transport)
+    if whereabouts.store_trouble is not None and hosting is not None \
+            and snapshots.get(hosting) is None:
+        notes[hosting] = ("did not answer, nor did the job's store it hosts: " + (
+            "the process died" if "is gone" in whereabouts.store_trouble
+            else "frozen, or stuck outside Python"))
+    if isinstance(error, PeerFailure):
+        _name_the_silent(error, snapshots, hosting, whereabouts.store_trouble)
+        _follow_the_waits(error, snapshots, rank)
     attach_report(error, render_report(executor.schedule, executor.kinds, snapshots, notes))
+
+
+def own_report(error: BaseException, rank: int) -> dict[str, Any]:
+    """``error``, raised by this rank, as the report its peers name it by."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return {"rank": rank, "error": text, "stage": getattr(error, "stage", -1),
+            "microbatch": getattr(error, "microbatch", -1),
+            "action": getattr(error, "action", "?")}
+
+
+def _store_host(whereabouts: Whereabouts, transport: P2PTransport) -> int | None:
+    """The pipeline rank whose process hosts the job's store, if one of this pipeline's."""
+    host = whereabouts.store_host()
+    ranks = [r for r in range(transport.topology.pipeline_size)
+             if transport.topology.global_rank(r) == host]
+    return ranks[0] if ranks else None
+
+
+def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) -> None:
+    """A rank that timed out waiting for a peer which was itself waiting (for a third,
+    stuck or frozen) names the rank at the end of the chain, where the step stopped."""
+    report = error.report
+    if report is None or report.get("silent") != "timeout" or report.get("rank") is None:
+        return
+    chain, peer = [report["rank"]], report["rank"]
+    while True:
+        snapshot = snapshots.get(peer) or {}
+        awaited = snapshot.get("awaited")
+        if not awaited or snapshot["state"] not in (WAITING, STOPPED) \
+                or awaited["source_rank"] in chain or awaited["source_rank"] == rank:
+            break
+        peer = awaited["source_rank"]
+        chain.append(peer)
+    if len(chain) == 1:
+        return
+    end = snapshots.get(peer)
+    how = ("did not answer: frozen, dead, or stuck outside Python" if end is None
+           else f"is in {end['action']}, {end['state']} for {end['seconds']:.1f} s"
+           if end["action"] else f"is {end['state']}")
+    report["rank"] = peer
+    first, _, rest = str(error).partition("\n")
+    waits = ", which waited for ".join(f"rank {r}" for r in chain)
+    error.args = (f"{first}: {waits}, which {how}" + (f"\n{rest}" if rest else ""),)
+
+
+def _name_the_silent(error: PeerFailure, snapshots: dict[int, Any], hosting: int | None,
+                     trouble: str | None) -> None:
+    """A failure that could not name the rank it lost (a collective's) names the one
+    that did not answer the gather: the store's host first, if the store went silent."""
+    report = error.report
+    if report is None or report.get("rank") is not None:
+        return
+    silent = [r for r, snapshot in snapshots.items() if snapshot is None]
+    if trouble is not None and hosting is not None:
+        silent = [hosting] + [r for r in silent if r != hosting]
+    if not silent:
+        return
+    report["rank"] = silent[0]
+    how = ("the process died" if report.get("silent") == "closed"
+           else "frozen, dead, or stuck outside Python")
+    named = (trouble if trouble is not None and silent[0] == hosting
+             else f"rank {silent[0]} did not answer ({how})")
+    first, _, rest = str(error).partition("\n")
+    error.args = (f"{first}: {named}" + (f"\n{rest}" if rest else ""),)
 
 
 def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> dict[int, str]:

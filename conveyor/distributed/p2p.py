@@ -47,21 +47,10 @@ from conveyor.distributed.envelope import (
     _encode_abort,
     _unpickle,
 )
-from conveyor.distributed.peerfailure import (
-    lost_between_steps,
-    reported,
-    timed_out,
-    wait_failed,
-)
+from conveyor.distributed.peerfailure import lost_between_steps, reported, timed_out, wait_failed
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.transport import (
-    Aborted,
-    LocalTransport,
-    MessageKind,
-    Traffic,
-    neighbour,
-)
+from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Schedule
@@ -127,8 +116,10 @@ class P2PTransport:
         self.deadlines = deadlines
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
-        #: ``locate_peer(rank, step)``: where a peer is (see whereabouts), None: no answer.
+        #: ``locate_peer(rank, step)``: where a peer is (see whereabouts), None: no answer;
+        #: ``announce(step, report)``: posts a failure where collectives look, first thing.
         self.locate_peer: Callable[[int, int], dict[str, Any] | None] | None = None
+        self.announce: Callable[[int, dict[str, Any]], None] | None = None
         self._heard: set[int] = set()  # peers whose messages of this step have come
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
@@ -422,6 +413,8 @@ class P2PTransport:
                       "stage": getattr(error, "stage", -1),
                       "microbatch": getattr(error, "microbatch", -1),
                       "action": getattr(error, "action", "?")}
+        if self.announce is not None:
+            self.announce(self.step, report)
         for rank in sorted(self._peers):
             try:
                 self._send_message(rank, *_encode_abort(report))

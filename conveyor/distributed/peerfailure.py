@@ -23,13 +23,20 @@ def timed_out(exc: BaseException) -> bool:
 
 
 def first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    """``exc``'s first line; of gloo's, the words alone ("Connection closed by peer
+    [127.0.0.1]:1727"), without its source location and advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if text.startswith("[") and "] " in text:  # "[.../gloo/.../pair.cc:553] Connection..."
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0]
 
 
 def reported(report: dict[str, Any], rank: int, stopped: str) -> PeerFailure:
     """The failure a peer reported, as rank ``rank`` raises it; ``stopped`` says where
     this rank stopped ("stopped waiting for ...", "stopped before its next action")."""
-    failure = PeerFailure(f"rank {report['rank']} failed ({report['error']}); rank {rank} "
+    action = report.get("action")
+    doing = f" in {action}" if action and action != "?" and action not in report["error"] else ""
+    failure = PeerFailure(f"rank {report['rank']} failed{doing} ({report['error']}); rank {rank} "
                           f"{stopped}", stage=report["stage"], microbatch=report["microbatch"],
                           action=report["action"])
     failure.report = report

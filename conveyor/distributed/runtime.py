@@ -100,19 +100,27 @@ class Runtime:
             transport.step = previous.transport.step  # messages carry it; reports ask by it
         if self.whereabouts is not None:
             transport.locate_peer = self.whereabouts.locate
+            transport.announce = self.whereabouts.announce
         return transport
 
     # ------------------------------------------------------------------ a step
 
-    def run(self, kinds: Sequence[Kind], state: StepState, *, commit: bool = True) -> None:
+    def run(self, kinds: Sequence[Kind], state: StepState, *, commit: bool = True,
+            microbatches: int | None = None) -> None:
         """Runs the actions of ``kinds`` of every local rank's column; with ``commit``,
         deferred batch-norm statistics are committed after (discarded on failure).
+        With ``microbatches`` = n, only the actions of micro-batches 0..n-1 (a batch
+        smaller than the table's): every action depends only on actions of its own
+        micro-batch, so each column's remaining actions keep a valid order.
 
         Raises:
             StageError, StepTimeout, PeerFailure: as the executor's run; under torchrun
                 the error carries the report of where every rank stood.
         """
         columns = actions_of(self.schedule, list(kinds))
+        if microbatches is not None:
+            columns = {rank: [a for a in column if a.microbatch < microbatches]
+                       for rank, column in columns.items()}
         if isinstance(self.transport, P2PTransport):
             assert self.whereabouts is not None
             self.whereabouts.start()
@@ -147,7 +155,8 @@ class Runtime:
         this rank's position says it is in ``what`` meanwhile."""
         self.joining(what)
         collective.all_reduce(tensor, group=group, what=what, op=op,
-                              seconds=self.deadlines.within if seconds is None else seconds)
+                              seconds=self.deadlines.within if seconds is None else seconds,
+                              notice=self.notice())
 
     def joining(self, what: str) -> None:
         """Notes in this rank's position that it is in the collective ``what``."""
@@ -166,8 +175,30 @@ class Runtime:
         self.joining(what)
         collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
                              group=topology.pipeline_group, what=what,
-                             seconds=self.deadlines.within)
+                             seconds=self.deadlines.within, notice=self.notice())
         return shared.to(value.device)
+
+    def from_first_stage(self, count: int) -> int:
+        """``count`` as the first stage's rank has it, on every rank of this pipeline
+        (in one process: ``count`` itself). A collective: every rank calls it."""
+        topology = self.topology
+        if not topology.distributed:
+            return count
+        shared = torch.tensor([count], dtype=torch.int64, device=self.device)
+        what = "the broadcast of the number of micro-batches from the first stage"
+        self.joining(what)
+        collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[0]),
+                             group=topology.pipeline_group, what=what,
+                             seconds=self.deadlines.within, notice=self.notice())
+        return int(shared.item())
+
+    def notice(self) -> collective.Notice | None:
+        """How a collective of this step looks for a rank's announced failure."""
+        whereabouts, transport = self.whereabouts, self.transport
+        if whereabouts is None or not isinstance(transport, P2PTransport):
+            return None
+        step = transport.step
+        return lambda: whereabouts.notice(step)
 
 
 class RunsRuntime(KeepsPlacement):

@@ -14,6 +14,15 @@ A rank that waits for a peer's first message of a step asks the same way whether
 peer has reached the step (:meth:`Whereabouts.locate`): a peer still busy between steps
 (saving, evaluating) gets the opening timeout, one in the step the shorter one.
 
+A failing rank also posts its failure (rank, stage, action, micro-batch, error) as the
+step's *notice* before anything else (:meth:`Whereabouts.announce`): a rank waiting in
+a collective reads it (:meth:`Whereabouts.notice`) and names the origin, even when the
+failed rank was the store's host and is gone a moment later.
+
+Every store call is bounded (:mod:`conveyor.distributed.store`): a frozen host (rank 0
+under env://) costs a gather its few seconds, not the group's 30 minutes, and the
+report then names the host as the rank that did not answer.
+
 Every surviving rank prints the merged report in its error; rank 0's is the one to read.
 A rank's answering thread wakes twice a second and reads two counters from the store.
 """
@@ -28,7 +37,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
+from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent, host
 
 __all__: list[str] = []
 
@@ -56,13 +65,14 @@ class Whereabouts:
         self.prefix = f"conveyor/where/{_created}/{replica}"
         # Weakly: the answering thread must not keep the pipeline (its stages) alive.
         self._snapshot = weakref.WeakMethod(snapshot)  # type: ignore[arg-type]
-        self.store = _default_store()
+        self.store = BoundedStore()
+        self.store_trouble: str | None = None  # why the store could not be used
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
 
     def start(self) -> None:
         """Starts the thread that answers when the others ask (once)."""
-        if self._thread is None and self.store is not None:
+        if self._thread is None and self.store.available:
             self._thread = threading.Thread(target=self._answer, daemon=True,
                                             name="conveyor-whereabouts")
             self._thread.start()
@@ -89,26 +99,53 @@ class Whereabouts:
         """
         found: dict[int, Any] = dict.fromkeys(range(self.ranks))
         found[self.rank] = self.snapshot()
-        if self.store is None:
+        if not self.store.available:
             return found
         try:
             self.store.set(f"{self.prefix}/{step}/{self.rank}", json.dumps(found[self.rank]))
             others = [r for r in range(self.ranks) if r != self.rank]
             found.update(self._ask(step, others, seconds, known_silent))
-        except Exception:  # noqa: BLE001 - the store's host died: report what is known
-            pass
+        except (StoreSilent, StoreGone) as exc:  # its host froze or died: what is known
+            self.store_trouble = str(exc)
         return found
+
+    def announce(self, step: int, report: dict[str, Any]) -> None:
+        """Posts ``report``, this rank's failure in ``step`` (or the one it passes on), as
+        the step's notice, where ranks waiting in a collective look (bounded: a silent
+        store is given up)."""
+        if self.store.available and not report.get("silent"):
+            try:
+                self.store.set(f"{self.prefix}/{step}/notice", json.dumps(report))
+            except (StoreSilent, StoreGone) as exc:
+                self.store_trouble = str(exc)
+
+    def notice(self, step: int) -> dict[str, Any] | None:
+        """The failure a rank announced in ``step``, if any (None also when the store
+        cannot be reached)."""
+        key = f"{self.prefix}/{step}/notice"
+        try:
+            if self.store.available and self.store.check([key]):
+                report: dict[str, Any] = json.loads(self.store.get(key))
+                return report
+        except (StoreSilent, StoreGone) as exc:
+            self.store_trouble = str(exc)
+        return None
+
+    def store_host(self) -> int | None:
+        """The global rank whose process hosts the store, if one does (env://)."""
+        return host()
 
     def locate(self, rank: int, step: int) -> dict[str, Any] | None:
         """Where pipeline rank ``rank`` is, asked while this rank waits for it in
         ``step``; None if it does not answer within its answering thread's time
         (frozen, dead, or stuck outside Python) or the store cannot be reached."""
-        if self.store is None:
+        if not self.store.available:
             return None
         try:
             answer: dict[str, Any] | None = self._ask(step, [rank], _ANSWER, set())[rank]
             return answer
-        except Exception:  # noqa: BLE001 - no store: nobody can tell
+        except (StoreSilent, StoreGone) as exc:  # no store: nobody can tell
+            self.store_trouble = str(exc)
             return None
 
     def _ask(self, step: int, ranks: list[int], seconds: float,
@@ -116,7 +153,6 @@ class Whereabouts:
         """Asks ``ranks`` where they are in ``step`` and waits for their answers, or for
         the place they published on failing (at most ``seconds``; ``_ANSWER`` for those
         ``known_silent``)."""
-        assert self.store is not None
         asked = self.store.add(f"{self.prefix}/{step}/asks", 1)
         found: dict[int, Any] = dict.fromkeys(ranks)
         start = time.monotonic()
@@ -143,14 +179,13 @@ class Whereabouts:
             if snapshot is None:
                 continue
             try:
-                assert self.store is not None
                 for step in (snapshot["step"], snapshot["step"] + 1):  # the next: between steps
                     asks = self.store.add(f"{self.prefix}/{step}/asks", 0)
                     for ask in range(answered.get(step, 0) + 1, asks + 1):
                         self.store.set(f"{self.prefix}/{step}/{self.rank}/{ask}",
                                        json.dumps(snapshot))
                     answered[step] = asks
-            except Exception:  # noqa: BLE001 - no store any more: nobody to answer
+            except (StoreSilent, StoreGone):  # no store any more: nobody to answer
                 return
 
 
@@ -164,11 +199,3 @@ def _close_all() -> None:
     ("terminate called without an active exception")."""
     for whereabouts in list(_open):
         whereabouts.close()
-
-
-def _default_store() -> Any:
-    """The store of the default process group (None if it has none)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private helper of torch: do without it
-        return None

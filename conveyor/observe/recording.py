@@ -45,8 +45,10 @@ def record(pipe: Any) -> Iterator[Timeline]:
                         name=schedule.name,
                         edges=[(e.source, e.destination, e.gradient) for e in schedule.edges])
     executor.recorder = recorder
+    failed = True
     try:
         yield timeline
+        failed = False
     finally:
         executor.recorder = None
         if pipe.runtime.executor.recorder is recorder:  # a re-balance gave the pipe a new executor
@@ -54,7 +56,7 @@ def record(pipe: Any) -> Iterator[Timeline]:
         events = [Event(r.rank, r.action.stage, r.action.kind.value, r.action.microbatch,
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]
-        if group is not None:
+        if group is not None and not failed:  # after a failure a peer may be gone
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, events, group=group)
             events = [e for part in gathered for e in part]

@@ -12,11 +12,14 @@ temporary file, which :func:`remove_temporaries` clears.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import pickle
 import shutil
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +84,14 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
     target = root / f"step-{int(extra.get('step', 0)):08d}"
     if dist.get_rank() == 0 and target.exists() and target != _latest_directory(directory):
         shutil.rmtree(target)  # a save of this step killed midway (at any world size)
-    dist.barrier()
-    dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target))
-    dist.barrier()
+    try:
+        _barrier(model, "the barrier before a checkpoint's writes")
+        _bounded(lambda: dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target)),
+                 model, f"the checkpoint {target.name}")
+        _barrier(model, "the barrier after a checkpoint's writes")
+    except Exception as exc:
+        _failed_save(exc, model, target.name)
+        raise
     if dist.get_rank() == 0:
         pointer = root / _POINTER_TEMPORARY
         pointer.write_text(target.name)
@@ -92,8 +100,112 @@ def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Opti
         for old in root.glob("step-*"):
             if old.name < target.name and old.name not in kept:
                 shutil.rmtree(old)
-    dist.barrier()
+    _barrier(model, "the barrier after a checkpoint's pointer")
     return target
+
+
+def _failed_save(exc: Exception, model: nn.Module, name: str) -> None:
+    """Names the rank behind a distributed save that failed on this rank: the failure a
+    rank announced, else the rank that no longer answers (killed, frozen); this rank's
+    own error is announced for the others. A write that failed (an OSError) is left to
+    the caller.
+
+    Raises:
+        PeerFailure: another rank failed or went silent during the save.
+    """
+    from conveyor.distributed.explain import own_report
+    from conveyor.distributed.peerfailure import first_line, reported, timed_out
+    from conveyor.errors import PeerFailure
+
+    runtime = getattr(model, "runtime", None)
+    whereabouts = getattr(runtime, "whereabouts", None)
+    if whereabouts is None or _write_failure_of(exc):
+        return
+    rank, step = dist.get_rank(), runtime.transport.step  # type: ignore[union-attr]
+    notice = whereabouts.notice(step)
+    if notice is not None and notice["rank"] != rank:
+        raise reported(notice, rank, f"stopped in the checkpoint {name}") from exc
+    lost = isinstance(exc, PeerFailure) or timed_out(exc) or any(
+        word in str(exc) for word in ("Connection", "closed", "reset"))
+    if not lost:  # this rank's own error: tell the others first
+        whereabouts.announce(step, own_report(exc, rank))
+        return
+    snapshots = whereabouts.gather(runtime.executor.runs, 3.0, set())  # type: ignore[union-attr]
+    silent = [r for r, snapshot in snapshots.items() if snapshot is None]
+    named = (f"rank {silent[0]} did not answer (killed, frozen, or stuck outside Python)"
+             if silent else "no rank said why")
+    failure = PeerFailure(f"rank {rank} could not finish the checkpoint {name}: {named} "
+                          f"({first_line(exc)}); the previous checkpoint is intact",
+                          stage=-1, microbatch=-1, action="save")
+    failure.report = {"rank": silent[0] if silent else None, "stage": -1, "microbatch": -1,
+                      "action": "save", "silent": "closed", "error": first_line(exc)}
+    raise failure from exc
+
+
+def _write_failure_of(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed write (an OSError, or dcp's gathered errors)."""
+    if isinstance(exc, OSError):
+        return True
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return False
+    return isinstance(exc, CheckpointException)
+
+
+_stuck: list[threading.Thread] = []  # saves that never came back (a rank froze in one)
+
+
+def _bounded(write: Any, model: nn.Module, what: str) -> None:
+    """``write()`` (dcp's save, whose collectives wait as long as the process group's
+    timeout) on a thread, waited for at most the pipeline's opening timeout.
+
+    Raises:
+        RuntimeError: it did not end in time (a rank froze in the save).
+    """
+    timeouts = getattr(model, "timeouts", None)
+    if timeouts is None:
+        write()
+        return
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            write()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="conveyor-save")
+    thread.start()
+    thread.join(timeouts.opening)
+    if thread.is_alive():
+        _stuck.append(thread)
+        # Not a TimeoutError: that is an OSError, which a caller takes for a failed write.
+        raise RuntimeError(f"{what} timed out after {timeouts.opening:g} s")
+    if failed:
+        raise failed[0]
+
+
+@atexit.register
+def _exit_past_a_stuck_save() -> None:
+    """A save left inside gloo would come back into a finalized interpreter and abort
+    the process: end it now, with 1 (its error was printed)."""
+    if any(thread.is_alive() for thread in _stuck):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _barrier(model: nn.Module, what: str) -> None:
+    """Every process here before any goes on, waiting at most the pipeline's opening
+    timeout (a rank killed or frozen in a save is named, not waited for 30 minutes)."""
+    timeouts = getattr(model, "timeouts", None)
+    if timeouts is None:
+        dist.barrier()
+        return
+    from conveyor.distributed import collective
+
+    collective.all_reduce(torch.zeros(1), group=None, what=what, seconds=timeouts.opening)
 
 
 def remove_temporaries(directory: str | Path) -> list[Path]:

@@ -1,10 +1,10 @@
 """``python -m tests.generated``: run generated cases against the plain model.
 
-    python -m tests.generated --seed 123          # one case, printed in full
-    python -m tests.generated --count 10000       # seeds 0..9999, with progress
+    python -m tests.generated --seed 123          # its model's cases, printed in full
+    python -m tests.generated --count 2500        # seeds 0..2499: 10,000 cases
     python -m tests.generated --count 500 --start 20000 --jobs 2 --json out.json
 
-Each failure is shrunk to a smallest failing case and printed with the line that
+Each seed draws one model and four ways to run it (cases). Each failure is shrunk to a smallest failing case and printed with the line that
 reproduces it. The exit status is 1 when any case failed.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.generated.cases import Case, Result, draw_case, run_case
+from tests.generated.cases import VARIANTS, Case, Result, draw_cases, run_case, run_cases
 from tests.generated.shrink import shrink
 
 
@@ -40,37 +40,45 @@ def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, objec
     smallest, failure = shrink(case, rerun, budget=shrink_budget,
                                progress=lambda c: print(f"     shrunk: {c}", flush=True))
     print(f"     smallest: {smallest}\n     {failure}\n"
-          f"     reproduce: python -m tests.generated --seed {case.seed}", flush=True)
+          f"     reproduce: python -m tests.generated --seed {case.seed}  (case "
+          f"{case.seed}.{case.variant})", flush=True)
     return {"seed": case.seed, "case": str(case), "result": str(result),
             "smallest": str(smallest), "smallest_result": str(failure)}
 
 
-def _run_seed(seed: int) -> tuple[int, Result]:
+def _run_seed(seed: int) -> list[tuple[Case, Result]]:
     _quiet()
     torch.set_num_threads(1)
-    result = run_case(draw_case(seed))
-    if result.exception is not None:  # not every exception pickles: its text does
-        result = Result(result.error, result.where,
-                        RuntimeError(f"{type(result.exception).__name__}: {result.exception}"))
-    return seed, result
+    cases = draw_cases(seed)
+    results = []
+    for case, result in zip(cases, run_cases(cases)):
+        if result.exception is not None:  # not every exception pickles: its text does
+            result = Result(result.error, result.where, RuntimeError(
+                f"{type(result.exception).__name__}: {result.exception}"))
+        results.append((case, result))
+    return results
 
 
-def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[int, Result]]:
-    """Each seed's result, in order, from ``jobs`` worker processes (or this one)."""
+def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[Case, Result]]:
+    """Each case's result, seed by seed, from ``jobs`` worker processes (or this one)."""
     if jobs <= 1:
-        yield from ((seed, run_case(draw_case(seed))) for seed in seeds)
+        for seed in seeds:
+            cases = draw_cases(seed)
+            yield from zip(cases, run_cases(cases))
         return
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        yield from pool.map(_run_seed, seeds, chunksize=4)
+        for results in pool.map(_run_seed, seeds, chunksize=2):
+            yield from results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.generated", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, help="run this one case and print it")
+    parser.add_argument("--seed", type=int, help="run this seed's cases and print them")
     parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
-    parser.add_argument("--count", type=int, default=100, help="how many seeds (default 100)")
+    parser.add_argument("--count", type=int, default=100,
+                        help="how many seeds (default 100), each %d cases" % VARIANTS)
     parser.add_argument("--shrink", type=int, default=200,
                         help="the most runs spent shrinking one failure (default 200)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
@@ -79,22 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     torch.set_num_threads(1)
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.count)
-    if args.seed is not None:
-        print(draw_case(args.seed))
+    total = len(seeds) * VARIANTS
     failures = []
     start = time.monotonic()
-    for done, (seed, result) in enumerate(_results(seeds, args.jobs), 1):
+    for done, (case, result) in enumerate(_results(seeds, args.jobs), 1):
+        if args.seed is not None:
+            print(case)
         if not result.ok:
-            failures.append(report(draw_case(seed), result, shrink_budget=args.shrink))
+            failures.append(report(case, result, shrink_budget=args.shrink))
         elif args.seed is not None:
-            print(f"ok: {result}")
-        if done % 50 == 0 or done == len(seeds):
+            print(f"  ok: {result}")
+        if done % 200 == 0 or done == total:
             elapsed = time.monotonic() - start
-            print(f"{done}/{len(seeds)} cases, {len(failures)} failed, {elapsed:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(f"{done}/{total} cases ({done // VARIANTS} models), {len(failures)} "
+                  f"failed, {elapsed:.0f} s", file=sys.stderr, flush=True)
     elapsed = time.monotonic() - start
-    summary = {"start": seeds[0], "count": len(seeds), "failed": len(failures),
-               "seconds": round(elapsed, 1), "torch": torch.__version__, "failures": failures}
+    summary = {"start": seeds[0], "models": len(seeds), "cases": total,
+               "failed": len(failures), "seconds": round(elapsed, 1),
+               "torch": torch.__version__, "failures": failures}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if failures else 0

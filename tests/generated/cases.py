@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 import conveyor
 from conveyor.engine.microbatch import gather, split
 from conveyor.engine.rng import derive_seed, draw_step_seed
-from conveyor.graph.binding import COPY_MARK
+from conveyor.graph.binding import COPY_MARK, restore_ties
 from conveyor.observe.checkruns import _traced_per_microbatch
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES, build
 from conveyor.schedules.table import Action, Kind, Schedule
@@ -36,10 +38,12 @@ from tests.generated.models import (
     sequential_model,
 )
 
-__all__ = ["TOLERANCE", "Case", "Result", "draw_case", "run_case"]
+__all__ = ["TOLERANCE", "VARIANTS", "Case", "Result", "draw_case", "draw_cases", "run_case",
+           "run_cases"]
 
 TOLERANCE = 1e-10
-CUTS = ("split_at", "auto", "sequential")
+#: Ways to run each generated model (see :func:`draw_cases`).
+VARIANTS = 4
 RECOMPUTE = ("always", "except_last", "never")
 #: The schedule names, and "mixed": zero-bubble's table with some I+W pairs run as one B.
 SCHEDULE_NAMES = (*SCHEDULES, "mixed")
@@ -50,6 +54,7 @@ class Case:
     """Everything a run needs; ``seed`` alone rebuilds it through :func:`draw_case`."""
 
     seed: int
+    variant: int
     spec: Spec
     cut: str                    # "split_at", "auto" (stages=K) or "sequential" (balance)
     boundaries: tuple[int, ...]  # blocks that begin a stage (split_at, sequential)
@@ -68,7 +73,7 @@ class Case:
 
     def __str__(self) -> str:
         cut = self.cut if self.cut == "auto" else f"{self.cut} at {list(self.boundaries)}"
-        return (f"seed {self.seed}: {self.schedule} K={self.ranks}x{self.virtual} "
+        return (f"seed {self.seed}.{self.variant}: {self.schedule} K={self.ranks}x{self.virtual} "
                 f"M={self.chunks} N={self.batch} recompute={self.recompute} "
                 f"{'train' if self.train else 'eval'} {cut}; {self.spec}")
 
@@ -91,36 +96,45 @@ class Result:
         return f"error {self.error:.3g} at {self.where}"
 
 
-def draw_case(seed: int, *, ranks: int | None = None) -> Case:
-    """The case of ``seed``: random model, cut, K (1–4, or ``ranks``), M (1–8), schedule
-    and options."""
+def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None) -> list[Case]:
+    """The cases of ``seed``: one random model, and ``variants`` ways to run it, each its
+    own cut, K (1–4, or ``ranks``), M (1–8), batch, schedule and options. The variants of
+    a seed share the model's trace (its sample has the same shapes), as a user who
+    rebuilds a pipeline of one model does."""
     rng = random.Random(seed)
     spec = draw_spec(rng)
-    cut = rng.choice(CUTS)
-    if cut == "sequential":
+    sequential = rng.random() < 1 / 3
+    if sequential:
         spec = replace(spec, blocks=tuple(k if k in CONTEXT_FREE else "linear"
                                           for k in spec.blocks),
                        memory_from=None, skip=None, shared=None, tie_head=False,
                        positions=False, output="tensor", extra=None, scale=False)
+    if ranks is not None:  # enough blocks for two stages per rank, each with parameters
+        spec = replace(spec, blocks=spec.blocks + ("linear",) * (2 * ranks))
+    return [_draw_variant(rng, seed, v, spec, sequential, ranks) for v in range(variants)]
+
+
+def draw_case(seed: int, variant: int = 0) -> Case:
+    """Variant ``variant`` of :func:`draw_cases` (``seed``)."""
+    return draw_cases(seed, variants=variant + 1)[variant]
+
+
+def _draw_variant(rng: random.Random, seed: int, variant: int, spec: Spec, sequential: bool,
+                  ranks: int | None) -> Case:
     schedule = rng.choice(SCHEDULE_NAMES)
     virtual = 2 if schedule in V_SHAPES or (schedule == "interleaved-1f1b"
                                              and rng.random() < 0.7) else 1
-    layers = len(spec.blocks) + (3 if cut == "sequential" else 0)
+    layers = len(spec.blocks) + (3 if sequential else 0)
     if ranks is None:
         ranks = rng.randint(1, max(1, min(4, layers // virtual)))
-    elif layers < ranks * virtual:  # more blocks, for a given number of ranks
-        spec = replace(spec, blocks=spec.blocks + ("linear",) * (ranks * virtual - layers))
     stages = ranks * virtual
-    boundaries: tuple[int, ...] = ()
     holding = sum(kind not in PARAMETERLESS for kind in spec.blocks)
+    cut = "sequential" if sequential else rng.choice(("split_at", "auto"))
     if cut == "auto" and holding < max(stages, 2):  # auto split would refuse, and says so
         cut = "split_at"
+    boundaries: tuple[int, ...] = ()
     if cut == "split_at":
-        if stages > len(spec.blocks):
-            cut = "auto"
-            spec = replace(spec, blocks=spec.blocks + ("linear",) * stages)
-        else:
-            boundaries = tuple(sorted(rng.sample(range(1, len(spec.blocks)), stages - 1)))
+        boundaries = tuple(sorted(rng.sample(range(1, len(spec.blocks)), stages - 1)))
     if cut == "sequential":
         boundaries = tuple(sorted(rng.sample(range(1, layers), stages - 1)))
     chunks = rng.randint(1, 8)
@@ -129,10 +143,10 @@ def draw_case(seed: int, *, ranks: int | None = None) -> Case:
     if schedule == "dualpipe-v":  # its warm-up fills both arms of the V
         chunks = max(chunks, 2 * ranks)
     batch = chunks * rng.randint(1, 3) + rng.randrange(chunks)  # uneven micro-batches
-    return Case(seed=seed, spec=spec, cut=cut, boundaries=boundaries, ranks=ranks,
-                virtual=virtual, schedule=schedule, chunks=chunks, batch=max(batch, 2),
-                recompute=rng.choice(RECOMPUTE), train=rng.random() < 0.7,
-                mixed_seed=rng.randrange(1 << 30))
+    return Case(seed=seed, variant=variant, spec=spec, cut=cut, boundaries=boundaries,
+                ranks=ranks, virtual=virtual, schedule=schedule, chunks=chunks,
+                batch=max(batch, 2), recompute=rng.choice(RECOMPUTE),
+                train=rng.random() < 0.7, mixed_seed=rng.randrange(1 << 30))
 
 
 def mixed_table(ranks: int, chunks: int, seed: int) -> Schedule:
@@ -154,22 +168,26 @@ def mixed_table(ranks: int, chunks: int, seed: int) -> Schedule:
 
 
 def build_model(case: Case) -> nn.Module:
-    """The case's model in float64, seeded by the spec, in train or eval mode."""
+    """The case's model in float64, seeded by the spec."""
     torch.manual_seed(case.spec.weights_seed)
     model = sequential_model(case.spec) if case.cut == "sequential" else Generated(case.spec)
-    model = model.double().train(case.train)
+    return model.double()
+
+
+def set_mode(model: nn.Module, case: Case) -> None:
+    """Train or eval mode, as the case says."""
+    model.train(case.train)
     if case.train and case.chunks > 1:
         # Batch statistics of a micro-batch are not those of the batch: a model trained
         # in micro-batches keeps its batch norms frozen (as fine-tuning often does).
         for module in model.modules():
             if isinstance(module, nn.BatchNorm1d):
                 module.eval()
-    return model
 
 
 def batch_of(case: Case) -> tuple[Any, torch.Tensor]:
     """Inputs (a dict when the model takes a keyword argument) and class targets."""
-    g = torch.Generator().manual_seed(case.seed)
+    g = torch.Generator().manual_seed(case.seed * VARIANTS + case.variant)
     spec = case.spec
     if spec.vocab:
         x = torch.randint(0, spec.vocab, (case.batch, spec.length), generator=g)
@@ -190,7 +208,8 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any) -> conveyor.Pipelin
         edges = (0, *case.boundaries, len(model))
         options["balance"] = [b - a for a, b in zip(edges, edges[1:])]
     else:
-        options["sample"] = split(inputs, case.chunks)[0]
+        # Two rows, whatever the batch: the variants of a seed share the trace.
+        options["sample"] = pytree.tree_map_only(torch.Tensor, lambda t: t[:2], inputs)
         if case.cut == "split_at":
             options["split_at"] = [f"blocks.{i}" for i in case.boundaries]
         else:
@@ -256,7 +275,19 @@ def compare(pipe: nn.Module, plain: nn.Module, loss: torch.Tensor,
 
 def run_case(case: Case) -> Result:
     """Runs one step of the case's pipeline and of the plain model; compares them."""
-    model = build_model(case)
+    return _run_on(case, build_model(case))
+
+
+def run_cases(cases: Sequence[Case]) -> list[Result]:
+    """:func:`run_case` of each of a seed's cases, on one model (its trace shared)."""
+    model = build_model(cases[0])
+    return [_run_on(case, model) for case in cases]
+
+
+def _run_on(case: Case, model: nn.Module) -> Result:
+    restore_ties(model)  # as the model was built, if an earlier case's pipeline cut it
+    model.zero_grad(set_to_none=True)
+    set_mode(model, case)
     plain = copy.deepcopy(model)
     inputs, targets = batch_of(case)
     try:

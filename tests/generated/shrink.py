@@ -43,7 +43,16 @@ def _without_block(spec: Spec, index: int) -> Spec | None:
                    else None, **pairs)
 
 
+def _as_linear(blocks: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    return tuple("linear" if b == kind else b for b in blocks)
+
+
 def _simpler_specs(spec: Spec) -> Iterator[Spec]:
+    if spec.skip is not None:
+        yield replace(spec, skip=None, blocks=_as_linear(spec.blocks, "gate"))
+    if spec.memory_from is not None:
+        yield replace(spec, memory_from=None, blocks=_as_linear(spec.blocks, "cross"),
+                      extra=None if spec.extra == "memory" else spec.extra)
     for index in reversed(range(len(spec.blocks))):
         smaller = _without_block(spec, index)
         if smaller is not None:

@@ -1,7 +1,8 @@
 """One process of a multi-process test: ``python -m tests.support.scenarios NAME OUT_DIR``.
 
-Started by ``tests.support.launch.launch`` with RANK, WORLD_SIZE and CONVEYOR_INIT_FILE
-set: joins a gloo process group through that file (no fixed port), runs the scenario
+Started by ``tests.support.launch.launch`` with RANK and WORLD_SIZE set: joins a gloo
+process group through the file CONVEYOR_INIT_FILE names (no fixed port), or else by
+env:// (MASTER_ADDR and MASTER_PORT, by hand or from torchrun), runs the scenario
 registered as NAME with ``(rank, world, out_dir)`` and exits.
 """
 
@@ -15,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.support.scenarios import SCENARIOS, fsdp, hang, pipeline, rebalance
+from tests.support.scenarios import SCENARIOS, fsdp, generated, hang, pipeline, rebalance
 
 #: Importing these modules registers their scenarios in SCENARIOS.
-MODULES = (pipeline, fsdp, hang, rebalance)
+MODULES = (pipeline, fsdp, hang, rebalance, generated)
 
 
 def main() -> None:
@@ -28,7 +29,8 @@ def main() -> None:
                          f"registered: {', '.join(sorted(SCENARIOS))}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['CONVEYOR_INIT_FILE']}",
+    init_file = os.environ.get("CONVEYOR_INIT_FILE")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}" if init_file else "env://",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     SCENARIOS[name](rank, world, out_dir)

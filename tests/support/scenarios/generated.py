@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.generated.cases import draw_case, run_case
+from tests.generated.cases import draw_cases, run_case
 from tests.support.scenarios import scenario
 
 
@@ -15,7 +15,9 @@ from tests.support.scenarios import scenario
 def generated(rank: int, world: int, out_dir: Path) -> None:
     results = {}
     for seed in json.loads((out_dir / "seeds.json").read_text()):
-        case = draw_case(seed, ranks=world)
-        result = run_case(case)
-        results[seed] = {"ok": result.ok, "result": str(result), "case": str(case)}
+        # A fresh model per case: under torchrun a cut drops the other ranks' tensors.
+        for case in draw_cases(seed, variants=2, ranks=world):
+            result = run_case(case)
+            results[f"{seed}.{case.variant}"] = {"ok": result.ok, "result": str(result),
+                                                 "case": str(case)}
     (out_dir / f"generated{rank}.json").write_text(json.dumps(results))

@@ -1,4 +1,5 @@
-"""Multi-process scenarios of a step that fails or stops moving (tests/test_hang_ranks.py).
+"""Multi-process scenarios of a step that fails and of the steps after it
+(tests/test_hang_ranks.py; faults of every kind are generated: tests/faults).
 
 Each rank writes ``rank{r}.json``: per step, the loss and the plain model's, or the
 error with its report (``where``) and the seconds the step took. A ``Trap`` layer ends
@@ -117,61 +118,3 @@ def hang_recover(rank: int, world: int, out_dir: Path) -> None:
     0's output loses two features, so stage 1 fails. Steps 3 and 5 run as if nothing
     happened (the failed steps' messages are drained)."""
     _run(rank, world, out_dir, {world - 1: {(2, 3): "raise"}, 0: {(4, 1): "shape"}}, 5)
-
-
-def _stopping(how: str, stage: int | None) -> Any:
-    """A scenario where ``stage`` (None: the last) does ``how`` in its second forward of
-    step 3 (steps 1 and 2 warm up)."""
-    def run(rank: int, world: int, out_dir: Path) -> None:
-        where = world - 1 if stage is None else stage
-        _run(rank, world, out_dir, {where: {(3, 2): how}}, 3)
-    return run
-
-
-hang_freeze_middle = scenario("hang_freeze_middle")(_stopping("freeze", 1))
-hang_kill_last = scenario("hang_kill_last")(_stopping("kill", None))
-hang_kill_middle = scenario("hang_kill_middle")(_stopping("kill", 1))
-hang_loop = scenario("hang_loop")(_stopping("loop", None))
-
-
-@scenario("hang_freeze_in_tie")
-def hang_freeze_in_tie(rank: int, world: int, out_dir: Path) -> None:
-    """``conveyor train``'s tied language model on two ranks; in step 3 the last rank
-    freezes as it enters the all-reduce of the tied weights' gradients, where rank 0
-    already waits: rank 0 reports the collective, and the frozen rank as silent."""
-    from conveyor.distributed import collective
-    from conveyor.train.language import summed_next_byte_loss
-    from conveyor.train.models import transformer_lm
-
-    global STEP
-    deadline.FLOOR = FLOOR
-    torch.manual_seed(0)
-    model = transformer_lm(2, 16, 32, 2, max_length=8, tie=True)
-    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", loss_fn=summed_next_byte_loss)
-    joined = collective.all_reduce
-
-    def all_reduce(tensor: torch.Tensor, **options: Any) -> None:
-        if rank == world - 1 and STEP == 3 and "tied" in options["what"]:
-            (out_dir / "frozen.pid").write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGSTOP)
-        joined(tensor, **options)
-
-    collective.all_reduce = all_reduce
-    found: list[dict[str, Any]] = []
-    try:
-        for STEP in range(1, 4):
-            tokens = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(STEP))
-            start = time.monotonic()
-            try:
-                pipe.step(tokens, tokens)
-                found.append({"loss": "ok"})
-            except conveyor.ConveyorError as exc:
-                found.append({"error": str(exc), "type": type(exc).__name__,
-                              "where": getattr(exc, "where", None),
-                              "seconds": time.monotonic() - start})
-                raise
-    finally:
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(found))
-        frozen = out_dir / "frozen.pid"
-        if rank == 0 and frozen.exists():
-            os.kill(int(frozen.read_text()), signal.SIGKILL)
