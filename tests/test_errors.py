@@ -448,3 +448,16 @@ def test_eager_experts_name_the_module_and_the_setting_that_traces(
     assert "def forward(" not in capfd.readouterr().err
     assert "torch.export's partial graph of MixtralForCausalLM:\n" in caplog.text
     assert "def forward(" in caplog.text
+
+
+def test_a_failing_loss_fn_names_the_last_stage_and_its_action() -> None:
+    def broken(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise ValueError("targets of the wrong shape")
+
+    pipe = conveyor.Pipeline(model8(), balance=[4, 4], devices=["cpu"] * 2, chunks=2,
+                             loss_fn=broken)
+    with pytest.raises(conveyor.StageError,
+                       match=r"loss_fn failed on micro-batch 0 \(stage 1, 1F0\): ValueError: "
+                             r"targets of the wrong shape") as caught:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    assert (caught.value.stage, caught.value.action, caught.value.microbatch) == (1, "1F0", 0)

@@ -45,6 +45,7 @@ from conveyor.errors import (
     LayerOutputError,
     ModelError,
     NonFiniteLossError,
+    StageError,
 )
 
 __all__: list[str] = []
@@ -314,8 +315,10 @@ class Stage:
         try:
             result = state.loss_fn(outputs, targets)
         except Exception as exc:
-            raise ConveyorError(f"loss_fn failed on micro-batch {m}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            action = f"{self.index}F{m}"  # the loss is part of the last stage's forward
+            raise StageError(f"loss_fn failed on micro-batch {m} (stage {self.index}, "
+                             f"{action}): {type(exc).__name__}: {exc}", stage=self.index,
+                             microbatch=m, action=action) from exc
         loss, count = loss_and_count(result, m)
         if state.losses and (count is not None) != bool(state.counts):
             raise ConveyorError(
