@@ -1,0 +1,53 @@
+"""The zoo of Hugging Face families (tests/zoo): a fixed sample pipelined here, the
+encoder-decoder, the two-tower and the mixture of experts, each at its named split under
+zero-bubble with recomputation, against the plain model; ``make zoo`` runs every family
+under both splits and both schedules. And the README's table hides none of them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.extras import require
+from tests.zoo.families import FAMILIES
+from tests.zoo.harness import pipelined, prepare, tolerance
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("name", ["bart", "clip", "mixtral"])
+def test_a_family_is_exact_at_its_named_split_under_zero_bubble_with_recompute(
+        name: str) -> None:
+    """BART split at its decoder's first layer (the encoder's state crosses with its
+    gradient); CLIP between its towers; Mixtral (float32: its experts' grouped_mm has no
+    float64 kernel) at its second layer, tokens routed to their top 2 of 4 experts."""
+    require("transformers")
+    family = FAMILIES[name]
+    prepared = prepare(family)
+    outcome = pipelined(prepared, "named", "zero-bubble")
+    assert outcome.failure is None, outcome.failure
+    assert outcome.cut == prepared.split_at
+    assert outcome.error is not None and outcome.error <= tolerance(family.dtype), outcome
+    assert family.dtype == (torch.float32 if name == "mixtral" else torch.float64)
+
+
+def zoo_rows() -> dict[str, str]:
+    """The README zoo section's table: each family's row, by family."""
+    text = README.read_text()
+    section = re.split(r"\n#+ ", text.split("# Models nobody here wrote: the zoo\n", 1)[1])[0]
+    rows = re.findall(r"^\| ([\w.-]+) \| (.+) \|$", section, flags=re.MULTILINE)
+    return {family: rest for family, rest in rows  # the family x result table's rows
+            if family not in ("family", "---") and rest.count(" | ") >= 3}
+
+
+def test_the_readme_table_lists_every_family_with_its_result() -> None:
+    rows = zoo_rows()
+    assert sorted(rows) == sorted(FAMILIES)
+    assert len(rows) >= 20
+    for family, rest in rows.items():
+        kind, _auto, _named, result = rest.split(" | ", 3)
+        assert kind == FAMILIES[family].kind, family
+        assert result.startswith("exact") or "--" in result, (family, result)
