@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.microbatch import gather, split
-from conveyor.engine.rng import derive_seed, draw_step_seed
+from conveyor.engine.rng import draw_step_seed
 from tests.support.models import (
     assert_same_grads,
     build,
     even_balance,
     paired,
     sample,
+    seeded_per_layer,
     weighted_loss,
 )
 
@@ -24,15 +24,7 @@ from tests.support.models import (
 def seeded_reference(model: nn.Sequential, x: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:
     """The plain model, run micro-batch by micro-batch with the pipeline's seeds."""
     torch.manual_seed(seed)
-    step_seed = draw_step_seed()
-    outputs = []
-    for m, part in enumerate(split(x, chunks)):
-        h = part
-        for i, layer in enumerate(model):
-            torch.manual_seed(derive_seed(step_seed, i, m))
-            h = layer(h)
-        outputs.append(h)
-    return gather(outputs)
+    return seeded_per_layer(model, x, chunks, draw_step_seed())
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

@@ -21,8 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import conveyor
-from conveyor.engine.microbatch import gather, split
-from conveyor.engine.rng import derive_seed, draw_step_seed
+from conveyor.engine.rng import draw_step_seed
 from conveyor.graph.binding import COPY_MARK, restore_ties
 from conveyor.observe.checkruns import _traced_per_microbatch
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES, build
@@ -37,6 +36,7 @@ from tests.generated.models import (
     loss_fn,
     sequential_model,
 )
+from tests.support.models import seeded_per_layer
 
 __all__ = ["TOLERANCE", "VARIANTS", "Case", "Result", "draw_case", "draw_cases", "run_case",
            "run_cases"]
@@ -237,14 +237,8 @@ def reference_output(case: Case, plain: nn.Module, inputs: Any,
         return plain(**inputs) if isinstance(inputs, dict) else plain(inputs)
     if split_at is not None:
         return _traced_per_microbatch(plain, inputs, case.chunks, step_seed, split_at)
-    outputs = []
-    for m, part in enumerate(split(inputs, case.chunks)):
-        h = part
-        for i, layer in enumerate(plain):
-            torch.manual_seed(derive_seed(step_seed, i, m))
-            h = layer(h)
-        outputs.append(h)
-    return gather(outputs)
+    assert isinstance(plain, nn.Sequential)
+    return seeded_per_layer(plain, inputs, case.chunks, step_seed)
 
 
 def compare(pipe: nn.Module, plain: nn.Module, loss: torch.Tensor,

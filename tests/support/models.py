@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.engine.microbatch import gather, split
+from conveyor.engine.rng import derive_seed
 from conveyor.graph.balance import solve_balance
 
 
@@ -153,3 +155,17 @@ def assert_same_grads(pipe_params: Iterable[tuple[str, nn.Parameter]],
         assert p.grad is not None, f"{name} has no gradient"
         error = relative_error(p.grad.cpu(), r.grad.cpu())
         assert error <= rtol, f"{name}: relative error {error:.3g} > {rtol}"
+
+
+def seeded_per_layer(model: nn.Sequential, inputs: Any, chunks: int, step_seed: int) -> Any:
+    """The plain layers run micro-batch by micro-batch, each layer reseeded with the
+    pipeline's stream for it (``derive_seed(step_seed, layer, microbatch)``): what a
+    pipeline of an ``nn.Sequential`` with random layers promises to compute."""
+    outputs = []
+    for m, part in enumerate(split(inputs, chunks)):
+        h = part
+        for i, layer in enumerate(model):
+            torch.manual_seed(derive_seed(step_seed, i, m))
+            h = layer(h)
+        outputs.append(h)
+    return gather(outputs)
