@@ -12,26 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import multiprocessing
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from tests.generated.cases import VARIANTS, Case, Result, draw_cases, run_case, run_cases
+from tests.generated.cases import (
+    VARIANTS,
+    Case,
+    Result,
+    draw_cases,
+    run_case,
+    run_cases,
+    quiet,
+    run_seed,
+)
 from tests.generated.shrink import shrink
-
-
-def _quiet() -> None:
-    """Keep torch.export's notes about specialised shapes out of a long run's output."""
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    logging.getLogger("conveyor").setLevel(logging.ERROR)
 
 
 def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, object]:
@@ -46,19 +46,6 @@ def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, objec
             "smallest": str(smallest), "smallest_result": str(failure)}
 
 
-def _run_seed(seed: int) -> list[tuple[Case, Result]]:
-    _quiet()
-    torch.set_num_threads(1)
-    cases = draw_cases(seed)
-    results = []
-    for case, result in zip(cases, run_cases(cases)):
-        if result.exception is not None:  # not every exception pickles: its text does
-            result = Result(result.error, result.where, RuntimeError(
-                f"{type(result.exception).__name__}: {result.exception}"))
-        results.append((case, result))
-    return results
-
-
 def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[Case, Result]]:
     """Each case's result, seed by seed, from ``jobs`` worker processes (or this one)."""
     if jobs <= 1:
@@ -68,7 +55,7 @@ def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[Case, Result]]:
         return
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        for results in pool.map(_run_seed, seeds, chunksize=2):
+        for results in pool.map(run_seed, seeds, chunksize=2):
             yield from results
 
 
@@ -84,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--json", type=Path, help="write the counts and failures here")
     args = parser.parse_args(argv)
-    _quiet()
+    quiet()
     torch.set_num_threads(1)
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.count)
     total = len(seeds) * VARIANTS

@@ -11,7 +11,9 @@ roundoff), or the exception the pipeline raised.
 from __future__ import annotations
 
 import copy
+import logging
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,7 +41,7 @@ from tests.generated.models import (
 from tests.support.models import seeded_per_layer
 
 __all__ = ["TOLERANCE", "VARIANTS", "Case", "Result", "draw_case", "draw_cases", "run_case",
-           "run_cases"]
+           "quiet", "run_cases", "run_seed"]
 
 TOLERANCE = 1e-10
 #: Ways to run each generated model (see :func:`draw_cases`).
@@ -295,3 +297,25 @@ def _run_on(case: Case, model: nn.Module) -> Result:
     expected = loss_fn(reference_output(case, plain, inputs, pipe.split_at, step_seed), targets)
     expected.backward()
     return compare(pipe, plain, loss.detach(), expected.detach())
+
+
+def run_seed(seed: int) -> list[tuple[Case, Result]]:
+    """The cases of ``seed`` and their results, for a worker process: one thread, and
+    each exception as its text (not every exception pickles)."""
+    quiet()
+    torch.set_num_threads(1)
+    cases = draw_cases(seed)
+    results = []
+    for case, result in zip(cases, run_cases(cases)):
+        if result.exception is not None:
+            result = Result(result.error, result.where, RuntimeError(
+                f"{type(result.exception).__name__}: {result.exception}"))
+        results.append((case, result))
+    return results
+
+
+def quiet() -> None:
+    """Keep torch.export's notes about specialised shapes out of a long run's output."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    logging.getLogger("conveyor").setLevel(logging.ERROR)
