@@ -386,7 +386,7 @@ class Pipeline(RunsRuntime):
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"
                  if self.topology.distributed else f"devices={[str(d) for d in self.devices]}")
-        balance = "cut at the first step" if self._pending is not None else self.balance
+        balance = "cut at the first call" if self._pending is not None else self.balance
         return (f"schedule={self.schedule.name!r}, balance={balance}, "
                 f"chunks={self.chunks}, recompute={self.recompute!r}, {where}")
 

@@ -339,13 +339,14 @@ def keep_copies_equal(owner: nn.Module, ties: Sequence[TiedParameter]) -> None:
 
 
 def not_cut() -> NoReturn:
-    """Raises the error of a pipeline asked for its stages before its first step cut it.
+    """Raises the error of a pipeline asked for its stages before its first call cut it.
 
     Raises:
         ConveyorError: always.
     """
-    raise ConveyorError("the pipeline cuts the model at its first step() (no sample= was "
-                        "given), not run yet; call step() first, or build it with sample=")
+    raise ConveyorError("the pipeline cuts the model at its first call (no sample= was "
+                        "given), not made yet; call step() or eval_step() first, or build "
+                        "it with sample=")
 
 
 def refuse_edges(edges: Sequence[Edge], module: Any, split_at: Sequence[str] | None) -> None:
