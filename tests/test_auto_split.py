@@ -297,3 +297,23 @@ def test_a_stage_without_parameters_is_refused_unless_split_at_asks() -> None:
                                            r"stages, or give split_at= to cut there anyway"):
         conveyor.GPipe(Skipping(), sample=sample, devices=["cpu"] * 3)
     assert auto_cut(Skipping(), 2, sample).split_at == ["blocks.1"]
+
+
+def test_blocks_of_one_class_may_include_some_without_parameters() -> None:
+    """Found by the generator: a list of one class in which some blocks hold no
+    parameters (a block that only scales by a buffer) was refused as not blocks."""
+
+    class Block(nn.Module):
+        def __init__(self, weighted: bool) -> None:
+            super().__init__()
+            self.f = nn.Linear(4, 4) if weighted else nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.f(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(w) for w in (True, False, True, True))
+
+    assert find_blocks(Model()).names == [f"blocks.{i}" for i in range(4)]
