@@ -176,8 +176,8 @@ class GPipe(RunsRuntime):
                      ties=runtime.layout.ties)
         if not grad_enabled:
             return step.forward()
-        flat = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
-        return step.assemble(flat)
+        token = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
+        return step.assemble(_Outputs.apply(step, token))
 
 
 class _Step:
@@ -202,6 +202,7 @@ class _Step:
         self.output_spec: Any = None
         self.output_leaves: list[Any] = []
         self.differentiable: list[bool] = []
+        self.output_grads: tuple[torch.Tensor | None, ...] = ()
         self.backward_done = False
 
     def forward(self) -> Any:
@@ -288,11 +289,34 @@ def _combine(leaf: torch.Tensor, parts: list[torch.Tensor | None]) -> torch.Tens
 
 
 class _PipelineFunction(torch.autograd.Function):
-    """Connects the pipeline to autograd: inputs and parameters in, outputs out."""
+    """Connects the pipeline to autograd: inputs and parameters in, a CPU token out.
+
+    Its backward runs the stages' backward half and waits for them. Autograd runs a
+    node on the thread of its gradients' device: the token keeps this node on the CPU,
+    that is on the thread that called ``backward()``. On a CUDA device's autograd
+    thread it would deadlock, since each stage's own ``backward`` on that device queues
+    its work to that same thread.
+    """
 
     @staticmethod
-    def forward(ctx: Any, step: _Step, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, step: _Step, *tensors: torch.Tensor) -> torch.Tensor:
         step.forward()
+        ctx.step = step
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, token_grad: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            raise RuntimeError("GPipe does not support higher-order gradients "
+                               "(backward with create_graph=True)")
+        return (None, *ctx.step.backward(ctx.step.output_grads))
+
+
+class _Outputs(torch.autograd.Function):
+    """The pipeline's outputs, after the token: its backward only keeps their gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, token: torch.Tensor) -> Any:
         ctx.step = step
         ctx.set_materialize_grads(False)
         outputs, constant = step.tensor_outputs()
@@ -301,10 +325,8 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        if torch.is_grad_enabled():
-            raise RuntimeError("GPipe does not support higher-order gradients "
-                               "(backward with create_graph=True)")
-        return (None, *ctx.step.backward(grads))
+        ctx.step.output_grads = grads
+        return None, torch.zeros(())
 
 
 def _stage_count(module: nn.Module, balance: Sequence[int] | str | None,

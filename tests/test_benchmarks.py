@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,32 @@ def test_any_model_script_compares_conveyor_with_torch_on_hugging_face_models(
     gpt2_config = report["config"]["memory_model"]
     head = gpt2_config["vocab_size"] * gpt2_config["n_embd"] * 4
     assert sum(r["parameter_bytes"] for r in memory["2"]) == whole + head
+
+
+def test_gpu_script_without_cuda_says_so_and_exits_zero(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA device here" in result.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_script_runs_every_part_at_toy_sizes_and_writes_its_report(tmp_path: Path) -> None:
+    """Each part's logic on the CPU: a part that fails is recorded as an error, so the
+    report must hold no error and every part's figures."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--smoke",
+                             "--out", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu-smoke.json").read_text())["results"]
+    assert not [name for name, part in report.items() if "error" in part], report
+    assert report["equivalence"]["cases"] == 4 and not report["equivalence"]["failures"]
+    assert report["tests"]["summary"].startswith("12 tests collected")
+    overhead = report["overhead"]["over_accumulated"]
+    assert set(overhead) == {"K=1, M=4", "K=2, M=8", "K=4, M=16"}
+    assert set(report["schedules"]["predicted_ms"]) >= {"gpipe", "1f1b", "zero-bubble"}
+    assert report["table1"]["largest_layers"] == {"naive": 4, "pipeline_1": 4}
+    markdown = (tmp_path / "gpu-smoke.md").read_text()
+    assert "### overhead" in markdown and "x plain, same M" in markdown
+    assert (tmp_path / "gpu-smoke.png").stat().st_size > 1000

@@ -67,6 +67,12 @@ def _default_generator(device: torch.device) -> torch.Generator:
     raise ValueError(f"no default random generator known for device {device}")
 
 
+def reseed(device: torch.device, seed: int) -> None:
+    """Seeds ``device``'s default generator with ``seed``, as a stage seeds a layer call
+    on a device of its own (the plain model run with the pipeline's streams)."""
+    _default_generator(device).manual_seed(seed)
+
+
 class LayerRandomness:
     """Seeds the layer calls of the stages that one worker runs on one device.
 

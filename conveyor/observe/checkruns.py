@@ -33,7 +33,7 @@ from torch import nn
 
 from conveyor.engine.microbatch import gather, split
 from conveyor.engine.recorder import Recorder
-from conveyor.engine.rng import derive_seed, draw_step_seed
+from conveyor.engine.rng import derive_seed, draw_step_seed, reseed
 from conveyor.engine.ties import find_ties
 from conveyor.errors import ConveyorError, ModelError
 from conveyor.graph.layout import resolve_balance
@@ -333,7 +333,7 @@ def run_plain(plain: nn.Module, run: PipelineRun, inputs: Any, targets: Any, *,
             if found.random:
                 result.per_microbatch.add(i)
                 h = _per_microbatch(lambda part, m: module(part), h, chunks,
-                                    lambda m: derive_seed(step_seed, i, m))
+                                    lambda m: derive_seed(step_seed, i, m), _device_of(module))
             else:
                 h = module(h)
             result.outputs[i] = leaves(h)  # now: a later layer may change it in place
@@ -366,6 +366,12 @@ def whole_loss(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any) ->
     return value.reshape(())
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` runs (its first parameter or buffer; the CPU without either)."""
+    return next((t.device for t in (*model.parameters(), *model.buffers())),
+                torch.device("cpu"))
+
+
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
@@ -376,10 +382,10 @@ def _call(model: nn.Module, batch: Any) -> Any:
 
 
 def _per_microbatch(run: Callable[[Any, int], Any], batch: Any, chunks: int,
-                    seed_of: Callable[[int], int]) -> Any:
+                    seed_of: Callable[[int], int], device: torch.device) -> Any:
     outputs = []
     for m, part in enumerate(split(batch, chunks)):
-        torch.default_generator.manual_seed(seed_of(m))
+        reseed(device, seed_of(m))
         outputs.append(run(part, m))
     return gather(outputs)
 
@@ -389,13 +395,14 @@ def _traced_per_microbatch(plain: nn.Module, inputs: Any, chunks: int, step_seed
     """The model micro-batch by micro-batch, reseeded where each traced stage begins
     with that stage's stream, as the pipeline's stages draw."""
     current = [0]
+    device = _device_of(plain)
 
-    def reseed(stage: int) -> Callable[..., None]:
+    def reseed_at(stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            torch.default_generator.manual_seed(derive_seed(step_seed, stage, current[0]))
+            reseed(device, derive_seed(step_seed, stage, current[0]))
         return hook
 
-    handles = [plain.get_submodule(name).register_forward_pre_hook(reseed(k + 1))
+    handles = [plain.get_submodule(name).register_forward_pre_hook(reseed_at(k + 1))
                for k, name in enumerate(split_at)]
 
     def run(part: Any, m: int) -> Any:
@@ -403,7 +410,8 @@ def _traced_per_microbatch(plain: nn.Module, inputs: Any, chunks: int, step_seed
         return _call(plain, part)
 
     try:
-        return _per_microbatch(run, inputs, chunks, lambda m: derive_seed(step_seed, 0, m))
+        return _per_microbatch(run, inputs, chunks, lambda m: derive_seed(step_seed, 0, m),
+                               device)
     finally:
         for handle in handles:
             handle.remove()

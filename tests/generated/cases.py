@@ -201,7 +201,8 @@ def batch_of(case: Case) -> tuple[Any, torch.Tensor]:
     return inputs, targets
 
 
-def make_pipeline(case: Case, model: nn.Module, inputs: Any) -> conveyor.Pipeline:
+def make_pipeline(case: Case, model: nn.Module, inputs: Any,
+                  device: str = "cpu") -> conveyor.Pipeline:
     schedule: str | Schedule = case.schedule
     if case.schedule == "mixed":
         schedule = mixed_table(case.ranks, case.chunks, case.mixed_seed)
@@ -219,7 +220,7 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any) -> conveyor.Pipelin
     if case.schedule == "interleaved-1f1b":
         options["virtual_stages"] = case.virtual
     if not torch.distributed.is_initialized():  # else a rank of a process group
-        options["devices"] = ["cpu"] * case.ranks
+        options["devices"] = [device] * case.ranks
     return conveyor.Pipeline(model, loss_fn=loss_fn, chunks=case.chunks, schedule=schedule,
                              recompute=case.recompute, timeout=60, **options)
 
@@ -269,25 +270,27 @@ def compare(pipe: nn.Module, plain: nn.Module, loss: torch.Tensor,
     return worst
 
 
-def run_case(case: Case) -> Result:
-    """Runs one step of the case's pipeline and of the plain model; compares them."""
-    return _run_on(case, build_model(case))
+def run_case(case: Case, device: str = "cpu") -> Result:
+    """Runs one step of the case's pipeline and of the plain model, both on ``device``
+    (every stage there); compares them."""
+    return _run_on(case, build_model(case).to(device), device)
 
 
-def run_cases(cases: Sequence[Case]) -> list[Result]:
+def run_cases(cases: Sequence[Case], device: str = "cpu") -> list[Result]:
     """:func:`run_case` of each of a seed's cases, on one model (its trace shared)."""
-    model = build_model(cases[0])
-    return [_run_on(case, model) for case in cases]
+    model = build_model(cases[0]).to(device)
+    return [_run_on(case, model, device) for case in cases]
 
 
-def _run_on(case: Case, model: nn.Module) -> Result:
+def _run_on(case: Case, model: nn.Module, device: str) -> Result:
     restore_ties(model)  # as the model was built, if an earlier case's pipeline cut it
     model.zero_grad(set_to_none=True)
     set_mode(model, case)
     plain = copy.deepcopy(model)
-    inputs, targets = batch_of(case)
+    inputs, targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+                                           batch_of(case))
     try:
-        pipe = make_pipeline(case, model, inputs)
+        pipe = make_pipeline(case, model, inputs, device)
         torch.manual_seed(case.seed)
         loss = pipe.step(inputs, targets)
     except Exception as exc:  # noqa: BLE001 - the generator reports any failure

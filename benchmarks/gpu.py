@@ -1,0 +1,365 @@
+"""Everything conveyor claims on a GPU, measured by one command.
+
+Run it first whenever a machine with CUDA is at hand:
+
+    python benchmarks/gpu.py                 # about 6 minutes on one H100
+    python benchmarks/gpu.py --parts tests,overhead
+    python benchmarks/gpu.py --smoke         # every part at toy sizes on the CPU (a check)
+
+Without CUDA (and without ``--smoke``) it says so and exits 0. The parts, in order:
+
+* ``tests``: ``pytest tests/test_cuda.py`` in a child process (its counts and failures);
+* ``equivalence``: generated models (``tests/generated``) on ``cuda``, every stage on
+  it, against the plain model in float64;
+* ``overhead``: K stages on one GPU (``cuda:0`` x K, M = 4K, no recomputation) against
+  the plain model's step: the runtime's own cost (goal: at most 1.05x);
+* ``schedules``: every schedule on 4 stages of one GPU: step time and the activation
+  memory it holds, against the planner's simulation (time calibrated on 1F1B);
+* ``precision``: bf16 autocast against float32 (time, memory), and ``compile=True``
+  against eager where the Pipeline takes it;
+* ``table1``: the paper's Table 1 on one GPU capped at 16 GiB: the largest
+  Transformer that trains naively and with Pipeline-1 (re-materialization and
+  micro-batches), and the activation memory of each at one size;
+* ``speedup`` (two or more GPUs): K = 2, 4 stages on K GPUs against one.
+
+It writes ``benchmarks/results/gpu.json``, ``gpu.md`` (the tables) and ``gpu.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import _common
+
+_common.prepare_process()
+sys.path.insert(0, str(_common.ROOT))  # tests.generated, for the equivalence part
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import conveyor  # noqa: E402
+from conveyor.observe.plan import OPTIMIZER_BYTES, measure, plan  # noqa: E402
+from conveyor.schedules.builders import SCHEDULES, V_SHAPES  # noqa: E402
+from conveyor.train.models import transformer_lm  # noqa: E402
+
+PARTS = ("tests", "equivalence", "overhead", "schedules", "precision", "table1", "speedup")
+
+
+class Sizes:
+    """The model and batch each part uses; ``smoke`` shrinks them to seconds on a CPU."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+        self.layers, self.width, self.hidden, self.heads = (4, 32, 64, 2) if smoke else (
+            8, 1024, 4096, 16)
+        self.vocab, self.length, self.batch = (64, 16, 16) if smoke else (8192, 512, 32)
+        self.rounds = 1 if smoke else 5
+        self.seeds = 1 if smoke else 12
+        self.memory_gib = 16.0
+
+    def model(self, layers: int | None = None) -> nn.Sequential:
+        return transformer_lm(layers or self.layers, self.width, self.hidden, self.heads,
+                              vocab=self.vocab, max_length=self.length)
+
+    def batch_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab, (self.batch, self.length + 1), generator=g)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               chunks: int = 1) -> Callable[[], None]:
+    """The plain model's step; with ``chunks``, micro-batch after micro-batch
+    (gradient accumulation: the same small kernels as a pipeline, no pipeline)."""
+    def step() -> None:
+        model.zero_grad(set_to_none=False)
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            (lm_loss(model(xs), ys) * (len(xs) / len(x))).backward()
+        synchronize(x.device)
+    return step
+
+
+def pipe_step(pipe: conveyor.Pipeline, x: torch.Tensor, y: torch.Tensor,
+              device: torch.device) -> Callable[[], None]:
+    def step() -> None:
+        pipe.zero_grad(set_to_none=False)
+        pipe.step(x, y)
+        synchronize(device)
+    return step
+
+
+def activation_bytes(step: Callable[[], None], device: torch.device) -> float | None:
+    """The memory one step holds beyond what is resident before it (weights, grads)."""
+    if device.type != "cuda":
+        return None
+    step()  # grads exist from here on: they count as resident
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    return float(torch.cuda.max_memory_allocated(device) - before)
+
+
+def time_configs(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    return _common.median_ms(_common.round_robin(steps, rounds))
+
+
+def part_tests(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    command = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-p",
+               "no:cacheprovider", "-o", "faulthandler_timeout=60", "-rfEs"]
+    if sizes.smoke:
+        command += ["--collect-only"]
+    done = subprocess.run(command, cwd=_common.ROOT, capture_output=True, text=True,
+                          timeout=600)
+    lines = done.stdout.strip().splitlines()
+    counts = [line.strip("= ") for line in lines
+              if any(w in line for w in (" passed", " failed", " error", "collected"))]
+    return {"command": " ".join(command[1:]), "returncode": done.returncode,
+            "summary": counts[-1] if counts else (lines[-1:] or [done.stderr[-500:]])[0],
+            "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))]}
+
+
+def part_equivalence(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    from tests.generated.cases import TOLERANCE, draw_cases, quiet, run_cases
+
+    quiet()
+    worst, failures, count = 0.0, [], 0
+    for seed in range(sizes.seeds):
+        cases = draw_cases(seed)
+        for case, result in zip(cases, run_cases(cases, device=str(device))):
+            count += 1
+            worst = max(worst, result.error)
+            if not result.error <= TOLERANCE:
+                failures.append(f"seed {seed} variant {case.variant}: {result.error:.2e} "
+                                f"at {result.where}" + (f" ({result.exception!r})"[:300]
+                                                        if result.exception else ""))
+        print(f"  seed {seed}: {count} cases, worst {worst:.1e}", file=sys.stderr, flush=True)
+    return {"cases": count, "seeds": sizes.seeds, "worst_error": worst,
+            "tolerance": TOLERANCE, "failures": failures}
+
+
+def part_overhead(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    x, y = sizes.batch_on(device)
+    torch.manual_seed(0)
+    plain = sizes.model().to(device)
+    steps = {"plain": plain_step(plain, x, y)}
+    for stages in (1, 2, 4):
+        steps[f"plain, M={4 * stages} accumulated"] = plain_step(plain, x, y, 4 * stages)
+    for stages in (1, 2, 4):
+        torch.manual_seed(0)
+        pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss,
+                                 chunks=4 * stages, schedule="1f1b", recompute="never",
+                                 balance=balanced(sizes, stages), devices=[device] * stages)
+        steps[f"K={stages}, M={4 * stages}"] = pipe_step(pipe, x, y, device)
+    measured = time_configs(steps, sizes.rounds)
+    return {"step_ms": measured,
+            "over_plain": {name: ms / measured["plain"] for name, ms in measured.items()},
+            "over_accumulated": {
+                name: ms / measured[f"plain, M={name.split('M=')[1]} accumulated"]
+                for name, ms in measured.items() if name.startswith("K=")}}
+
+
+def balanced(sizes: Sizes, stages: int) -> list[int]:
+    """The embedding and the norm + head ride with the first and last block's stage."""
+    per, extra = divmod(sizes.layers, stages)
+    blocks = [per + (s < extra) for s in range(stages)]
+    blocks[0] += 1
+    blocks[-1] += 2
+    return blocks
+
+
+def part_schedules(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    ranks, chunks = 4, 8
+    x, y = sizes.batch_on(device)
+    with torch.device("meta"):
+        figures = measure(sizes.model(), x.to("meta"))
+    plans, steps, held = {}, {}, {}
+    for name in SCHEDULES:
+        virtual = 2 if name == "interleaved-1f1b" else 1
+        stages = ranks * (2 if name in V_SHAPES or virtual == 2 else 1)
+        if sizes.layers + 3 < stages:
+            continue
+        found = plan(figures, devices=ranks, memory=float("inf"), batch=sizes.batch,
+                     chunks=chunks, schedule=name, virtual_stages=virtual,
+                     rematerialize=False, optimizer="sgd", flops_per_second=1.0)
+        torch.manual_seed(0)
+        pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss, chunks=chunks,
+                                 schedule=name, virtual_stages=virtual, recompute="never",
+                                 balance=found.balance, devices=[device] * ranks)
+        plans[name], steps[name] = found, pipe_step(pipe, x, y, device)
+        held[name] = activation_bytes(steps[name], device)
+    measured = time_configs(steps, sizes.rounds)
+    rate = plans["1f1b"].step_time / measured["1f1b"]
+    parameters = sum(f.parameters for f in figures)
+    predicted_bytes = {name: sum(p.rank_bytes) - parameters * OPTIMIZER_BYTES["sgd"]
+                       for name, p in plans.items()}
+    return {"ranks": ranks, "chunks": chunks, "step_ms": measured,
+            "predicted_ms": {name: p.step_time / rate for name, p in plans.items()},
+            "activation_bytes": held, "predicted_activation_bytes": predicted_bytes}
+
+
+def part_precision(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    x, y = sizes.batch_on(device)
+    steps, held = {}, {}
+    torch.manual_seed(0)
+    plain = sizes.model().to(device)
+    for label, dtype in (("plain float32", None), ("plain bf16 autocast", torch.bfloat16)):
+        step = plain_step(plain, x, y, 8)
+        steps[label] = step if dtype is None else autocast(step, device, dtype)
+        held[label] = activation_bytes(steps[label], device)
+    compiles = "compile" in inspect.signature(conveyor.Pipeline).parameters
+    variants = [("float32", None, False), ("bf16 autocast", torch.bfloat16, False)]
+    if compiles:
+        variants += [("float32 compiled", None, True)]
+    for label, dtype, compiled in variants:
+        torch.manual_seed(0)
+        options = {"compile": True} if compiled else {}
+        pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss, chunks=8,
+                                 schedule="1f1b", recompute="never", balance=balanced(sizes, 2),
+                                 devices=[device] * 2, **options)
+        step = pipe_step(pipe, x, y, device)
+        if dtype is not None:
+            step = autocast(step, device, dtype)
+        steps[label], held[label] = step, activation_bytes(step, device)
+    measured = time_configs(steps, sizes.rounds)
+    return {"step_ms": measured, "activation_bytes": held,
+            "compile": "measured" if compiles else "Pipeline has no compile= yet"}
+
+
+def autocast(step: Callable[[], None], device: torch.device,
+             dtype: torch.dtype) -> Callable[[], None]:
+    def cast() -> None:
+        with torch.autocast(device.type, dtype=dtype):
+            step()
+    return cast
+
+
+def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    import pipeline1_gpu
+
+    args = argparse.Namespace(width=2048, hidden=8192, heads=16, vocab=32000, length=512,
+                              batch=32, chunks=32)
+    if sizes.smoke:
+        args = argparse.Namespace(width=32, hidden=64, heads=2, vocab=50, length=8, batch=4,
+                                  chunks=2)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, sizes.memory_gib * 2**30 / total), device)
+    log: list[dict[str, Any]] = []
+    limit = 4 if sizes.smoke else 256
+    largest = {name: pipeline1_gpu.largest_fitting(
+        lambda n, p=pipelined: pipeline1_gpu.fits(n, pipelined=p, args=args, device=device,
+                                                  log=log), limit=limit)
+        for name, pipelined in (("naive", False), ("pipeline_1", True))}
+    at = max(1, largest["naive"])
+    held = {name: table1_activations(at, pipelined, args, device)
+            for name, pipelined in (("naive", False), ("pipeline_1", True))}
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    params = {name: pipeline1_gpu.parameters(layers, args) for name, layers in largest.items()}
+    return {"memory_gib": sizes.memory_gib, "config": vars(args), "largest_layers": largest,
+            "parameters": params, "activation_layers": at, "activation_bytes": held,
+            "attempts": log}
+
+
+def table1_activations(layers: int, pipelined: bool, args: argparse.Namespace,
+                       device: torch.device) -> float | None:
+    """The peak memory of a step beyond its model's parameters and optimizer state."""
+    import pipeline1_gpu
+
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    pipeline1_gpu.train_step(layers, pipelined=pipelined, args=args, device=device)
+    resident = pipeline1_gpu.parameters(layers, args) * OPTIMIZER_BYTES["rmsprop"]
+    return float(torch.cuda.max_memory_allocated(device) - resident)
+
+
+def part_speedup(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        return {"skipped": f"{gpus} GPU(s): needs two or more"}
+    x, y = sizes.batch_on(device)
+    steps = {}
+    for stages in (1, 2, 4):
+        if stages > gpus:
+            break
+        torch.manual_seed(0)
+        devices = [torch.device("cuda", i) for i in range(stages)]
+        pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss, chunks=4 * stages,
+                                 schedule="1f1b", recompute="except_last",
+                                 balance=balanced(sizes, stages), devices=devices)
+        steps[f"K={stages}"] = pipe_step(pipe, x, y, devices[-1])
+    measured = time_configs(steps, sizes.rounds)
+    return {"step_ms": measured,
+            "speedup": {name: measured["K=1"] / ms for name, ms in measured.items()}}
+
+
+RUNNERS: dict[str, Callable[[Sizes, torch.device], dict[str, Any]]] = {
+    "tests": part_tests, "equivalence": part_equivalence, "overhead": part_overhead,
+    "schedules": part_schedules, "precision": part_precision, "table1": part_table1,
+    "speedup": part_speedup,
+}
+
+
+def run_parts(names: list[str], sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    """Each part's results, or its error: one part failing does not stop the others."""
+    results: dict[str, Any] = {}
+    for name in names:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            results[name] = RUNNERS[name](sizes, device)
+        except Exception as exc:  # noqa: BLE001 - recorded, and the next part runs
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        results[name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {results[name]['seconds']} s", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument("--smoke", action="store_true",
+                        help="toy sizes on the CPU, to check the script without a GPU")
+    parser.add_argument("--out", default=str(_common.RESULTS),
+                        help="folder for gpu.json, gpu.md and gpu.png")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.parts.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; nothing measured "
+              "(--smoke checks the script on the CPU)")
+        return 0
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    results = run_parts(names, Sizes(args.smoke), device)
+    from gpu_report import write_report
+
+    for path in write_report(results, args.out, smoke=args.smoke):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

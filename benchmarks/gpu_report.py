@@ -1,0 +1,136 @@
+"""benchmarks/gpu.py's results as files: gpu.json, a Markdown table per part, a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import _common
+
+GIB = 2**30
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def tables(results: dict[str, Any]) -> list[str]:
+    """One Markdown section per part that ran."""
+    out = []
+    for name, result in results.items():
+        if "error" in result:
+            out.append(f"### {name}\n\nfailed: `{result['error'].splitlines()[0]}`")
+            continue
+        section = SECTIONS.get(name)
+        if section is not None:
+            out.append(f"### {name}\n\n" + section(result))
+    return out
+
+
+def _tests(r: dict[str, Any]) -> str:
+    failures = "".join(f"\n- {line}" for line in r["failures"])
+    return f"`{r['command']}`: {r['summary']}{failures}"
+
+
+def _equivalence(r: dict[str, Any]) -> str:
+    failures = "".join(f"\n- {line}" for line in r["failures"])
+    return (f"{r['cases']} generated cases ({r['seeds']} models) on the GPU, float64: "
+            f"worst error {r['worst_error']:.1e} (tolerance {r['tolerance']:.0e}), "
+            f"{len(r['failures'])} over it{failures}")
+
+
+def _overhead(r: dict[str, Any]) -> str:
+    rows = [[name, f"{ms:.1f}", f"{r['over_plain'][name]:.3f}",
+             f"{r['over_accumulated'][name]:.3f}" if name in r["over_accumulated"] else ""]
+            for name, ms in r["step_ms"].items()]
+    return _common.markdown_table(["", "step (ms)", "x plain", "x plain, same M"], rows)
+
+
+def _schedules(r: dict[str, Any]) -> str:
+    rows = [[name, f"{ms:.1f}", f"{r['predicted_ms'][name]:.1f}",
+             _gib(r["activation_bytes"][name]), _gib(r["predicted_activation_bytes"][name])]
+            for name, ms in r["step_ms"].items()]
+    return (f"{r['ranks']} stages on one GPU, M={r['chunks']}, no recomputation; "
+            "predictions calibrated on 1f1b's time\n\n" + _common.markdown_table(
+                ["schedule", "step (ms)", "predicted (ms)", "activations (GiB)",
+                 "predicted (GiB)"], rows))
+
+
+def _precision(r: dict[str, Any]) -> str:
+    base = r["step_ms"]["float32"]  # the pipeline's; plain rows: accumulated over M=8
+    rows = [[name, f"{ms:.1f}", f"{base / ms:.2f}", _gib(r["activation_bytes"][name])]
+            for name, ms in r["step_ms"].items()]
+    return (_common.markdown_table(["2 stages, M=8", "step (ms)", "speed x float32",
+                                    "activations (GiB)"], rows)
+            + f"\n\ncompile: {r['compile']}")
+
+
+def _table1(r: dict[str, Any]) -> str:
+    rows = [[name, r["largest_layers"][name], f"{r['parameters'][name] / 1e6:.0f}M",
+             _gib(r["activation_bytes"][name])] for name in ("naive", "pipeline_1")]
+    ratio = r["parameters"]["pipeline_1"] / max(r["parameters"]["naive"], 1)
+    c = r["config"]
+    return (f"T(L, {c['hidden']}, {c['heads']}), width {c['width']}, batch {c['batch']} x "
+            f"{c['length']}, M={c['chunks']}, RMSProp, GPU capped at "
+            f"{r['memory_gib']:.0f} GiB; activations at L={r['activation_layers']}\n\n"
+            + _common.markdown_table(["", "largest L", "parameters", "activations (GiB)"],
+                                     rows)
+            + f"\n\nPipeline-1 trains {ratio:.1f}x the parameters (paper: 3.9x)")
+
+
+def _speedup(r: dict[str, Any]) -> str:
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    rows = [[name, f"{ms:.1f}", f"{r['speedup'][name]:.2f}"] for name, ms in r["step_ms"].items()]
+    return _common.markdown_table(["", "step (ms)", "speedup"], rows)
+
+
+SECTIONS = {"tests": _tests, "equivalence": _equivalence, "overhead": _overhead,
+            "schedules": _schedules, "precision": _precision, "table1": _table1,
+            "speedup": _speedup}
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Step times per part that measured some, side by side; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [(name, r) for name, r in results.items()
+              if "step_ms" in r and "error" not in r]
+    if not panels:
+        return False
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for axis, (name, r) in zip(axes[0], panels):
+        labels = list(r["step_ms"])
+        axis.bar(range(len(labels)), [r["step_ms"][k] for k in labels], label="measured")
+        if "predicted_ms" in r:
+            axis.plot(range(len(labels)), [r["predicted_ms"][k] for k in labels], "o",
+                      color="black", label="predicted")
+            axis.legend()
+        axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        axis.set_ylabel("step (ms)")
+        axis.set_title(name)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write_report(results: dict[str, Any], folder: str, *, smoke: bool) -> list[Path]:
+    """Writes gpu.json, gpu.md and gpu.png (gpu-smoke.* for a smoke run) into ``folder``."""
+    stem = "gpu-smoke" if smoke else "gpu"
+    base = Path(folder)
+    json_path = _common.write(stem, {"results": results}, base / f"{stem}.json")
+    machine = _common.machine()
+    header = (f"## On a GPU\n\n{machine.get('gpu', 'no GPU (smoke run)')}, torch "
+              f"{machine['torch']}, commit {machine.get('commit', '?')}\n\n")
+    md_path = base / f"{stem}.md"
+    md_path.write_text(header + "\n\n".join(tables(results)) + "\n")
+    written = [json_path, md_path]
+    if plot(results, base / f"{stem}.png"):
+        written.append(base / f"{stem}.png")
+    return written
