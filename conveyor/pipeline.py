@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
-from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
+from conveyor.distributed.gradients import (
+    clip_grad_norm, overflowed_on_any_rank, reduce_across_replicas, step_loss)
 from conveyor.distributed.planning import local_ranks, make_schedule, with_model_edges
 from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
 from conveyor.distributed.runtime import Runtime, RunsRuntime
@@ -35,7 +36,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
-from conveyor.engine.loss import LossFn
+from conveyor.engine.loss import LossFn, LossScaler, autocast, compute_dtype
 from conveyor.engine.microbatch import (
     batch_size,
     gather,
@@ -111,6 +112,12 @@ class Pipeline(RunsRuntime):
             optimizer state (call :meth:`attach_optimizer`); see
             ``conveyor.distributed.rebalance``.
         check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
+        precision: "bf16" or "fp16" runs every stage under ``torch.autocast`` to that
+            dtype, weights and gradients staying in their own (float32: master weights);
+            "fp16" also scales the loss (:attr:`scaler`, a :class:`LossScaler`: a step
+            whose gradients overflow on any rank is dropped on every rank and
+            ``pipe.scaler.step(optimizer)`` skips it). None: as called (a caller's own
+            ``torch.autocast`` reaches every stage too).
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
@@ -145,6 +152,7 @@ class Pipeline(RunsRuntime):
         sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
+        precision: str | None = None,
         timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
@@ -159,6 +167,8 @@ class Pipeline(RunsRuntime):
         self.chunks = chunks
         self.recompute = mode
         self.check_finite = check_finite
+        self._dtype = compute_dtype(precision)
+        self.scaler = LossScaler() if precision == "fp16" else None
         deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
                                              timeout=deadlines.opening)
@@ -169,7 +179,7 @@ class Pipeline(RunsRuntime):
                    "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
                    "split_at": None if split_at is None else list(split_at),
                    "recompute": mode, "deferred_batch_norm": deferred_batch_norm,
-                   "check_finite": check_finite, "layers": layers, "sharding": sharding,
+                   "check_finite": check_finite, "precision": precision, "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module),
                    "rebalance": None if rebalance is None else repr(rebalance)})
@@ -268,7 +278,8 @@ class Pipeline(RunsRuntime):
         runtime = self._runtime
         last = self.schedule.num_stages - 1
         state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
-                               check_finite=self.check_finite)
+                               check_finite=self.check_finite,
+                               grad_scale=self.scaler.scale if self.scaler else 1.0)
         if last in self._runtime.stages:
             state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
@@ -276,8 +287,9 @@ class Pipeline(RunsRuntime):
         params = list(self.parameters())
         earlier = SetAside(params)  # this step's gradients alone, until they are reduced
         try:
-            self._runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
-            loss, divisor = self._step_loss(state)
+            with autocast(self.devices, self._dtype):
+                self._runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
+            loss, divisor = step_loss(state, runtime, self.chunks)
             if self._sharding is not None:  # reduce-scattered once, after the last backward
                 self._sharding.reduce(divisor, lambda total, group: runtime.all_reduce(
                     total, group, "the all-reduce of the tied weights' gradients"))
@@ -288,6 +300,8 @@ class Pipeline(RunsRuntime):
                     params, self.topology.data_group, self.topology.data_size, divisor,
                     lambda flat, op: runtime.all_reduce(flat, self.topology.data_group,
                                                       "the replicas' gradient averaging", op))
+            overflowed = self.scaler is not None and overflowed_on_any_rank(
+                self.scaler, params, runtime)
         except BaseException as exc:
             if self._sharding is not None:
                 self._sharding.discard()
@@ -296,7 +310,10 @@ class Pipeline(RunsRuntime):
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=False)
             raise
-        earlier.add_back()
+        if overflowed:  # dropped, on every rank alike
+            earlier.restore()
+        else:
+            earlier.add_back()
         if self._rebalancing is not None:
             self._rebalancing.after_step(self._runtime, completed=True)
         return loss
@@ -321,7 +338,8 @@ class Pipeline(RunsRuntime):
         microbatches = split(inputs, count) if 0 in self._runtime.stages else []
         state = new_step(microbatches, chunks=count, recompute=self.recompute,
                          grad_enabled=False, training=self.training)
-        self._runtime.run([Kind.FORWARD], state, microbatches=count)
+        with autocast(self.devices, self._dtype):
+            self._runtime.run([Kind.FORWARD], state, microbatches=count)
         if self._sharding is not None:
             self._sharding.reshard()
         if self.schedule.num_stages - 1 not in self._runtime.stages:
@@ -405,36 +423,3 @@ class Pipeline(RunsRuntime):
         """``value`` as the last stage's rank has it, on every rank of this pipeline
         (in one process: ``value`` itself). A collective: every rank calls it."""
         return self._runtime.from_last_stage(value)
-
-    def _step_loss(self, state: StepState) -> tuple[torch.Tensor, float]:
-        """The step's loss on every rank, and what its gradients are to be divided by
-        once summed over the data-parallel replicas (collectives: every rank calls it).
-
-        The last stage's rank shares ``[sum, count, paired]`` over the pipeline, and the
-        replicas add theirs up: float64 whatever the model's dtype, which every rank
-        must agree on before the last stage has computed anything, and which keeps a
-        float64 model's loss exact.
-        """
-        totals = torch.zeros(3, dtype=torch.float64, device=self._runtime.device)
-        if self.schedule.num_stages - 1 in self._runtime.stages:
-            losses = torch.stack([state.losses[m] for m in range(self.chunks)]).to(totals)
-            if state.counts:
-                counts = torch.stack([state.counts[m] for m in range(self.chunks)]).to(totals)
-                totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
-            else:
-                totals[0] = (losses * losses.new_tensor(state.loss_scale)).sum()
-        totals = self.from_last_stage(totals)
-        replicas = self.topology.data_size
-        if replicas > 1:
-            self._runtime.all_reduce(totals, self.topology.data_group,
-                                     "the replicas' loss total")
-        if not totals[2]:  # scalar losses: the replicas' mean
-            return (totals[0] / replicas).detach(), replicas
-        count = float(totals[1])
-        if count <= 0:
-            raise ConveyorError(
-                f"loss_fn's counts add up to {count:g} over the whole batch"
-                f"{f' and its {replicas} replicas' if replicas > 1 else ''}, so the loss "
-                "(loss_sum / count) is undefined; every target is padding?"
-            )
-        return (totals[0] / count).detach(), count

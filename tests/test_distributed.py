@@ -150,6 +150,12 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
         timeline = Timeline.from_dict(result["timeline"])  # type: ignore[arg-type]
         assert {e.rank for e in timeline.events} == {0, 1}
         assert len(timeline.events) == 2 * 2 * 4  # F and B of 4 micro-batches on 2 ranks
+    # float16: rank 0's gradients overflow, and both ranks drop the step (autocast
+    # reached each rank's stage: their Linear layers computed in float16).
+    for result in results:
+        fp16 = result["fp16"]
+        assert "torch.float16" in fp16["dtypes"], fp16
+        assert fp16["found_inf"] and fp16["scale"] == 2.0**15 and all(fp16["grads"]), fp16
     # The NaN on micro-batch 1 stops both ranks, each naming the micro-batch.
     assert outcome.returncodes == [1, 1], "\n".join(outcome.outputs)
     for output in outcome.outputs:

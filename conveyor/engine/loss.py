@@ -1,13 +1,15 @@
-"""The loss of a micro-batch as ``loss_fn`` returns it: a scalar, or ``(loss_sum, count)``."""
+"""The loss of a micro-batch as ``loss_fn`` returns it (a scalar, or ``(loss_sum, count)``),
+and mixed precision: autocast for every stage, and loss scaling for float16."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConfigError, ConveyorError
 
 __all__: list[str] = []
 
@@ -47,3 +49,98 @@ def loss_and_count(result: Any, m: int) -> tuple[torch.Tensor, torch.Tensor | No
         )
     return result, count
 
+
+
+#: ``precision=`` names and the dtype each computes in (None: the model's own dtype).
+PRECISIONS: dict[str | None, torch.dtype | None] = {
+    None: None, "32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str | None) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (None: no autocast).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: choose one of 'bf16' (bfloat16 "
+                          "compute, float32 weights), 'fp16' (float16 compute with loss "
+                          "scaling) or None (the model's own dtype)")
+    return PRECISIONS[precision]
+
+
+def autocast(devices: Iterable[torch.device], dtype: torch.dtype | None) -> ExitStack:
+    """Autocast to ``dtype`` on each device type of ``devices``: entered on the caller's
+    thread, it reaches every stage's worker (each takes the caller's autocast state)."""
+    stack = ExitStack()
+    if dtype is not None:
+        for device_type in sorted({d.type for d in devices}):
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
+
+
+class LossScaler:
+    """Loss scaling for float16, with ``torch.amp.GradScaler``'s rules, over a pipeline.
+
+    Each micro-batch's loss is multiplied by :attr:`scale` before its backward; after
+    the step's backward the gradients are divided by it and checked. A NaN or inf on
+    any stage (of any rank: the pipeline agrees on it) drops the step's gradients on
+    every stage, halves the scale and sets :attr:`found_inf`; :meth:`step` then skips
+    the optimizer. ``growth_interval`` steps in a row without one double it.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.found_inf = False
+        self._good_steps = 0
+
+    def unscale(self, grads: Sequence[torch.Tensor],
+                agree: Callable[[torch.Tensor], None] | None = None) -> bool:
+        """Divides ``grads`` by the scale; whether any (on any rank, through ``agree``,
+        which takes the maximum of a one-element tensor over the ranks) is not finite."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        found = torch.zeros(1)
+        for same in by_device.values():  # one host synchronisation per device
+            torch._foreach_mul_(same, 1.0 / self.scale)
+            finite = torch.stack([g.isfinite().all() for g in same]).all()
+            found = torch.maximum(found, (~finite).float().reshape(1).cpu())
+        if agree is not None:
+            agree(found)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        """The scale for the next step, after one that did (or did not) overflow."""
+        self.found_inf = found_inf
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self._good_steps = 0
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless the last step overflowed; whether it stepped."""
+        if self.found_inf:
+            return False
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_factor = state["growth_factor"]
+        self.backoff_factor = state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+        self._good_steps = state["good_steps"]

@@ -333,9 +333,9 @@ class Stage:
                                      "weights")
         state.losses[m] = value
         if count is None:
-            return loss.reshape(()) * state.loss_scale[m]
+            return loss.reshape(()) * (state.loss_scale[m] * state.grad_scale)
         state.counts[m] = count
-        return loss.reshape(())
+        return loss.reshape(()) * state.grad_scale
 
     def _rebuilt(self, m: int, saved: Saved, pairs: list[Pair],
                  state: StepState) -> list[Pair]:

@@ -34,6 +34,8 @@ class StepState:
         loss_fn: ``loss_fn(output, target)`` at the last stage; None returns outputs.
         loss_scale: the weight of each micro-batch's scalar loss in the batch's (its
             share of the samples), so that their sum is the loss of the whole batch.
+        grad_scale: what each micro-batch's loss is multiplied by before its backward
+            (float16 loss scaling); gradients come out multiplied by it.
         check_finite: raise if a micro-batch's loss is NaN or infinite.
         outputs: the last stage's output per micro-batch (without a loss).
         losses: the last stage's unscaled loss per micro-batch, detached (for a
@@ -53,6 +55,7 @@ class StepState:
     targets: Sequence[Any] | None = None
     loss_fn: LossFn | None = None
     loss_scale: Sequence[float] = ()
+    grad_scale: float = 1.0
     check_finite: bool = False
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)

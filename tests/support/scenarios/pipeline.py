@@ -96,8 +96,8 @@ def clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     with conveyor.record(pipe) as timeline:
         pipe.step(x, y)
     norm = pipe.clip_grad_norm_(0.05)
-    torch.save({"norm": norm, "grads": _grads(pipe), "timeline": timeline.to_dict()},
-               out_dir / f"rank{rank}.pt")
+    torch.save({"norm": norm, "grads": _grads(pipe), "timeline": timeline.to_dict(),
+                "fp16": fp16_overflow_on_rank_0(x.shape[0])}, out_dir / f"rank{rank}.pt")
     pipe.zero_grad()
     bad = y.clone()
     bad[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
@@ -109,6 +109,28 @@ def clip_and_check(rank: int, world: int, out_dir: Path) -> None:
         pipe.step(x, y)
         torch.save(_grads(pipe), out_dir / f"after{rank}.pt")
         raise
+
+
+def fp16_overflow_on_rank_0(batch: int) -> dict[str, object]:
+    """A float16 step whose gradients overflow on rank 0 alone: every rank must drop
+    it. Returns what this rank saw: its Linear layers' output dtypes, and the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2))
+    dtypes = set()
+    for layer in model:
+        layer.register_forward_hook(lambda m, a, out: dtypes.add(str(out.dtype)))
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", precision="fp16",
+                             loss_fn=lambda out, y: nn.functional.mse_loss(out.float(), y),
+                             timeout=30)
+    if pipe.topology.pipeline_rank == 0:
+        next(pipe.parameters()).register_hook(lambda g: g * float("inf"))
+    x, y = torch.randn(batch, 4), torch.randn(batch, 2)
+    pipe.step(x, y)
+    assert pipe.scaler is not None
+    return {"dtypes": sorted(dtypes), "found_inf": pipe.scaler.found_inf,
+            "scale": pipe.scaler.scale,
+            "grads": [p.grad is None for p in pipe.parameters()]}
 
 
 class Fails(nn.Module):
