@@ -15,8 +15,9 @@ Without CUDA (and without ``--smoke``) it says so and exits 0. The parts, in ord
   the plain model's step: the runtime's own cost (goal: at most 1.05x);
 * ``schedules``: every schedule on 4 stages of one GPU: step time and the activation
   memory it holds, against the planner's simulation (time calibrated on 1F1B);
-* ``precision``: bf16 autocast against float32 (time, memory), and ``compile=True``
-  against eager where the Pipeline takes it;
+* ``precision``: the plain model and 2 stages (M=8) in float32, under the caller's bf16
+  autocast, with ``precision="bf16"`` and ``"fp16"``, and with ``compile=True``
+  (time, memory);
 * ``table1``: the paper's Table 1 on one GPU capped at 16 GiB: the largest
   Transformer that trains naively and with Pipeline-1 (re-materialization and
   micro-batches), and the activation memory of each at one size;
@@ -223,12 +224,15 @@ def part_precision(sizes: Sizes, device: torch.device) -> dict[str, Any]:
         steps[label] = step if dtype is None else autocast(step, device, dtype)
         held[label] = activation_bytes(steps[label], device)
     compiles = "compile" in inspect.signature(conveyor.Pipeline).parameters
-    variants = [("float32", None, False), ("bf16 autocast", torch.bfloat16, False)]
+    variants: list[tuple[str, torch.dtype | None, dict[str, Any]]] = [
+        ("float32", None, {}), ("bf16 autocast", torch.bfloat16, {}),
+        ("precision='bf16'", None, {"precision": "bf16"}),
+        ("precision='fp16'", None, {"precision": "fp16"})]
     if compiles:
-        variants += [("float32 compiled", None, True)]
-    for label, dtype, compiled in variants:
+        variants += [("float32 compiled", None, {"compile": True}),
+                     ("bf16 compiled", None, {"compile": True, "precision": "bf16"})]
+    for label, dtype, options in variants:
         torch.manual_seed(0)
-        options = {"compile": True} if compiled else {}
         pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss, chunks=8,
                                  schedule="1f1b", recompute="never", balance=balanced(sizes, 2),
                                  devices=[device] * 2, **options)

@@ -36,6 +36,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
+from conveyor.engine.layers import compile_layers
 from conveyor.engine.loss import LossFn, LossScaler, autocast, compute_dtype
 from conveyor.engine.microbatch import (
     batch_size,
@@ -118,6 +119,11 @@ class Pipeline(RunsRuntime):
             whose gradients overflow on any rank is dropped on every rank and
             ``pipe.scaler.step(optimizer)`` skips it). None: as called (a caller's own
             ``torch.autocast`` reaches every stage too).
+        compile: compile each layer of this process's stages with ``torch.compile``
+            (a traced stage: its whole graph); dropout modules stay eager, so the
+            random streams, recomputation and the ``I``/``W`` split stay exact (a
+            traced stage that draws random numbers stays eager; torch's donated
+            buffers are turned off for the process, see ``engine.layers``).
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
@@ -153,6 +159,7 @@ class Pipeline(RunsRuntime):
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
         precision: str | None = None,
+        compile: bool = False,
         timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
@@ -169,6 +176,7 @@ class Pipeline(RunsRuntime):
         self.check_finite = check_finite
         self._dtype = compute_dtype(precision)
         self.scaler = LossScaler() if precision == "fp16" else None
+        self.compiled = compile
         deadlines = Deadlines(timeout)
         topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
                                              timeout=deadlines.opening)
@@ -179,7 +187,8 @@ class Pipeline(RunsRuntime):
                    "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
                    "split_at": None if split_at is None else list(split_at),
                    "recompute": mode, "deferred_batch_norm": deferred_batch_norm,
-                   "check_finite": check_finite, "precision": precision, "layers": layers, "sharding": sharding,
+                   "check_finite": check_finite, "precision": precision, "compile": compile,
+                   "layers": layers, "sharding": sharding,
                    "tie_weights": [list(group) for group in tie_weights],
                    "model": model_shapes(module),
                    "rebalance": None if rebalance is None else repr(rebalance)})
@@ -227,6 +236,8 @@ class Pipeline(RunsRuntime):
                                    self._snapshot) if distributed else None)
         self._runtime = Runtime(layout, table, self.topology, self.devices,
                                 pending["deadlines"], whereabouts=whereabouts)
+        for stage in layout.stages.values() if self.compiled else ():
+            compile_layers(stage.layers)
         if rebalance is not None:
             check_rebalance(self._runtime, rebalance, sharded=sharded)
             assert layout.source is not None  # check_rebalance refuses a traced model

@@ -2,11 +2,14 @@
 
 A stage holds its layers in a :class:`Partition`; a traced model's stage is one
 :class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
-exception raised in a layer into the error a user sees.
+exception raised in a layer into the error a user sees; :func:`compile_layers` compiles
+a stage's layers (``compile=True``).
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from conveyor.errors import ConveyorError, StageError, add_note
 
@@ -39,6 +43,10 @@ class WholeStage(nn.Module):
         """The parameters this stage reads."""
         raise NotImplementedError
 
+    def graphs(self) -> list[torch.fx.GraphModule]:
+        """The graphs this stage runs (one per training mode traced so far)."""
+        raise NotImplementedError
+
     def bound_modules(self) -> list[nn.Module]:
         """The modules whose parameters or buffers this stage reads."""
         raise NotImplementedError
@@ -57,6 +65,60 @@ class Partition(nn.Sequential):
 
     def forward(self, input: Any, loop: LayerLoop | None = None) -> Any:
         return super().forward(input) if loop is None else loop(input)
+
+
+_log = logging.getLogger(__name__)
+_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def compile_layers(layers: Partition) -> None:
+    """Compiles each layer's forward with ``torch.compile``: its parameters, names,
+    hooks and state dict stay as they are, and so do the stage's loop and its checks
+    around it, recomputation and the ``I``/``W`` split (autograd through the compiled
+    graph; see :func:`_keep_buffers`). Dropout modules stay
+    eager, each call a graph break, so that they draw from the pipeline's streams as
+    the plain model's do; a traced graph that draws random numbers stays eager whole
+    (compiled, its random ops would draw other numbers than the plain model's)."""
+    _keep_buffers()
+    for layer in layers:
+        if layer in _COMPILED:
+            continue
+        if _draws_in_graph(layer):
+            _log.info("compile=True: %s draws random numbers inside a traced graph; it "
+                      "runs eagerly, to draw the plain model's numbers", type(layer).__name__)
+            continue
+        _COMPILED.add(layer)
+        for module in layer.modules():
+            if isinstance(module, _DropoutNd):
+                module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
+        layer.compile()
+
+
+def is_compiled(layer: nn.Module) -> bool:
+    return layer in _COMPILED
+
+
+def _draws_in_graph(layer: nn.Module) -> bool:
+    """Whether a graph that ``layer`` runs calls an op that draws random numbers."""
+    graphs = [m for m in layer.modules() if isinstance(m, torch.fx.GraphModule)]
+    if isinstance(layer, WholeStage):
+        graphs += layer.graphs()
+    return any(
+        node.op == "call_function"
+        and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        for graph in graphs for node in graph.graph.nodes)
+
+
+def _keep_buffers() -> None:
+    """Compiled graphs built from now on keep their buffers after a backward (torch's
+    ``donated_buffer`` off, for the whole process): a split backward's ``I`` keeps the
+    graph (``retain_graph=True``) for its ``W``, which donated buffers forbid. Torch
+    reads it when it compiles a backward, at its first call, on any thread: a setting
+    changed around each call would race between the stages' threads."""
+    from torch._functorch import config
+
+    if getattr(config, "donated_buffer", False):  # older torch donates none
+        config.donated_buffer = False
 
 
 def batch_rows(value: Any) -> tuple[int, torch.Size] | None:

@@ -204,6 +204,9 @@ class GraphStage(WholeStage):
                     found.setdefault(id(param), param)
         return list(found.values())
 
+    def graphs(self) -> list[fx.GraphModule]:
+        return [program.module for program in self.programs.values()]
+
     def bound_modules(self) -> list[nn.Module]:
         """The modules whose parameters or buffers this stage reads (its batch norms
         among them, whose running statistics a recomputation must leave alone)."""

@@ -1,0 +1,79 @@
+"""``compile=True``: each stage's layers compiled with torch.compile, still exact.
+
+In float64 on the CPU against the plain model (eager) on the whole batch: a split
+backward (zero-bubble's ``I``/``W``) with recomputation, dropout in training mode (its
+modules stay eager, drawing from the pipeline's streams) on stages that share the CPU,
+and a traced model cut by ``split_at``. A first compile takes seconds: few cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.engine.layers import is_compiled
+from conveyor.engine.rng import draw_step_seed
+from conveyor.observe.checkruns import _traced_per_microbatch
+from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def test_compiled_stages_with_split_backward_recomputation_and_dropout_are_exact() -> None:
+    model, reference = build("mlp", dropout=0.3)
+    x = sample("mlp", batch=12)
+    y = torch.randn(12, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, schedule="zero-bubble",
+                             recompute="always", balance=[4, 4], devices=["cpu", "cpu"],
+                             compile=True)
+    torch.manual_seed(7)
+    loss = pipe.step(x, y)
+    torch.manual_seed(7)
+    expected = loss_fn(seeded_per_layer(reference, x, 4, draw_step_seed()), y)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    compiled = [layer for stage in pipe._runtime.stages.values() for layer in stage.layers]
+    assert all(is_compiled(layer) for layer in compiled)
+
+
+def test_a_traced_model_compiles_stage_by_stage_and_stays_exact() -> None:
+    model, reference = build("transformer")
+    wrapped, plain = nn.Sequential(model), nn.Sequential(reference)
+    ids = sample("transformer", batch=8)
+    y = torch.randn(8, ids.shape[1], VOCAB, dtype=torch.float64)
+    pipe = conveyor.Pipeline(wrapped, loss_fn=loss_fn, chunks=2, schedule="1f1b",
+                             split_at=["0.3"], sample=ids[:2], devices=["cpu", "cpu"],
+                             recompute="except_last", compile=True)
+    loss = pipe.step(ids, y)
+    expected = loss_fn(plain(ids), y)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), plain.named_parameters())
+
+
+def test_a_traced_stage_drawing_random_numbers_stays_eager_and_exact() -> None:
+    """Compiled, its dropout would draw inductor's numbers, not the plain model's."""
+    model, reference = build("transformer", dropout=0.2)
+    wrapped, plain = nn.Sequential(model), nn.Sequential(reference)
+    ids = sample("transformer", batch=4)
+    y = torch.randn(4, ids.shape[1], VOCAB, dtype=torch.float64)
+    pipe = conveyor.Pipeline(wrapped, loss_fn=loss_fn, chunks=2, schedule="zero-bubble",
+                             split_at=["0.4"], sample=ids[:2], devices=["cpu", "cpu"],
+                             recompute="always", compile=True)
+    torch.manual_seed(3)
+    loss = pipe.step(ids, y)
+    torch.manual_seed(3)
+    expected = loss_fn(_traced_per_microbatch(plain, ids, 2, draw_step_seed(), ["0.4"]), y)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), plain.named_parameters())
+    stages = pipe._runtime.stages
+    assert not is_compiled(stages[0].layers[0])  # its blocks' dropout
+    assert is_compiled(stages[1].layers[0])  # the norm and the head: nothing random
