@@ -45,12 +45,16 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True,
-                                        check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    # A copy of the tree run elsewhere (a GPU machine) may carry a stale .git: the
+    # caller names the commit then.
+    info["commit"] = os.environ.get("CONVEYOR_COMMIT")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True,
+                                            check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            del info["commit"]
     return info
 
 

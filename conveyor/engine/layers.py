@@ -72,41 +72,43 @@ _COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def compile_layers(layers: Partition) -> None:
-    """Compiles each layer's forward with ``torch.compile``: its parameters, names,
-    hooks and state dict stay as they are, and so do the stage's loop and its checks
-    around it, recomputation and the ``I``/``W`` split (autograd through the compiled
-    graph; see :func:`_keep_buffers`). Dropout modules stay
+    """Compiles each layer with ``torch.compile`` (a traced stage: each of its graphs):
+    parameters, names, hooks and state dict stay as they are, and so do the stage's
+    loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
+    through the compiled graph; see :func:`_keep_buffers`). Dropout modules stay
     eager, each call a graph break, so that they draw from the pipeline's streams as
     the plain model's do; a traced graph that draws random numbers stays eager whole
     (compiled, its random ops would draw other numbers than the plain model's)."""
     _keep_buffers()
     for layer in layers:
-        if layer in _COMPILED:
-            continue
-        if _draws_in_graph(layer):
-            _log.info("compile=True: %s draws random numbers inside a traced graph; it "
-                      "runs eagerly, to draw the plain model's numbers", type(layer).__name__)
-            continue
-        _COMPILED.add(layer)
-        for module in layer.modules():
-            if isinstance(module, _DropoutNd):
-                module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
-        layer.compile()
+        if isinstance(layer, WholeStage):
+            for graph in layer.graphs():
+                if graph in _COMPILED:
+                    continue
+                if _draws_random(graph):
+                    _log.info("compile=True: a graph of %s draws random numbers; it runs "
+                              "eagerly, to draw the plain model's numbers", layer)
+                    continue
+                _COMPILED.add(graph)
+                graph.compile()
+        elif layer not in _COMPILED:
+            _COMPILED.add(layer)
+            for module in layer.modules():
+                if isinstance(module, _DropoutNd):
+                    module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
+            layer.compile()
 
 
-def is_compiled(layer: nn.Module) -> bool:
-    return layer in _COMPILED
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_layers` compiled ``module`` (a layer, or a traced graph)."""
+    return module in _COMPILED
 
 
-def _draws_in_graph(layer: nn.Module) -> bool:
-    """Whether a graph that ``layer`` runs calls an op that draws random numbers."""
-    graphs = [m for m in layer.modules() if isinstance(m, torch.fx.GraphModule)]
-    if isinstance(layer, WholeStage):
-        graphs += layer.graphs()
-    return any(
-        node.op == "call_function"
-        and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-        for graph in graphs for node in graph.graph.nodes)
+def _draws_random(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph`` calls an op that draws random numbers."""
+    return any(node.op == "call_function"
+               and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+               for node in graph.graph.nodes)
 
 
 def _keep_buffers() -> None:
