@@ -120,10 +120,11 @@ class Pipeline(RunsRuntime):
             ``pipe.scaler.step(optimizer)`` skips it). None: as called (a caller's own
             ``torch.autocast`` reaches every stage too).
         compile: compile each layer of this process's stages with ``torch.compile``
-            (a traced stage: its whole graph); dropout modules stay eager, so the
+            (a traced stage: each of its graphs); dropout modules stay eager, so the
             random streams, recomputation and the ``I``/``W`` split stay exact (a
-            traced stage that draws random numbers stays eager; torch's donated
-            buffers are turned off for the process, see ``engine.layers``).
+            traced graph that draws random numbers stays eager; torch's donated
+            buffers are turned off for the process, see ``engine.layers``). Not yet
+            with the V-shape schedules.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
