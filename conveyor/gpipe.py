@@ -21,6 +21,7 @@ from conveyor.distributed.runtime import Runtime, RunsRuntime
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
+from conveyor.engine.executor import thread_devices
 from conveyor.engine.microbatch import (
     batch_size,
     gather,
@@ -133,7 +134,7 @@ class GPipe(RunsRuntime):
         # Set before the layers are registered, so that a layer cannot take their names.
         self.partitions: list[nn.Sequential] = []
         layout = cut(self, module, stages=count, devices=dict(enumerate(self.devices)),
-                     local=range(count), concurrent=self.devices, balance=balance,
+                     local=range(count), concurrent=thread_devices(self.devices), balance=balance,
                      split_at=split_at, sample=sample,
                      deferred_batch_norm=deferred_batch_norm, init_fn=init_fn,
                      weights=weights)

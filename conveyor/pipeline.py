@@ -36,6 +36,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.devices import Device, resolve_devices
+from conveyor.engine.executor import thread_devices
 from conveyor.engine.layers import compile_layers
 from conveyor.engine.loss import LossFn, LossScaler, autocast, compute_dtype
 from conveyor.engine.microbatch import (
@@ -228,7 +229,8 @@ class Pipeline(RunsRuntime):
             devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},
             local=[s for s in range(table.num_stages)
                    if not distributed or table.stage_ranks[s] == self.topology.pipeline_rank],
-            concurrent=self.devices if not distributed else [self.devices[0]], sample=sample,
+            concurrent=thread_devices(self.devices if not distributed else self.devices[:1]),
+            sample=sample,
             **pending["cut"])
         if layout.edges:
             table = with_model_edges(table, layout.edges)

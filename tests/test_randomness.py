@@ -117,3 +117,65 @@ def test_is_recomputing_is_true_only_in_recomputation() -> None:
     assert flags.count(False) == 3  # one forward per micro-batch
     assert flags.count(True) == 2  # every micro-batch but the last is recomputed
     assert not conveyor.is_recomputing()
+
+
+def dropout_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(4)]).double()
+
+
+def test_a_step_in_eval_mode_first_leaves_training_dropout_seeded() -> None:
+    """Threads sharing the CPU find out in a layer's first call which parts draw
+    random numbers: a first call in eval mode, where dropout draws nothing, must not
+    leave training's dropout drawing from the shared generator."""
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    grads = []
+    for eval_first in (False, True):
+        pipe = conveyor.Pipeline(dropout_mlp(), stages=2, chunks=4,
+                                 loss_fn=nn.functional.mse_loss, devices=["cpu", "cpu"])
+        if eval_first:
+            pipe.eval()
+            pipe.step(x, y)
+            pipe.train()
+            pipe.zero_grad()
+        torch.manual_seed(1)
+        pipe.step(x, y)
+        grads.append([p.grad for p in pipe.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class Attention(nn.Module):
+    """Self-attention that calls the fused kernel in its own forward, as Hugging Face's
+    attention modules do: a random op outside any Dropout module."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(8, 24), dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, tokens, 8)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return attended.transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_attention_is_routed_to_the_layers_stream_only_when_it_drops(dropout: float) -> None:
+    """On threads sharing the CPU, a layer whose attention draws random numbers runs
+    under the dispatch mode (about 15 us of Python per op); without dropout it does not
+    draw and runs as it is. Either way, one stage and two give the same result."""
+    x, y = torch.randn(4, 5, 8, dtype=torch.float64), torch.zeros(4, 5, 8, dtype=torch.float64)
+    results = []
+    for balance in ([3], [2, 1]):
+        torch.manual_seed(0)
+        model = nn.Sequential(Attention(dropout), nn.Linear(8, 8), Attention(dropout)).double()
+        pipe = conveyor.Pipeline(model, balance=balance, chunks=2, loss_fn=nn.functional.mse_loss,
+                                 devices=["cpu"] * len(balance))
+        torch.manual_seed(5)
+        pipe.step(x, y)
+        results.append([p.grad for p in pipe.parameters()])
+    stages = pipe._runtime.stages
+    routed = [stages[0].randomness._random_parts[(0, True)],
+              stages[1].randomness._random_parts[(2, True)]]
+    assert [bool(parts) for parts in routed] == [dropout > 0] * 2
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -319,6 +319,14 @@ class _ThreadState:
 SHARE_A_THREAD = frozenset({"cuda"})
 
 
+def thread_devices(devices: Sequence[torch.device]) -> list[torch.device]:
+    """The device of each thread that runs ranks on ``devices`` at once: a device of a
+    type in :data:`SHARE_A_THREAD` counts once, every other rank's device once per rank
+    (a device listed twice is used by two threads at once)."""
+    return [d for i, d in enumerate(devices)
+            if d.type not in SHARE_A_THREAD or d not in devices[:i]]
+
+
 def device_lanes(columns: Mapping[int, Sequence[Action]], devices: Mapping[int, torch.device],
                  schedule: Schedule) -> dict[int, list[tuple[int, Action]]]:
     """The busy ranks grouped into lanes, one thread each: ranks on one device of a

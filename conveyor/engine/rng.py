@@ -8,15 +8,17 @@ timing of threads, and the same again when a micro-batch is recomputed in backwa
 
 Two ways to give a layer call its stream, which draw identical numbers:
 
-* A device used by one worker only (each GPU of a pipeline, or a single CPU stage):
-  reseed that device's default generator before the layer runs. Costs ~1 us a call.
+* A device used by one thread only (a GPU, whose stages in one process share a
+  thread, or a single CPU stage): reseed that device's default generator before the
+  layer runs. Costs ~1 us a call.
 * The CPU shared by several worker threads: reseeding the one CPU generator would
   race, so random ops are routed to a private generator by a dispatch mode. The mode
   adds ~15 us of Python to every op it sees, so it wraps only the submodules that drew
   random numbers when the layer first ran (its first call runs whole under the mode,
   noting which submodules the random ops came from); on a config-P block with dropout
-  that is the Dropout alone. The assumption: a layer draws from the same submodules
-  every call.
+  that is the Dropout alone; an op that draws nothing (attention or dropout with a
+  dropout probability of 0, dropout outside training) does not count. The assumption:
+  a layer in one mode (training or not) draws from the same submodules every call.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ class LayerRandomness:
     def __init__(self, device: torch.device, *, shared: bool) -> None:
         self.device = device
         self.shared = shared and device.type in ("cpu", "cuda")
-        # layer index -> the outermost submodules whose forward drew random numbers
-        self._random_parts: dict[int, list[nn.Module]] = {}
+        # (layer index, training) -> the outermost submodules whose forward drew
+        # random numbers in that mode
+        self._random_parts: dict[tuple[int, bool], list[nn.Module]] = {}
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
@@ -110,11 +113,12 @@ class LayerRandomness:
                 _default_generator(self.device).manual_seed(seed)
             yield
             return
-        parts = self._random_parts.get(index)
+        key = (index, layer.training)
+        parts = self._random_parts.get(key)
         if parts is None:
             with _probe(layer, seed) as mode:
                 yield
-            self._random_parts[index] = parts = _outermost(mode.sources)
+            self._random_parts[key] = parts = _outermost(mode.sources)
             for part in parts:
                 _route_random_ops(part)
             return
@@ -194,6 +198,28 @@ def _takes_generator(op: torch._ops.OpOverload) -> bool:
     return any(argument.name == "generator" for argument in op._schema.arguments)
 
 
+#: Arguments of dropout and attention ops at which they draw no random numbers.
+_DRAW_NOTHING = {"p": 0.0, "dropout_p": 0.0, "train": False}
+_COMPOSITE_DROPOUTS = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
+                       "aten::feature_alpha_dropout"}
+
+
+def _draws(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a random op draws: dropout (torch's composite ``dropout`` ops) and
+    attention kernels with a dropout probability of 0, or dropout outside training,
+    return without touching a generator."""
+    name = op._schema.name
+    if not ("attention" in name or name in _COMPOSITE_DROPOUTS):
+        return True
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name in _DRAW_NOTHING:
+            default = argument.default_value if argument.has_default_value() else None
+            value = args[i] if i < len(args) else kwargs.get(argument.name, default)
+            if value is not None and value == _DRAW_NOTHING[argument.name]:
+                return False
+    return True
+
+
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     for value in args:
         if isinstance(value, torch.Tensor):
@@ -237,7 +263,7 @@ class _SeededOps(TorchDispatchMode):
         device = _device_of(args, kwargs)
         if device.type not in ("cpu", "cuda"):
             return func(*args, **kwargs)
-        if self.stack is not None:
+        if self.stack is not None and _draws(func, args, kwargs):
             self.sources.append(self.stack[-1])
         generator = self._generator(device)
         if _takes_generator(func):
