@@ -88,16 +88,17 @@ def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: median(values) * 1e3 for name, values in times.items()}
 
 
-def write(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
-    """Writes ``payload`` with the command and the machine to results/NAME.json (or
-    ``path``)."""
+def write(name: str, payload: dict[str, Any], path: Path | None = None,
+          measured_on: dict[str, Any] | None = None) -> Path:
+    """Writes ``payload`` with the command and the machine (``measured_on``, else this
+    one) to results/NAME.json (or ``path``)."""
     path = path or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     script = Path(sys.argv[0]).resolve()
     if script.is_relative_to(ROOT):
         script = script.relative_to(ROOT)
     command = " ".join(["python", str(script), *sys.argv[1:]])
-    payload = {"command": command, "machine": machine(), **payload}
+    payload = {"command": command, "machine": measured_on or machine(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

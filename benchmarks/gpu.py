@@ -2,7 +2,7 @@
 
 Run it first whenever a machine with CUDA is at hand:
 
-    python benchmarks/gpu.py                 # about 6 minutes on one H100
+    python benchmarks/gpu.py                 # about 2.5 minutes on one H100
     python benchmarks/gpu.py --parts tests,overhead
     python benchmarks/gpu.py --smoke         # every part at toy sizes on the CPU (a check)
 
@@ -23,7 +23,9 @@ Without CUDA (and without ``--smoke``) it says so and exits 0. The parts, in ord
   micro-batches), and the activation memory of each at one size;
 * ``speedup`` (two or more GPUs): K = 2, 4 stages on K GPUs against one.
 
-It writes ``benchmarks/results/gpu.json``, ``gpu.md`` (the tables) and ``gpu.png``.
+It writes ``benchmarks/results/gpu.json``, ``gpu.md`` (the tables) and ``gpu.png``. To
+measure some parts again and keep the others, run them into another folder and merge:
+``python benchmarks/gpu_report.py benchmarks/results/gpu.json new/gpu.json``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,16 @@
-"""benchmarks/gpu.py's results as files: gpu.json, a Markdown table per part, a PNG."""
+"""benchmarks/gpu.py's results as files: gpu.json, a Markdown table per part, a PNG.
+
+Run on its own, it merges the results of several runs on one kind of GPU (a later
+run's parts replace an earlier one's; each part keeps the commit it was measured at):
+
+    python benchmarks/gpu_report.py results/gpu.json new/gpu.json --out results
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +129,62 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_report(results: dict[str, Any], folder: str, *, smoke: bool) -> list[Path]:
-    """Writes gpu.json, gpu.md and gpu.png (gpu-smoke.* for a smoke run) into ``folder``."""
+def write_report(results: dict[str, Any], folder: str, *, smoke: bool,
+                 machine: dict[str, Any] | None = None) -> list[Path]:
+    """Writes gpu.json, gpu.md and gpu.png (gpu-smoke.* for a smoke run) into ``folder``;
+    ``machine``: where the results were measured (by default, here)."""
     stem = "gpu-smoke" if smoke else "gpu"
     base = Path(folder)
-    json_path = _common.write(stem, {"results": results}, base / f"{stem}.json")
-    machine = _common.machine()
+    machine = machine or _common.machine()
+    for result in results.values():
+        result.setdefault("commit", machine.get("commit", "?"))
+    json_path = _common.write(stem, {"results": results}, base / f"{stem}.json", machine)
+    commits: dict[str, list[str]] = {}
+    for name, result in results.items():
+        commits.setdefault(result["commit"], []).append(name)
+    at = (f"commit {next(iter(commits))}" if len(commits) == 1 else "commits " + ", ".join(
+        f"{commit} ({', '.join(names)})" for commit, names in commits.items()))
     header = (f"## On a GPU\n\n{machine.get('gpu', 'no GPU (smoke run)')}, torch "
-              f"{machine['torch']}, commit {machine.get('commit', '?')}\n\n")
+              f"{machine['torch']}, {at}\n\n")
     md_path = base / f"{stem}.md"
     md_path.write_text(header + "\n\n".join(tables(results)) + "\n")
     written = [json_path, md_path]
     if plot(results, base / f"{stem}.png"):
         written.append(base / f"{stem}.png")
     return written
+
+
+def merge(paths: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parts of several runs' gpu.json, later runs' replacing earlier ones', and the
+    machine of the last. Raises ValueError for runs on different GPUs or torch versions."""
+    results: dict[str, Any] = {}
+    machine: dict[str, Any] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        found = {key: run["machine"].get(key) for key in ("gpu", "gpus", "torch")}
+        if machine and found != {key: machine.get(key) for key in found}:
+            raise ValueError(f"{path} was measured on {found}, the runs before it on "
+                             f"{ {key: machine.get(key) for key in found} }: not comparable")
+        for result in run["results"].values():
+            result.setdefault("commit", run["machine"].get("commit", "?"))
+        results.update(run["results"])
+        machine = run["machine"]
+    return results, machine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="merges runs of benchmarks/gpu.py")
+    parser.add_argument("runs", nargs="+", help="gpu.json files, earliest first")
+    parser.add_argument("--out", default=str(_common.RESULTS))
+    args = parser.parse_args(argv)
+    try:
+        results, machine = merge(args.runs)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in write_report(results, args.out, smoke=False, machine=machine):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -98,7 +98,7 @@ def test_gpu_script_runs_every_part_at_toy_sizes_and_writes_its_report(tmp_path:
     report = json.loads((tmp_path / "gpu-smoke.json").read_text())["results"]
     assert not [name for name, part in report.items() if "error" in part], report
     assert report["equivalence"]["cases"] == 4 and not report["equivalence"]["failures"]
-    assert report["tests"]["summary"].startswith("12 tests collected")
+    assert report["tests"]["summary"].startswith("14 tests collected")
     overhead = report["overhead"]["over_accumulated"]
     assert set(overhead) == {"K=1, M=4", "K=2, M=8", "K=4, M=16"}
     assert set(report["schedules"]["predicted_ms"]) >= {"gpipe", "1f1b", "zero-bubble"}
@@ -106,3 +106,30 @@ def test_gpu_script_runs_every_part_at_toy_sizes_and_writes_its_report(tmp_path:
     markdown = (tmp_path / "gpu-smoke.md").read_text()
     assert "### overhead" in markdown and "x plain, same M" in markdown
     assert (tmp_path / "gpu-smoke.png").stat().st_size > 1000
+
+
+def test_gpu_runs_merge_part_by_part_each_with_its_commit(tmp_path: Path) -> None:
+    def run(name: str, commit: str, gpu: str, parts: dict) -> str:  # type: ignore[type-arg]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"machine": {"gpu": gpu, "gpus": 1, "torch": "2.11",
+                                                "commit": commit}, "results": parts}))
+        return str(path)
+
+    tests = {"command": "pytest", "summary": "14 passed", "failures": []}
+    speedup = {"skipped": "1 GPU(s)"}
+    earlier = run("earlier", "aaa", "H100", {"tests": {**tests, "summary": "12 passed"},
+                                             "speedup": speedup})
+    later = run("later", "bbb", "H100", {"tests": tests})
+    script = [sys.executable, str(BENCHMARKS / "gpu_report.py")]
+    done = subprocess.run([*script, earlier, later, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    assert merged["machine"]["commit"] == "bbb"
+    assert merged["results"]["tests"]["summary"] == "14 passed"
+    assert [part["commit"] for part in merged["results"].values()] == ["bbb", "aaa"]
+    assert "commits bbb (tests), aaa (speedup)" in (tmp_path / "out" / "gpu.md").read_text()
+    other = run("other", "ccc", "A100", {"tests": tests})
+    refused = subprocess.run([*script, earlier, other, "--out", str(tmp_path / "no")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "not comparable" in refused.stderr
