@@ -18,8 +18,9 @@ test: $(VENV)/.installed
 
 # Every generated fault case (tests/faults): launchers x faults x phases x ranks, one
 # after the other; CI runs a fixed sample of them (tests/test_faults.py).
+FAULTS_JOBS ?= 1
 faults: $(VENV)/.installed
-	$(BIN)/python -m tests.faults --all
+	$(BIN)/python -m tests.faults --all --jobs $(FAULTS_JOBS)
 
 # Every family of the zoo (tests/zoo): Hugging Face models from tiny configs, pipelined by
 # stages=2 and by a named split, under 1f1b and zero-bubble; CI runs a sample (test_zoo).

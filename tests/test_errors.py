@@ -358,7 +358,7 @@ def test_values_that_are_not_batched_may_pass_through_a_layer() -> None:
     model = nn.Sequential(nn.Linear(4, 4), WithScale(), ApplyScale())
     pipe = conveyor.GPipe(model, [2, 1], devices=["cpu"] * 2, chunks=2)
     x = torch.randn(4, 4)
-    assert torch.equal(pipe(x), model(x))
+    torch.testing.assert_close(pipe(x), model(x))  # micro-batches round differently
 
 
 # --------------------------------------------- tracing a model: the cause and the fix
@@ -392,7 +392,7 @@ def test_a_cache_in_the_output_says_use_cache_false_and_is_left_to_conveyor() ->
         conveyor.GPipe(Cached(), stages=2, sample={"x": x, "use_cache": True})
     model = Cached()
     pipe = conveyor.GPipe(model, stages=2, sample={"x": x[:2]}, chunks=2)
-    assert torch.equal(pipe({"x": x}), model(x, use_cache=False))
+    torch.testing.assert_close(pipe({"x": x}), model(x, use_cache=False))
 
 
 def test_a_forward_taking_kwargs_says_how_to_give_the_sample() -> None:

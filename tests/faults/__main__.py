@@ -3,7 +3,7 @@
     python -m tests.faults --seed 7        the case of seed 7, and each rank's error
     python -m tests.faults --case env2 freeze backward later 0     a case by name
     python -m tests.faults --list          every case, numbered
-    python -m tests.faults --all           every case, one after the other (make faults)
+    python -m tests.faults --all           every case (make faults; --jobs N: N at once)
     python -m tests.faults --sample 8      the CI sample (tests/test_faults.py)
 
 Each case's processes write under ``--out`` (a temporary folder by default); the exit
@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from tests.faults import Case, check, every_case, pick, sample
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen.add_argument("--sample", type=int, metavar="N", help="run the CI sample of N")
     chosen.add_argument("--list", action="store_true", help="list every case")
     parser.add_argument("--out", type=Path, help="where the cases' processes write")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="cases run at once (most of a case is waiting for a timeout)")
     args = parser.parse_args(argv)
     cases = every_case()
     if args.list:
@@ -48,14 +51,18 @@ def main(argv: list[str] | None = None) -> int:
         cases = sample(args.sample)
     out = args.out or Path(tempfile.mkdtemp(prefix="conveyor-faults-"))
     start, failed = time.monotonic(), 0
-    for number, case in enumerate(cases):
-        found, seconds = check(case, out / f"case{number}")
-        failed += bool(found)
-        print(f"{'FAIL' if found else 'ok  '} {seconds:5.1f} s  {case}", flush=True)
-        for problem in found:
-            print("    " + problem.replace("\n", "\n    "))
-        if len(cases) == 1:
-            _show(out / f"case{number}")
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        running = {pool.submit(check, case, out / f"case{number}"): (number, case)
+                   for number, case in enumerate(cases)}
+        for done in as_completed(running):
+            (found, seconds), (number, case) = done.result(), running[done]
+            failed += bool(found)
+            print(f"{'FAIL' if found else 'ok  '} {seconds:5.1f} s  {number:4d} {case}",
+                  flush=True)
+            for problem in found:
+                print("    " + problem.replace("\n", "\n    "))
+            if len(cases) == 1:
+                _show(out / f"case{number}")
     print(f"{len(cases)} cases, {failed} failed, {time.monotonic() - start:.0f} s "
           f"(output in {out})")
     return 1 if failed else 0
