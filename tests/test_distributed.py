@@ -184,8 +184,8 @@ def assert_every_rank_stops(outcome: Outcome, *, within: float, messages: list[s
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
     outcome = launch("fault_raise", world, tmp_path, timeout=120)
-    failing = rf"stage {world - 1}, layer {3 * world - 1} \(Fails\) failed on micro-batch 2: " \
-              "ValueError: injected failure"
+    failing = (rf"stage {world - 1}, layer {3 * world - 1} \(Fails\) failed on micro-batch 2 "
+               rf"\({world - 1}F2\): ValueError: injected failure")
     assert_every_rank_stops(outcome, within=60,
                             messages=[f"rank {world - 1} failed"] * (world - 1) + [failing])
     # GPipe, 16 micro-batches: the ranks before the failing one never wait for it in
@@ -204,9 +204,9 @@ def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
 
 def test_mismatched_shapes_stop_every_rank_naming_the_stage(tmp_path: Path) -> None:
     outcome = launch("fault_shape", 2, tmp_path, timeout=120)
-    failing = r"stage 1, layer 3 \(Linear\) failed on micro-batch 0: RuntimeError: mat1 and mat2"
-    assert_every_rank_stops(outcome, within=60,
-                            messages=[r"rank 1 failed in 1F0 \(StageError: " + failing, failing])
+    failing = r"stage 1, layer 3 \(Linear\) failed on micro-batch 0 \(1F0\): RuntimeError: mat1"
+    assert_every_rank_stops(outcome, within=60,  # the action once: in the stage's words
+                            messages=[r"rank 1 failed \(StageError: " + failing, failing])
 
 
 def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:

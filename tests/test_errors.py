@@ -117,7 +117,7 @@ def test_layer_raising_mid_pipeline_names_stage_layer_and_micro_batch(stages: in
     x[5, 0] = 1234.0  # micro-batch 2 (samples 4 and 5)
     stage = 2 * stages // 4
     with pytest.raises(conveyor.StageError,
-                       match=rf"stage {stage}, layer 2 \(FailsOn\) failed on micro-batch 2: "
+                       match=rf"stage {stage}, layer 2 \(FailsOn\) failed on micro-batch 2 \({stage}F2\): "
                              r"ValueError: bad sample") as caught:
         pipe(x)
     assert (caught.value.stage, caught.value.microbatch, caught.value.layer) == (stage, 2, 2)
@@ -215,7 +215,7 @@ def test_a_failing_stage_stops_the_others_before_their_next_action(face: str) ->
     pipe = build(model)
     x = torch.randn(16, 4)
     with pytest.raises(conveyor.StageError,
-                       match=r"stage 1, layer 2 \(FailsWhileArmed\) failed on micro-batch 0: "
+                       match=r"stage 1, layer 2 \(FailsWhileArmed\) failed on micro-batch 0 \(1F0\): "
                              r"ValueError: injected failure") as caught:
         run(pipe, x)
     assert (caught.value.stage, caught.value.microbatch) == (1, 0)
@@ -323,7 +323,7 @@ def test_out_of_memory_keeps_its_type_and_gets_a_note() -> None:
                           devices=["cpu"] * 2, chunks=2)
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         pipe(torch.zeros(4, 2))
-    assert "stage 1, layer 1 (RunsOutOfMemory) failed on micro-batch 0" in caught.value.__notes__
+    assert "stage 1, layer 1 (RunsOutOfMemory) failed on micro-batch 0 (1F0)" in caught.value.__notes__
 
 
 class SumRows(nn.Module):

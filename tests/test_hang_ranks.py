@@ -47,13 +47,13 @@ def test_a_raise_and_a_shape_change_are_reported_and_the_next_steps_are_right(
             assert steps[good]["loss"] == pytest.approx(steps[good]["plain"], rel=1e-12)
             assert steps[good]["gradient_error"] < 1e-10, (rank, good, steps[good])
         raised, narrowed = steps[1], steps[3]
-        assert f"stage {last}, layer {3 * last + 2} (Trap) failed on micro-batch 2: " \
+        assert f"stage {last}, layer {3 * last + 2} (Trap) failed on micro-batch 2 ({last}F2): " \
                "ValueError: planted failure" in raised["error"], raised["error"]
         lines = lines_of(raised["where"])
         assert set(lines) == set(range(world)), raised["where"]  # every rank answered
         assert f"failed in {last}F2" in lines[last] and "<- failed here" in lines[last]
         assert "step 2 of '1f1b'" in raised["where"] and f">{last}F2" in raised["where"]
-        assert "stage 1, layer 3 (Linear) failed on micro-batch 0: RuntimeError: mat1 and " \
+        assert "stage 1, layer 3 (Linear) failed on micro-batch 0 (1F0): RuntimeError: mat1 and " \
                "mat2 shapes cannot be multiplied" in narrowed["error"], narrowed["error"]
         lines = lines_of(narrowed["where"])
         assert "finished nothing yet; failed in 1F0" in lines[1] and "failed here" in lines[1]

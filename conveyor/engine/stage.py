@@ -182,7 +182,9 @@ class Stage:
 
     def _layer_error(self, exc: Exception, offset: int, microbatch: int) -> Exception:
         recomputing = is_recomputing()
-        during = " while recomputing for backward" if recomputing else ""
+        # Recomputation runs inside B or I: the executor names which
+        during = (" while recomputing for backward" if recomputing
+                  else f" ({self.index}F{microbatch})")
         hint = ""
         if "in-place" in str(exc) and "leaf" in str(exc):
             hint = (
