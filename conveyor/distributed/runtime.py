@@ -170,12 +170,13 @@ class Runtime:
         topology = self.topology
         if not topology.distributed:
             return value
-        shared = value.to(self.device)
-        what = "the broadcast of the step's loss from the last stage"
-        self.joining(what)
-        collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[-1]),
-                             group=topology.pipeline_group, what=what,
-                             seconds=self.deadlines.within, notice=self.notice())
+        last = self.schedule.stage_ranks[-1] == topology.pipeline_rank
+        shared = value.to(self.device) if last else torch.zeros_like(value, device=self.device)
+        # A sum to which the other ranks add zeros, not a broadcast: a rank may leave a
+        # broadcast once the data has reached it, whether or not every rank joined, and
+        # would end a step that another rank failed (its last backward, say) as done.
+        self.all_reduce(shared, topology.pipeline_group,
+                        "the all-reduce of the step's loss from the last stage")
         return shared.to(value.device)
 
     def from_first_stage(self, count: int) -> int:

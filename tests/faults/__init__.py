@@ -197,9 +197,10 @@ def _rank_problems(case: Case, out: Path, outcome: Outcome, rank: int,
         return [f"rank {rank} ended without an error: {record}"]
     if how in ("env", "file") and outcome.returncodes[rank] in (0, None):
         return [f"rank {rank} exited {outcome.returncodes[rank]}"]
-    if error["type"] == "LauncherStop" and how in ("torchrun", "agents") \
-            and case.fault in ("kill", "exit", "raise") and rank != case.rank:
-        return []  # torchrun's agent ended it once the failed rank's process had exited
+    if error["type"] == "LauncherStop" and how in ("torchrun", "agents") and rank != case.rank \
+            and (case.fault in ("kill", "exit", "raise") or _ended_before(out, case, rank, error)):
+        return []  # torchrun's agent ended it once the failed rank's process, or another
+        # survivor's with its error, had exited
     wanted = _wanted_types(case, rank)
     first = (error["text"].splitlines() or [""])[0]
     found = []
@@ -219,14 +220,29 @@ def _rank_problems(case: Case, out: Path, outcome: Outcome, rank: int,
         pass
     elif case.fault == "raise" and f"planted failure in {case.where}" not in first:
         found.append(f"rank {rank}'s error does not carry the exception: {first}")
-    if case.fault == "raise" and case.where in ("forward", "backward") and not any(
-            f"{named}{kind}" in first for kind in "FB") or case.where == "loss" and (
-            rank != case.rank and "loss_fn failed on micro-batch" not in first):
+    if case.fault == "raise" and (
+            case.where in ("forward", "backward") and not any(
+                f"{named}{kind}" in first for kind in "FB")
+            or case.where == "loss" and rank != case.rank
+            and "loss_fn failed on micro-batch" not in first):
         found.append(f"rank {rank}'s error does not name the action: {first}")
     if fired is not None and error["time"] - fired > TIMEOUT + GRACE:
         found.append(f"rank {rank} ended {error['time'] - fired:.1f} s after the fault "
                      f"(more than {TIMEOUT:g} + {GRACE:g} s)")
     return found
+
+
+def _ended_before(out: Path, case: Case, rank: int, error: dict[str, Any]) -> bool:
+    """Whether a survivor other than ``rank`` (which ended with ``error``) ended earlier
+    with its own PeerFailure or StepTimeout (checked in its turn)."""
+    for path in out.glob("rank*.json"):
+        if path.stem in (f"rank{rank}", f"rank{case.rank}"):
+            continue
+        other = json.loads(path.read_text()).get("error")
+        if other is not None and other["type"] in ("PeerFailure", "StepTimeout") \
+                and other["time"] <= error["time"]:
+            return True
+    return False
 
 
 def _prelude_problems(case: Case, out: Path) -> list[str]:
