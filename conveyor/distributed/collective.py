@@ -41,27 +41,34 @@ Notice = Callable[[], "dict[str, Any] | None"]
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Any, what: str, seconds: float,
-               op: Any = None, notice: Notice | None = None) -> None:
+               op: Any = None, notice: Notice | None = None,
+               joined: Callable[[], None] | None = None) -> None:
     """``dist.all_reduce`` of ``tensor`` over ``group``, waiting at most ``seconds``
-    (and no longer once ``notice()`` tells of a rank's failure).
+    (and no longer once ``notice()`` tells of a rank's failure). ``joined()`` is called
+    once this rank's part is issued (the rank is then in the collective, waiting).
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
     """
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
                            async_op=True)
+    if joined is not None:
+        joined()
     _wait(work, group, what, seconds, notice)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
-              seconds: float, notice: Notice | None = None) -> None:
+              seconds: float, notice: Notice | None = None,
+              joined: Callable[[], None] | None = None) -> None:
     """``dist.broadcast`` of ``tensor`` from global rank ``src``, waiting at most
-    ``seconds``.
+    ``seconds``; ``joined`` as for :func:`all_reduce`.
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
     """
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    if joined is not None:
+        joined()
     _wait(work, group, what, seconds, notice)
 
 
@@ -77,7 +84,7 @@ def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | Non
         try:
             waited.wait(datetime.timedelta(seconds=seconds))
         except Exception as exc:  # a TimeoutError, or the backend's RuntimeError
-            raise _named(exc, notice, rank, what, seconds) from exc
+            raise _named(exc, notice, rank, what, seconds, group) from exc
         return
     if _watcher is None:
         _watcher = Watcher()
@@ -89,18 +96,19 @@ def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | Non
             raise reported(report, rank, f"stopped waiting in {what}")
         if time.monotonic() >= end:
             raise _named(TimeoutError(f"timed out after {seconds:g} s"), notice, rank, what,
-                         seconds)
+                         seconds, group)
     try:
         watched.wait(datetime.timedelta(seconds=0))
     except Exception as exc:  # the backend's error: a connection closed
-        raise _named(exc, notice, rank, what, seconds) from exc
+        raise _named(exc, notice, rank, what, seconds, group) from exc
 
 
 def _named(exc: BaseException, notice: Notice | None, rank: int, what: str,
-           seconds: float) -> BaseException:
+           seconds: float, group: Any) -> BaseException:
     """The failure of a collective that ended in ``exc``: the announced failure of the
     rank that caused it, if one was posted, else what this rank saw."""
     report = notice() if notice is not None else None
     if report is not None:
         return reported(report, rank, f"stopped waiting in {what}")
-    return collective_failed(exc, rank, what, seconds)
+    return collective_failed(exc, rank, what, seconds,
+                             dist.get_process_group_ranks(group or dist.group.WORLD))

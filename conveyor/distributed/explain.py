@@ -16,7 +16,14 @@ from conveyor.distributed.p2p import P2PTransport
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
 from conveyor.engine.watchdog.hangreport import render_report
-from conveyor.engine.watchdog.position import COLLECTIVE, FAILED, RUNNING, STOPPED, WAITING
+from conveyor.engine.watchdog.position import (
+    COLLECTIVE,
+    FAILED,
+    RUNNING,
+    STOPPED,
+    WAITING,
+    describe,
+)
 from conveyor.engine.watchdog.threads import attach_report
 from conveyor.errors import PeerFailure
 
@@ -57,6 +64,7 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
             else "frozen, or stuck outside Python"))
     if isinstance(error, PeerFailure):
         _name_the_silent(error, snapshots, hosting, whereabouts.store_trouble)
+        _name_the_absent(error, snapshots, transport, rank)
         _follow_the_waits(error, snapshots, rank)
     attach_report(error, render_report(executor.schedule, executor.kinds, snapshots, notes))
 
@@ -123,6 +131,26 @@ def _name_the_silent(error: PeerFailure, snapshots: dict[int, Any], hosting: int
              else f"rank {silent[0]} did not answer ({how})")
     first, _, rest = str(error).partition("\n")
     error.args = (f"{first}: {named}" + (f"\n{rest}" if rest else ""),)
+
+
+def _name_the_absent(error: PeerFailure, snapshots: dict[int, Any], transport: P2PTransport,
+                     rank: int) -> None:
+    """A collective that timed out with every rank answering the gather names a rank
+    of its group that is not in it (computing, or stuck in Python before joining)."""
+    report = error.report
+    if report is None or report.get("rank") is not None or "members" not in report:
+        return
+    topology = transport.topology
+    what = report["action"]
+    absent = [r for r in range(topology.pipeline_size)
+              if topology.global_rank(r) in report["members"] and r != rank
+              and snapshots.get(r) is not None and snapshots[r]["collective"] != what]
+    if not absent:
+        return
+    report["rank"] = absent[0]
+    first, _, rest = str(error).partition("\n")
+    error.args = (f"{first}: rank {absent[0]} never came to it ({describe(snapshots[absent[0]])})"
+                  + (f"\n{rest}" if rest else ""),)
 
 
 def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> dict[int, str]:

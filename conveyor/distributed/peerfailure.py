@@ -61,11 +61,11 @@ def wait_failed(exc: BaseException, rank: int, peer: int | None, what: str, seco
                      "--max-restarts restarts it)")
 
 
-def collective_failed(exc: BaseException, rank: int, what: str,
-                      seconds: float) -> PeerFailure:
-    """Rank ``rank``'s failure when its wait in the collective ``what`` ended in ``exc``
-    after ``seconds`` (the rank that went silent is not known: ``report['rank']`` is
-    None)."""
+def collective_failed(exc: BaseException, rank: int, what: str, seconds: float,
+                      members: list[int]) -> PeerFailure:
+    """Rank ``rank``'s failure when its wait in the collective ``what`` over the
+    global ranks ``members`` ended in ``exc`` after ``seconds`` (the rank that went
+    silent is not known: ``report['rank']`` is None)."""
     silent = "timeout" if timed_out(exc) else "closed"
     reason = f"waited {seconds:g} s" if silent == "timeout" else f"lost a peer ({first_line(exc)})"
     failure = PeerFailure(f"rank {rank} {reason} in {what}: a rank of it failed, froze or "
@@ -73,7 +73,7 @@ def collective_failed(exc: BaseException, rank: int, what: str,
     failure.report = {**_silent(None, silent, f"no answer in {what} within {seconds:g} s"
                                 if silent == "timeout"
                                 else f"a connection closed in {what}: {first_line(exc)}"),
-                      "action": what}
+                      "action": what, "members": members}
     return failure
 
 

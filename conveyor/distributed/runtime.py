@@ -152,11 +152,10 @@ class Runtime:
     def all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = None, *,
                    seconds: float | None = None) -> None:
         """An all-reduce over ``group`` whose wait is bounded (the step's, by default);
-        this rank's position says it is in ``what`` meanwhile."""
-        self.joining(what)
+        this rank's position says it is in ``what`` once its part is issued."""
         collective.all_reduce(tensor, group=group, what=what, op=op,
                               seconds=self.deadlines.within if seconds is None else seconds,
-                              notice=self.notice())
+                              notice=self.notice(), joined=lambda: self.joining(what))
 
     def joining(self, what: str) -> None:
         """Notes in this rank's position that it is in the collective ``what``."""
@@ -187,10 +186,10 @@ class Runtime:
             return count
         shared = torch.tensor([count], dtype=torch.int64, device=self.device)
         what = "the broadcast of the number of micro-batches from the first stage"
-        self.joining(what)
         collective.broadcast(shared, src=topology.global_rank(self.schedule.stage_ranks[0]),
                              group=topology.pipeline_group, what=what,
-                             seconds=self.deadlines.within, notice=self.notice())
+                             seconds=self.deadlines.within, notice=self.notice(),
+                             joined=lambda: self.joining(what))
         return int(shared.item())
 
     def notice(self) -> collective.Notice | None:

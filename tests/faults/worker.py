@@ -102,11 +102,11 @@ def plant_layers(model: nn.Sequential, world: int, plant: Plant) -> None:
 def plant_collectives(rank: int, plant: Plant) -> None:
     """The collective fault point: before this rank joins any of the step's collectives."""
     for name in ("all_reduce", "broadcast"):
-        joined = getattr(collective, name)
+        original = getattr(collective, name)
 
-        def join(*args: Any, joined: Any = joined, **options: Any) -> None:
+        def join(*args: Any, original: Any = original, **options: Any) -> None:
             plant.at("collective", rank)
-            joined(*args, **options)
+            original(*args, **options)
 
         setattr(collective, name, join)
 
