@@ -47,6 +47,7 @@ from conveyor.distributed.envelope import (
     _encode_abort,
     _unpickle,
 )
+from conveyor.distributed import peerfailure
 from conveyor.distributed.peerfailure import lost_between_steps, reported, timed_out, wait_failed
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
@@ -101,11 +102,9 @@ class P2PTransport:
         deadlines: how long a wait may take: a peer's first message of a step (ranks
             may reach a step at different times), and any other.
 
-    Every message carries its step. When a step fails, the messages its peers had
-    already sent still arrive: the next step takes and drops them (it drains them), so
-    a pipeline can be called again after a failure that every rank was told about. A
-    peer that stopped answering (a timeout) or whose connection closed leaves the
-    transport broken: it refuses further steps.
+    Every message carries its step: a failed step's messages still arrive and the next
+    step drops them, so a pipeline can be called again after a failure every rank was
+    told of. A peer gone silent (a timeout, a closed connection) breaks the transport.
     """
 
     def __init__(self, topology: Topology, schedule: Schedule,
@@ -129,6 +128,7 @@ class P2PTransport:
         if self._watcher is not None:
             weakref.finalize(self, self._watcher.close)
         _transports.add(self)
+        peerfailure.tell_peers_on_uncaught(self)
         self.traffic = Traffic()
         self.local = LocalTransport([devices.get(s, self.device)
                                      for s in range(len(self.stage_ranks))], self.traffic,
@@ -393,8 +393,15 @@ class P2PTransport:
 
     # ------------------------------------------------------------ ending
 
-    def abort(self, error: BaseException | None) -> None:
-        """Tells every peer that sends to or receives from us that this rank stopped.
+    def abort_uncaught(self, error: BaseException) -> None:
+        """The script raised ``error`` between steps: peers in the next step hear of it."""
+        if not self._aborted and self.broken is None:
+            self.step += 1
+            self.abort(error, action="between steps")
+
+    def abort(self, error: BaseException | None, action: str | None = None) -> None:
+        """Tells every peer that sends to or receives from us that this rank stopped (in
+        ``action``, by default the error's).
 
         On gloo it then waits (a few seconds at most) until every receive still posted
         has its answer, each peer's message or abort report, which comes within an
@@ -412,7 +419,7 @@ class P2PTransport:
             report = {"rank": self.topology.pipeline_rank, "error": text,
                       "stage": getattr(error, "stage", -1),
                       "microbatch": getattr(error, "microbatch", -1),
-                      "action": getattr(error, "action", "?")}
+                      "action": action or getattr(error, "action", "?")}
         if self.announce is not None:
             self.announce(self.step, report)
         for rank in sorted(self._peers):

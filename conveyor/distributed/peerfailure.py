@@ -9,6 +9,8 @@ beside the failure is what a further step is refused with.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any
 
 from conveyor.errors import PeerFailure
@@ -93,3 +95,22 @@ def lost_between_steps(exc: BaseException, rank: int, peer: int,
 def _silent(peer: int | None, how: str, error: str) -> dict[str, Any]:
     return {"rank": peer, "stage": -1, "microbatch": -1, "action": "?", "silent": how,
             "error": error}
+
+
+_transports: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook: list[Any] = []  # the excepthook before ours
+
+
+def tell_peers_on_uncaught(transport: Any) -> None:
+    """Calls ``transport.abort_uncaught(error)`` when the script raises an error that
+    nothing catches (between two steps: one raised in a step has told them already)."""
+    _transports.add(transport)
+    if sys.excepthook is not _tell_peers:
+        _hook[:] = [sys.excepthook]
+        sys.excepthook = _tell_peers
+
+
+def _tell_peers(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    for transport in list(_transports):
+        transport.abort_uncaught(error)
+    _hook[0](kind, error, trace)
