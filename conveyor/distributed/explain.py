@@ -164,7 +164,7 @@ def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> d
         elif snapshot["state"] == FAILED:
             notes[rank] = "failed here"
         elif snapshot["state"] == STOPPED and report.get("silent") and snapshot["awaited"]:
-            notes[rank] = "timed out"
+            notes[rank] = "timed out" if report["silent"] == "timeout" else "stopped"
         elif snapshot["state"] == RUNNING and snapshot["seconds"] > limit:
             notes[rank] = "stuck"
     origin = report.get("rank")
