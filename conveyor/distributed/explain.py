@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.store import outlive_peers_at_exit
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
 from conveyor.engine.watchdog.hangreport import render_report
@@ -67,6 +68,8 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         _name_the_absent(error, snapshots, transport, rank)
         _follow_the_waits(error, snapshots, rank)
     attach_report(error, render_report(executor.schedule, executor.kinds, snapshots, notes))
+    if hosting == rank:
+        outlive_peers_at_exit(GATHER + 1.0)
 
 
 def own_report(error: BaseException, rank: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,20 @@ def host() -> int | None:
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         return 0
     return None
+
+
+def outlive_peers_at_exit(seconds: float) -> None:
+    """Keeps this process, which hosts the job's store and saw a step fail, alive
+    ``seconds`` more at exit: the other ranks read the failure's notice and gather
+    their report through the store, and would otherwise find it gone and name this
+    rank as the one that failed."""
+    global _outliving
+    if not _outliving:
+        _outliving = True
+        atexit.register(time.sleep, seconds)
+
+
+_outliving = False
 
 
 def describe_host() -> str:

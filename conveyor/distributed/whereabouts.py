@@ -110,14 +110,17 @@ class Whereabouts:
         return found
 
     def announce(self, step: int, report: dict[str, Any]) -> None:
-        """Posts ``report``, this rank's failure in ``step`` (or the one it passes on), as
-        the step's notice, where ranks waiting in a collective look (bounded: a silent
-        store is given up)."""
-        if self.store.available and not report.get("silent"):
-            try:
-                self.store.set(f"{self.prefix}/{step}/notice", json.dumps(report))
-            except (StoreSilent, StoreGone) as exc:
-                self.store_trouble = str(exc)
+        """Posts ``report``, this rank's failure in ``step`` (or the one it passes on: a
+        peer's, or a peer's closed connection), as the step's notice, where ranks waiting
+        in a collective look (bounded: a silent store is given up)."""
+        key = f"{self.prefix}/{step}/notice"
+        if not self.store.available or report.get("silent") == "timeout":
+            return  # a timeout may be this rank's own slowness: not the step's cause
+        try:  # a closed connection (a dead rank), unless a rank already said more
+            if not report.get("silent") or not self.store.check([key]):
+                self.store.set(key, json.dumps(report))
+        except (StoreSilent, StoreGone) as exc:
+            self.store_trouble = str(exc)
 
     def notice(self, step: int) -> dict[str, Any] | None:
         """The failure a rank announced in ``step``, if any (None also when the store
