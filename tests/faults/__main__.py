@@ -3,6 +3,7 @@
     python -m tests.faults --seed 7        the case of seed 7, and each rank's error
     python -m tests.faults --case env2 freeze backward later 0     a case by name
     python -m tests.faults --list          every case, numbered
+    python -m tests.faults --numbers 3,17  the cases of these numbers (a run's failures)
     python -m tests.faults --all           every case (make faults; --jobs N: N at once)
     python -m tests.faults --sample 8      the CI sample (tests/test_faults.py)
 
@@ -31,12 +32,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one case: LAUNCHER FAULT WHERE PHASE RANK [APP]")
     chosen.add_argument("--all", action="store_true", help="run every case")
     chosen.add_argument("--sample", type=int, metavar="N", help="run the CI sample of N")
+    chosen.add_argument("--numbers", type=lambda text: [int(n) for n in text.split(",")],
+                        help="run the cases of these numbers (--list), e.g. a run's failures")
     chosen.add_argument("--list", action="store_true", help="list every case")
     parser.add_argument("--out", type=Path, help="where the cases' processes write")
     parser.add_argument("--jobs", type=int, default=1,
                         help="cases run at once (most of a case is waiting for a timeout)")
     args = parser.parse_args(argv)
-    cases = every_case()
+    everything = cases = every_case()
     if args.list:
         for number, case in enumerate(cases):
             print(f"{number:4d}  {case}")
@@ -49,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         cases = [Case(*fields[:4], int(fields[4]), *fields[5:])]
     elif args.sample is not None:
         cases = sample(args.sample)
+    elif args.numbers is not None:
+        cases = [cases[n] for n in args.numbers]
     out = args.out or Path(tempfile.mkdtemp(prefix="conveyor-faults-"))
     start, failed = time.monotonic(), 0
+    numbers = [everything.index(case) if case in everything else -1 for case in cases]
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
         running = {pool.submit(check, case, out / f"case{number}"): (number, case)
-                   for number, case in enumerate(cases)}
+                   for number, case in zip(numbers, cases)}
         for done in as_completed(running):
             (found, seconds), (number, case) = done.result(), running[done]
             failed += bool(found)
