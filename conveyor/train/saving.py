@@ -112,10 +112,11 @@ def _failed_save(exc: Exception, model: nn.Module, name: str) -> None:
 
     Raises:
         PeerFailure: another rank failed or went silent during the save.
+        ConveyorError: this rank's own error (its cause), once announced.
     """
     from conveyor.distributed.explain import own_report
     from conveyor.distributed.peerfailure import first_line, reported, timed_out
-    from conveyor.errors import PeerFailure
+    from conveyor.errors import ConveyorError, PeerFailure
 
     runtime = getattr(model, "runtime", None)
     whereabouts = getattr(runtime, "whereabouts", None)
@@ -129,7 +130,9 @@ def _failed_save(exc: Exception, model: nn.Module, name: str) -> None:
         word in str(exc) for word in ("Connection", "closed", "reset"))
     if not lost:  # this rank's own error: tell the others first
         whereabouts.announce(step, own_report(exc, rank))
-        return
+        raise ConveyorError(f"the checkpoint {name} failed on rank {rank}: "
+                            f"{type(exc).__name__}: {first_line(exc)}; the previous "
+                            "checkpoint is intact") from exc
     snapshots = whereabouts.gather(runtime.executor.runs, 3.0, set())  # type: ignore[union-attr]
     silent = [r for r, snapshot in snapshots.items() if snapshot is None]
     named = (f"rank {silent[0]} did not answer (killed, frozen, or stuck outside Python)"
