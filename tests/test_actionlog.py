@@ -149,7 +149,7 @@ def test_a_failing_action_is_logged_and_the_error_still_raised(
                              schedule="gpipe", loss_fn=nn.functional.mse_loss)
     transport = pipe.runtime.executor.transport
     caplog.set_level(logging.DEBUG, logger="conveyor")
-    with pytest.raises(StageError, match="stage 1, layer 5 .* micro-batch 1: ValueError"):
+    with pytest.raises(StageError, match="stage 1, layer 5 .* micro-batch 1 \\(1F1\\): ValueError"):
         pipe.step(*batch())
     messages = [r.getMessage() for r in caplog.records]
     assert any(re.fullmatch(r"rank 1 1F1 micro-batch 1: failed after \d+\.\d{3} ms: "
