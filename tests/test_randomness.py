@@ -141,6 +141,7 @@ def test_a_step_in_eval_mode_first_leaves_training_dropout_seeded() -> None:
         torch.manual_seed(1)
         pipe.step(x, y)
         grads.append([p.grad for p in pipe.parameters()])
+    assert len(grads[0]) == len(grads[1]) == 8  # 4 weights, 4 biases: none skipped
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
@@ -178,4 +179,5 @@ def test_attention_is_routed_to_the_layers_stream_only_when_it_drops(dropout: fl
     routed = [stages[0].randomness._random_parts[(0, True)],
               stages[1].randomness._random_parts[(2, True)]]
     assert [bool(parts) for parts in routed] == [dropout > 0] * 2
+    assert len(results[0]) == len(results[1]) == 6
     assert all(torch.equal(a, b) for a, b in zip(*results))

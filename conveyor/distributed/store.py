@@ -53,6 +53,9 @@ def host() -> int | None:
     return None
 
 
+_outliving = False  # whether outlive_peers_at_exit has registered its wait
+
+
 def outlive_peers_at_exit(seconds: float) -> None:
     """Keeps this process, which hosts the job's store and saw a step fail, alive
     ``seconds`` more at exit: the other ranks read the failure's notice and gather
@@ -62,9 +65,6 @@ def outlive_peers_at_exit(seconds: float) -> None:
     if not _outliving:
         _outliving = True
         atexit.register(time.sleep, seconds)
-
-
-_outliving = False
 
 
 def describe_host() -> str:
