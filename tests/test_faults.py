@@ -31,21 +31,23 @@ REPORTED = [Case("env2", "freeze", "backward", "later", 0),
 #: The rest of the fixed sample: every launcher of processes, fault, phase and rank
 #: position at least once, in as few launches as that takes (each ~25 s here), among
 #: them what test_hang_ranks.py tested before (a killed last and middle rank, a rank
-#: stuck in a loop, a rank frozen in a collective). Under torchrun a rank killed lets
+#: frozen in a collective; a rank stuck in a loop is among FOUND). Under torchrun a rank killed lets
 #: the agent end the others (SIGTERM): kills are tested in hand-launched jobs here.
 #: Threads in one process: tests/test_hang.py (no launch needed).
 SAMPLE = [Case("agents", "freeze", "forward", "first", 1),
           Case("env3", "kill", "between", "between", 1, prelude="config"),
-          Case("env3", "loop", "forward", "later", 2),
           Case("torchrun", "freeze", "collective", "later", 1),
           Case("env2", "exit", "forward", "first", 1)]
 #: What the first whole run of ``make faults`` found: a middle rank ending the last
 #: step as done while the first failed in its last backward; a rank looping before a
 #: collective, which the others must name though every rank answers the gather; on
 #: threads, the caller's error for a layer failing in forward naming its action.
+#: The second whole run: with 3 ranks under env://, the store's host (rank 0) frozen
+#: between steps, rank 2 named its neighbour rank 1, which was waiting on rank 0.
 FOUND = [Case("torchrun", "raise", "backward", "later", 0),
          Case("torchrun", "loop", "collective", "first", 1),
-         Case("threads", "raise", "forward", "first", 1)]
+         Case("threads", "raise", "forward", "first", 1),
+         Case("env3", "freeze", "between", "between", 0)]
 CASES = REPORTED + SAMPLE + FOUND
 
 

@@ -68,6 +68,27 @@ _SOURCE = 22
 _STEP = 23
 
 
+# How messages meet their receives, for rank 1 of GPipe on two stages and two
+# micro-batches whose activations are 4 KiB each. Both sides start a peer's capacity
+# at 192 bytes (a header) and raise it to the largest message seen, in the same order,
+# so they always agree whether the next message fits in one envelope:
+#
+#   rank 0 sends                           rank 1
+#                                          prepare(): expects act(1,0), act(1,1) from
+#                                            rank 0; posts a 192-byte receive
+#   0F0: 4288 > 192 bytes: header alone  -> lands in it (inline 0); posts 4096 bytes
+#        then the body (4096 bytes)      -> lands there; act(1,0) is decoded, capacity
+#                                            is now 4288; posts 4288 bytes for act(1,1)
+#   0F1: 4288 <= 4288: one envelope      -> lands whole in the posted receive (inline 1)
+#        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
+#
+# A failing rank sends an abort report in place of its next message to every peer, so
+# a waiting receive ends with PeerFailure instead of a timeout, and a rank busy with
+# other work sees the report before its next action (poll), whoever it came from. The
+# report's header names the failing rank, stage and micro-batch, in case its body is
+# lost with the failed process; each rank passes the report on when it stops.
+
+
 @dataclass(frozen=True)
 class _Slot:
     """A tensor's place in a message's skeleton: where its bytes start, and what it is."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.peerfailure import origin
 from conveyor.distributed.store import outlive_peers_at_exit
 from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
@@ -51,12 +52,16 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         transport.broken = transport.broken or (
             f"step {executor.runs} lost a peer ({report['error']}), so this pipeline "
             "refuses further steps: restart the job")
+    if report.get("silent") and isinstance(error, PeerFailure):
+        _read_the_notice(error, whereabouts.notice(transport.step), rank)
+        report = error.report or report
     if report.get("step", executor.runs) > executor.runs:  # before any action of the step
         attach_report(error, f"step {report['step']} did not start: rank {rank} lost rank "
                              f"{report['rank']} between steps ({report['error']})")
         return
     snapshots = whereabouts.gather(executor.runs, GATHER, silent)
-    notes = _notes(snapshots, report, executor.deadlines.within)
+    notes = _notes(snapshots, report, executor.deadlines.within,
+                   unknown=whereabouts.store_trouble is not None)
     hosting = _store_host(whereabouts, transport)
     if whereabouts.store_trouble is not None and hosting is not None \
             and snapshots.get(hosting) is None:
@@ -64,6 +69,7 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
             "the process died" if "is gone" in whereabouts.store_trouble
             else "frozen, or stuck outside Python"))
     if isinstance(error, PeerFailure):
+        _name_the_store_host(error, hosting, whereabouts.store_trouble, rank)
         _name_the_silent(error, snapshots, hosting, whereabouts.store_trouble)
         _name_the_absent(error, snapshots, transport, rank)
         _follow_the_waits(error, snapshots, rank)
@@ -86,6 +92,34 @@ def _store_host(whereabouts: Whereabouts, transport: P2PTransport) -> int | None
     ranks = [r for r in range(transport.topology.pipeline_size)
              if transport.topology.global_rank(r) == host]
     return ranks[0] if ranks else None
+
+
+def _read_the_notice(error: PeerFailure, notice: dict[str, Any] | None, rank: int) -> None:
+    """A rank that lost a peer (its connection closed, or it went silent) names the
+    failure a rank announced in the step, if one did: its abort report may have been
+    lost as its process exited, but the notice was posted first."""
+    if notice is None or notice.get("silent") or notice.get("rank") in (None, rank):
+        return
+    first, _, rest = str(error).partition("\n")
+    error.args = (f"{origin(notice)}; then {first}" + (f"\n{rest}" if rest else ""),)
+    error.report = notice
+    error.stage, error.microbatch, error.action = (notice["stage"], notice["microbatch"],
+                                                   notice["action"])
+
+
+def _name_the_store_host(error: PeerFailure, hosting: int | None, trouble: str | None,
+                         rank: int) -> None:
+    """A rank that lost a peer while the store's host did not answer either (frozen or
+    dead: the store cannot tell what the peer was doing) names the host, on which the
+    peer most likely waited: the store is what the host cannot hide."""
+    report = error.report
+    if report is None or trouble is None or hosting is None or hosting == rank \
+            or not report.get("silent") or report.get("rank") in (None, hosting):
+        return
+    waited, report["rank"] = report["rank"], hosting
+    first, _, rest = str(error).partition("\n")
+    error.args = (f"{first}: {trouble}, and rank {waited} most likely waited on it"
+                  + (f"\n{rest}" if rest else ""),)
 
 
 def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) -> None:
@@ -156,13 +190,16 @@ def _name_the_absent(error: PeerFailure, snapshots: dict[int, Any], transport: P
                   + (f"\n{rest}" if rest else ""),)
 
 
-def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float) -> dict[int, str]:
-    """What a gathered report says beside each rank: who failed, who went silent."""
+def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float, *,
+           unknown: bool) -> dict[int, str]:
+    """What a gathered report says beside each rank: who failed, who went silent
+    (``unknown``: the store did not answer, so a rank's silence tells nothing)."""
     notes: dict[int, str] = {}
     for rank, snapshot in snapshots.items():
         if snapshot is None:
             closed = report.get("silent") == "closed" and report.get("rank") == rank
             notes[rank] = ("its connection closed: the process died" if closed
+                           else "not known: the job's store did not answer" if unknown
                            else "did not answer: frozen, dead, or stuck outside Python")
         elif snapshot["state"] == FAILED:
             notes[rank] = "failed here"

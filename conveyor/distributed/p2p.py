@@ -11,7 +11,7 @@ Waiting is what makes a pipeline slow. With gloo, data moves only once the recei
 has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
 under load; three per message cost a 2-stage step 15%. So each peer always has a
 receive posted for its next message, and on gloo header and body travel as one
-*envelope* into it (drawn above :class:`P2PTransport`). NCCL needs exact sizes (and
+*envelope* into it (drawn in :mod:`conveyor.distributed.envelope`). NCCL needs exact sizes (and
 overlaps on the GPU anyway): there the header goes first, then the body.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from conveyor.distributed.envelope import (
     _unpickle,
 )
 from conveyor.distributed import peerfailure
-from conveyor.distributed.peerfailure import lost_between_steps, reported, timed_out, wait_failed
+from conveyor.distributed.peerfailure import lost_peer, reported, timed_out, wait_failed
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour
@@ -59,27 +60,7 @@ from conveyor.schedules import Action, Schedule
 __all__: list[str] = []
 
 SETTLE = 5.0  # seconds a failed rank waits for its posted receives to be answered
-
-# How messages meet their receives, for rank 1 of GPipe on two stages and two
-# micro-batches whose activations are 4 KiB each. Both sides start a peer's capacity
-# at 192 bytes (a header) and raise it to the largest message seen, in the same order,
-# so they always agree whether the next message fits in one envelope:
-#
-#   rank 0 sends                           rank 1
-#                                          prepare(): expects act(1,0), act(1,1) from
-#                                            rank 0; posts a 192-byte receive
-#   0F0: 4288 > 192 bytes: header alone  -> lands in it (inline 0); posts 4096 bytes
-#        then the body (4096 bytes)      -> lands there; act(1,0) is decoded, capacity
-#                                            is now 4288; posts 4288 bytes for act(1,1)
-#   0F1: 4288 <= 4288: one envelope      -> lands whole in the posted receive (inline 1)
-#        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
-#
-# A failing rank sends an abort report in place of its next message to every peer, so
-# a waiting receive ends with PeerFailure instead of a timeout, and a rank busy with
-# other work sees the report before its next action (poll), whoever it came from. The
-# report's header names the failing rank, stage and micro-batch, in case its body is
-# lost with the failed process; each rank passes the report on when it stops.
-
+FLUSH = 1.0  # seconds a failed rank waits for its abort reports to leave
 
 @dataclass
 class _Incoming:
@@ -141,6 +122,7 @@ class P2PTransport:
         self._peers: set[int] = set()
         self._stash: dict[tuple[str, int, int, int], Any] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._reports: list[Any] = []  # the sends of this rank's abort reports
         self._aborted = False
 
     # ------------------------------------------------------------ the table
@@ -188,7 +170,7 @@ class P2PTransport:
     def reset(self) -> None:
         self.local.reset()
         self._stash.clear()
-        self._aborted = False
+        self._aborted, self._reports = False, []
 
     # ------------------------------------------------------------ sending
 
@@ -223,7 +205,16 @@ class P2PTransport:
         return total
 
     def _isend(self, peer: int, buffer: torch.Tensor) -> None:
-        self._sends.append((dist.isend(buffer, peer, group=self.topology.pipeline_group), buffer))
+        """Sends ``buffer`` to global rank ``peer`` without waiting; a closed connection
+        (the peer exited) raises PeerFailure and breaks the transport."""
+        try:
+            work = dist.isend(buffer, peer, group=self.topology.pipeline_group)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer"
+            failure, self.broken = lost_peer(exc, self.topology.pipeline_rank,
+                                             self.topology.pipeline_ranks.index(peer),
+                                             self.step, sending=True)
+            raise failure from exc
+        self._sends.append((work, buffer))
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
 
     # ------------------------------------------------------------ receiving
@@ -252,8 +243,7 @@ class P2PTransport:
             work = dist.irecv(buffer, self.topology.global_rank(peer),
                               group=self.topology.pipeline_group)
         except RuntimeError as exc:  # gloo: "Connection closed by peer"
-            failure, self.broken = lost_between_steps(exc, self.topology.pipeline_rank, peer,
-                                                      self.step)
+            failure, self.broken = lost_peer(exc, self.topology.pipeline_rank, peer, self.step)
             raise failure from exc
         return work if self._watcher is None else self._watcher.watch(peer, work)
 
@@ -314,7 +304,8 @@ class P2PTransport:
                     raise
                 # The failed rank exited before this one took its report's body.
                 text = str(lost.__cause__ or lost).splitlines()[0]
-                self._raise_failure(_abort_summary(message.header, text), stopped)
+                summary = _abort_summary(message.header, text)
+                raise reported(summary, self.topology.pipeline_rank, stopped)
             if message.header is None:
                 header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
                 _check_header(header)  # before trusting its body size with an allocation
@@ -337,7 +328,7 @@ class P2PTransport:
                 continue
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
-                self._raise_failure(report, stopped)
+                raise reported(report, self.topology.pipeline_rank, stopped)
             arrived = (_KINDS.get(header[_CODE], "?"), header[_SOURCE], header[_STAGE],
                        header[_MICROBATCH])
             if arrived != message.key:
@@ -348,10 +339,6 @@ class P2PTransport:
             self._position[peer] += 1
             self._post(peer)
             return
-
-    def _raise_failure(self, report: dict[str, Any], stopped: str) -> None:
-        """Raises the failure a peer reported; ``stopped`` says where this rank stopped."""
-        raise reported(report, self.topology.pipeline_rank, stopped)
 
     def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
         """Waits for ``work``: a receive from ``peer`` or a send (None), at most a
@@ -422,11 +409,13 @@ class P2PTransport:
                       "action": action or getattr(error, "action", "?")}
         if self.announce is not None:
             self.announce(self.step, report)
+        pending = {id(work) for work, _ in self._sends}
         for rank in sorted(self._peers):
             try:
                 self._send_message(rank, *_encode_abort(report))
             except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
                 pass
+        self._reports = [work for work, _ in self._sends if id(work) not in pending]
         if self._watcher is not None:
             self._watcher.settle(min(self.deadlines.within, SETTLE))
 
@@ -444,7 +433,17 @@ _transports: weakref.WeakSet[P2PTransport] = weakref.WeakSet()
 def _let_go_of_works() -> None:
     """Drops the gloo works (sends, posted receives) the transports still hold, before
     the process group is destroyed at exit (see ``watch._shut_down_cleanly``): a work
-    freed while the interpreter shuts down aborts the process."""
+    freed while the interpreter shuts down aborts the process. First, for at most
+    ``FLUSH`` seconds in all, lets the abort reports leave: a peer would otherwise see
+    this rank's connection close, not why it stopped. (Not before exit: gloo sends
+    only to a posted receive, and a send's wait that times out closes its connection.)"""
+    deadline = time.monotonic() + FLUSH
+    for work in [work for transport in list(_transports) for work in transport._reports]:
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+        except Exception:  # noqa: BLE001 - its peer is gone or frozen: nothing more to do
+            pass
     for transport in list(_transports):
+        transport._reports = []
         transport._sends = []
         transport._incoming = {}

@@ -36,13 +36,20 @@ def first_line(exc: BaseException) -> str:
 def reported(report: dict[str, Any], rank: int, stopped: str) -> PeerFailure:
     """The failure a peer reported, as rank ``rank`` raises it; ``stopped`` says where
     this rank stopped ("stopped waiting for ...", "stopped before its next action")."""
-    action = report.get("action")
-    doing = f" in {action}" if action and action != "?" and action not in report["error"] else ""
-    failure = PeerFailure(f"rank {report['rank']} failed{doing} ({report['error']}); rank {rank} "
-                          f"{stopped}", stage=report["stage"], microbatch=report["microbatch"],
-                          action=report["action"])
+    failure = PeerFailure(f"{origin(report)}; rank {rank} {stopped}", stage=report["stage"],
+                          microbatch=report["microbatch"], action=report["action"])
     failure.report = report
     return failure
+
+
+def origin(report: dict[str, Any]) -> str:
+    """The failure a rank reported, in words: "rank 1 failed in 1B0 (ValueError: ...)",
+    or for a rank that went silent, "rank 1 went silent (no answer within 4 s)"."""
+    if report.get("silent"):
+        return f"rank {report['rank']} went silent ({report['error']})"
+    action = report.get("action")
+    doing = f" in {action}" if action and action != "?" and action not in report["error"] else ""
+    return f"rank {report['rank']} failed{doing} ({report['error']})"
 
 
 def wait_failed(exc: BaseException, rank: int, peer: int | None, what: str, seconds: float,
@@ -79,14 +86,16 @@ def collective_failed(exc: BaseException, rank: int, what: str, seconds: float,
     return failure
 
 
-def lost_between_steps(exc: BaseException, rank: int, peer: int,
-                       step: int) -> tuple[PeerFailure, str]:
-    """Rank ``rank``'s failure when it cannot even post a receive from ``peer`` at the
-    start of ``step`` (its connection closed), and why further steps are refused."""
+def lost_peer(exc: BaseException, rank: int, peer: int, step: int, *,
+              sending: bool = False) -> tuple[PeerFailure, str]:
+    """Rank ``rank``'s failure when it cannot even post a receive from ``peer`` (at the
+    start of ``step``) or a send to it (``sending``) because its connection closed, and
+    why further steps are refused."""
     text = first_line(exc)
-    failure = PeerFailure(f"rank {rank} lost its peer rank {peer} ({text}) before it could "
-                          f"receive from it in step {step}; that rank may have died",
-                          stage=-1, microbatch=-1, action="recv")
+    doing = "as it sent to it" if sending else "before it could receive from it"
+    failure = PeerFailure(f"rank {rank} lost its peer rank {peer} ({text}) {doing} in step "
+                          f"{step}; that rank may have died", stage=-1, microbatch=-1,
+                          action="send" if sending else "recv")
     failure.report = {**_silent(peer, "closed", f"its connection closed: {text}"), "step": step}
     return failure, (f"step {step} lost rank {peer} ({text}), so this pipeline refuses "
                      "further steps: restart the job")

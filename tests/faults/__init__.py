@@ -139,10 +139,13 @@ def run(case: Case, out: Path, *, timeout: float = 150.0) -> Outcome:
     survivors = [r for r in range(world) if r != case.rank]
     if case.launcher == "threads":
         survivors = [0]
+    barrier: dict[int, float] = {}  # an agent's pid in the exit barrier: since when
 
     def release() -> None:
         if all((out / f"rank{r}.json").exists() for r in survivors):
             (out / "release").touch()
+            if case.launcher == "agents" and case.fault == "exit":
+                _end_exit_barrier(out, barrier)
             fault = out / "fault.json"
             if case.fault == "freeze" and fault.exists():
                 try:
@@ -155,6 +158,34 @@ def run(case: Case, out: Path, *, timeout: float = 150.0) -> Outcome:
                   module="tests.faults.worker", args=[str(out)], watch=release)
 
 
+#: torchrun's agent logs this when its workers all exited 0 (api.py, LOGLEVEL=INFO)
+_BARRIER = "Waiting 300 seconds for other agents to finish"
+
+
+_BARRIER_GRACE = 15.0  # seconds the barrier may end by itself (the failed agent's store gone)
+
+
+def _end_exit_barrier(out: Path, since: dict[int, float]) -> None:
+    """Ends the torchrun agent whose worker exited 0 (the fault) and that still waits,
+    ``_BARRIER_GRACE`` s on, in torchrun's exit barrier for the other agent, which
+    failed and never comes: 300 s, which torchrun's command line cannot change
+    (pytorch/pytorch#157318). Not a hang of conveyor's: every worker has ended by
+    then. Written down in ``exit-barrier``; ``since`` keeps when it was first seen."""
+    for log in out.glob("agent*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if _BARRIER not in line:
+                continue
+            pid = int(line.split()[2])  # "I1125 19:43:52.993000 12117 file:line] ..."
+            first = since.setdefault(pid, time.monotonic())
+            if time.monotonic() - first < _BARRIER_GRACE or not Path(f"/proc/{pid}").exists():
+                continue
+            (out / "exit-barrier").write_text(f"{log.stem} (pid {pid}): {line}\n")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def problems(case: Case, out: Path, outcome: Outcome) -> list[str]:
     """What ``case`` did wrong, read from what its processes wrote; [] when nothing."""
     found: list[str] = []
@@ -165,6 +196,9 @@ def problems(case: Case, out: Path, outcome: Outcome) -> list[str]:
     fired = json.loads(fault_file.read_text())["time"] if fault_file.exists() else None
     if any(code is None for code in outcome.returncodes):
         found.append(f"still running after {outcome.seconds:.0f} s: a hang")
+    if (out / "exit-barrier").exists() and not (case.launcher == "agents"
+                                                and case.fault == "exit"):
+        found.append("an agent waited in torchrun's exit barrier")
     survivors = [r for r in range(world) if r != case.rank]
     if how == "threads":
         survivors = [0]

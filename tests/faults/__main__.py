@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.numbers is not None:
         cases = [cases[n] for n in args.numbers]
     out = args.out or Path(tempfile.mkdtemp(prefix="conveyor-faults-"))
-    start, failed = time.monotonic(), 0
+    start, failed, barriers = time.monotonic(), 0, 0
     numbers = [everything.index(case) if case in everything else -1 for case in cases]
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
         running = {pool.submit(check, case, out / f"case{number}"): (number, case)
@@ -67,10 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             for problem in found:
                 print("    " + problem.replace("\n", "\n    "))
+            barrier = out / f"case{number}" / "exit-barrier"
+            if barrier.exists():  # see tests.faults._end_exit_barrier
+                barriers += 1
+                print(f"    torchrun's exit barrier, ended after the workers: {barrier.read_text()}",
+                      end="")
             if len(cases) == 1:
                 _show(out / f"case{number}")
     print(f"{len(cases)} cases, {failed} failed, {time.monotonic() - start:.0f} s "
-          f"(output in {out})")
+          f"(output in {out})" + (f"; {barriers} ended a torchrun agent waiting in its exit "
+                                  "barrier for a failed one" if barriers else ""))
     return 1 if failed else 0
 
 

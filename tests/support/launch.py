@@ -10,7 +10,8 @@ tests/support/scenarios/__main__.py). How the processes find each other is the
 * ``env``: env:// by hand, as SLURM's ``srun`` jobs do: MASTER_ADDR=127.0.0.1 and a free
   MASTER_PORT, so rank 0's process hosts the c10d store;
 * ``torchrun``: one torchrun agent (``--standalone``), which hosts the store;
-* ``agents``: two torchrun agents (``--nnodes 2``, c10d rendezvous), the first hosting.
+* ``agents``: two torchrun agents (``--nnodes 2``, c10d rendezvous; whichever starts
+  first hosts the store).
 
 Under torchrun the agent stops the other workers once one exits non-zero (SIGTERM,
 then SIGKILL); ``returncodes`` are then the agents'. Whatever is still running below the
@@ -131,7 +132,8 @@ def _agents(launcher: str, world: int, argv: list[str], base: dict[str, str],
     commands = [[*run, "--nnodes", "2", "--nproc-per-node", str(sizes[node]), "--node-rank",
                  str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                  "--rdzv-id", f"faults-{os.getpid()}", *argv] for node in range(2)]
-    return commands, [base, base], [out_dir / f"agent{node}.log" for node in range(2)]
+    logged = {**base, "LOGLEVEL": "INFO"}  # the agents say when they wait in their exit barrier
+    return commands, [logged, logged], [out_dir / f"agent{node}.log" for node in range(2)]
 
 
 def _stat(path: Path) -> list[str] | None:
