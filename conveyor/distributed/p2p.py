@@ -11,8 +11,8 @@ Waiting is what makes a pipeline slow. With gloo, data moves only once the recei
 has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
 under load; three per message cost a 2-stage step 15%. So each peer always has a
 receive posted for its next message, and on gloo header and body travel as one
-*envelope* into it (drawn in :mod:`conveyor.distributed.envelope`). NCCL needs exact sizes (and
-overlaps on the GPU anyway): there the header goes first, then the body.
+*envelope* into it (drawn in :mod:`conveyor.distributed.envelope`). NCCL needs exact
+sizes (and overlaps on the GPU anyway): there the header goes first, then the body.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ __all__: list[str] = []
 
 SETTLE = 5.0  # seconds a failed rank waits for its posted receives to be answered
 FLUSH = 1.0  # seconds a failed rank waits for its abort reports to leave
+
 
 @dataclass
 class _Incoming:

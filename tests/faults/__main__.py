@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             barrier = out / f"case{number}" / "exit-barrier"
             if barrier.exists():  # see tests.faults._end_exit_barrier
                 barriers += 1
-                print(f"    torchrun's exit barrier, ended after the workers: {barrier.read_text()}",
-                      end="")
+                print("    torchrun's exit barrier, ended after the workers: "
+                      + barrier.read_text(), end="")
             if len(cases) == 1:
                 _show(out / f"case{number}")
     print(f"{len(cases)} cases, {failed} failed, {time.monotonic() - start:.0f} s "
