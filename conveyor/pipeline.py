@@ -61,7 +61,7 @@ from conveyor.graph.layout import (
 )
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
-from conveyor.schedules import V_SHAPES, Kind, Schedule
+from conveyor.schedules import Kind, Schedule
 
 __all__ = ["Pipeline"]
 
@@ -197,11 +197,6 @@ class Pipeline(RunsRuntime):
         ranks = topology.pipeline_size if topology else local_ranks(stages, devices)
         self.topology = topology or Topology(pipeline_size=ranks)
         table = make_schedule(schedule, ranks, chunks, virtual_stages)
-        if compile and table.name in V_SHAPES:
-            raise ConfigError(f"compile=True with {table.name!r} is not supported yet: "
-                              "compiled stages of a V shape were seen to give wrong "
-                              "gradients; use zero-bubble or interleaved-1f1b, or leave "
-                              "compile off")
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
                         if topology is None else [topology.device or torch.device("cpu")] * ranks)

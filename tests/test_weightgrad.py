@@ -75,3 +75,46 @@ def test_scalar_loss_and_accumulation_into_existing_gradients() -> None:
     weight_work.run()
     for p, r in paired(stage.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-12
+
+
+class TwoOutputs(nn.Module):
+    """A stage whose two outputs leave one autograd node: the halves of a ``chunk``, as
+    the outputs of a compiled graph all leave its one backward node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first, second = self.linear(x).chunk(2, dim=-1)
+        return first, second
+
+
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_outputs_that_leave_one_node_each_get_their_own_gradient(
+        input_requires_grad: bool, compiled: bool) -> None:
+    # Found by the generator under compile=True: the first stage of zb-v at K=1 sent a
+    # skip and its block's output, both leaving the compiled graph's one node, and W
+    # started both at slot 0 of that node (the first output's gradient twice).
+    torch.manual_seed(0)
+    stage = TwoOutputs().double()
+    reference = copy.deepcopy(stage)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    grads = [torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)]
+    x_ref = x.clone().requires_grad_(input_requires_grad)
+    torch.autograd.backward(list(reference(x_ref)), grads)
+
+    run = torch.compile(stage, backend="aot_eager") if compiled else stage
+    x_split = x.clone().requires_grad_(input_requires_grad)
+    outputs = list(run(x_split))
+    assert outputs[0].grad_fn is not outputs[1].grad_fn or outputs[1].output_nr == 1
+    input_grads, weight_work = backward_input(outputs, grads, [x_split],
+                                              list(stage.parameters()))
+    weight_work.run()
+    if input_requires_grad:
+        assert input_grads[0] is not None and x_ref.grad is not None
+        assert relative_error(input_grads[0], x_ref.grad) <= 1e-12
+    for (name, p), r in paired(stage.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        assert relative_error(p.grad, r.grad) <= 1e-12, name

@@ -150,10 +150,23 @@ def backward_input(
     work = [([(node, captured.get(node, ())) for node in nodes],
              [param_of[node] for node in members]) for nodes, members in groups]
     if direct:
-        output_grads = [g if g is not None else torch.ones_like(t) for t, g in zip(outputs, grads)]
-        work.append(([(root, (grad,)) for root, grad in zip(roots, output_grads)],
-                     [param_of[node] for node in direct]))
+        work.append((_at_roots(outputs, grads), [param_of[node] for node in direct]))
     return input_grads, WeightGradient(work, _pinned(groups))
+
+
+def _at_roots(outputs: Sequence[torch.Tensor],
+              grads: Sequence[torch.Tensor | None]) -> list[tuple[Node, tuple[Any, ...]]]:
+    """The outputs' gradients as W starts from them: per node, one gradient per output
+    slot (None where no output leaves by it). Outputs may leave one node by several
+    slots: the halves of a ``chunk``, the outputs of a compiled graph."""
+    slots: dict[Node, dict[int, Any]] = defaultdict(dict)
+    for t, grad in zip(outputs, grads):
+        edge = get_gradient_edge(t)
+        grad = grad if grad is not None else torch.ones_like(t)
+        noted = slots[edge.node]
+        noted[edge.output_nr] = noted[edge.output_nr] + grad if edge.output_nr in noted else grad
+    return [(node, tuple(noted.get(slot) for slot in range(max(noted) + 1)))
+            for node, noted in slots.items()]
 
 
 def _capture_nodes(param: Node, parents: dict[Node, list[Node]],

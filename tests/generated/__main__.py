@@ -3,6 +3,7 @@
     python -m tests.generated --seed 123          # its model's cases, printed in full
     python -m tests.generated --count 2500        # seeds 0..2499: 10,000 cases
     python -m tests.generated --count 500 --start 20000 --jobs 2 --json out.json
+    python -m tests.generated --count 40 --compile   # each case with compile=True
 
 Each seed draws one model and four ways to run it (cases). Each failure is shrunk to a smallest failing case and printed with the line that
 reproduces it. The exit status is 1 when any case failed.
@@ -40,22 +41,24 @@ def report(case: Case, result: Result, *, shrink_budget: int) -> dict[str, objec
     smallest, failure = shrink(case, rerun, budget=shrink_budget,
                                progress=lambda c: print(f"     shrunk: {c}", flush=True))
     print(f"     smallest: {smallest}\n     {failure}\n"
-          f"     reproduce: python -m tests.generated --seed {case.seed}  (case "
+          f"     reproduce: python -m tests.generated --seed {case.seed}"
+          f"{' --compile' if case.compiled else ''}  (case "
           f"{case.seed}.{case.variant})", flush=True)
     return {"seed": case.seed, "case": str(case), "result": str(result),
             "smallest": str(smallest), "smallest_result": str(failure)}
 
 
-def _results(seeds: Sequence[int], jobs: int) -> Iterator[tuple[Case, Result]]:
+def _results(seeds: Sequence[int], jobs: int,
+             compiled: bool) -> Iterator[tuple[Case, Result]]:
     """Each case's result, seed by seed, from ``jobs`` worker processes (or this one)."""
     if jobs <= 1:
         for seed in seeds:
-            cases = draw_cases(seed)
+            cases = draw_cases(seed, compiled=compiled)
             yield from zip(cases, run_cases(cases))
         return
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        for results in pool.map(run_seed, seeds, chunksize=2):
+        for results in pool.map(run_seed, seeds, [compiled] * len(seeds), chunksize=2):
             yield from results
 
 
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the most runs spent shrinking one failure (default 200)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--json", type=Path, help="write the counts and failures here")
+    parser.add_argument("--compile", action="store_true",
+                        help="every case with compile=True (a first compile takes seconds)")
     args = parser.parse_args(argv)
     quiet()
     torch.set_num_threads(1)
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(seeds) * VARIANTS
     failures = []
     start = time.monotonic()
-    for done, (case, result) in enumerate(_results(seeds, args.jobs), 1):
+    for done, (case, result) in enumerate(_results(seeds, args.jobs, args.compile), 1):
         if args.seed is not None:
             print(case)
         if not result.ok:
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - start
     summary = {"start": seeds[0], "models": len(seeds), "cases": total,
                "failed": len(failures), "seconds": round(elapsed, 1),
-               "torch": torch.__version__, "failures": failures}
+               "torch": torch.__version__, "compiled": args.compile, "failures": failures}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if failures else 0

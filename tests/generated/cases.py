@@ -68,6 +68,7 @@ class Case:
     recompute: str
     train: bool
     mixed_seed: int = 0
+    compiled: bool = False      # compile=True (python -m tests.generated --compile)
 
     @property
     def stages(self) -> int:
@@ -77,7 +78,8 @@ class Case:
         cut = self.cut if self.cut == "auto" else f"{self.cut} at {list(self.boundaries)}"
         return (f"seed {self.seed}.{self.variant}: {self.schedule} K={self.ranks}x{self.virtual} "
                 f"M={self.chunks} N={self.batch} recompute={self.recompute} "
-                f"{'train' if self.train else 'eval'} {cut}; {self.spec}")
+                f"{'train' if self.train else 'eval'} {cut}{' compiled' if self.compiled else ''}; "
+                f"{self.spec}")
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,12 @@ class Result:
         return f"error {self.error:.3g} at {self.where}"
 
 
-def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None) -> list[Case]:
+def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None,
+               compiled: bool = False) -> list[Case]:
     """The cases of ``seed``: one random model, and ``variants`` ways to run it, each its
-    own cut, K (1–4, or ``ranks``), M (1–8), batch, schedule and options. The variants of
-    a seed share the model's trace (its sample has the same shapes), as a user who
-    rebuilds a pipeline of one model does."""
+    own cut, K (1–4, or ``ranks``), M (1–8), batch, schedule and options (``compiled``:
+    each with ``compile=True``). The variants of a seed share the model's trace (its
+    sample has the same shapes), as a user who rebuilds a pipeline of one model does."""
     rng = random.Random(seed)
     spec = draw_spec(rng)
     sequential = rng.random() < 1 / 3
@@ -113,7 +116,8 @@ def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None)
                        positions=False, output="tensor", extra=None, scale=False)
     if ranks is not None:  # enough blocks for two stages per rank, each with parameters
         spec = replace(spec, blocks=spec.blocks + ("linear",) * (2 * ranks))
-    return [_draw_variant(rng, seed, v, spec, sequential, ranks) for v in range(variants)]
+    return [replace(_draw_variant(rng, seed, v, spec, sequential, ranks), compiled=compiled)
+            for v in range(variants)]
 
 
 def draw_case(seed: int, variant: int = 0) -> Case:
@@ -222,7 +226,8 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any,
     if not torch.distributed.is_initialized():  # else a rank of a process group
         options["devices"] = [device] * case.ranks
     return conveyor.Pipeline(model, loss_fn=loss_fn, chunks=case.chunks, schedule=schedule,
-                             recompute=case.recompute, timeout=60, **options)
+                             recompute=case.recompute, timeout=60, compile=case.compiled,
+                             **options)
 
 
 def _draws_random(model: nn.Module) -> bool:
@@ -302,12 +307,12 @@ def _run_on(case: Case, model: nn.Module, device: str) -> Result:
     return compare(pipe, plain, loss.detach(), expected.detach())
 
 
-def run_seed(seed: int) -> list[tuple[Case, Result]]:
+def run_seed(seed: int, compiled: bool = False) -> list[tuple[Case, Result]]:
     """The cases of ``seed`` and their results, for a worker process: one thread, and
     each exception as its text (not every exception pickles)."""
     quiet()
     torch.set_num_threads(1)
-    cases = draw_cases(seed)
+    cases = draw_cases(seed, compiled=compiled)
     results = []
     for case, result in zip(cases, run_cases(cases)):
         if result.exception is not None:
