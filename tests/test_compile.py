@@ -3,21 +3,25 @@
 In float64 on the CPU against the plain model (eager) on the whole batch: a split
 backward (zero-bubble's ``I``/``W``) with recomputation, dropout in training mode (its
 modules stay eager, drawing from the pipeline's streams) on stages that share the CPU,
-and a traced model cut by ``split_at``. A first compile takes seconds: few cases.
+and a traced model cut by ``split_at``; the V shapes; dropout after a compiled stage
+whose output inductor lays out otherwise than eager. A first compile takes seconds: few
+cases (``python -m tests.generated --compile`` runs the generator's, compiled).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.layers import is_compiled
+from conveyor.engine.layers import compile_layers, is_compiled
 from conveyor.engine.rng import draw_step_seed
 from conveyor.observe.checkruns import _traced_per_microbatch
+from tests.generated.cases import draw_cases, run_case
 from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -118,3 +122,44 @@ def test_compiled_v_shapes_on_one_rank_are_exact(schedule: str) -> None:
     assert_same_grads(pipe.named_parameters(), plain.named_parameters())
     assert all(is_compiled(graph) for stage in pipe._runtime.stages.values()
                for layer in stage.layers for graph in layer.graphs())
+
+
+def test_dropout_after_a_compiled_stage_draws_the_plain_models_mask() -> None:
+    # Found by the generator under compile=True (seed 54.2, shrunk): the first stage's
+    # compiled graph handed on its batch norm's transposed output contiguous, and the
+    # next stage's dropout, filling its mask in memory order, dropped other elements.
+    case = replace(draw_cases(54, compiled=True)[2], chunks=2, batch=3, recompute="never",
+                   schedule="interleaved-1f1b")
+    case = replace(case, spec=replace(case.spec, blocks=("batchnorm", "dropout", "linear"),
+                                      memory_from=None, skip=None, extra=None))
+    assert case.train and case.ranks == 1 and case.virtual == 2
+    result = run_case(case)
+    assert result.ok, str(result)
+
+
+class Transposing(nn.Module):
+    """Batch norm over a transposed input, handed on transposed back: eager returns a
+    view whose memory runs along the last dim but one; inductor, a contiguous tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_compiled_layer_hands_on_the_eager_layout_and_updates_its_buffers_once() -> None:
+    torch.manual_seed(0)
+    layer, plain = Transposing().double(), Transposing().double()
+    plain.load_state_dict(layer.state_dict())
+    compile_layers([layer])
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    out, expected = layer(x), plain(x)
+    assert out.stride() == expected.stride()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    # The eager run that found the layout put the running statistics back.
+    torch.testing.assert_close(layer.norm.running_mean, plain.norm.running_mean,
+                               rtol=1e-12, atol=1e-12)
+    assert int(layer.norm.num_batches_tracked) == 1
+    out.sum().backward()  # the inputs the graph saved were left as they were

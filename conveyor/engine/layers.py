@@ -91,12 +91,65 @@ def compile_layers(layers: Partition) -> None:
                     continue
                 _COMPILED.add(graph)
                 graph.compile()
+                graph.register_forward_hook(EagerLayout())
         elif layer not in _COMPILED:
             _COMPILED.add(layer)
             for module in layer.modules():
                 if isinstance(module, _DropoutNd):
                     module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
             layer.compile()
+            layer.register_forward_hook(EagerLayout())
+
+
+class EagerLayout:
+    """A forward hook that lays a compiled module's outputs out in memory as its eager
+    forward does. Inductor may store an output otherwise (contiguous, where eager hands
+    on a transposed view), and a random op downstream fills its mask in memory order:
+    dropout would then drop other elements than the plain model's. The eager layout of
+    each kind of input (shapes, strides, dtypes, training) is found once, by running
+    the eager forward without gradient, its random numbers and buffers put back; an
+    output laid out otherwise is copied into that layout (autograd sees a copy)."""
+
+    def __init__(self) -> None:
+        self._strides: dict[Any, list[tuple[int, ...] | None]] = {}
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        key = (module.training, *((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor)
+                                  else type(t) for t in pytree.tree_leaves(args)
+                                  if not isinstance(t, nn.Parameter)))
+        strides = self._strides.get(key)
+        if strides is None:
+            strides = self._strides[key] = _eager_strides(module, args)
+        leaves, spec = pytree.tree_flatten(output)
+        if all(not isinstance(t, torch.Tensor) or t.stride() == want
+               for t, want in zip(leaves, strides)):
+            return None
+        return pytree.tree_unflatten([t if not isinstance(t, torch.Tensor) or t.stride() == want
+                                      or want is None else _laid_out(t, want)
+                                      for t, want in zip(leaves, strides)], spec)
+
+
+def _eager_strides(module: nn.Module, args: tuple[Any, ...]) -> list[tuple[int, ...] | None]:
+    """The strides of each output leaf of ``module``'s eager forward on ``args`` (None:
+    not a tensor); its random numbers and the buffers it updates are put back."""
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    kept = [t for t in (*tensors, *module.buffers()) if not t.requires_grad]
+    saved = [t.clone() for t in kept]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        output = module.forward(*args)
+        for tensor, before in zip(kept, saved):
+            if not torch.equal(tensor, before):  # a buffer it updated (batch norm's)
+                tensor.data.copy_(before)  # .data: saved for backward, its version stays
+    return [t.stride() if isinstance(t, torch.Tensor) else None
+            for t in pytree.tree_leaves(output)]
+
+
+def _laid_out(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``tensor``'s values in a new tensor of ``strides``."""
+    laid = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device)
+    return laid.copy_(tensor)
 
 
 def is_compiled(module: nn.Module) -> bool:
