@@ -124,8 +124,8 @@ class Pipeline(RunsRuntime):
             (a traced stage: each of its graphs); dropout modules stay eager, so the
             random streams, recomputation and the ``I``/``W`` split stay exact (a
             traced graph that draws random numbers stays eager; torch's donated
-            buffers are turned off for the process, see ``engine.layers``). Not yet
-            with the V-shape schedules.
+            buffers are turned off for the process, see ``engine.layers``); outputs
+            are handed on laid out in memory as eager would.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
