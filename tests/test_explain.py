@@ -1,14 +1,19 @@
 """How a survivor names the rank that failed when what it saw itself names another:
 a lost peer whose failure was announced in the store, a peer gone silent while the
-store's host is silent too, a send to a peer that has exited. Pure functions of
-reports; the launches that make these happen are tests/faults cases (env3, agents)."""
+store's host is silent too, a send to a peer that has exited, the store's host lost
+while the ranks agree on their options. Pure functions of reports (and a stand-in
+store); the launches that make these happen are tests/faults cases (env3, agents)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from conveyor.distributed import agreement
 from conveyor.distributed.explain import _name_the_store_host, _notes, _read_the_notice
 from conveyor.distributed.peerfailure import lost_peer, origin, reported, wait_failed
+from conveyor.distributed.store import StoreGone
 from conveyor.errors import PeerFailure
 
 TROUBLE = ("rank 0, whose process hosts the job's store, did not answer a call (check) "
@@ -100,3 +105,30 @@ def test_a_passed_on_silence_reads_as_silence_not_as_a_failure() -> None:
     assert str(reported(silent, 2, "stopped waiting")).startswith("rank 0 went silent")
     assert origin(announced(1)) == ("rank 1 failed in between steps (ValueError: planted "
                                     "failure in between)")
+
+
+def test_a_store_host_lost_while_the_ranks_agree_is_a_peer_failure_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by the second whole run of make faults (case 250): rank 0, the store's host
+    # under env://, was killed in its first step while rank 1 still read the others'
+    # options; rank 1 raised a ConfigError, as if the options had differed.
+    class GoneStore:
+        available = True
+
+        def set(self, key: str, value: bytes) -> None:
+            raise StoreGone("rank 0, whose process hosts the job's store, is gone (set: "
+                            "Broken pipe): the process died")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(agreement, "BoundedStore", GoneStore)
+    monkeypatch.setattr(agreement.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda: 3)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(PeerFailure, match="rank 1 could not compare .*rank 0, whose process "
+                                          "hosts the job's store, is gone") as caught:
+        agreement.agree({"chunks": 4})
+    assert caught.value.report is not None and caught.value.report["rank"] == 0

@@ -22,9 +22,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent
+from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent, host
 from conveyor.engine.watchdog.deadline import OPENING
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, PeerFailure
 
 __all__: list[str] = []
 
@@ -59,6 +59,8 @@ def agree(options: Mapping[str, Any], *, seconds: float = OPENING) -> None:
             option and each process's value.
             Also when a process did not take part in time (it failed before, or was
             started differently), naming it.
+        PeerFailure: the job's store stopped answering (its host, rank 0 under env://,
+            froze or died), naming the host.
     """
     gathered = _exchange(dict(options), seconds)
     differences = [_describe(key, [ranked.get(key) for ranked in gathered])
@@ -93,9 +95,14 @@ def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
                     "building its pipeline, froze, or was started with another world size)")
             time.sleep(0.05)
         return [pickle.loads(store.get(key)) for key in keys]
-    except (StoreSilent, StoreGone) as exc:
-        raise ConfigError(f"rank {rank} could not compare its pipeline's options with the "
-                          f"other ranks': {exc}") from exc
+    except (StoreSilent, StoreGone) as exc:  # its host froze or died: a lost peer
+        failure = PeerFailure(f"rank {rank} could not compare its pipeline's options with "
+                              f"the other ranks': {exc}", stage=-1, microbatch=-1,
+                              action="agree")
+        failure.report = {"rank": host(), "stage": -1, "microbatch": -1, "action": "agree",
+                          "silent": "timeout" if isinstance(exc, StoreSilent) else "closed",
+                          "error": str(exc)}
+        raise failure from exc
     finally:
         store.close()
 
