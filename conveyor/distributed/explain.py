@@ -10,6 +10,7 @@ closed) also leaves the transport refusing further steps: the job must restart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from conveyor.distributed.p2p import P2PTransport
@@ -100,8 +101,7 @@ def _read_the_notice(error: PeerFailure, notice: dict[str, Any] | None, rank: in
     lost as its process exited, but the notice was posted first."""
     if notice is None or notice.get("silent") or notice.get("rank") in (None, rank):
         return
-    first, _, rest = str(error).partition("\n")
-    error.args = (f"{origin(notice)}; then {first}" + (f"\n{rest}" if rest else ""),)
+    _retitle(error, lambda first: f"{origin(notice)}; then {first}")
     error.report = notice
     error.stage, error.microbatch, error.action = (notice["stage"], notice["microbatch"],
                                                    notice["action"])
@@ -117,9 +117,8 @@ def _name_the_store_host(error: PeerFailure, hosting: int | None, trouble: str |
             or not report.get("silent") or report.get("rank") in (None, hosting):
         return
     waited, report["rank"] = report["rank"], hosting
-    first, _, rest = str(error).partition("\n")
-    error.args = (f"{first}: {trouble}, and rank {waited} most likely waited on it"
-                  + (f"\n{rest}" if rest else ""),)
+    _retitle(error, lambda first: f"{first}: {trouble}, and rank {waited} most likely "
+                                  "waited on it")
 
 
 def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) -> None:
@@ -144,9 +143,8 @@ def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) 
            else f"is in {end['action']}, {end['state']} for {end['seconds']:.1f} s"
            if end["action"] else f"is {end['state']}")
     report["rank"] = peer
-    first, _, rest = str(error).partition("\n")
     waits = ", which waited for ".join(f"rank {r}" for r in chain)
-    error.args = (f"{first}: {waits}, which {how}" + (f"\n{rest}" if rest else ""),)
+    _retitle(error, lambda first: f"{first}: {waits}, which {how}")
 
 
 def _name_the_silent(error: PeerFailure, snapshots: dict[int, Any], hosting: int | None,
@@ -166,8 +164,7 @@ def _name_the_silent(error: PeerFailure, snapshots: dict[int, Any], hosting: int
            else "frozen, dead, or stuck outside Python")
     named = (trouble if trouble is not None and silent[0] == hosting
              else f"rank {silent[0]} did not answer ({how})")
-    first, _, rest = str(error).partition("\n")
-    error.args = (f"{first}: {named}" + (f"\n{rest}" if rest else ""),)
+    _retitle(error, lambda first: f"{first}: {named}")
 
 
 def _name_the_absent(error: PeerFailure, snapshots: dict[int, Any], transport: P2PTransport,
@@ -185,9 +182,14 @@ def _name_the_absent(error: PeerFailure, snapshots: dict[int, Any], transport: P
     if not absent:
         return
     report["rank"] = absent[0]
-    first, _, rest = str(error).partition("\n")
-    error.args = (f"{first}: rank {absent[0]} never came to it ({describe(snapshots[absent[0]])})"
-                  + (f"\n{rest}" if rest else ""),)
+    _retitle(error, lambda first: f"{first}: rank {absent[0]} never came to it "
+                                  f"({describe(snapshots[absent[0]])})")
+
+
+def _retitle(error: PeerFailure, first: Callable[[str], str]) -> None:
+    """Replaces the first line of ``error``'s message with ``first(that line)``."""
+    line, _, rest = str(error).partition("\n")
+    error.args = (first(line) + (f"\n{rest}" if rest else ""),)
 
 
 def _notes(snapshots: dict[int, Any], report: dict[str, Any], limit: float, *,
