@@ -4,11 +4,14 @@ Config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256, MSE loss)
 into two stages of 4 blocks, one per process, gloo, 1 intra-op thread each, no
 recomputation (torch's schedules do none). For M in {4, 8, 16}, interleaved in one run:
 
-* conveyor ``Pipeline(schedule="gpipe")`` and ``schedule="1f1b"``;
+* conveyor ``Pipeline(schedule="gpipe")`` and ``schedule="1f1b"``, as it runs by default
+  (each linear layer's weight gradient added into ``.grad`` by its own product), and
+  with autograd's accumulation (``CONVEYOR_FUSE_ACCUMULATION=0``), as torch runs;
 * torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages;
 * each stage's column on its own (M forwards, then M backwards, plain PyTorch), both
   processes at once: t, and the bound (M + K - 1) t; and the same one process at a
-  time (no contention for caches or memory bandwidth), the stricter bound;
+  time (no contention for caches or memory bandwidth), the stricter bound; and the
+  column with fused weight gradients, both at once: the bound of conveyor's own work;
 * the plain model on one thread over M micro-batches in turn.
 
 Every configuration is timed between barriers (so, by the slower process), median of
@@ -20,6 +23,7 @@ the rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -63,6 +67,7 @@ def main() -> int:
         return launch(args)
 
     import conveyor
+    from conveyor.engine.accumulation import FusedAccumulation
     from conveyor.train.models import feed_forward_stack
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -74,9 +79,12 @@ def main() -> int:
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     half = model[rank * 4:(rank + 1) * 4]
 
-    def conveyor_step(schedule: str, chunks: int) -> Callable[[], None]:
+    def conveyor_step(schedule: str, chunks: int, *, fused: bool) -> Callable[[], None]:
+        os.environ["CONVEYOR_FUSE_ACCUMULATION"] = "1" if fused else "0"
         pipe = conveyor.Pipeline(copy.deepcopy(model), chunks=chunks, schedule=schedule,
                                  recompute="never", loss_fn=nn.functional.mse_loss)
+        pipe.step(x, y)  # cuts the model, and reads whether to fuse, now
+        del os.environ["CONVEYOR_FUSE_ACCUMULATION"]
 
         def step() -> None:
             pipe.zero_grad(set_to_none=True)
@@ -97,16 +105,19 @@ def main() -> int:
                 schedule.step(target=y, losses=[])
         return step
 
-    def stage_column(chunks: int, *, turn: bool) -> Callable[[], None]:
+    def stage_column(chunks: int, *, turn: bool, fused: bool = False) -> Callable[[], None]:
         module = copy.deepcopy(half)
         inputs = [t.clone() for t in torch.randn(BATCH, WIDTH).tensor_split(chunks)]
         grads = [torch.randn_like(t) for t in inputs]
+        fusion = FusedAccumulation(module.modules()) if fused else None
 
         def column() -> None:
             module.zero_grad(set_to_none=True)
-            outputs = [module(t.requires_grad_(rank > 0)) for t in inputs]
-            for out, grad in zip(reversed(outputs), reversed(grads)):
-                out.backward(grad)
+            with fusion.layers() if fusion else contextlib.nullcontext():
+                outputs = [module(t.requires_grad_(rank > 0)) for t in inputs]
+            with fusion.backward() if fusion else contextlib.nullcontext():
+                for out, grad in zip(reversed(outputs), reversed(grads)):
+                    out.backward(grad)
 
         def step() -> None:
             if not turn:
@@ -133,12 +144,17 @@ def main() -> int:
     alone_seconds: dict[int, list[float]] = {m: [] for m in args.chunks}
     configs: dict[str, Callable[[], None]] = {}
     for chunks in args.chunks:
-        configs[f"conveyor gpipe M={chunks}"] = conveyor_step("gpipe", chunks)
-        configs[f"conveyor 1f1b M={chunks}"] = conveyor_step("1f1b", chunks)
+        for schedule in ("gpipe", "1f1b"):
+            configs[f"conveyor {schedule} M={chunks}"] = conveyor_step(
+                schedule, chunks, fused=True)
+            configs[f"conveyor {schedule} unfused M={chunks}"] = conveyor_step(
+                schedule, chunks, fused=False)
         configs[f"torch ScheduleGPipe M={chunks}"] = torch_step(ScheduleGPipe, chunks)
         configs[f"torch Schedule1F1B M={chunks}"] = torch_step(Schedule1F1B, chunks)
         configs[f"stage columns at once M={chunks}"] = stage_column(chunks, turn=False)
         configs[f"stage columns in turn M={chunks}"] = stage_column(chunks, turn=True)
+        configs[f"fused stage columns at once M={chunks}"] = stage_column(
+            chunks, turn=False, fused=True)
         configs[f"plain 1 thread M={chunks} in turn"] = plain_in_turn(chunks)
 
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -170,25 +186,29 @@ def report(args: argparse.Namespace, times: dict[str, list[float]],
     ms = _common.median_ms(times)
     rows, results = [], []
     for chunks in args.chunks:
-        loaded = (chunks + STAGES - 1) * ms[f"stage columns at once M={chunks}"] / chunks
+        def bound(column: str) -> float:
+            return (chunks + STAGES - 1) * ms[f"{column} M={chunks}"] / chunks
+        loaded, fused = bound("stage columns at once"), bound("fused stage columns at once")
         strict = (chunks + STAGES - 1) * alone[chunks] * 1e3 / chunks
         entry = {"chunks": chunks, "bound_ms": strict, "loaded_bound_ms": loaded,
+                 "fused_loaded_bound_ms": fused,
                  "plain_1_thread_in_turn_ms": ms[f"plain 1 thread M={chunks} in turn"]}
-        for label in ("conveyor gpipe", "conveyor 1f1b", "torch ScheduleGPipe",
-                      "torch Schedule1F1B"):
-            entry[label] = ms[f"{label} M={chunks}"]
-        ours = {"gpipe": entry["conveyor gpipe"], "1f1b": entry["conveyor 1f1b"]}
-        theirs = {"gpipe": entry["torch ScheduleGPipe"], "1f1b": entry["torch Schedule1F1B"]}
-        for name in ("gpipe", "1f1b"):
-            rows.append([chunks, name, f"{ours[name]:.0f}", f"{theirs[name]:.0f}",
-                         f"{theirs[name] / ours[name]:.2f}x", f"{strict:.0f}",
-                         f"{ours[name] / strict:.3f}", f"{loaded:.0f}",
-                         f"{ours[name] / loaded:.3f}"])
+        for name, theirs in (("gpipe", "torch ScheduleGPipe"), ("1f1b", "torch Schedule1F1B")):
+            ours, unfused = (ms[f"conveyor {name} M={chunks}"],
+                             ms[f"conveyor {name} unfused M={chunks}"])
+            torch_ms = entry[theirs] = ms[f"{theirs} M={chunks}"]
+            entry[f"conveyor {name}"], entry[f"conveyor {name} unfused"] = ours, unfused
+            rows.append([chunks, name, f"{ours:.0f}", f"{torch_ms:.0f}",
+                         f"{torch_ms / ours:.2f}x", f"{unfused:.0f}",
+                         f"{torch_ms / unfused:.2f}x", f"{strict:.0f}", f"{loaded:.0f}",
+                         f"{unfused / loaded:.3f}", f"{fused:.0f}", f"{ours / fused:.3f}"])
         results.append(entry)
     table = _common.markdown_table(
         ["M", "schedule", "conveyor (ms)", "torch.distributed.pipelining (ms)",
-         "conveyor faster by", "bound (M+K-1)t, t alone (ms)", "conveyor / bound",
-         "bound, t under load (ms)", "conveyor / bound under load"], rows)
+         "conveyor faster by", "conveyor, autograd's accumulation (ms)", "that faster by",
+         "bound (M+K-1)t, t alone (ms)", "bound, t under load (ms)",
+         "autograd's accumulation / bound under load", "bound, fused t under load (ms)",
+         "conveyor / fused bound under load"], rows)
     plain = ", ".join(f"M={m}: {ms[f'plain 1 thread M={m} in turn']:.0f} ms"
                       for m in args.chunks)
     table += f"\n\nplain model on 1 thread, M micro-batches in turn: {plain}"

@@ -19,7 +19,7 @@ from torch import nn
 
 from conveyor.distributed.runtime import Runtime, RunsRuntime
 from conveyor.distributed.topology import Topology
-from conveyor.engine.accumulation import SetAside
+from conveyor.engine.accumulation import SetAside, fusing_allowed
 from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.microbatch import (
@@ -142,7 +142,7 @@ class GPipe(RunsRuntime):
         schedule = gpipe(count, chunks).with_edges(layout.edges)
         validate(schedule)
         self._runtime = Runtime(layout, schedule, Topology(pipeline_size=count), self.devices,
-                                Deadlines(timeout))
+                                Deadlines(timeout), fuse_accumulation=fusing_allowed())
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)

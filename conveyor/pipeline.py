@@ -34,7 +34,7 @@ from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.whereabouts import Whereabouts
-from conveyor.engine.accumulation import SetAside
+from conveyor.engine.accumulation import SetAside, fusing_allowed
 from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.layers import compile_layers
@@ -237,8 +237,10 @@ class Pipeline(RunsRuntime):
             else None
         whereabouts = (Whereabouts(self.topology.pipeline_rank, ranks, self.topology.data_rank,
                                    self._snapshot) if distributed else None)
-        self._runtime = Runtime(layout, table, self.topology, self.devices,
-                                pending["deadlines"], whereabouts=whereabouts)
+        self._runtime = Runtime(
+            layout, table, self.topology, self.devices, pending["deadlines"],
+            whereabouts=whereabouts,
+            fuse_accumulation=fusing_allowed() and not self.compiled and not sharded)
         for stage in layout.stages.values() if self.compiled else ():
             compile_layers(stage.layers)
         if rebalance is not None:

@@ -49,18 +49,26 @@ class Runtime:
         whereabouts: under torchrun, how ranks ask each other where they stand.
         previous: the runtime this one replaces (its step count, runs and recording
             carry over).
+        fuse_accumulation: let each stage whose backward the schedule never splits add
+            its linear layers' weight gradients into ``.grad`` as they are computed
+            (:mod:`conveyor.engine.accumulation`; not for compiled or sharded stages).
     """
 
     def __init__(self, layout: Layout, schedule: Schedule, topology: Topology,
                  devices: Sequence[torch.device], deadlines: Deadlines, *,
                  whereabouts: Whereabouts | None = None,
-                 previous: Runtime | None = None) -> None:
+                 previous: Runtime | None = None, fuse_accumulation: bool = False) -> None:
         self.layout = layout
         self.schedule = schedule
         self.topology = topology
         self.devices = list(devices)
         self.deadlines = deadlines
         self.whereabouts = whereabouts
+        self.fuse_accumulation = fuse_accumulation
+        split = {a.stage for a in schedule.actions if a.kind is Kind.INPUT}
+        for number, stage in layout.stages.items():
+            if fuse_accumulation and number not in split:
+                stage.fuse_accumulation()
         self.transport = self._make_transport(previous)
         self.executor = Executor(layout.stages, schedule, self.transport, deadlines)
         # Under torchrun a report gathers every rank's place, not this one's alone.
@@ -86,7 +94,8 @@ class Runtime:
     def replaced(self, layout: Layout) -> Runtime:
         """A runtime for ``layout`` (the same stages, other layers) in this one's place."""
         return Runtime(layout, self.schedule, self.topology, self.devices, self.deadlines,
-                       whereabouts=self.whereabouts, previous=self)
+                       whereabouts=self.whereabouts, previous=self,
+                       fuse_accumulation=self.fuse_accumulation)
 
     def _make_transport(self, previous: Runtime | None) -> Transport:
         if not self.topology.distributed:

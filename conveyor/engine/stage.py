@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
+from conveyor.engine.accumulation import FusedAccumulation
 from conveyor.engine.batchnorm import DeferredBatchNorm
 from conveyor.engine.layers import (
     STOP_RECOMPUTATION,
@@ -91,10 +92,22 @@ class Stage:
         # A traced stage: its values go to the stages that use them, not all to the next.
         self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], WholeStage) \
             else None
+        #: fused weight gradients in ``B`` (:meth:`fuse_accumulation`), or None.
+        self.accumulator: FusedAccumulation | None = None
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
         return f"Stage({self.index}, layers {self.first_layer}-{last}, {self.device})"
+
+    def fuse_accumulation(self) -> None:
+        """Lets the linear layers' weight gradients add themselves into ``.grad`` in
+        ``B`` (see :mod:`conveyor.engine.accumulation`); for a stage whose backward the
+        schedule never splits into ``I`` and ``W``."""
+        self.accumulator = FusedAccumulation(
+            (module for layer in self.layers if not isinstance(layer, WholeStage)
+             for module in layer.modules()),
+            (graph for layer in self.layers if isinstance(layer, WholeStage)
+             for graph in layer.graphs()))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (
@@ -154,6 +167,10 @@ class Stage:
             return self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
+        with self.accumulator.layers() if self.accumulator else contextlib.nullcontext():
+            return self._run_layers_checked(x, microbatch, step_seed)
+
+    def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
         rows = batch_rows(x)
         for offset, layer in enumerate(self.layers):
             index = self.first_layer + offset
@@ -294,7 +311,8 @@ class Stage:
             # exactly this stage's parameters and input leaves. Accumulating into .grad
             # (AccumulateGrad) adds each weight gradient while it is still in cache:
             # 5-10% faster on CPU than collecting them with autograd.grad.
-            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+            with self.accumulator.backward() if self.accumulator else contextlib.nullcontext():
+                torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
             found = [t.grad for t in wanted]
         elif split:
             state.weight_work[(self.index, m)] = WeightGradient([], [])
