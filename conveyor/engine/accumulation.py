@@ -1,10 +1,13 @@
-"""Gradients of one pipelined call, kept apart from those accumulated before it.
+"""How a pipelined call's weight gradients reach ``.grad``.
 
-A call's backward runs into empty ``.grad`` fields, with what the parameters held
-before set aside. The call can then work on its own gradients alone (sum the copies of
-a tied weight, divide by a token count, average over data-parallel replicas) before
-they are added to the earlier ones, as autograd would have added them; a call that
-fails leaves ``.grad`` as it found it.
+:class:`SetAside`: a call's backward runs into empty ``.grad`` fields, with what the
+parameters held before set aside. The call can then work on its own gradients alone (sum
+the copies of a tied weight, divide by a token count, average over data-parallel
+replicas) before they are added to the earlier ones, as autograd would have added them;
+a call that fails leaves ``.grad`` as it found it.
+
+:class:`FusedAccumulation`: within the call, each micro-batch's weight gradient of a
+linear layer adds itself into ``.grad`` inside its own matrix product.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ class SetAside:
 # the product into a fresh tensor, then reads it and ``.grad`` and writes ``.grad`` again,
 # a pass over memory as large as the weights for every micro-batch. A linear layer's
 # weight gradient is one matrix product, which can add itself into ``.grad`` as it is
-# computed (``addmm_``, as Megatron's gradient-accumulation fusion does on GPUs): on
-# config P (2 CPU processes, 8 micro-batches) that pass was 3-5% of a step.
+# computed (``addmm_``, as Megatron's gradient-accumulation fusion does on GPUs). On
+# config P at 8 micro-batches (this repository's 2-core CPU machine) a 1F1B step took
+# 4-10% less time with it, GPipe's 0-7% (benchmarks/distributed.py, README "Measured").
 #
 # The fused product runs only where nothing else could see the difference: inside a
 # stage's whole backward (``B``, not the ``I``/``W`` split, which must keep the weight
