@@ -163,3 +163,15 @@ def test_a_traced_stage_fuses_its_calls_of_linear(fused_calls: list[int]) -> Non
     any_models.assert_model_grads(pipe, reference)
     # 4 blocks of 7 projections and the head, for every micro-batch.
     assert len(fused_calls) == (4 * 7 + 1) * any_models.CHUNKS
+
+
+def test_gpt2s_conv1d_layers_fuse_as_a_traced_stages_addmm(fused_calls: list[int]) -> None:
+    model, reference, split_at, inputs, targets = any_models.build("gpt2")
+    pipe = conveyor.Pipeline(model, split_at=split_at, sample=any_models.sample_of(inputs),
+                             stages=2, devices=["cpu"] * 2, chunks=any_models.CHUNKS,
+                             loss_fn=any_models.loss_of("gpt2"))
+    pipe.step(inputs, targets)
+    any_models.plain_step("gpt2", reference, inputs, targets)
+    any_models.assert_model_grads(pipe, reference)
+    # 4 blocks of 4 Conv1D (attention in and out, feed-forward in and out) and the head.
+    assert len(fused_calls) == (4 * 4 + 1) * any_models.CHUNKS

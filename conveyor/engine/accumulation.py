@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -88,11 +88,11 @@ class FusedAccumulation:
         for module in modules:
             if type(module) is nn.Linear:
                 module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
-        for graph in graphs:  # a traced stage's: its linear layers are calls of aten.linear
+        for graph in graphs:  # a traced stage's: its layers are calls of aten ops
             found = [node for node in graph.graph.nodes if node.op == "call_function"
-                     and node.target is torch.ops.aten.linear.default]
+                     and node.target in _FUSED_OPS]
             for node in found:
-                node.target = linear
+                node.target = _FUSED_OPS[node.target]
             if found:
                 graph.recompile()
         self.adding = False
@@ -124,7 +124,18 @@ def linear(input: torch.Tensor, weight: torch.Tensor,
     accumulator = getattr(_running, "accumulator", None)
     if accumulator is None or not _fusable(input, weight, bias):
         return F.linear(input, weight, bias)
-    return _LinearFunction.apply(input, weight, bias, accumulator)
+    return _ProductFunction.apply(input, weight, bias, accumulator, False)
+
+
+def addmm(bias: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, *,
+          beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    """``torch.addmm``; as a layer ``bias + input @ weight`` with ``weight`` stored
+    (in, out), such as GPT-2's ``Conv1D``, fused like :func:`linear`."""
+    accumulator = getattr(_running, "accumulator", None)
+    if accumulator is None or beta != 1 or alpha != 1 or bias.dim() != 1 \
+            or not _fusable(input, weight, bias):
+        return torch.addmm(bias, input, weight, beta=beta, alpha=alpha)
+    return _ProductFunction.apply(input, weight, bias, accumulator, True)
 
 
 class FusedLinear(nn.Linear):
@@ -149,12 +160,18 @@ def _fusable(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                for p in (weight, bias) if p is not None)
 
 
-class _LinearFunction(torch.autograd.Function):
+class _ProductFunction(torch.autograd.Function):
+    """``input @ weight.T + bias`` (``F.linear``), or with ``transposed``, ``bias + input
+    @ weight`` for a 2-d input (``addmm``)."""
+
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter,
-                bias: nn.Parameter | None, accumulator: FusedAccumulation) -> torch.Tensor:
+    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None,
+                accumulator: FusedAccumulation, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
-        ctx.params, ctx.accumulator = (weight, bias), accumulator
+        ctx.params, ctx.accumulator, ctx.transposed = (weight, bias), accumulator, transposed
+        if transposed:
+            assert bias is not None
+            return torch.addmm(bias, input, weight)
         if input.dim() == 2:
             return F.linear(input, weight, bias)
         # F.linear would return a view of its 2-d product, which the layers after could
@@ -170,27 +187,36 @@ class _LinearFunction(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         input, weight_value = ctx.saved_tensors
-        grad_input = grad.matmul(weight_value) if ctx.needs_input_grad[0] else None
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(weight_value.t() if ctx.transposed else weight_value)
         rows, columns = grad.reshape(-1, grad.shape[-1]), input.reshape(-1, input.shape[-1])
+        # The weight's gradient is left.T @ right, in the weight's own layout.
+        left, right = (columns, rows) if ctx.transposed else (rows, columns)
         weight, bias = ctx.params
         if ctx.accumulator.adding and not torch.is_grad_enabled() and all(
                 p.grad is None or (p.grad.dtype == grad.dtype and p.grad.layout == torch.strided
                                    and not p.grad.requires_grad)
                 for p in ctx.params if p is not None):
-            add_into_grads(weight, bias, rows, columns)
-            return grad_input, None, None, None
-        return (grad_input, rows.t().mm(columns), None if bias is None else rows.sum(0), None)
+            add_into_grads(weight, bias, left, right, rows)
+            return grad_input, None, None, None, None
+        return (grad_input, left.t().mm(right), None if bias is None else rows.sum(0), None,
+                None)
 
 
-def add_into_grads(weight: nn.Parameter, bias: nn.Parameter | None, rows: torch.Tensor,
-                   columns: torch.Tensor) -> None:
-    """Adds a linear layer's gradients into ``.grad`` (set where it is None): the weight's,
-    ``rows.T @ columns``, in the product itself; the bias's, the sum of ``rows``."""
+def add_into_grads(weight: nn.Parameter, bias: nn.Parameter | None, left: torch.Tensor,
+                   right: torch.Tensor, rows: torch.Tensor) -> None:
+    """Adds a layer's gradients into ``.grad`` (set where it is None): the weight's,
+    ``left.T @ right``, in the product itself; the bias's, the sum of ``rows``."""
     if weight.grad is None:
-        weight.grad = rows.t().mm(columns)
+        weight.grad = left.t().mm(right)
     else:
-        weight.grad.addmm_(rows.t(), columns)
+        weight.grad.addmm_(left.t(), right)
     if bias is not None:
         bias.grad = rows.sum(0) if bias.grad is None else bias.grad.add_(rows.sum(0))
+
+
+_FUSED_OPS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.aten.linear.default: linear, torch.ops.aten.addmm.default: addmm}
