@@ -64,9 +64,10 @@ class SetAside:
 #
 # The fused product runs only where nothing else could see the difference: inside a
 # stage's whole backward (``B``, not the ``I``/``W`` split, which must keep the weight
-# gradient apart), for an ``nn.Linear`` whose weight and bias are plain leaf parameters
-# without gradient hooks, outside autocast. Anywhere else the layer is ``nn.Linear``
-# itself: called by user code, under ``torch.autograd.grad``, or in another backward.
+# gradient apart), for a linear layer (an ``nn.Linear``, or a traced stage's call of
+# ``aten.linear`` or ``aten.addmm``) whose weight and bias are plain leaf parameters
+# without gradient hooks, outside autocast. Anywhere else the layer is autograd's own
+# linear: called by user code, under ``torch.autograd.grad``, or in another backward.
 
 def fusing_allowed() -> bool:
     """Whether pipelines may fuse weight gradients (``CONVEYOR_FUSE_ACCUMULATION=0``:
