@@ -12,7 +12,8 @@ Without CUDA (and without ``--smoke``) it says so and exits 0. The parts, in ord
 * ``equivalence``: generated models (``tests/generated``) on ``cuda``, every stage on
   it, against the plain model in float64;
 * ``overhead``: K stages on one GPU (``cuda:0`` x K, M = 4K, no recomputation) against
-  the plain model's step: the runtime's own cost (goal: at most 1.05x);
+  the plain model's step: the runtime's own cost (goal: at most 1.05x); and each with
+  autograd's accumulation of weight gradients instead of conveyor's fused one;
 * ``schedules``: every schedule on 4 stages of one GPU: step time and the activation
   memory it holds, against the planner's simulation (time calibrated on 1F1B);
 * ``precision``: the plain model and 2 stages (M=8) in float32, under the caller's bf16
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
+import os
 import subprocess
 import sys
 import time
@@ -163,17 +166,20 @@ def part_overhead(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     steps = {"plain": plain_step(plain, x, y)}
     for stages in (1, 2, 4):
         steps[f"plain, M={4 * stages} accumulated"] = plain_step(plain, x, y, 4 * stages)
-    for stages in (1, 2, 4):
+    for stages, fused in itertools.product((1, 2, 4), (True, False)):
         torch.manual_seed(0)
+        os.environ["CONVEYOR_FUSE_ACCUMULATION"] = "1" if fused else "0"  # read as it cuts
         pipe = conveyor.Pipeline(sizes.model().to(device), loss_fn=lm_loss,
                                  chunks=4 * stages, schedule="1f1b", recompute="never",
                                  balance=balanced(sizes, stages), devices=[device] * stages)
-        steps[f"K={stages}, M={4 * stages}"] = pipe_step(pipe, x, y, device)
+        del os.environ["CONVEYOR_FUSE_ACCUMULATION"]
+        name = f"K={stages}, M={4 * stages}" + ("" if fused else ", autograd's accumulation")
+        steps[name] = pipe_step(pipe, x, y, device)
     measured = time_configs(steps, sizes.rounds)
     return {"step_ms": measured,
             "over_plain": {name: ms / measured["plain"] for name, ms in measured.items()},
             "over_accumulated": {
-                name: ms / measured[f"plain, M={name.split('M=')[1]} accumulated"]
+                name: ms / measured[f"plain, M={name.split('M=')[1].split(',')[0]} accumulated"]
                 for name, ms in measured.items() if name.startswith("K=")}}
 
 
