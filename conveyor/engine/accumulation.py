@@ -60,7 +60,7 @@ class SetAside:
 # weight gradient is one matrix product, which can add itself into ``.grad`` as it is
 # computed (``addmm_``, as Megatron's gradient-accumulation fusion does on GPUs). On
 # config P at 8 micro-batches under torchrun (a 2-core CPU machine) a 1F1B step took
-# 9-11% less time with it, GPipe's 0-9% (benchmarks/distributed.py, README "Measured").
+# 8-10% less time with it, GPipe's 0-9% (benchmarks/distributed.py, README "Measured").
 #
 # The fused product runs only where nothing else could see the difference: inside a
 # stage's whole backward (``B``, not the ``I``/``W`` split, which must keep the weight
