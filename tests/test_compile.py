@@ -4,7 +4,8 @@ In float64 on the CPU against the plain model (eager) on the whole batch: a spli
 backward (zero-bubble's ``I``/``W``) with recomputation, dropout in training mode (its
 modules stay eager, drawing from the pipeline's streams) on stages that share the CPU,
 and a traced model cut by ``split_at``; the V shapes; dropout after a compiled stage
-whose output inductor lays out otherwise than eager. A first compile takes seconds: few
+whose output inductor lays out otherwise than eager; a Hugging Face Llama. A first
+compile takes seconds: few
 cases (``python -m tests.generated --compile`` runs the generator's, compiled).
 """
 
@@ -22,6 +23,7 @@ from conveyor.engine.layers import compile_layers, is_compiled
 from conveyor.engine.rng import draw_step_seed
 from conveyor.observe.checkruns import _traced_per_microbatch
 from tests.generated.cases import draw_cases, run_case
+from tests.support import any_models
 from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -83,7 +85,9 @@ def test_a_traced_stage_drawing_random_numbers_stays_eager_and_exact() -> None:
     stages = pipe._runtime.stages
     first, last = stages[0].layers[0].graphs(), stages[1].layers[0].graphs()
     assert first and last
-    assert not any(map(is_compiled, first))  # its blocks' dropout
+    programs = stages[0].layers[0].programs
+    assert not is_compiled(programs[True].module)  # its blocks' dropout, training
+    assert is_compiled(programs[False].module)  # in eval mode its dropout draws nothing
     assert all(map(is_compiled, last))  # the norm and the head
 
 
@@ -163,3 +167,22 @@ def test_a_compiled_layer_hands_on_the_eager_layout_and_updates_its_buffers_once
                                rtol=1e-12, atol=1e-12)
     assert int(layer.norm.num_batches_tracked) == 1
     out.sum().backward()  # the inputs the graph saved were left as they were
+
+
+def test_a_hugging_face_llama_compiles_and_stays_exact() -> None:
+    """A model nobody here wrote, traced and cut by split_at, each stage's graph compiled:
+    its attention and dropout calls take p=0.0, which draw nothing (before, any such
+    call kept the whole graph eager, so compile=True compiled none of a Hugging Face
+    model). Fused weight gradients stay off: compiled stages keep autograd's."""
+    model, reference, split_at, inputs, targets = any_models.build("llama")
+    stages = len(split_at) + 1
+    pipe = conveyor.Pipeline(model, split_at=split_at, sample=any_models.sample_of(inputs),
+                             stages=stages, devices=["cpu"] * stages,
+                             chunks=any_models.CHUNKS, schedule="1f1b",
+                             loss_fn=any_models.loss_of("llama"), compile=True)
+    loss = pipe.step(inputs, targets)
+    expected = any_models.plain_step("llama", reference, inputs, targets)
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
+    any_models.assert_model_grads(pipe, reference)
+    assert all(is_compiled(graph) for stage in pipe.runtime.stages.values()
+               for graph in stage.layers[0].graphs())

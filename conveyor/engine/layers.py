@@ -158,10 +158,31 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def _draws_random(graph: torch.fx.GraphModule) -> bool:
-    """Whether ``graph`` calls an op that draws random numbers."""
+    """Whether ``graph`` calls an op that draws random numbers: one tagged as seeded,
+    unless the graph itself fixes its probability at 0 or its training flag to False
+    (Hugging Face models call dropout and attention with ``p=0.0`` where the config has
+    no dropout: they draw nothing, eager or compiled)."""
     return any(node.op == "call_function"
                and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+               and not _draws_nothing(node)
                for node in graph.graph.nodes)
+
+
+def _draws_nothing(node: torch.fx.Node) -> bool:
+    """A dropout-like call whose probability (``p``, ``dropout_p``) is the constant 0 or
+    whose ``train`` is the constant False."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    given = {argument.name: value for argument, value in zip(schema.arguments, node.args)}
+    given.update(node.kwargs)
+    for argument in schema.arguments:
+        if argument.name not in given and argument.has_default_value():
+            given[argument.name] = argument.default_value
+    probability = given.get("p", given.get("dropout_p"))
+    if given.get("train") is False:
+        return True
+    return type(probability) in (int, float) and bool(probability == 0)
 
 
 def _keep_buffers() -> None:
