@@ -22,7 +22,7 @@ import conveyor
 from conveyor.engine.layers import compile_layers, is_compiled
 from conveyor.engine.rng import draw_step_seed
 from conveyor.observe.checkruns import _traced_per_microbatch
-from tests.generated.cases import draw_cases, run_case
+from tests.generated.cases import draw_case, draw_cases, run_case
 from tests.support import any_models
 from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
 
@@ -186,3 +186,18 @@ def test_a_hugging_face_llama_compiles_and_stays_exact() -> None:
     any_models.assert_model_grads(pipe, reference)
     assert all(is_compiled(graph) for stage in pipe.runtime.stages.values()
                for graph in stage.layers[0].graphs())
+
+
+def test_uneven_micro_batches_recomputed_through_a_compiled_graph_are_exact() -> None:
+    """Generator seed 61.0, shrunk: a traced model in eval mode (its attention compiled),
+    12 samples in 5 micro-batches (3, 3, 2, 2, 2), recomputed. Before the batch
+    dimension was marked dynamic, the third micro-batch recompiled the graph for any
+    size, micro-batch 1's recomputation ran the new graph, and its backward (the old
+    graph's) refused the saved tensors' layout."""
+    case = replace(draw_case(61, 0), schedule="gpipe", ranks=1, virtual=1, cut="auto",
+                   boundaries=(), compiled=True)
+    case = replace(case, spec=replace(case.spec, blocks=("linear", "conv1d", "attention"),
+                                      tie_head=False, extra=None))
+    assert (case.batch, case.chunks, case.recompute, case.train) == (12, 5, "except_last", False)
+    result = run_case(case)
+    assert result.error <= 1e-10, result

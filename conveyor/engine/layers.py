@@ -90,6 +90,7 @@ def compile_layers(layers: Partition) -> None:
                               "eagerly, to draw the plain model's numbers", layer)
                     continue
                 _COMPILED.add(graph)
+                _COMPILED.add(layer)  # the stage's loop marks what enters it
                 graph.compile()
                 graph.register_forward_hook(EagerLayout())
         elif layer not in _COMPILED:
@@ -155,6 +156,17 @@ def _laid_out(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_layers` compiled ``module`` (a layer, or a traced graph)."""
     return module in _COMPILED
+
+
+def mark_batch_dynamic(value: Any) -> None:
+    """Marks dim 0 of each tensor in ``value``, the input of a compiled layer, as
+    dynamic from its first call. The last micro-batches of an uneven split are smaller:
+    torch.compile would otherwise recompile to a dynamic graph in the middle of a step,
+    and recomputing an earlier micro-batch would then run the new graph, whose saved
+    tensors the old graph's backward cannot read (laid out otherwise)."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            torch._dynamo.maybe_mark_dynamic(leaf, 0)
 
 
 def _draws_random(graph: torch.fx.GraphModule) -> bool:

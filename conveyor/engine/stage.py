@@ -28,6 +28,8 @@ from conveyor.engine.layers import (
     WholeStage,
     batch_rows,
     failure,
+    is_compiled,
+    mark_batch_dynamic,
 )
 from conveyor.engine.loss import loss_and_count
 from conveyor.engine.recompute import (
@@ -179,6 +181,8 @@ class Stage:
                 if step_seed is not None
                 else contextlib.nullcontext()
             )
+            if is_compiled(layer):
+                mark_batch_dynamic(x)
             try:
                 with seeded:
                     x = layer(x)
