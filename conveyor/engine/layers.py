@@ -181,10 +181,10 @@ def _draws_random(graph: torch.fx.GraphModule) -> bool:
 
 
 def _draws_nothing(node: torch.fx.Node) -> bool:
-    """A dropout-like call whose probability (``p``, ``dropout_p``) is the constant 0 or
-    whose ``train`` is the constant False."""
+    """A dropout or attention call whose probability (``p``, ``dropout_p``) is the
+    constant 0 or whose ``train`` is the constant False."""
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if schema is None or not any(word in schema.name for word in ("dropout", "attention")):
         return False
     given = {argument.name: value for argument, value in zip(schema.arguments, node.args)}
     given.update(node.kwargs)
