@@ -2,8 +2,11 @@
 
 In forward, a checkpointed stage keeps only its input; in backward it runs its layers
 again to rebuild the activations. conveyor uses torch.utils.checkpoint (non-reentrant),
-with two additions: layers can ask :func:`is_recomputing`, and running statistics of
-normalisation layers (batch norm) are not updated a second time by the recomputation.
+with two additions: layers can ask :func:`is_recomputing`, and the recomputation sees the
+state of the stage's modules (buffers, tensor and plain attributes) as the forward saw
+it and leaves it as it finds it (:mod:`conveyor.engine.sideeffects`), so batch norm's
+running statistics, a step counter or an exponential average are neither read advanced
+nor advanced a second time.
 Random numbers are replayed by :mod:`conveyor.engine.rng`, so the checkpoint does not stash
 generator states itself.
 
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from conveyor.engine.sideeffects import ModuleState, SideEffects
 
 __all__ = ["is_recomputing"]
 
@@ -77,54 +81,46 @@ def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
     return False
 
 
-def running_stat_layers(layers: nn.Module) -> list[nn.Module]:
-    """Normalisation layers that update running statistics in training."""
-    return [
-        m for m in layers.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    ]
-
-
 class Recomputation:
-    """Context of one recomputation (entered again for each).
-
-    Recomputing runs batch norm's forward again, which would update its running
-    statistics a second time per micro-batch. For the length of the recomputation each
-    normalisation layer works on copies of its buffers, and gets its own tensors back
-    on exit. Putting the tensors back, rather than copying old values into them, leaves
-    their version counters alone: a micro-batch that was not recomputed (under
-    ``except_last``, while other micro-batches recompute before its backward under
-    1F1B) still finds the running statistics its batch norm saved for backward as they
-    were.
+    """Context of one recomputation (entered again for each): the module state the
+    first forward saw put in place, and what was there put back on exit (see
+    :mod:`conveyor.engine.sideeffects`). Putting tensors back, rather than copying
+    values into them, leaves their version counters alone: a micro-batch that was not
+    recomputed (under ``except_last``, while other micro-batches recompute before its
+    backward under 1F1B) still finds the buffers its forward saved for backward as
+    they were.
     """
 
-    def __init__(self, norms: Sequence[nn.Module]) -> None:
-        self._norms = norms
-        self._saved: list[list[dict[str, torch.Tensor | None]]] = []
+    def __init__(self, effects: SideEffects) -> None:
+        self._effects = effects
+        self._current: list[list[Any]] = []
 
     def __enter__(self) -> None:
-        originals = []
-        for module in self._norms:
-            buffers = dict(module._buffers)
-            originals.append(buffers)
-            for name, buffer in buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.detach().clone()
-        self._saved.append(originals)
+        self._current.append(self._effects.put_before())
         _local.depth = getattr(_local, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         _local.depth -= 1
-        for module, buffers in zip(self._norms, self._saved.pop()):
-            module._buffers.update(buffers)
+        self._effects.put_back(self._current.pop())
 
 
-def checkpointed(function: Callable[[Any], Any], inputs: Any, norms: Sequence[nn.Module]) -> Any:
-    """Runs ``function(inputs)`` keeping only ``inputs``; backward recomputes the rest."""
-    return torch_checkpoint(
-        function,
+def checkpointed(function: Callable[[Any], Any], inputs: Any,
+                 state: ModuleState) -> tuple[Any, SideEffects]:
+    """Runs ``function(inputs)`` keeping only ``inputs``; backward recomputes the rest,
+    with the module state the forward saw. Returns the outputs and what the forward
+    changed in ``state``'s modules."""
+    effects = SideEffects()
+
+    def first_or_again(x: Any) -> Any:
+        if is_recomputing():  # torch.utils.checkpoint runs it again in backward
+            return function(x)
+        return state.run(function, x, effects)
+
+    outputs = torch_checkpoint(
+        first_or_again,
         inputs,
         use_reentrant=False,
         preserve_rng_state=False,
-        context_fn=lambda: (contextlib.nullcontext(), Recomputation(norms)),
+        context_fn=lambda: (contextlib.nullcontext(), Recomputation(effects)),
     )
+    return outputs, effects

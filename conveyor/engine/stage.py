@@ -11,6 +11,7 @@ can name the layer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,12 +33,8 @@ from conveyor.engine.layers import (
     mark_batch_dynamic,
 )
 from conveyor.engine.loss import loss_and_count
-from conveyor.engine.recompute import (
-    Recomputation,
-    checkpointed,
-    is_recomputing,
-    running_stat_layers,
-)
+from conveyor.engine.recompute import Recomputation, checkpointed, is_recomputing
+from conveyor.engine.sideeffects import ModuleState, SideEffects
 from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
@@ -52,6 +49,8 @@ from conveyor.errors import (
 )
 
 __all__: list[str] = []
+
+_log = logging.getLogger(__name__)
 
 class Stage:
     """Layers ``first_layer .. first_layer + len(layers) - 1`` of the model on ``device``.
@@ -87,19 +86,26 @@ class Stage:
         self.first_layer = first_layer
         self.device = device
         self.randomness = randomness
-        self._norms = running_stat_layers(layers) + [
-            norm for layer in layers if isinstance(layer, WholeStage)
-            for module in layer.bound_modules() for norm in running_stat_layers(module)]
+        #: what a forward changes in the stage's modules, for its recomputation
+        self.module_state = ModuleState(self._modules)
         self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
         # A traced stage: its values go to the stages that use them, not all to the next.
         self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], WholeStage) \
             else None
+        #: whether the stage works on a copy of its input: its first layer writes into
+        #: it in place (found on the first micro-batch that does).
+        self.copies_input = False
         #: fused weight gradients in ``B`` (:meth:`fuse_accumulation`), or None.
         self.accumulator: FusedAccumulation | None = None
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
         return f"Stage({self.index}, layers {self.first_layer}-{last}, {self.device})"
+
+    def _modules(self) -> list[nn.Module]:
+        """Every module the stage's forward may run."""
+        return [module for layer in self.layers for module in (
+            layer.bound_modules() if isinstance(layer, WholeStage) else layer.modules())]
 
     def fuse_accumulation(self) -> None:
         """Lets the linear layers' weight gradients add themselves into ``.grad`` in
@@ -143,7 +149,7 @@ class Stage:
         return values
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
-                recompute: bool) -> Any:
+                recompute: bool) -> tuple[Any, SideEffects | None]:
         """Runs the stage's layers on one micro-batch.
 
         Args:
@@ -151,6 +157,10 @@ class Stage:
             microbatch: its index m (seeds and messages use it).
             step_seed: the seed of this pipelined call, or None for no seeding (eval).
             recompute: keep only ``inputs`` and recompute the layers in backward.
+
+        Returns:
+            The outputs, and (recomputed only) what the forward changed in the stage's
+            modules, which its recomputation puts back as the forward saw it.
         """
         def loop(x: Any) -> Any:
             return self._run_layers(x, microbatch, step_seed)
@@ -159,13 +169,14 @@ class Stage:
             return self.layers(x, loop)  # through the module, so that its hooks run
 
         if recompute and torch.is_grad_enabled():
-            return checkpointed(run, inputs, self._norms)
-        return run(inputs)
+            return checkpointed(run, inputs, self.module_state)
+        return run(inputs), None
 
-    def recompute(self, inputs: Any, microbatch: int, *, step_seed: int | None) -> Any:
+    def recompute(self, inputs: Any, microbatch: int, effects: SideEffects, *,
+                  step_seed: int | None) -> Any:
         """The forward of :meth:`forward` again, recording the whole graph: the same
-        random numbers, and batch norm's running statistics left as they are."""
-        with Recomputation(self._norms), torch.enable_grad():
+        random numbers, and the modules' state as the forward saw it (``effects``)."""
+        with Recomputation(effects), torch.enable_grad():
             return self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
@@ -174,21 +185,24 @@ class Stage:
 
     def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
         rows = batch_rows(x)
+        received = x
+        if self.copies_input:
+            x = _copied_leaves(x)
         for offset, layer in enumerate(self.layers):
-            index = self.first_layer + offset
-            seeded = (
-                self.randomness.layer_call(step_seed, index, microbatch, layer)
-                if step_seed is not None
-                else contextlib.nullcontext()
-            )
-            if is_compiled(layer):
-                mark_batch_dynamic(x)
             try:
-                with seeded:
-                    x = layer(x)
+                x = self._call_layer(layer, offset, x, microbatch, step_seed)
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
+                if offset == 0 and self.index > 0 and not self.copies_input \
+                        and _writes_into_leaf(exc):
+                    # The stage's first layer writes into its input, which arrives as a
+                    # leaf that requires grad: from now on the stage works on a copy of
+                    # it, as the plain model's layer writes into the one before's output.
+                    self.copies_input = True
+                    _log.debug("stage %d writes into its input in place; it copies it "
+                               "from now on", self.index)
+                    return self._run_layers_checked(received, microbatch, step_seed)
                 error = self._layer_error(exc, offset, microbatch)
                 if error is exc:
                     raise
@@ -196,6 +210,18 @@ class Stage:
             if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
                 self._check_output(x, rows, offset, microbatch)
         return x
+
+    def _call_layer(self, layer: nn.Module, offset: int, x: Any, microbatch: int,
+                    step_seed: int | None) -> Any:
+        seeded = (
+            self.randomness.layer_call(step_seed, self.first_layer + offset, microbatch, layer)
+            if step_seed is not None
+            else contextlib.nullcontext()
+        )
+        if is_compiled(layer):
+            mark_batch_dynamic(x)
+        with seeded:
+            return layer(x)
 
     def _describe_layer(self, offset: int) -> str:
         layer = self.layers[offset]
@@ -207,11 +233,12 @@ class Stage:
         during = (" while recomputing for backward" if recomputing
                   else f" ({self.index}F{microbatch})")
         hint = ""
-        if "in-place" in str(exc) and "leaf" in str(exc):
+        if _writes_into_leaf(exc):
             hint = (
-                "\nhint: the first layer of a stage receives its input as a leaf tensor "
-                "that requires grad, so it cannot modify it in place; use inplace=False "
-                "for that layer or move the stage boundary"
+                f"\nhint: the stage receives its input as a leaf tensor that requires grad; "
+                f"its first layer may write into it (the stage then works on a copy), but "
+                f"layer {self.first_layer + offset} cannot; use inplace=False for it or "
+                "move the stage boundary to it"
             )
         return failure(
             exc,
@@ -264,7 +291,8 @@ class Stage:
         inputs = (deliver(state.inputs[m], self.device) if self.index == 0
                   else self.join(received))
         recompute = state.grad_enabled and state.recompute(m)
-        outputs = self.forward(inputs, m, step_seed=state.step_seed, recompute=recompute)
+        outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
+                                        recompute=recompute)
         loss = None
         sent: dict[int, Any] = {}  # by receiving stage
         read = None  # the output as loss_fn read it
@@ -277,7 +305,7 @@ class Stage:
             sent = self.route(outputs, destinations)
         if state.grad_enabled:
             state.saved[(self.index, m)] = Saved(inputs, received, outputs, sent, loss,
-                                                 recompute, read)
+                                                 effects, read)
         return sent
 
     def backward_one(self, microbatch: int, came: Mapping[int, Any], state: StepState, *,
@@ -301,7 +329,7 @@ class Stage:
         else:
             pairs = summed([pair for j, grads in came.items()  # a value sent to several
                             for pair in output_pairs(saved.sent[j], grads)])  # stages: add
-        if pairs and split and saved.recomputed:
+        if pairs and split and saved.effects is not None:
             pairs = self._rebuilt(m, saved, pairs, state)
         input_leaves = pytree.tree_leaves(saved.inputs)
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -386,7 +414,9 @@ class Stage:
             leaves = pytree.tree_leaves(saved.outputs)
             positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
             by_position = [(positions[id(out)], grad) for out, grad in pairs]
-        outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, step_seed=state.step_seed))
+        assert saved.effects is not None
+        outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, saved.effects,
+                                                    step_seed=state.step_seed))
         return [(outputs[i], grad) for i, grad in by_position]
 
     def end_step(self, *, commit: bool) -> None:
@@ -396,6 +426,19 @@ class Stage:
                 module.commit()
             else:
                 module.discard()
+
+
+def _writes_into_leaf(exc: BaseException) -> bool:
+    """Whether ``exc`` is autograd's refusal of an in-place write into a leaf tensor
+    that requires grad (or into a view of one)."""
+    return isinstance(exc, RuntimeError) and \
+        "leaf Variable that requires grad is being used in an in-place operation" in str(exc)
+
+
+def _copied_leaves(inputs: Any) -> Any:
+    """``inputs`` with each tensor leaf that requires grad replaced by a copy of it."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone() if t.requires_grad and t.is_leaf else t, inputs)
 
 
 def _read_apart(outputs: Any) -> Any:

@@ -16,6 +16,7 @@ from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import microbatch_sizes
 from conveyor.engine.recompute import recompute_mode, recomputes
 from conveyor.engine.rng import draw_step_seed
+from conveyor.engine.sideeffects import SideEffects
 from conveyor.engine.weightgrad import WeightGradient
 
 __all__: list[str] = []
@@ -75,12 +76,13 @@ class Saved:
         inputs: the stage's input, detached leaves.
         received: the messages the input was joined from, by sending stage (their
             leaves are the input's).
-        outputs: the stage's output (with only ``inputs`` saved, if ``recomputed``).
+        outputs: the stage's output (with only ``inputs`` saved, if recomputed).
         sent: the output as sent to each later stage, by receiving stage.
         loss: at the last stage, the loss backward starts from (None: the outputs).
-        recomputed: whether the stage's graph is rebuilt for backward.
+        effects: for a micro-batch whose stage graph is rebuilt for backward, what its
+            forward changed in the stage's modules (None: not recomputed).
         read: at the last stage with a loss, the output as loss_fn read it (if
-            ``recomputed``, a view of each tensor; see ``stage._read_apart``).
+            recomputed, a view of each tensor; see ``stage._read_apart``).
     """
 
     inputs: Any
@@ -88,7 +90,7 @@ class Saved:
     outputs: Any
     sent: dict[int, Any]
     loss: torch.Tensor | None
-    recomputed: bool
+    effects: SideEffects | None
     read: Any = None
 
 

@@ -1,0 +1,179 @@
+"""What a stage's forward changes in its modules, put back around a recomputation.
+
+A forward may change the state its modules hold: a buffer updated in place (batch norm's
+running statistics, a step counter, an exponential average, spectral norm's power
+iteration, a quantization observer's range), a buffer or tensor attribute replaced
+(``self.count = self.count + 1``; a traced stage writes its buffer updates back that
+way), a plain value rebound (``self.calls += 1``). Recomputation runs the forward a
+second time, later, after other micro-batches changed that state again: to rebuild the
+graph the first run made, it must see the state the first run saw, and it must leave
+the state as it finds it.
+
+conveyor finds these changes by watching, not by a list of module types::
+
+    before F(m)   record each module's attributes and buffers (objects and tensor
+                  versions); keep a copy of each tensor changed since the last look
+    F(m)          the forward, as the plain model runs it
+    after F(m)    what was rebound or whose version moved: keep its value before F(m)
+    B(m)          recompute with those values put in place (copies, so the
+                  recomputation's own changes fall on them), then put back what was
+                  there before the recomputation
+
+A tensor changed in place needs a copy of its value from before the forward, and a
+version counter cannot give one after the fact: :class:`ModuleState` keeps one copy of
+each tensor it watches, refreshed only when the tensor's version moved since the last
+look, so a tensor no forward changes is copied once, and a counter updated by every
+forward once per forward. What cannot be watched this way is documented, not guessed:
+Python containers changed in place (a list appended to), state outside the modules
+(closures of hooks, globals, random generators other than torch's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+_MISSING: Any = object()  # an attribute that did not exist
+
+
+@dataclass
+class SideEffects:
+    """What one forward changed: for each changed entry of a module's ``__dict__`` or
+    ``_buffers``, the value it held before the forward (``_MISSING``: none).
+
+    Filled by :meth:`ModuleState.run`; empty until then, and for a forward that
+    changed nothing."""
+
+    changed: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        """The names of what changed, for messages (``'count'``, ``'calls'``)."""
+        return [key for _, key, _ in self.changed]
+
+    def put_before(self) -> list[Any]:
+        """Puts the values from before the forward in place (a copy of each tensor, so
+        that a recomputation's own changes fall on the copy); returns what was there."""
+        current = []
+        copies: dict[int, torch.Tensor] = {}  # one per tensor: a tied buffer stays tied
+        for holder, key, before in self.changed:
+            current.append(holder.get(key, _MISSING))
+            if before is _MISSING:
+                holder.pop(key, None)
+            elif _watched(before):
+                if id(before) not in copies:
+                    copies[id(before)] = before.clone()
+                holder[key] = copies[id(before)]
+            else:
+                holder[key] = before
+        return current
+
+    def put_back(self, current: list[Any]) -> None:
+        """Puts back what :meth:`put_before` returned."""
+        for (holder, key, _), value in zip(self.changed, current):
+            if value is _MISSING:
+                holder.pop(key, None)
+            else:
+                holder[key] = value
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no version, and cannot be changed
+        return None
+
+
+def _watched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+        and not value.requires_grad
+
+
+class ModuleState:
+    """The state a stage's modules hold, watched across its forwards.
+
+    Args:
+        modules: gives every module the stage's forward may run (a traced stage's:
+            those its graph reads, which grow when it is traced in another mode).
+    """
+
+    def __init__(self, modules: Callable[[], Iterable[nn.Module]]) -> None:
+        self._modules = modules
+        # By tensor id: (tensor, version, copy), the copy of its value at that version.
+        # A copy is never changed: a recomputation works on a copy of it.
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # Entries (holder, key, training) whose tensor has been compared by value after
+        # a forward, and those a forward changes without moving the version counter.
+        self._examined: set[tuple[int, str, bool]] = set()
+        self._unversioned: set[tuple[int, str, bool]] = set()
+
+    def run(self, function: Callable[[Any], Any], inputs: Any, effects: SideEffects) -> Any:
+        """``function(inputs)``, recording into ``effects`` what it changed."""
+        looked = self._look()
+        result = function(inputs)
+        effects.changed = self._changes(looked)
+        return result
+
+    def _look(self) -> list[tuple[dict[str, Any], bool, dict[str, Any]]]:
+        """Each holder, its module's training flag and a shallow copy of it; a copy
+        of the value of each tensor that may have changed since the last look."""
+        unique = {id(module): module for module in self._modules()}
+        holders = [(holder, module.training) for module in unique.values()
+                   for holder in (module.__dict__, module._buffers)]
+        copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        for holder, training in holders:
+            for key, value in holder.items():
+                if not _watched(value):
+                    continue
+                version = _version(value)
+                if version is None:
+                    continue
+                kept = copies.get(id(value)) or self._copies.get(id(value))
+                entry = (id(holder), key, training)
+                if kept is None or kept[0] is not value or kept[1] != version \
+                        or entry not in self._examined or entry in self._unversioned:
+                    kept = copies.get(id(value)) or (value, version, value.detach().clone())
+                copies[id(value)] = kept
+        self._copies = copies  # a tensor no longer held takes its copy with it
+        return [(holder, training, dict(holder)) for holder, training in holders]
+
+    def _changes(self, looked: list[tuple[dict[str, Any], bool, dict[str, Any]]]
+                 ) -> list[tuple[dict[str, Any], str, Any]]:
+        """Each entry rebound, added, removed or changed in place since ``looked``,
+        with its value then."""
+        changed = []
+        for holder, training, before in looked:
+            kept_keys = 0
+            for key, old in before.items():
+                new = holder.get(key, _MISSING)
+                kept_keys += new is not _MISSING
+                kept = self._copies.get(id(old)) if _watched(old) else None
+                if kept is not None and kept[0] is old and (
+                        _version(old) != kept[1] or self._unversioned_change(
+                            (id(holder), key, training), old, kept[2])):
+                    changed.append((holder, key, kept[2]))  # changed in place
+                elif new is not old:
+                    changed.append((holder, key, old))  # rebound or removed
+            if len(holder) != kept_keys:  # added
+                changed += [(holder, key, _MISSING) for key in holder if key not in before]
+        return changed
+
+    def _unversioned_change(self, entry: tuple[int, str, bool], tensor: torch.Tensor,
+                            copy: torch.Tensor) -> bool:
+        """Whether ``tensor`` may have changed though its version did not move.
+
+        Some kernels write into a tensor without moving its version counter (batch
+        norm's running statistics, written by the native kernel): the first forward
+        that sees an entry, in each training mode, compares its value with the copy
+        (one synchronisation, once), and an entry found changed is copied and put back
+        at every forward from then on."""
+        if entry not in self._examined:
+            self._examined.add(entry)
+            if not torch.equal(tensor, copy):
+                self._unversioned.add(entry)
+        return entry in self._unversioned
