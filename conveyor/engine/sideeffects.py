@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any
 
 import torch
@@ -89,9 +90,32 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def _holders(module: nn.Module) -> list[dict[str, Any]]:
+    """Where ``module`` may keep state a forward changes: its buffers, and its
+    attributes unless it is one of torch's own modules (those keep their state in
+    buffers; skipping their thirty-odd attributes each keeps the watch cheap)."""
+    holders = [module._buffers] if module._buffers else []
+    if not type(module).__module__.startswith("torch."):
+        holders.append(module.__dict__)
+    return holders
+
+
 def _watched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
         and not value.requires_grad
+
+
+class _Look:
+    """One holder (a module's ``__dict__`` or ``_buffers``) before a forward."""
+
+    __slots__ = ("holder", "training", "tensors", "before")
+
+    def __init__(self, holder: dict[str, Any], training: bool,
+                 tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.holder = holder
+        self.training = training  # its module's training mode
+        self.tensors = tensors  # the watched tensors it holds, by key
+        self.before = dict(holder)  # a shallow copy
 
 
 class ModuleState:
@@ -111,6 +135,8 @@ class ModuleState:
         # a forward, and those a forward changes without moving the version counter.
         self._examined: set[tuple[int, str, bool]] = set()
         self._unversioned: set[tuple[int, str, bool]] = set()
+        # By holder id: its values at the last look, and the watched tensors among them.
+        self._seen: dict[int, tuple[list[Any], list[tuple[str, torch.Tensor]]]] = {}
 
     def run(self, function: Callable[[Any], Any], inputs: Any, effects: SideEffects) -> Any:
         """``function(inputs)``, recording into ``effects`` what it changed."""
@@ -119,48 +145,63 @@ class ModuleState:
         effects.changed = self._changes(looked)
         return result
 
-    def _look(self) -> list[tuple[dict[str, Any], bool, dict[str, Any]]]:
-        """Each holder, its module's training flag and a shallow copy of it; a copy
-        of the value of each tensor that may have changed since the last look."""
-        unique = {id(module): module for module in self._modules()}
-        holders = [(holder, module.training) for module in unique.values()
-                   for holder in (module.__dict__, module._buffers)]
+    def _look(self) -> list[_Look]:
+        """Each holder as it is now; a copy of the value of each tensor that may have
+        changed since the last look."""
+        modules = {id(module): module for module in self._modules()}.values()
+        looked = []
         copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        for holder, training in holders:
-            for key, value in holder.items():
-                if not _watched(value):
-                    continue
-                version = _version(value)
-                if version is None:
-                    continue
-                kept = copies.get(id(value)) or self._copies.get(id(value))
-                entry = (id(holder), key, training)
-                if kept is None or kept[0] is not value or kept[1] != version \
-                        or entry not in self._examined or entry in self._unversioned:
-                    kept = copies.get(id(value)) or (value, version, value.detach().clone())
-                copies[id(value)] = kept
+        for module in modules:
+            for holder in _holders(module):
+                look = _Look(holder, module.training, self._tensors_in(holder))
+                for key, value in look.tensors:
+                    version = _version(value)
+                    if version is None:
+                        continue
+                    kept = copies.get(id(value)) or self._copies.get(id(value))
+                    entry = (id(holder), key, look.training)
+                    if kept is None or kept[0] is not value or kept[1] != version \
+                            or entry not in self._examined or entry in self._unversioned:
+                        kept = copies.get(id(value)) or (value, version, value.detach().clone())
+                    copies[id(value)] = kept
+                looked.append(look)
         self._copies = copies  # a tensor no longer held takes its copy with it
-        return [(holder, training, dict(holder)) for holder, training in holders]
+        return looked
 
-    def _changes(self, looked: list[tuple[dict[str, Any], bool, dict[str, Any]]]
-                 ) -> list[tuple[dict[str, Any], str, Any]]:
+    def _tensors_in(self, holder: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """The watched tensors of ``holder``, by key; found again only when one of the
+        holder's entries was rebound since the last look (a module's ``__dict__`` holds
+        some thirty entries, almost never a tensor)."""
+        values = list(holder.values())
+        seen = self._seen.get(id(holder))
+        if seen is not None and len(seen[0]) == len(values) and all(map(is_, seen[0], values)):
+            return seen[1]
+        tensors = [(key, value) for key, value in holder.items() if _watched(value)]
+        self._seen[id(holder)] = (values, tensors)
+        return tensors
+
+    def _changes(self, looked: list[_Look]) -> list[tuple[dict[str, Any], str, Any]]:
         """Each entry rebound, added, removed or changed in place since ``looked``,
         with its value then."""
-        changed = []
-        for holder, training, before in looked:
-            kept_keys = 0
-            for key, old in before.items():
-                new = holder.get(key, _MISSING)
-                kept_keys += new is not _MISSING
-                kept = self._copies.get(id(old)) if _watched(old) else None
-                if kept is not None and kept[0] is old and (
+        changed: list[tuple[dict[str, Any], str, Any]] = []
+        for look in looked:
+            holder = look.holder
+            for key, old in look.tensors:
+                kept = self._copies.get(id(old))
+                if kept is not None and kept[0] is old and holder.get(key) is old and (
                         _version(old) != kept[1] or self._unversioned_change(
-                            (id(holder), key, training), old, kept[2])):
+                            (id(holder), key, look.training), old, kept[2])):
                     changed.append((holder, key, kept[2]))  # changed in place
-                elif new is not old:
-                    changed.append((holder, key, old))  # rebound or removed
-            if len(holder) != kept_keys:  # added
-                changed += [(holder, key, _MISSING) for key in holder if key not in before]
+            if len(holder) == len(look.before) and all(
+                    map(is_, holder.values(), look.before.values())):
+                continue  # nothing rebound, added or removed
+            for key, old in look.before.items():
+                new = holder.get(key, _MISSING)
+                if new is not old:
+                    kept = self._copies.get(id(old))
+                    changed.append((holder, key, kept[2] if kept is not None and kept[0] is old
+                                    and _version(old) != kept[1] else old))
+            changed += [(holder, key, _MISSING) for key in holder if key not in look.before]
         return changed
 
     def _unversioned_change(self, entry: tuple[int, str, bool], tensor: torch.Tensor,
