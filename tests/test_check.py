@@ -101,6 +101,17 @@ def test_a_layer_reading_state_outside_its_inputs_is_found() -> None:
     assert (first.kind, first.stage, first.layer, first.microbatch) == ("forward", 1, "2", 1)
     assert "'2' gives different outputs for the same input" in first.cause
     assert "2.calls: 0 -> 2" in first.cause
+    assert "it reads state outside its inputs and parameters" in first.cause
+
+
+def test_a_buffer_mutated_in_forward_is_named() -> None:
+    inputs, targets = cases.batch()
+    report = conveyor.check(cases.mlp(cases.BufferCounter()), inputs, targets,
+                            loss_fn=F.mse_loss, balance=[2, 4], chunks=4)
+    first = report.findings[0]
+    assert (first.kind, first.stage, first.layer, first.microbatch) == ("forward", 1, "2", 1)
+    assert "2.count (buffer): 0.0 -> 2.0" in first.cause
+    assert "it reads a buffer mutated in forward" in first.cause
 
 
 def test_a_tie_the_pipeline_cannot_see_is_found_and_a_visible_one_matches() -> None:

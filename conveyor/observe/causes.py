@@ -77,12 +77,15 @@ def state(where: str, probe: Probe) -> str:
                for change in probe.modules[name].changed]
     culprit = probe.unrepeatable or (probe.where("changed") or [where])[0]
     attributes = f" (two calls changed {'; '.join(changed[:3])})" if changed else ""
+    kind = ("a buffer mutated in forward" if any("(buffer)" in c for c in changed)
+            else "state outside its inputs and parameters")
     return (f"{culprit!r} gives different outputs for the same input on two calls, "
-            f"without drawing random numbers from torch{attributes}: it reads state outside "
-            "its inputs and parameters. The pipeline calls it once per micro-batch (and "
-            "again to recompute), the plain model once per batch, and a traced model keeps "
-            "the value seen when it was traced. Compute forward from its inputs and "
-            "parameters alone (keep counters and clocks out of forward)")
+            f"without drawing random numbers from torch{attributes}: it reads {kind}. "
+            "The pipeline calls it once per micro-batch (a recomputation sees the state "
+            "as the first call saw it), the plain model once per batch, and a traced model "
+            "keeps the value seen when it was traced. Compute forward from its inputs and "
+            "parameters alone (keep counters and clocks out of forward), or compare with "
+            "the plain model run micro-batch by micro-batch, as the pipeline runs it")
 
 
 def in_place(where: str, stage: int) -> str:

@@ -3,8 +3,8 @@
 ``probe(module, run)`` calls a copy of ``module`` twice on the same input, each time
 with torch's generators seeded alike, and notes for every submodule (by qualified name):
 the random numbers it drew (from torch's default generator, or from a generator of its
-own), whether it changed its input tensors in place, which plain attributes its forward
-changed (a counter), whether it is a batch norm in training mode, and which is the
+own), whether it changed its input tensors in place, which plain attributes and buffers
+its forward changed (a counter, a running average), whether it is a batch norm in training mode, and which is the
 innermost submodule whose two calls gave different outputs on equal inputs. The
 original module is never called, so neither its state nor its statistics move.
 
@@ -40,7 +40,8 @@ class ModuleFacts:
         random: drew from torch's default generator.
         own_generator: drew from a ``torch.Generator`` of its own (``generator=``).
         mutated_input: changed one of its input tensors in place.
-        changed: its plain attributes that one call changed, as ``"name: old -> new"``.
+        changed: its plain attributes and buffers that one call changed, as
+            ``"name: old -> new"`` (a buffer: ``"name (buffer): old -> new"``).
         batch_norm: a batch norm in training mode (normalises by the batch's statistics).
     """
 
@@ -185,7 +186,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
     """The module's own plain attributes (numbers, strings, small tensors held outside
-    its parameters and buffers), as values to compare."""
+    its parameters and buffers) and buffers, as values to compare (the running
+    statistics of a batch norm in training mode aside: they do not shape its output,
+    which the batch's statistics normalise)."""
     found: dict[str, Any] = {}
     for name, value in vars(module).items():
         if name.startswith("_") or name == "training":
@@ -194,6 +197,9 @@ def _attributes(module: nn.Module) -> dict[str, Any]:
             found[name] = value
         elif isinstance(value, torch.Tensor) and value.numel() <= 16:
             found[name] = value.detach().clone()
+    if not (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training):
+        for name, buffer in module.named_buffers(recurse=False):
+            found[f"{name} (buffer)"] = buffer.detach().clone()
     return found
 
 
@@ -210,7 +216,7 @@ def _changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 def _show(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return str(value.tolist())
+        return str(value.tolist()) if value.numel() <= 16 else f"a tensor of {list(value.shape)}"
     return repr(value)
 
 

@@ -25,6 +25,18 @@ class Counter(nn.Module):
         return x * self.calls
 
 
+class BufferCounter(nn.Module):
+    """Multiplies by a buffer that counts its calls: a buffer mutated in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return x * self.count.clone()
+
+
 class Noise(nn.Module):
     """Adds noise drawn from a generator of its own, which conveyor cannot route."""
 
