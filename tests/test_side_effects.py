@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -273,3 +274,96 @@ def test_an_in_place_module_at_a_cut_trains_exactly(face: str, recompute: str) -
         pipe.step(x, y)
     loss_fn(reference(x), y).backward()
     assert_same_grads(model.named_parameters(), reference.named_parameters())
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds forward; passes the gradient through unchanged (a straight-through
+    estimator): its backward is not the derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.round()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@torch.library.custom_op("conveyor_tests::straight_through", mutates_args=())
+def straight_through(x: torch.Tensor) -> torch.Tensor:
+    return x.round()
+
+
+straight_through.register_fake(torch.empty_like)
+straight_through.register_autograd(lambda ctx, grad: grad)
+
+
+ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "function": StraightThrough.apply, "custom_op": straight_through}
+
+
+class Rounded(nn.Module):
+    def __init__(self, rounding: str) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.first = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(ROUNDINGS[self.rounding](self.first(x) * 3))
+
+
+def test_a_traced_autograd_function_is_refused_as_export_drops_its_backward() -> None:
+    model = Rounded("function").double()
+    with pytest.raises(conveyor.ModelError, match=r"applies the autograd.Function "
+                       r"StraightThrough, whose backward is not its forward's derivative "
+                       r"\(they differ by 1 relative\): torch.export traces a Function's "
+                       r"forward and drops its backward(.|\n)*torch.library.custom_op"):
+        conveyor.Pipeline(model, split_at=["head"], devices=["cpu"] * 2, chunks=2,
+                          loss_fn=loss_fn, sample=torch.randn(2, 4, dtype=torch.float64))
+
+
+class Doubled(torch.autograd.Function):
+    """A hand-written backward that is its forward's derivative (as a fused kernel's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x) * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 2 * (1 - torch.tanh(x) ** 2)
+
+
+ROUNDINGS["derivative"] = Doubled.apply
+
+
+@pytest.mark.parametrize("face", ["custom_op traced", "Function in nn.Sequential",
+                                  "derivative Function traced"])
+def test_a_straight_through_estimator_trains_exactly(face: str) -> None:
+    torch.manual_seed(0)
+    if face != "Function in nn.Sequential":
+        model: nn.Module = Rounded(face.split()[0]).double()
+        cut: dict[str, object] = {"split_at": ["head"]}
+    else:
+        inner = Rounded("function")
+        model = nn.Sequential(inner.first, Scaled(), inner.head).double()
+        cut = {"balance": [1, 2]}
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.randn(8, 2, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, devices=["cpu"] * 2, chunks=4, loss_fn=loss_fn,
+                             schedule="zero-bubble", recompute="always",
+                             sample=x[:2], **cut)
+    pipe.step(x, y)
+    loss_fn(reference(x), y).backward()
+    assert_same_grads(model.named_parameters(), reference.named_parameters())
+    first = next(reference.parameters())
+    assert first.grad is not None and float(first.grad.abs().sum()) > 0  # passed through
+
+
+class Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return StraightThrough.apply(x * 3)

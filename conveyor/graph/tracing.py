@@ -37,6 +37,7 @@ from torch.export import Dim, ExportedProgram
 
 from conveyor.errors import ModelError
 from conveyor.graph.calls import CallForm, call_form, widened
+from conveyor.graph.tracewatch import TraceWatch
 
 __all__: list[str] = []
 
@@ -93,9 +94,9 @@ def _quiet_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     """torch.export with what torch prints to stderr held back: the partial graph of a
     failed trace goes to the log at DEBUG, anything else to stderr after the trace."""
     printed = io.StringIO()
-    rebound: list[str] = []
+    watch = TraceWatch(model)
     try:
-        with contextlib.redirect_stderr(printed), _rebinding_watched(model, rebound):
+        with contextlib.redirect_stderr(printed), watch:
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic,
                                           strict=False)
     except Exception as exc:  # noqa: BLE001 - explained and re-raised
@@ -110,53 +111,8 @@ def _quiet_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     finally:
         if printed.getvalue().strip():
             sys.stderr.write(printed.getvalue())
-    if rebound:
-        raise ModelError(
-            f"{type(model).__name__}'s forward rebinds {', '.join(rebound)}; torch.export "
-            "records no such change, so the traced stages would read the value it had "
-            "when traced, never updated (the plain model updates it at every call). Update "
-            "a buffer in place (self.count.add_(1), self.average.copy_(...)), keep Python "
-            "counters out of forward, or cut an nn.Sequential with balance= (run as it is, "
-            "not traced)")
+    watch.check()
     return program
-
-
-_PLAIN = (int, float, bool, complex, str, bytes, type(None))
-
-
-@contextlib.contextmanager
-def _rebinding_watched(model: nn.Module, rebound: list[str]) -> Iterator[None]:
-    """Notes into ``rebound`` each buffer, tensor attribute or plain Python attribute
-    that a module's forward rebinds during the trace (``self.count = self.count + 1``,
-    ``self.calls += 1``): torch.export keeps none of them."""
-    names = {id(module): name or "the model" for name, module in model.named_modules()}
-    looked: dict[int, list[dict[str, Any]]] = {}
-
-    def state(module: nn.Module) -> dict[str, Any]:
-        held = {k: v for k, v in module.__dict__.items()
-                if isinstance(v, (torch.Tensor, *_PLAIN)) and not k.startswith("__")}
-        return {**held, **{f"buffer {k}": v for k, v in module._buffers.items()}}
-
-    def before(module: nn.Module, args: Any) -> None:
-        looked.setdefault(id(module), []).append(state(module))
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        old, new = looked[id(module)].pop(), state(module)
-        for key in dict.fromkeys([*old, *new]):  # in the module's order
-            a, b = old.get(key), new.get(key)
-            if a is b or (isinstance(a, _PLAIN) and type(a) is type(b) and a == b):
-                continue
-            where = f"{names.get(id(module), type(module).__name__)}.{key.split()[-1]}"
-            if where not in rebound:
-                rebound.append(where)
-
-    handles = [hook for module in model.modules() for hook in (
-        module.register_forward_pre_hook(before), module.register_forward_hook(after))]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def explain(model: nn.Module, exc: BaseException, form: CallForm) -> ModelError:
