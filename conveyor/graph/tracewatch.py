@@ -136,7 +136,8 @@ class TraceWatch:
 
 
 def _subclasses(cls: type) -> list[type]:
-    found, todo = [], [cls]
+    found: list[type] = []
+    todo = [cls]
     while todo:
         for sub in todo.pop().__subclasses__():
             found.append(sub)
