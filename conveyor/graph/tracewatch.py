@@ -139,9 +139,9 @@ def _subclasses(cls: type) -> list[type]:
     found: list[type] = []
     todo = [cls]
     while todo:
-        for sub in todo.pop().__subclasses__():
-            found.append(sub)
-            todo.append(sub)
+        subclasses: list[type] = todo.pop().__subclasses__()
+        found += subclasses
+        todo += subclasses
     return found
 
 
