@@ -87,8 +87,9 @@ class FusedAccumulation:
     def __init__(self, modules: Iterable[nn.Module],
                  graphs: Iterable[torch.fx.GraphModule] = ()) -> None:
         for module in modules:
-            if type(module) is nn.Linear:
+            if type(module) in (nn.Linear, FusedLinear):  # (a model pipelined before)
                 module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
+                module.accumulator = self
         for graph in graphs:  # a traced stage's: its layers are calls of aten ops
             found = [node for node in graph.graph.nodes if node.op == "call_function"
                      and node.target in _FUSED_OPS]
@@ -118,11 +119,19 @@ class FusedAccumulation:
             self.adding = False
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           owner: FusedAccumulation | None = None) -> torch.Tensor:
     """``F.linear``, whose weight gradient adds itself into ``.grad`` inside a stage's
-    backward (see :class:`FusedAccumulation`)."""
+    backward (see :class:`FusedAccumulation`).
+
+    Args:
+        owner: the stage of the calling layer. A call inside that stage's backward is
+            a recomputation the model's own ``torch.utils.checkpoint`` makes, which must
+            save what its forward saved; autograd may run it on another thread than the
+            stage's (a GPU's), where the stage's layers are not marked as running."""
     accumulator = getattr(_running, "accumulator", None)
+    if accumulator is None and owner is not None and owner.adding:
+        accumulator = owner
     if accumulator is None or not _fusable(input, weight, bias):
         return F.linear(input, weight, bias)
     return _ProductFunction.apply(input, weight, bias, accumulator, False)
@@ -143,8 +152,10 @@ class FusedLinear(nn.Linear):
     """``nn.Linear`` whose weight gradient adds itself into ``.grad`` inside a stage's
     backward (see :class:`FusedAccumulation`); elsewhere exactly ``nn.Linear``."""
 
+    accumulator: FusedAccumulation
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
+        return linear(input, self.weight, self.bias, owner=self.accumulator)
 
 
 # Named as the layer it stands for, so that reprs, errors and tables read as the model's

@@ -32,6 +32,8 @@ from tests.generated.models import (
     CLASSES,
     CONTEXT_FREE,
     PARAMETERLESS,
+    STATEFUL,
+    Block,
     Generated,
     Spec,
     draw_spec,
@@ -230,18 +232,22 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any,
                              **options)
 
 
-def _draws_random(model: nn.Module) -> bool:
-    return model.training and any(
-        (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, nn.MultiheadAttention)
-                                                    and m.dropout > 0)
-        for m in model.modules())
+def _per_microbatch(model: nn.Module) -> bool:
+    """Whether the plain model must run micro-batch by micro-batch to be what the
+    pipeline promises: it draws random numbers, or its blocks change their buffers."""
+    return any(isinstance(m, Block) and m.kind in STATEFUL for m in model.modules()) or (
+        model.training and any(
+            (isinstance(m, nn.Dropout) and m.p > 0)
+            or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+            for m in model.modules()))
 
 
 def reference_output(case: Case, plain: nn.Module, inputs: Any,
                      split_at: list[str] | None, step_seed: int) -> Any:
     """The plain model's output on the whole batch; a model that draws random numbers
-    runs micro-batch by micro-batch with the pipeline's streams, as it promises."""
-    if not _draws_random(plain):
+    or changes its state runs micro-batch by micro-batch, in order, with the pipeline's
+    streams, as the pipeline promises."""
+    if not _per_microbatch(plain):
         return plain(**inputs) if isinstance(inputs, dict) else plain(inputs)
     if split_at is not None:
         return _traced_per_microbatch(plain, inputs, case.chunks, step_seed, split_at)

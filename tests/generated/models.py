@@ -8,11 +8,18 @@ blocks over a hidden state of shape (batch, length, width), and pools into a hea
                  └─ made once, read by every block ─┘  skip ───▶ one later block
 
 Values that cross stages the way real models make them: a memory kept after one block
-and read by every later cross-attention block (an encoder's output in a decoder), a
-position table and an attention bias made once and reused by every block (as T5 makes
-its position bias in the first block), a long skip, a weight shared by two distant
-blocks and a head tied to the embedding. The output may be a tensor, a tuple or a dict
-that carries an earlier value beside the logits and an integer side output.
+and read by every later cross-attention block (an encoder's output in a decoder; held
+sequence-first, as torch's own attention takes it, at some odds), a position table and
+an attention bias made once and reused by every block (as T5 makes its position bias in
+the first block), a long skip, a weight shared by two distant blocks and a head tied to
+the embedding. The output may be a tensor, a tuple or a dict that carries an earlier
+value beside the logits and an integer side output.
+
+Blocks with side effects and autograd of their own: buffers a forward changes and reads
+(a counter, a running average updated in training, a cache of the last micro-batch), an
+in-place activation writing into the block's input (at a cut, into the stage's input), a
+module called twice, a custom autograd.Function, the user's own torch.utils.checkpoint,
+``.detach()`` and ``torch.no_grad()`` inside forward.
 """
 
 from __future__ import annotations
@@ -23,16 +30,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["BLOCKS", "CONTEXT_FREE", "PARAMETERLESS", "Generated", "Spec", "draw_spec", "sequential_model"]
+__all__ = ["BLOCKS", "CONTEXT_FREE", "PARAMETERLESS", "STATEFUL", "Generated", "Spec",
+           "draw_spec", "sequential_model"]
 
 #: The menu. Context-free blocks map the hidden state alone; the rest also read what
 #: the model made earlier (memory, positions, the attention bias, a skip).
 CONTEXT_FREE = ("linear", "mlp", "inplace", "conv1d", "conv2d", "layernorm", "rmsnorm",
-                "batchnorm", "dropout", "buffer")
+                "batchnorm", "dropout", "buffer", "counter", "ema", "cache", "relu_", "twice",
+                "function", "checkpointed", "detach")
 BLOCKS = CONTEXT_FREE + ("attention", "cross", "gate")
-PARAMETERLESS = ("dropout", "buffer")
+PARAMETERLESS = ("dropout", "buffer", "relu_")
+#: Blocks whose forward changes their buffers: the plain model they are compared with
+#: runs micro-batch by micro-batch, in order, as the pipeline does.
+STATEFUL = ("counter", "ema", "cache")
 CLASSES = 5
 
 
@@ -53,13 +66,14 @@ class Spec:
     extra: str | None = None            # an earlier value returned: "embedding", "memory"
     scale: bool = False                 # a non-tensor keyword argument
     dropout: float = 0.1
+    seq_first: bool = False             # memory crosses stages as (length, batch, width)
     weights_seed: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
         parts = [f"blocks={list(self.blocks)}"]
         for name in ("vocab", "memory_from", "skip", "shared", "tie_head", "positions",
-                     "output", "extra", "scale"):
+                     "output", "extra", "scale", "seq_first"):
             value = getattr(self, name)
             if value not in (None, False, 0, "tensor"):
                 parts.append(f"{name}={value}")
@@ -87,15 +101,50 @@ def draw_spec(rng: random.Random) -> Spec:
     linears = [i for i, kind in enumerate(blocks) if kind == "linear"]
     shared = (linears[0], linears[-1]) if len(linears) >= 2 and rng.random() < 0.6 else None
     vocab = rng.choice([0, CLASSES, 11])
+    extra = rng.choice([None, "embedding", "memory" if memory_from is not None else None])
     return Spec(
-        blocks=tuple(blocks), width=rng.choice([4, 8]), length=rng.choice([3, 4, 6]),
-        vocab=vocab, memory_from=memory_from, skip=skip, shared=shared,
-        tie_head=vocab == CLASSES and rng.random() < 0.7,
+        blocks=_unaliased(tuple(blocks), memory_from, skip, extra), width=rng.choice([4, 8]),
+        length=rng.choice([3, 4, 6]), vocab=vocab, memory_from=memory_from, skip=skip,
+        shared=shared, tie_head=vocab == CLASSES and rng.random() < 0.7,
         positions=rng.random() < 0.4,
-        output=rng.choice(["tensor", "tuple", "dict"]),
-        extra=rng.choice([None, "embedding", "memory" if memory_from is not None else None]),
+        output=rng.choice(["tensor", "tuple", "dict"]), extra=extra,
         scale=rng.random() < 0.3, dropout=rng.choice([0.0, 0.1, 0.3]),
+        seq_first=memory_from is not None and rng.random() < 0.4,
         weights_seed=rng.randrange(1 << 30))
+
+
+def _unaliased(blocks: tuple[str, ...], memory_from: int | None,
+               skip: tuple[int, int] | None, extra: str | None) -> tuple[str, ...]:
+    """``blocks`` with each in-place activation made an "mlp" where it would write
+    into a value the plain model needs as it was: one the model keeps (the memory, a
+    skip's source, the embedding it returns; there the kept value would change with
+    it, while in a pipeline cut between them it would not, as a stage works on what it
+    received), or one the block before saved for its backward (a ReLU's or tanh's
+    output: the plain model's backward would fail)."""
+    kept = {memory_from, skip[0] if skip else None, -1 if extra == "embedding" else None}
+
+    def writable(i: int) -> bool:
+        before = i - 1
+        while before >= 0 and blocks[before] == "dropout":  # may hand on its input
+            before -= 1
+        return before not in kept and (before < 0 or blocks[before] not in ("relu_", "ema"))
+
+    return tuple("mlp" if kind == "relu_" and not writable(i) else kind
+                 for i, kind in enumerate(blocks))
+
+
+class Doubled(torch.autograd.Function):
+    """2 tanh(x), with a hand-written backward (its forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x) * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 2 * (1 - torch.tanh(x) ** 2)
 
 
 class Block(nn.Module):
@@ -123,8 +172,19 @@ class Block(nn.Module):
             self.f = nn.Dropout(dropout)
         elif kind == "buffer":
             self.register_buffer("gain", torch.linspace(0.5, 1.5, d))
+        elif kind in ("counter", "ema", "cache", "twice", "function", "detach"):
+            self.f = nn.Linear(d, d)
+            if kind == "counter":
+                self.register_buffer("count", torch.zeros(()))
+            elif kind in ("ema", "cache"):
+                self.register_buffer("state", torch.zeros(d))
+        elif kind == "checkpointed":
+            self.f = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+        elif kind == "relu_":
+            pass
         elif kind in ("attention", "cross"):
-            self.f = nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout)
+            self.f = nn.MultiheadAttention(d, 2, batch_first=kind == "attention",
+                                           dropout=dropout)
         elif kind == "gate":
             self.f = nn.Linear(d, d)
         else:
@@ -151,15 +211,48 @@ class Block(nn.Module):
             return self.f(h.transpose(1, 2)).transpose(1, 2)
         if kind == "buffer":
             return h * self.gain
+        if kind in STATEFUL or kind in ("relu_", "twice", "function", "checkpointed", "detach"):
+            return self._special(h)
         if kind == "attention":
             return h + self.f(h, h, h, attn_mask=bias, need_weights=False)[0]
-        if kind == "cross":
+        if kind == "cross":  # memory comes sequence-first, as this attention takes it
             assert memory is not None
-            return h + self.f(h, memory, memory, need_weights=False)[0]
+            q = h.transpose(0, 1)
+            return h + self.f(q, memory, memory, need_weights=False)[0].transpose(0, 1)
         if kind == "gate":
             assert skip is not None
             return h + self.f(h) * torch.sigmoid(skip)
         return self.f(h)  # layernorm, rmsnorm, dropout
+
+
+    def _special(self, h: torch.Tensor) -> torch.Tensor:
+        """The blocks with side effects or autograd of their own."""
+        kind = self.kind
+        if kind == "counter":  # every call, in training and eval
+            self.count.add_(1)
+            return h + self.f(h) * (1 + 0.1 * self.count.clone())
+        if kind == "ema":  # a running average, updated in training
+            if self.training:
+                with torch.no_grad():
+                    self.state.mul_(0.5).add_(h.mean((0, 1)), alpha=0.5)
+            return torch.tanh(h + self.f(h) + self.state)
+        if kind == "cache":  # reads what the previous call left
+            out = h + self.f(h) * torch.tanh(self.state.clone())
+            with torch.no_grad():
+                self.state.copy_(h.mean((0, 1)))
+            return out
+        if kind == "relu_":
+            return F.relu(h, inplace=True)
+        if kind == "twice":
+            return h + self.f(torch.tanh(self.f(h)))
+        if kind == "function":
+            return h + Doubled.apply(self.f(h))
+        if kind == "checkpointed":
+            return h + torch.utils.checkpoint.checkpoint(self.f, h, use_reentrant=False)
+        assert kind == "detach"
+        with torch.no_grad():
+            scale = h.abs().mean(-1, keepdim=True) + 1  # per sample and position
+        return (h + self.f(h) * torch.tanh(h.detach())) / scale
 
 
 class Generated(nn.Module):
@@ -190,14 +283,17 @@ class Generated(nn.Module):
         bias = -(steps[:, None] - steps[None, :]).abs() * 0.5
         memory = kept = None
         for i, block in enumerate(self.blocks):
-            h = block(h, memory=memory, positions=positions, bias=bias,
+            h = block(h, memory=memory if spec.seq_first or memory is None
+                      else memory.transpose(0, 1), positions=positions, bias=bias,
                       skip=kept if spec.skip is not None and i == spec.skip[1] else None)
-            if i == spec.memory_from:
-                memory = h
+            if i == spec.memory_from:  # crosses stages sequence-first, or batch-first
+                memory = h.transpose(0, 1) if spec.seq_first else h
             if spec.skip is not None and i == spec.skip[0]:
                 kept = h
         logits = self.head(h).mean(1) * scale
         extra = embedded if spec.extra == "embedding" else memory
+        if spec.extra == "memory" and spec.seq_first and memory is not None:
+            extra = memory.transpose(0, 1)  # batch-first, as outputs are concatenated
         if spec.output == "tuple":
             return (logits, extra) if spec.extra else (logits,)
         if spec.output == "dict":

@@ -62,7 +62,8 @@ def _simpler_specs(spec: Spec) -> Iterator[Spec]:
             yield replace(spec, blocks=spec.blocks[:kind_index] + ("linear",)
                           + spec.blocks[kind_index + 1:])
     simpler = {"extra": None, "output": "tensor", "positions": False, "scale": False,
-               "tie_head": False, "shared": None, "dropout": 0.0, "width": 4, "length": 3}
+               "tie_head": False, "shared": None, "dropout": 0.0, "width": 4, "length": 3,
+               "seq_first": False}
     for name, value in simpler.items():
         if getattr(spec, name) != value:
             yield replace(spec, **{name: value})
