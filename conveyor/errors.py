@@ -11,6 +11,7 @@ __all__ = [
     "LayerOutputError",
     "MicroBatchError",
     "ModelError",
+    "NonFiniteGradientError",
     "NonFiniteLossError",
     "PeerFailure",
     "ScheduleError",
@@ -101,6 +102,11 @@ class StepTimeout(StageError, TimeoutError):
 
 class NonFiniteLossError(ConveyorError, FloatingPointError):
     """The loss of a micro-batch is NaN or infinite (``check_finite=True``)."""
+
+
+class NonFiniteGradientError(ConveyorError, FloatingPointError):
+    """A step's gradients are NaN or infinite (``conveyor train`` checks before every
+    optimizer step); the message names the stages that hold them."""
 
 
 class ConfigError(ConveyorError, ValueError):

@@ -25,7 +25,13 @@ from conveyor.pipeline import Pipeline
 from conveyor.train.language import next_byte_loss
 from conveyor.schedules import build
 from tests.support.launch import run_command
-from tests.support.training import TINY, checkpoint_state, one_error_line, train
+from tests.support.training import (
+    TINY,
+    checkpoint_state,
+    latest_checkpoint,
+    one_error_line,
+    train,
+)
 
 
 def tiny_model() -> torch.nn.Sequential:
@@ -102,9 +108,9 @@ def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
 
     # The optimizer's moments follow each parameter by name into its new stage.
     names = {id(p): n for n, p in four.named_parameters()}
-    assert {names[id(p)] for p in optimizer.state} == set(saved["optimizer"]["state"])
+    assert {names[id(p)] for p in optimizer.state} == set(saved["optimizer"])
     for parameter, state in optimizer.state.items():
-        assert_same_tensors(state, saved["optimizer"]["state"][names[id(parameter)]])
+        assert_same_tensors(state, saved["optimizer"][names[id(parameter)]])
 
     inputs, _ = text_corpus().batch(0, 4, 16, heldout=True)
     four.eval()
@@ -142,7 +148,8 @@ def test_a_plain_model_checkpoint_resumes_both_copies_of_a_tied_weight(
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert train(tmp_path, "--steps", "3") == 0
-    before = (tmp_path / "checkpoint.pt").read_bytes()
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+              if p.is_file() and "checkpoint" in p.parts}
     model = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_byte_loss)
     optimizer = torch.optim.AdamW(model.parameters())
 
@@ -155,8 +162,8 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(
         saving.save(tmp_path, model=model, optimizer=optimizer, extra={"step": 4})
     monkeypatch.undo()
 
-    assert (tmp_path / "checkpoint.pt").read_bytes() == before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+            if p.is_file() and "checkpoint" in p.parts} == before
     assert saving.load(tmp_path, model=model, optimizer=optimizer)["step"] == 3
 
 
@@ -238,24 +245,24 @@ def test_a_config_file_sets_options_and_flags_win(tmp_path: Path,
 @pytest.mark.parametrize("damage, flags, message", [
     ("none", [], "already holds a checkpoint; pass --resume"),
     ("none", ["--resume", "--width", "32"], "does not fit this model"),
-    ("garbage", ["--resume"], "cannot read the checkpoint"),
-    ("truncated", ["--resume"], "cannot read the checkpoint"),
+    ("garbage", ["--resume"], "is damaged: state.pt changed since it was written"),
+    ("truncated", ["--resume"], "is damaged: state.pt changed since it was written"),
 ])
 def test_existing_checkpoints_are_never_overwritten_by_a_bad_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, flags: list[str],
         message: str) -> None:
     assert train(tmp_path, "--steps", "3") == 0
-    path = tmp_path / "checkpoint.pt"
+    path = latest_checkpoint(tmp_path) / "state.pt"
     if damage == "garbage":
         path.write_bytes(b"this is not a checkpoint")
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
     capsys.readouterr()
-    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
     assert main(["train", *TINY, "--steps", "6", "--out", str(tmp_path), *flags]) == 2
     assert message in one_error_line(capsys)
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
 
 
 # -- the command end to end -------------------------------------------------------------
@@ -302,7 +309,7 @@ def test_the_command_runs_end_to_end_in_one_process(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "held-out" in result.stdout and "sample (pipelined inference" in result.stdout
     check_run_directory(tmp_path, 4)
-    assert (tmp_path / "checkpoint.pt").exists()
+    assert latest_checkpoint(tmp_path).name == "step-00000004"
 
 
 @pytest.mark.timeout(400)

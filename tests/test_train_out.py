@@ -177,17 +177,19 @@ def test_a_full_disk_while_saving_is_one_line_and_the_last_checkpoint_stays(
 def test_temporary_files_of_a_killed_save_are_removed_at_the_next_start(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert train(tmp_path, "--steps", "3", "--sample-bytes", "0") == 0
-    stale = [tmp_path / ".checkpoint-k1ll3d.tmp", tmp_path / ".checkpoint-a9b8c7.tmp"]
-    for path in stale:
-        path.write_bytes(b"PK\x03\x04 half a zip archive")
-    other = tmp_path / "notes.checkpoint-x.tmp"  # not a name saving.save makes
+    root = tmp_path / "checkpoint"
+    stale = [root / ".step-k1ll3d.tmp", root / ".step-a9b8c7.tmp", root / "step-00000009"]
+    for path in stale:  # two half-written, one whose manifest was never written
+        path.mkdir()
+        (path / "state.pt").write_bytes(b"PK\x03\x04 half a zip archive")
+    other = root / "notes.step-x.tmp"  # not a name saving.save makes
     other.write_text("keep me")
     capsys.readouterr()
 
     assert train(tmp_path, "--steps", "4", "--resume") == 0
     out = capsys.readouterr().out
-    assert out.count("removed 2 temporary files of an interrupted save") == 1
-    assert ".checkpoint-a9b8c7.tmp, .checkpoint-k1ll3d.tmp" in out
+    assert out.count("removed 3 temporary files of an interrupted save") == 1
+    assert ".step-a9b8c7.tmp, .step-k1ll3d.tmp, step-00000009" in out
     assert not any(path.exists() for path in stale)
     assert other.read_text() == "keep me"
     assert checkpoint_state(tmp_path)["extra"]["step"] == 4

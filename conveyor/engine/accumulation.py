@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ class FusedAccumulation:
         for module in modules:
             if type(module) in (nn.Linear, FusedLinear):  # (a model pipelined before)
                 module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
-                module.accumulator = self
+                cast(FusedLinear, module).accumulator = self
         for graph in graphs:  # a traced stage's: its layers are calls of aten ops
             found = [node for node in graph.graph.nodes if node.op == "call_function"
                      and node.target in _FUSED_OPS]

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.watchdog.deadline import OPENING
-from conveyor.errors import ConfigError, ConveyorError
+from conveyor.distributed import collective
+from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
 from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
@@ -196,6 +197,7 @@ class _Training:
     bubble: str = "?"  # of the recorded step
     began: float = 0.0  # time.monotonic() at the first step
     saved: int | None = None  # the step of the newest checkpoint in --out
+    skipped: int = 0  # steps skipped for a loss or gradient that was not finite
     replan: str | None = None  # how the layout differs from the resumed checkpoint's
 
     @property
@@ -278,20 +280,29 @@ class _Training:
         return stopped_by
 
     def _step(self, *, record_it: bool) -> float:
-        """One optimizer step on this step's batch (recorded if asked); returns its loss."""
+        """One optimizer step on this step's batch (recorded if asked); returns its loss
+        (NaN for a step skipped as not finite)."""
         config, pipe = self.config, self.pipe
         replica, replicas = pipe.topology.data_rank, config.data_parallel
         inputs, targets = self.corpus.batch(self.step, config.batch, config.length,
                                             seed=config.seed)
         inputs, targets = inputs[replica::replicas], targets[replica::replicas]
         tick = time.perf_counter()
-        if record_it:
-            with record(pipe) as timeline:
+        try:
+            if record_it:
+                with record(pipe) as timeline:
+                    loss = pipe.step(inputs, targets)
+                self.timeline, self.bubble = timeline, f"{100 * timeline.mean_bubble:.0f}%"
+            else:
                 loss = pipe.step(inputs, targets)
-            self.timeline, self.bubble = timeline, f"{100 * timeline.mean_bubble:.0f}%"
-        else:
-            loss = pipe.step(inputs, targets)
-        pipe.clip_grad_norm_(1.0)
+        except NonFiniteLossError as exc:  # raised on every rank, before any weight moved
+            return self._not_finite(exc, str(exc).split(";")[0])
+        norm = float(pipe.clip_grad_norm_(1.0))  # the same on every rank
+        if not math.isfinite(norm):
+            stages = _stages_not_finite(pipe)
+            return self._not_finite(NonFiniteGradientError(), (
+                f"the gradients of stage{'s' * (len(stages) > 1)} "
+                f"{', '.join(map(str, stages))} are not finite (norm {norm})"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,10 +313,38 @@ class _Training:
         self.step += 1
         return float(loss.item())
 
+    def _not_finite(self, error: ConveyorError, what: str) -> float:
+        """A step whose loss or gradient is not finite, before it reached the weights:
+        skipped (``--on-nonfinite skip``; its batch is consumed, nothing else moves), or
+        the run stops with ``error``, the weights of the step before saved.
+
+        Raises:
+            NonFiniteLossError, NonFiniteGradientError: ``--on-nonfinite stop``.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        failed = self.step + 1
+        if self.config.on_nonfinite == "skip":
+            self.skipped += 1
+            self.step += 1
+            if self.show:
+                print(f"step {failed} skipped: {what} ({self.skipped} skipped so far)",
+                      flush=True)
+            return math.nan
+        if self.saved != self.step:  # the weights are those of the step before: good
+            self.save()
+        kept = (f"the checkpoint of step {self.saved} in {self.out} holds them"
+                if self.saved is not None else "no checkpoint was written")
+        error.args = (f"step {failed}: {what}; the run stopped before it reached the "
+                      f"weights, which are those of step {self.step} ({kept}); "
+                      "--on-nonfinite skip skips such steps",)
+        raise error
+
     def _after_step(self, loss: float, progress: Progress) -> None:
         """Notes the step in the history and the progress; evaluates and saves when due."""
         config = self.config
         entry: dict[str, Any] = {"step": self.step, "loss": loss}
+        if math.isnan(loss):
+            entry["skipped"] = True
         if self.step % config.eval_every == 0 or self.step == config.steps:
             entry["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
             progress.write(f"step {self.step}: held-out {entry['heldout_bpb']:.3f} bits/byte "
@@ -355,6 +394,20 @@ class _Training:
                              (self.step - self.start) * config.batch * config.length)
 
 
+def _stages_not_finite(pipe: Pipeline) -> list[int]:
+    """The stages whose gradients hold a NaN or an infinity (under torchrun: every
+    rank's, agreed)."""
+    flags = torch.zeros(pipe.schedule.num_stages)
+    for index, stage in pipe.runtime.stages.items():
+        flags[index] = float(any(not bool(torch.isfinite(p.grad).all())
+                                 for p in stage.trainable_parameters() if p.grad is not None))
+    if dist.is_initialized():
+        collective.all_reduce(flags, group=None, op=dist.ReduceOp.MAX,
+                              seconds=pipe.timeouts.opening,
+                              what="the agreement on the stages of a gradient not finite")
+    return [index for index, flag in enumerate(flags.tolist()) if flag]
+
+
 def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:
     """The model, its pipeline, AdamW, and its schedule: linear warm-up, cosine decay."""
     torch.manual_seed(config.seed)
@@ -365,7 +418,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     devices=stage_devices(config), data_parallel=config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
-                    loss_fn=summed_next_byte_loss,
+                    loss_fn=summed_next_byte_loss, check_finite=True,
                     rebalance=Rebalance() if config.rebalance else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers

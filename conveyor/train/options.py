@@ -60,6 +60,9 @@ class TrainConfig:
     eval_every: int = _option(50, "steps between held-out evaluations")
     eval_batches: int = _option(8, "held-out batches per evaluation")
     save_every: int = _option(100, "steps between checkpoints")
+    on_nonfinite: str = _option("stop", "a step whose loss or gradient is NaN or infinite: "
+                                        "stop the run before it reaches the weights (exit "
+                                        "1), or skip it (counted and reported)")
     time_limit: float = _option(240.0, "seconds after which the run stops early (and saves)")
     sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
     out: str = _option("runs/default", "output directory")
@@ -69,6 +72,9 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of "
                               + ", ".join(SCHEDULES))
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}; choose stop or "
+                              "skip")
         if self.checkpoint_mode not in ("always", "except_last", "never"):
             raise ConfigError(f"unknown --checkpoint-mode {self.checkpoint_mode!r}; choose "
                               "always, except_last or never")

@@ -33,14 +33,16 @@ def write_report(out: Path, config: TrainConfig, history: list[dict[str, Any]], 
             written.append("step.png")
     except ImportError:
         print("matplotlib is not installed: no pictures (pip install 'conveyor[plots]')")
+    skipped = sum(1 for e in history if e.get("skipped"))
     summary = {"heldout_bpb": final, "unigram_bpb": unigram, "steps": history[-1]["step"],
-               "final_loss": history[-1]["loss"], "seconds": seconds,
+               "final_loss": history[-1]["loss"], "skipped_steps": skipped, "seconds": seconds,
                "tokens_per_second": tokens / seconds if seconds else 0.0,
                "bubble": timeline.mean_bubble if timeline else None,
                "config": asdict(config), "history": history, "sample": sample}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nheld-out {final:.3f} bits/byte against the unigram's {unigram:.3f}, after "
-          f"{history[-1]['step']} steps in {seconds:.0f} s")
+          f"{history[-1]['step']} steps in {seconds:.0f} s"
+          + (f" ({skipped} skipped: loss or gradient not finite)" if skipped else ""))
     print(f"wrote {out}/: {', '.join(written)}")
     print("\nsample (pipelined inference, from a held-out prompt):\n" + sample)
 

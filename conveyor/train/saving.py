@@ -3,23 +3,36 @@
 Checkpoints use the plain model's parameter names (a pipeline's state dict has exactly
 those keys), and the optimizer's state is stored by parameter name rather than by
 position, so a checkpoint written by 2 stages resumes on 4, or loads into the plain
-model. Writes are atomic: in one process a file is written beside its final name and
-moved into place; under torchrun each save is a torch.distributed.checkpoint directory
-and a ``latest`` pointer is replaced once every rank has written. A crash mid-write
-leaves the previous checkpoint as it was; a process killed mid-write also leaves its
-temporary file, which :func:`remove_temporaries` clears.
+model. A checkpoint is a directory of its own, ``checkpoint/step-00000012``, named the
+newest by the pointer ``checkpoint/latest``::
+
+    checkpoint/
+      latest                 "step-00000012", replaced in one move once all is written
+      step-00000008/         kept: the one before the newest
+      step-00000012/
+        state.pt             one process: the tensors (torch.save, read back with
+                             weights_only=True); under torchrun, torch.distributed.checkpoint
+                             files, read with a reader that unpickles nothing but its index
+        manifest.json        checksums of every file and tensor, the metadata as JSON
+
+Three promises, each kept by mechanism:
+
+* **a save loses nothing**: it is written beside the newest and becomes the newest only
+  once complete (a crash mid-write leaves the previous one as it was; a process killed
+  mid-write also leaves a temporary, which :func:`remove_temporaries` clears), and
+  retention keeps the newest two, the one ``latest`` names and the newest with finite
+  weights; a state whose weights are not finite is refused, never written;
+* **a damaged checkpoint is refused**: loading verifies the manifest, every file and
+  every tensor, and names what changed;
+* **loading runs no code**: tensors are read with ``weights_only=True``, metadata is
+  JSON, and the distributed checkpoint's index is unpickled with an allow-list.
 """
 
 from __future__ import annotations
 
-import atexit
-import io
 import os
-import pickle
 import shutil
-import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +40,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.train.errors import CheckpointError
+from conveyor.train import dcpfiles, manifest
+from conveyor.train.errors import CheckpointError, SaveError
 
 __all__ = ["CheckpointError", "exists", "load", "load_weights", "remove_temporaries", "save"]
 
-_FILE = "checkpoint.pt"
 _DIRECTORY = "checkpoint"
-# A save writes beside its final name first: ".checkpoint-<random>.tmp" in one process,
-# "checkpoint/.latest.tmp" (the pointer) under torchrun.
-_TEMPORARY = (".checkpoint-", ".tmp")
-_POINTER_TEMPORARY = ".latest.tmp"
+_STATE = "state.pt"
+_KEEP = 2  # the newest checkpoints kept (and the newest finite one, if older)
+# A save writes beside its final name first: "checkpoint/.step-<random>.tmp" in one
+# process, "checkpoint/.latest.tmp" (the pointer) under either.
+_TEMPORARY = (".step-", ".tmp")
+_LEGACY = "checkpoint.pt"  # conveyor's first format: one pickled file
 
 
 def _distributed() -> bool:
@@ -44,372 +59,206 @@ def _distributed() -> bool:
 
 
 def exists(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a checkpoint (either kind)."""
+    """Whether ``directory`` holds a checkpoint (of any format conveyor wrote)."""
     directory = Path(directory)
-    return (directory / _FILE).exists() or _latest_directory(directory) is not None
+    return _latest_directory(directory) is not None or (directory / _LEGACY).exists()
 
 
 def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict[str, Any]) -> Path:
-    """Writes a checkpoint of ``model`` and ``optimizer`` (and ``extra``) into ``directory``.
+    """Writes a checkpoint of ``model`` and ``optimizer`` (and ``extra``, plain values
+    and tensors) into ``directory``; it becomes the newest once wholly written.
 
     Returns:
-        The path of the checkpoint (a file, or under torchrun a directory).
+        The checkpoint's directory.
 
     Raises:
+        SaveError: the weights or the optimizer's state are not finite (or a buffer holds
+            NaN): nothing is written, the previous checkpoint is intact.
         OSError: the checkpoint could not be written (a full disk, ...); the previous
             one is intact, and no temporary file is left behind.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "optimizer": _optimizer_state(model, optimizer),
-             "extra": extra}
-    if not _distributed():
-        path = directory / _FILE
-        prefix, suffix = _TEMPORARY
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
-        try:
-            with os.fdopen(handle, "wb") as file:
-                torch.save(state, file)
-                file.flush()
-                os.fsync(file.fileno())  # on disk before it takes the name
-            os.replace(temporary, path)  # atomic: the old file until this very moment
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-        return path
-    import torch.distributed.checkpoint as dcp
-
     root = directory / _DIRECTORY
-    target = root / f"step-{int(extra.get('step', 0)):08d}"
-    if dist.get_rank() == 0 and target.exists() and target != _latest_directory(directory):
-        shutil.rmtree(target)  # a save of this step killed midway (at any world size)
-    try:
-        _barrier(model, "the barrier before a checkpoint's writes")
-        _bounded(lambda: dcp.save(_flatten_for_dcp(state), checkpoint_id=str(target)),
-                 model, f"the checkpoint {target.name}")
-        _barrier(model, "the barrier after a checkpoint's writes")
-    except Exception as exc:
-        _failed_save(exc, model, target.name)
-        raise
-    if dist.get_rank() == 0:
-        pointer = root / _POINTER_TEMPORARY
-        pointer.write_text(target.name)
-        os.replace(pointer, root / "latest")
-        kept = sorted(p.name for p in root.glob("step-*"))[-2:]  # the newest two
-        for old in root.glob("step-*"):
-            if old.name < target.name and old.name not in kept:
-                shutil.rmtree(old)
-    _barrier(model, "the barrier after a checkpoint's pointer")
+    root.mkdir(parents=True, exist_ok=True)
+    tensors, meta = _state(model, optimizer, extra)
+    step = int(extra.get("step", 0))
+    poisoned = manifest.not_finite(tensors, {name for name, _ in model.named_buffers()})
+    if _distributed():
+        poisoned = dcpfiles.poisoned_anywhere(poisoned, model)
+    if poisoned:
+        raise SaveError(f"refusing to save the checkpoint of step {step}: "
+                        f"{', '.join(poisoned[:3])}{' ...' if len(poisoned) > 3 else ''} "
+                        "not finite; the previous checkpoint is intact")
+    if _distributed():
+        target = dcpfiles.save(root, tensors, meta, model, step)
+    else:
+        target = _save_file(root, step, tensors, meta)
+    if not _distributed() or dist.get_rank() == 0:
+        _retain(root)
+    if _distributed():
+        dcpfiles.barrier(model, "the barrier after a checkpoint's pointer")
     return target
 
 
-def _failed_save(exc: Exception, model: nn.Module, name: str) -> None:
-    """Names the rank behind a distributed save that failed on this rank: the failure a
-    rank announced, else the rank that no longer answers (killed, frozen); this rank's
-    own error is announced for the others. A write that failed (an OSError) is left to
-    the caller.
-
-    Raises:
-        PeerFailure: another rank failed or went silent during the save.
-        ConveyorError: this rank's own error (its cause), once announced.
-    """
-    from conveyor.distributed.explain import own_report
-    from conveyor.distributed.peerfailure import first_line, reported, timed_out
-    from conveyor.errors import ConveyorError, PeerFailure
-
-    runtime = getattr(model, "runtime", None)
-    whereabouts = getattr(runtime, "whereabouts", None)
-    if whereabouts is None or _write_failure_of(exc):
-        return
-    rank, step = dist.get_rank(), runtime.transport.step  # type: ignore[union-attr]
-    notice = whereabouts.notice(step)
-    if notice is not None and notice["rank"] != rank:
-        raise reported(notice, rank, f"stopped in the checkpoint {name}") from exc
-    lost = isinstance(exc, PeerFailure) or timed_out(exc) or any(
-        word in str(exc) for word in ("Connection", "closed", "reset"))
-    if not lost:  # this rank's own error: tell the others first
-        whereabouts.announce(step, own_report(exc, rank))
-        raise ConveyorError(f"the checkpoint {name} failed on rank {rank}: "
-                            f"{type(exc).__name__}: {first_line(exc)}; the previous "
-                            "checkpoint is intact") from exc
-    snapshots = whereabouts.gather(runtime.executor.runs, 3.0, set())  # type: ignore[union-attr]
-    silent = [r for r, snapshot in snapshots.items() if snapshot is None]
-    named = (f"rank {silent[0]} did not answer (killed, frozen, or stuck outside Python)"
-             if silent else "no rank said why")
-    failure = PeerFailure(f"rank {rank} could not finish the checkpoint {name}: {named} "
-                          f"({first_line(exc)}); the previous checkpoint is intact",
-                          stage=-1, microbatch=-1, action="save")
-    failure.report = {"rank": silent[0] if silent else None, "stage": -1, "microbatch": -1,
-                      "action": "save", "silent": "closed", "error": first_line(exc)}
-    raise failure from exc
-
-
-def _write_failure_of(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed write (an OSError, or dcp's gathered errors)."""
-    if isinstance(exc, OSError):
-        return True
+def _save_file(root: Path, step: int, tensors: dict[str, Any], meta: Any) -> Path:
+    prefix, suffix = _TEMPORARY
+    temporary = Path(tempfile.mkdtemp(dir=root, prefix=prefix, suffix=suffix))
     try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:
-        return False
-    return isinstance(exc, CheckpointException)
+        with open(temporary / _STATE, "wb") as file:
+            torch.save(tensors, file)
+            file.flush()
+            os.fsync(file.fileno())  # on disk before it takes the name
+        manifest.write(temporary, step=step, finite=True, meta=meta,
+                       tensors=manifest.digests(tensors))
+        target = root / manifest.new_name(root, step)[0]
+        os.replace(temporary, target)
+        manifest.point_to(root, target.name)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary)
+    return target
 
 
-_stuck: list[threading.Thread] = []  # saves that never came back (a rank froze in one)
-
-
-def _bounded(write: Any, model: nn.Module, what: str) -> None:
-    """``write()`` (dcp's save, whose collectives wait as long as the process group's
-    timeout) on a thread, waited for at most the pipeline's opening timeout.
-
-    Raises:
-        RuntimeError: it did not end in time (a rank froze in the save).
-    """
-    timeouts = getattr(model, "timeouts", None)
-    if timeouts is None:
-        write()
-        return
-    failed: list[BaseException] = []
-
-    def run() -> None:
+def _retain(root: Path) -> None:
+    """Removes the checkpoints older than the newest that none of the rules keeps: the
+    newest ``_KEEP``, the one ``latest`` names, and the newest whose weights are finite."""
+    latest = manifest.latest(root)
+    names = sorted((p.name for p in root.glob("step-*") if p.is_dir()), key=manifest.order)
+    keep = set(names[-_KEEP:]) | {latest}
+    for name in reversed(names):
         try:
-            write()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True, name="conveyor-save")
-    thread.start()
-    thread.join(timeouts.opening)
-    if thread.is_alive():
-        _stuck.append(thread)
-        # Not a TimeoutError: that is an OSError, which a caller takes for a failed write.
-        raise RuntimeError(f"{what} timed out after {timeouts.opening:g} s")
-    if failed:
-        raise failed[0]
-
-
-@atexit.register
-def _exit_past_a_stuck_save() -> None:
-    """A save left inside gloo would come back into a finalized interpreter and abort
-    the process: end it now, with 1 (its error was printed)."""
-    if any(thread.is_alive() for thread in _stuck):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _barrier(model: nn.Module, what: str) -> None:
-    """Every process here before any goes on, waiting at most the pipeline's opening
-    timeout (a rank killed or frozen in a save is named, not waited for 30 minutes)."""
-    timeouts = getattr(model, "timeouts", None)
-    if timeouts is None:
-        dist.barrier()
-        return
-    from conveyor.distributed import collective
-
-    collective.all_reduce(torch.zeros(1), group=None, what=what, seconds=timeouts.opening)
+            if manifest.read(root / name)["finite"]:
+                keep.add(name)
+                break
+        except CheckpointError:
+            continue
+    newest = manifest.order(latest) if latest else None
+    for name in names:
+        if name not in keep and (newest is None or manifest.order(name) < newest):
+            shutil.rmtree(root / name, ignore_errors=True)
 
 
 def remove_temporaries(directory: str | Path) -> list[Path]:
-    """Removes the temporary files that saves into ``directory`` killed midway left
-    behind (a crash or an error removes its own). Call it only while no save into
-    ``directory`` runs: it would take that save's file away.
+    """Removes what saves into ``directory`` killed midway left behind (a crash or an
+    error removes its own). Call it only while no save into ``directory`` runs: it
+    would take that save's files away.
 
     Returns:
-        The files removed, sorted.
+        The files and directories removed, sorted.
     """
-    directory = Path(directory)
+    root = Path(directory) / _DIRECTORY
     prefix, suffix = _TEMPORARY
-    stale = sorted([*directory.glob(f"{prefix}*{suffix}"),
-                    *directory.glob(f"{_DIRECTORY}/{_POINTER_TEMPORARY}")])
+    stale = sorted([*root.glob(f"{prefix}*{suffix}"), *root.glob(manifest.POINTER_TEMPORARY)])
+    latest = _latest_directory(Path(directory))
+    stale += sorted(p for p in root.glob("step-*") if p.is_dir() and p != latest
+                    and not (p / manifest.MANIFEST).exists())  # a save killed before its end
     for path in stale:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return stale
 
 
 def load(directory: str | Path, *, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Loads the latest checkpoint in ``directory`` into ``model`` (and ``optimizer``).
+    """Loads the newest checkpoint in ``directory`` into ``model`` (and ``optimizer``),
+    verified against its manifest.
 
     Returns:
         The ``extra`` that was saved with it.
 
     Raises:
-        CheckpointError: there is none, it cannot be read, or it does not fit the model.
+        CheckpointError: there is none, it is damaged (naming the file and tensor), it
+            cannot be read, or it does not fit the model.
     """
-    directory = Path(directory)
+    target, found = _verified_latest(Path(directory))
+    meta = manifest.from_json(found["meta"])
     if _distributed():
-        state = _load_dcp(directory, model, optimizer)
+        tensors, values = dcpfiles.load(target, found, model, optimizer)
+        meta["optimizer"]["values"] = values
     else:
-        path, state = _read_file(directory)
-        _check_fits({k: v.shape for k, v in state["model"].items()}, model, path,
-                    partial=False)
-    model.load_state_dict(state["model"])
+        tensors = _read_verified(target, found)
+        manifest.check_fits({k: v.shape for k, v in tensors["model"].items()}, model, target,
+                            partial=False)
+    model.load_state_dict(tensors["model"])
     if optimizer is not None:
-        _load_optimizer_state(model, optimizer, state["optimizer"])
-    return dict(state.get("extra", {}))
+        _load_optimizer_state(model, optimizer, tensors.get("optimizer", {}), meta["optimizer"])
+    return dict(meta["extra"])
 
 
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of a checkpoint (either kind) by plain-model name, for any model."""
-    directory = Path(directory)
+    """The weights of the newest checkpoint (either kind) by plain-model name, verified,
+    for any model."""
+    target, found = _verified_latest(Path(directory))
+    if (target / _STATE).exists():
+        weights: dict[str, torch.Tensor] = _read_verified(target, found)["model"]
+        return weights
+    return dcpfiles.load_weights(target, found)
+
+
+def _verified_latest(directory: Path) -> tuple[Path, dict[str, Any]]:
     target = _latest_directory(directory)
-    if target is not None:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as scratch:
-            converted = Path(scratch) / "weights.pt"
-            dcp_to_torch_save(str(target), str(converted))
-            saved = torch.load(converted, map_location="cpu", weights_only=False)
-        if isinstance(saved.get("model"), dict):
-            return dict(saved["model"])
-        # Older torch versions leave the keys flattened as "model.<name>".
-        return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-    weights: dict[str, torch.Tensor] = _read_file(directory)[1]["model"]
-    return weights
+    if target is None:
+        if (directory / _LEGACY).exists():
+            manifest.read(directory)  # raises: the first format, which has none
+        raise CheckpointError(f"no checkpoint in {directory}")
+    if not target.exists():
+        raise CheckpointError(f"the checkpoint {target} that {directory / _DIRECTORY} / "
+                              "latest names is missing")
+    return target, manifest.read(target)
 
 
-def _read_file(directory: Path) -> tuple[Path, dict[str, Any]]:
-    """The single-process checkpoint in ``directory`` (or at that path), checked."""
-    path = directory / _FILE if directory.is_dir() else directory
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
+def _read_verified(target: Path, found: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a one-process checkpoint, every file and tensor verified."""
+    damaged = manifest.check_files(target, found)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        tensors = torch.load(target / _STATE, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read the checkpoint {path}: "
-                              f"{_first_line(exc)}") from exc
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{path} is not a conveyor checkpoint (it has no 'model' "
-                              "entry); saving.save writes them")
-    return path, state
+        if damaged:
+            manifest.check_tensors(target, {}, found["tensors"], damaged)
+        raise CheckpointError(f"cannot read the checkpoint {target / _STATE}: "
+                              f"{manifest.first_line(exc)}") from exc
+    manifest.check_tensors(target, tensors, found["tensors"], damaged)
+    return dict(tensors)
 
 
 def _latest_directory(directory: Path) -> Path | None:
-    """The newest complete torch.distributed.checkpoint save in ``directory``, if any."""
-    pointer = directory / _DIRECTORY / "latest"
-    return directory / _DIRECTORY / pointer.read_text().strip() if pointer.exists() else None
+    """The newest complete checkpoint in ``directory``, if any."""
+    name = manifest.latest(directory / _DIRECTORY)
+    return directory / _DIRECTORY / name if name else None
 
 
-# -- optimizer state by parameter name ---------------------------------------------
+# -- the state, and optimizer state by parameter name --------------------------------
 
-def _aliases(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Every name of each of the optimizer's parameters, in its order: a tied one (the
-    plain model's shared embedding and head) has several, which a pipeline holds as
-    separate copies."""
-    names: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    order = _aliases(model, optimizer)
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
+           extra: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """What a checkpoint holds: the tensors (the model's, the optimizer's by parameter
+    name) and the rest as JSON data (``extra``, the optimizer's hyper-parameters and its
+    values that are not tensors)."""
+    order = manifest.aliases(model, optimizer)
     saved = optimizer.state_dict()
-    return {
-        "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
-                          "params": [order[i][0] for i in group["params"]]}
-                         for group in saved["param_groups"]],
-        "state": {name: value for i, value in saved["state"].items() for name in order[i]},
-    }
+    values = {name: {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+              for index, state in saved["state"].items() for name in order[index]}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [order[i][0] for i in group["params"]]}
+              for group in saved["param_groups"]]
+    meta = manifest.to_json({"extra": extra,
+                             "optimizer": {"param_groups": groups, "values": values}})
+    return {"model": model.state_dict(),
+            "optimizer": manifest.optimizer_tensors(model, optimizer)}, meta
 
 
 def _load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          tensors: dict[str, dict[str, torch.Tensor]],
                           saved: dict[str, Any]) -> None:
     current = optimizer.state_dict()
     state = {}
-    for index, aliases in enumerate(_aliases(model, optimizer)):
-        found = [saved["state"][name] for name in aliases if name in saved["state"]]
+    for index, aliases in enumerate(manifest.aliases(model, optimizer)):
+        found = [name for name in aliases if name in tensors or name in saved["values"]]
         if found:
-            state[index] = found[0]
+            state[index] = {**saved["values"].get(found[0], {}), **tensors.get(found[0], {})}
     groups = [{**saved_group, "params": group["params"]}
               for saved_group, group in zip(saved["param_groups"], current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-# -- torch.distributed.checkpoint ----------------------------------------------------
-
-def _flatten_for_dcp(state: dict[str, Any]) -> dict[str, Any]:
-    """DCP reads back only the keys a template already has: tensors go by name, the rest
-    (hyperparameters, step, random state) in one pickled blob, the same on every rank."""
-    blob = io.BytesIO(pickle.dumps({"extra": state["extra"],
-                                    "param_groups": state["optimizer"]["param_groups"]}))
-    return {"model": state["model"], "optimizer_state": state["optimizer"]["state"],
-            "meta": blob}
-
-
-def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Creates the optimizer's state (moments, steps) so that loading has a template:
-    one step on zero gradients at zero learning rate, which changes no weight."""
-    rates = [group["lr"] for group in optimizer.param_groups]
-    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p, _ in grads:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, rate in zip(optimizer.param_groups, rates):
-        group["lr"] = rate
-    for p, grad in grads:
-        p.grad = grad
-
-
-def _load_dcp(directory: Path, model: nn.Module,
-              optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
-    target = _latest_directory(directory)
-    if target is None:
-        raise CheckpointError(f"no checkpoint at {directory / _DIRECTORY}")
-    try:
-        saved = dcp.FileSystemReader(str(target)).read_metadata().state_dict_metadata
-    except Exception as exc:
-        raise CheckpointError(f"cannot read the checkpoint {target}: "
-                              f"{_first_line(exc)}") from exc
-    # Each rank holds only its stages' weights: it checks those (the same files for all
-    # ranks, so they all raise or none does, and no rank waits in dcp.load alone).
-    _check_fits({k[len("model."):]: v.size for k, v in saved.items()
-                 if k.startswith("model.") and hasattr(v, "size")}, model, target, partial=True)
-    template: dict[str, Any] = {"model": model.state_dict(), "meta": io.BytesIO()}
-    if optimizer is not None:
-        if not optimizer.state:
-            _materialize_optimizer_state(model, optimizer)
-        template["optimizer_state"] = _optimizer_state(model, optimizer)["state"]
-    try:
-        dcp.load(template, checkpoint_id=str(target))
-    except (Exception, dcp.api.CheckpointException) as exc:  # the latter is a BaseException
-        raise CheckpointError(f"cannot load the checkpoint {target}: "
-                              f"{_first_line(exc)}") from exc
-    template["meta"].seek(0)
-    meta = pickle.load(template["meta"])
-    return {"model": template["model"], "extra": meta["extra"],
-            "optimizer": {"state": template.get("optimizer_state", {}),
-                          "param_groups": meta["param_groups"]}}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _check_fits(saved: dict[str, torch.Size], model: nn.Module, where: Path, *,
-                partial: bool) -> None:
-    """Raises CheckpointError naming the weights that ``model`` lacks, has in another
-    shape, or (unless the model holds only some stages) that it does not have."""
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    problems = [f"{name} is {tuple(saved[name])} in the checkpoint but {tuple(shape)} here"
-                for name, shape in expected.items()
-                if name in saved and saved[name] != shape]
-    missing = [name for name in expected if name not in saved]
-    unexpected = [] if partial else [name for name in saved if name not in expected]
-    if missing:
-        problems.append(f"{len(missing)} weights missing ({', '.join(missing[:3])}...)")
-    if unexpected:
-        problems.append(f"{len(unexpected)} weights it does not have "
-                        f"({', '.join(unexpected[:3])}...)")
-    if problems:
-        shown = "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3
-                                           else "")
-        raise CheckpointError(f"the checkpoint {where} does not fit this model: {shown}; "
-                              "was it written for a model of another size?")

@@ -31,7 +31,7 @@ from torch import nn
 import conveyor
 from conveyor.distributed import collective
 from conveyor.engine.watchdog import deadline
-from conveyor.train import saving
+from conveyor.train import dcpfiles, saving
 from conveyor.train.language import summed_next_byte_loss
 from conveyor.train.models import transformer_lm
 
@@ -149,14 +149,14 @@ def run_pipeline(case: dict[str, Any], rank: int, world: int, out: Path,
         pipe.zero_grad()
         record["steps"].append(float(loss))
         if plant.step == 2 and case["phase"] == "save":
-            original = saving._flatten_for_dcp
+            original = dcpfiles._write
 
-            def flatten(state: dict[str, Any]) -> dict[str, Any]:
+            def write(tensors: dict[str, Any], target: Path) -> None:
                 if rank == case["rank"]:
                     plant.fire("save")
-                return original(state)
+                original(tensors, target)
 
-            saving._flatten_for_dcp = flatten  # type: ignore[assignment]
+            dcpfiles._write = write  # type: ignore[assignment]
             saving.save(out / "run", model=pipe, optimizer=optimizer, extra={"step": 2})
 
 
@@ -183,14 +183,14 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
         return summed_next_byte_loss(logits, targets)
 
     loop.summed_next_byte_loss = loss_fn  # type: ignore[assignment]
-    original = saving._flatten_for_dcp
+    original = dcpfiles._write
 
-    def flatten(state: dict[str, Any]) -> dict[str, Any]:
+    def write(tensors: dict[str, Any], target: Path) -> None:
         if case["where"] == "save" and plant.step == plant.fault_step and rank == case["rank"]:
             plant.fire("save")
-        return original(state)
+        original(tensors, target)
 
-    saving._flatten_for_dcp = flatten  # type: ignore[assignment]
+    dcpfiles._write = write  # type: ignore[assignment]
     code = main(["train", *TINY, "--steps", "5", "--save-every", "1", "--eval-every", "5",
                  "--sample-bytes", "0", "--out", str(out / "run")])
     if code != 0:

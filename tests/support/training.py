@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conveyor.cli import main
+from conveyor.train import manifest
 
 # T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds. No
 # warm-up: the full learning rate from the first step, so that a few steps learn.
@@ -22,9 +23,19 @@ def train(out: Path, *flags: str) -> int:
     return main(["train", *TINY, "--out", str(out), *flags])
 
 
+def latest_checkpoint(out: Path) -> Path:
+    """The directory of the newest checkpoint in ``out``."""
+    return out / "checkpoint" / (out / "checkpoint" / "latest").read_text().strip()
+
+
 def checkpoint_state(out: Path) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(out / "checkpoint.pt", weights_only=False)
-    return state
+    """The newest one-process checkpoint in ``out``: its weights, its optimizer's tensors
+    by parameter name, and its ``extra`` (the step, the history, the random state)."""
+    target = latest_checkpoint(out)
+    found = manifest.read(target)
+    tensors = torch.load(target / "state.pt", weights_only=True)
+    return {"model": tensors["model"], "optimizer": tensors["optimizer"],
+            "extra": manifest.from_json(found["meta"])["extra"]}
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
