@@ -287,16 +287,21 @@ def test_a_recomputation_failing_in_an_input_gradient_names_that_action() -> Non
     assert caught.value.action == "1I0"
 
 
-def test_inplace_past_a_stage_s_first_layer_on_its_input_explains_the_fix() -> None:
-    # The first layer may write into the stage's input (the stage copies it; see
-    # test_bugs); a later layer writing into it, passed on unchanged, cannot.
-    model = nn.Sequential(nn.Linear(3, 3), nn.Identity(), nn.ReLU(inplace=True),
-                          nn.Linear(3, 3))
+class FirstColumns(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :2]
+
+
+def test_an_inplace_write_into_a_view_of_a_stage_s_input_explains_the_fix() -> None:
+    # A layer may write into the stage's input itself (the stage copies it; see
+    # test_side_effects); into a view of it, it cannot.
+    model = nn.Sequential(nn.Linear(3, 3), FirstColumns(), nn.ReLU(inplace=True),
+                          nn.Linear(2, 3))
     pipe = conveyor.GPipe(model, [1, 3], devices=["cpu"] * 2, chunks=2)
     with pytest.raises(conveyor.StageError,
                        match=r"stage 1, layer 2 \(ReLU\) failed on micro-batch 0 \(1F0\)"
-                             r"(.|\n)*layer 2 cannot; use inplace=False for it or move the "
-                             r"stage boundary to it"):
+                             r"(.|\n)*layer 2 writes into a view of it; use inplace=False for "
+                             r"it or move the stage boundary to it"):
         pipe(torch.randn(4, 3))
 
 

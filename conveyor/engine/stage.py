@@ -92,8 +92,8 @@ class Stage:
         # A traced stage: its values go to the stages that use them, not all to the next.
         self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], WholeStage) \
             else None
-        #: whether the stage works on a copy of its input: its first layer writes into
-        #: it in place (found on the first micro-batch that does).
+        #: whether the stage works on a copy of its input: a layer writes into it in
+        #: place (found on the first micro-batch that does).
         self.copies_input = False
         #: fused weight gradients in ``B`` (:meth:`fuse_accumulation`), or None.
         self.accumulator: FusedAccumulation | None = None
@@ -185,28 +185,31 @@ class Stage:
 
     def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
         rows = batch_rows(x)
-        received = x
         if self.copies_input:
             x = _copied_leaves(x)
+        received = {id(t) for t in pytree.tree_leaves(x)
+                    if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
         for offset, layer in enumerate(self.layers):
             try:
                 x = self._call_layer(layer, offset, x, microbatch, step_seed)
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
-                if offset == 0 and self.index > 0 and not self.copies_input \
-                        and _writes_into_leaf(exc):
-                    # The stage's first layer writes into its input, which arrives as a
-                    # leaf that requires grad: from now on the stage works on a copy of
-                    # it, as the plain model's layer writes into the one before's output.
-                    self.copies_input = True
-                    _log.debug("stage %d writes into its input in place; it copies it "
-                               "from now on", self.index)
-                    return self._run_layers_checked(received, microbatch, step_seed)
-                error = self._layer_error(exc, offset, microbatch)
-                if error is exc:
-                    raise
-                raise error from exc
+                if not (self.index > 0 and _writes_into_leaf(exc) and any(
+                        id(t) in received for t in pytree.tree_leaves(x))):
+                    error = self._layer_error(exc, offset, microbatch)
+                    if error is exc:
+                        raise
+                    raise error from exc
+                # A layer writes into the stage's input (handed on unchanged by the layers
+                # before it), which arrives as a leaf that requires grad: from now on the
+                # stage works on a copy of it, as the plain model's layer writes into the
+                # one before's output. The layer runs again on the copy.
+                self.copies_input = True
+                _log.debug("stage %d, layer %d writes into the stage's input in place; the "
+                           "stage copies its input from now on", self.index,
+                           self.first_layer + offset)
+                x = self._call_layer(layer, offset, _copied_leaves(x), microbatch, step_seed)
             if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
                 self._check_output(x, rows, offset, microbatch)
         return x
@@ -236,9 +239,9 @@ class Stage:
         if _writes_into_leaf(exc):
             hint = (
                 f"\nhint: the stage receives its input as a leaf tensor that requires grad; "
-                f"its first layer may write into it (the stage then works on a copy), but "
-                f"layer {self.first_layer + offset} cannot; use inplace=False for it or "
-                "move the stage boundary to it"
+                f"a layer may write into that input (the stage then works on a copy), but "
+                f"layer {self.first_layer + offset} writes into a view of it; use "
+                "inplace=False for it or move the stage boundary to it"
             )
         return failure(
             exc,
