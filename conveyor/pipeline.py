@@ -49,7 +49,7 @@ from conveyor.engine.microbatch import (
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import ConfigError, ConveyorError
+from conveyor.errors import ConveyorError
 from conveyor.graph.layout import (
     adopt,
     cut,

@@ -227,14 +227,14 @@ def test_the_report_marks_each_rank_on_the_clock() -> None:
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
 def test_conveyor_train_installs_where_on_usr1_while_it_trains() -> None:
-    from conveyor.train.loop import _where_on_usr1
+    from conveyor.train.stopping import where_on_usr1
 
     gate = Gate()
     pipe = pipeline(gate)
     pipe.step(*batch())
     before = signal.getsignal(signal.SIGUSR1)
     printed = io.StringIO()
-    with _where_on_usr1(pipe):
+    with where_on_usr1(pipe):
         with contextlib.redirect_stderr(printed):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.2)

@@ -14,7 +14,7 @@ most ``seconds`` (a rank that never comes is named, not waited for 30 minutes).
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,8 +47,10 @@ def schedule_of(schedule: Any) -> str:
     return f"a table ({hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]})"
 
 
-def agree(options: Mapping[str, Any], *, seconds: float = OPENING) -> None:
-    """Checks that every process of the job was given the same ``options``.
+def agree(options: Mapping[str, Any], *, seconds: float = OPENING,
+          what: str = "pipelines") -> None:
+    """Checks that every process of the job was given the same ``options`` (plain
+    values: they cross as JSON).
 
     A collective over the default process group: every process calls it once, when it
     builds its pipeline, and waits at most ``seconds`` for the others (start-up's
@@ -62,11 +64,12 @@ def agree(options: Mapping[str, Any], *, seconds: float = OPENING) -> None:
         PeerFailure: the job's store stopped answering (its host, rank 0 under env://,
             froze or died), naming the host.
     """
-    gathered = _exchange(dict(options), seconds)
+    mine = json.loads(json.dumps(dict(options)))  # as the others' come back
+    gathered = _exchange(mine, seconds)
     differences = [_describe(key, [ranked.get(key) for ranked in gathered])
-                   for key in options if any(r.get(key) != options[key] for r in gathered)]
+                   for key in mine if any(r.get(key) != mine[key] for r in gathered)]
     if differences:
-        raise ConfigError("the ranks were started with different pipelines: "
+        raise ConfigError(f"the ranks were started with different {what}: "
                           + "; ".join(differences)
                           + ". Start every rank with the same options and model")
 
@@ -84,7 +87,7 @@ def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
     prefix = f"conveyor/agree/{_agreements}"
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
-        store.set(keys[rank], pickle.dumps(options))
+        store.set(keys[rank], json.dumps(options).encode())
         end = time.monotonic() + seconds
         while not store.check(keys):
             if time.monotonic() > end:
@@ -94,7 +97,7 @@ def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
                     f"with the other ranks', but {_ranks(missing)} never came (failed before "
                     "building its pipeline, froze, or was started with another world size)")
             time.sleep(0.05)
-        return [pickle.loads(store.get(key)) for key in keys]
+        return [json.loads(store.get(key)) for key in keys]
     except (StoreSilent, StoreGone) as exc:  # its host froze or died: a lost peer
         failure = PeerFailure(f"rank {rank} could not compare its pipeline's options with "
                               f"the other ranks': {exc}", stage=-1, microbatch=-1,

@@ -42,7 +42,7 @@ def _tie_group(stages: Sequence[int], stage_ranks: Sequence[int], topology: Topo
     mine = None
     for replica in range(topology.data_size):
         members = [k * topology.data_size + replica for k in pipeline_ranks]
-        group = dist.new_group(members)
+        group = topology.new_group(members)
         if replica == topology.data_rank and topology.pipeline_rank in pipeline_ranks:
             mine = group
     return mine

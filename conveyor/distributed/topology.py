@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ class Topology:
         device: the device this process computes on (None in one process).
         mesh: the (pipeline, data) DeviceMesh (None in one process); FSDP shards
             over its "data" dimension.
+        timeout: the seconds any collective of a group made for the pipeline may wait
+            inside the backend (the pipeline's opening timeout), so that no teardown
+            after a fault waits for torch's default of 30 minutes.
     """
 
     pipeline_size: int
@@ -49,6 +53,12 @@ class Topology:
     data_group: Any = None
     device: torch.device | None = None
     mesh: Any = None
+    timeout: float | None = None
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """``dist.new_group(ranks)`` bounded by the pipeline's timeout."""
+        timeout = None if self.timeout is None else datetime.timedelta(seconds=self.timeout)
+        return dist.new_group(list(ranks), timeout=timeout)
 
     @property
     def distributed(self) -> bool:
@@ -85,7 +95,7 @@ class Topology:
                 f"{stages * data_parallel} processes or pass stages={size}"
             )
         device = _process_device()
-        mesh = _mesh(size, data_parallel, device)
+        mesh = _mesh(size, data_parallel, device, timeout)
         return cls(
             pipeline_size=size,
             data_size=data_parallel,
@@ -96,6 +106,7 @@ class Topology:
             data_group=mesh.get_group("data"),
             device=device,
             mesh=mesh,
+            timeout=timeout,
         )
 
 
@@ -107,7 +118,14 @@ def _process_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _mesh(pipeline: int, data: int, device: torch.device) -> Any:
+def _mesh(pipeline: int, data: int, device: torch.device, timeout: float) -> Any:
+    """The (pipeline, data) DeviceMesh, its groups bounded by ``timeout``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"))
+    backend = dist.get_backend()
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
+    options._timeout = datetime.timedelta(seconds=timeout)
+    return init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"),
+                            backend_override={"pipeline": (backend, options),
+                                              "data": (backend, options)})

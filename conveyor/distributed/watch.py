@@ -87,22 +87,53 @@ def _shut_down_cleanly() -> None:
     active exception", exit -6) after its error was printed. So the group is destroyed
     here, while the interpreter still runs. If a receive is still inside gloo (a peer
     froze or died), destroying would wait for it: the process ends at once instead, with
-    1 if an error is on its way out (else 0), its output flushed.
+    the code its command returned (:func:`end_process_group`), else 1 if an error is on
+    its way out (else 0), its output flushed.
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    if any(watcher.pending() for watcher in list(_watchers)):
+    if _stuck_teardowns or (dist.is_available() and dist.is_initialized() and any(
+            watcher.pending() for watcher in list(_watchers))):
         failed = getattr(sys, "last_value", None) is not None
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if failed else 0)
+        os._exit(_exit_code if _exit_code is not None else 1 if failed else 0)
+    if not dist.is_available() or not dist.is_initialized():
+        return
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway; the error that matters is printed
         pass
+
+
+def end_process_group(code: int, seconds: float = 10.0) -> None:
+    """Destroys the process group, waiting at most ``seconds`` for it, on the way out
+    of a command that exits with ``code``.
+
+    After a fault, work may still be inside the backend (a collective a frozen rank
+    never joined): destroying the group would wait for it as long as its timeout. Then
+    the group is left to :func:`_shut_down_cleanly`, which ends the process at exit
+    with ``code`` without waiting; otherwise it is destroyed on a thread, waited for
+    ``seconds``."""
+    import torch.distributed as dist
+
+    global _exit_code
+    _exit_code = code
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if any(watcher.pending() for watcher in list(_watchers)):
+        return
+    ending = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                              name="conveyor-teardown")
+    ending.start()
+    ending.join(seconds)
+    if ending.is_alive():  # stuck inside the backend: end the process at exit
+        _stuck_teardowns.append(ending)
+
+
+_stuck_teardowns: list[threading.Thread] = []
+_exit_code: int | None = None  # what the command ending the process returns, if known
 
 
 class Watcher:

@@ -26,7 +26,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from conveyor.engine.sideeffects import ModuleState, SideEffects

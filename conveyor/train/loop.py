@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.watchdog.deadline import OPENING
-from conveyor.distributed import collective
+from conveyor.distributed.agreement import agree as agree_options
+from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
 from conveyor.observe.rebalance_policy import Rebalance
 from conveyor.observe.recording import record
 from conveyor.observe.trace import Timeline
-from conveyor.observe.where import report_on_signal
 from conveyor.pipeline import Pipeline
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step
@@ -47,9 +44,9 @@ from conveyor.train.language import evaluate, generate, summed_next_byte_loss
 from conveyor.train.models import transformer_lm
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
 from conveyor.train.outdir import RunLock, check_usable, writing
-from conveyor.train.progress import Progress
+from conveyor.train.progress import Progress, verbose
 from conveyor.train.report import write_report
-from conveyor.train.stopping import StopSignals, agree
+from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where_on_usr1
 
 __all__: list[str] = []
 
@@ -57,10 +54,21 @@ __all__: list[str] = []
 def train_command(args: argparse.Namespace) -> int:
     """``conveyor train``: errors end it with one line on stderr and a non-zero code: 2
     for options or an ``--out`` that cannot be used (nothing written), 1 for a failure
-    on the way (a stage, a peer, a save that the disk refused)."""
+    on the way (a stage, a peer, a save that the disk refused). Under torchrun the
+    process group's teardown is bounded: a collective left inside the backend by a
+    frozen rank does not hold the exit."""
+    code = 1
+    try:
+        code = _run_command(args)
+    finally:
+        end_process_group(code)
+    return code
+
+
+def _run_command(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
-        with _verbose(getattr(args, "verbose", False)):
+        with verbose(getattr(args, "verbose", False)):
             return run(from_arguments(args), resume=args.resume,
                        check=getattr(args, "check", False))
     except (ConfigError, saving.CheckpointError) as exc:
@@ -74,47 +82,6 @@ def train_command(args: argparse.Namespace) -> int:
         if report:
             print(report, file=sys.stderr)
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _where_on_usr1(pipe: Pipeline) -> Iterator[None]:
-    """``kill -USR1 <pid>`` prints where the ranks of this process are in their step."""
-    if (not hasattr(signal, "SIGUSR1")
-            or threading.current_thread() is not threading.main_thread()):
-        yield
-        return
-    previous = report_on_signal(pipe)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-
-
-@contextlib.contextmanager
-def _verbose(enabled: bool) -> Iterator[None]:
-    """With ``--verbose``: the ``conveyor`` logger at DEBUG, printing to stderr, while the
-    command runs (``logging.basicConfig`` for that logger alone). Under torchrun each
-    line starts with the process's rank; the messages name the pipeline rank."""
-    if not enabled:
-        yield
-        return
-    logger = logging.getLogger("conveyor")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    process = f"process {os.environ.get('RANK', '0')} " if world > 1 else ""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s.%(msecs)03d {process}%(name)s: %(message)s", datefmt="%H:%M:%S"))
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
 
 
 def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False) -> int:
@@ -130,8 +97,9 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     process at once, under torchrun by rank 0 once every process has joined.
 
     Raises:
-        ConfigError: the options or ``--out`` do not allow the run, or another run holds
-            ``--out`` (nothing is written).
+        ConfigError: the options or ``--out`` do not allow the run, another run holds
+            ``--out`` (nothing is written), or under torchrun the processes were given
+            different options (each is named with its values).
         CheckpointError: resuming, the checkpoint cannot be read or does not fit.
         SaveError: a checkpoint or the summary could not be written (a full disk).
         ConveyorError: with ``check``, the pipeline differs from the plain model.
@@ -139,6 +107,9 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     config.check()
     check_usable(Path(config.out))
     join_world(stages=config.stages, data_parallel=config.data_parallel, timeout=OPENING)
+    if dist.is_initialized():  # every option that shapes the run, before any work
+        agree_options({**asdict(config), "resume": resume, "check": check}, seconds=OPENING,
+                      what="options")
     if resume == RESUME_AUTO:
         resume = saving.exists(config.out)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
@@ -158,7 +129,7 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
             check_first_step(config)
         training = _Training.set_up(config, resume=bool(resume), lock=lock)
         training.announce()
-        with StopSignals() as signals, _where_on_usr1(training.pipe):
+        with StopSignals() as signals, where_on_usr1(training.pipe):
             stopped_by = training.train(signals)
         if stopped_by:
             return training.stop(stopped_by)
@@ -299,7 +270,7 @@ class _Training:
             return self._not_finite(exc, str(exc).split(";")[0])
         norm = float(pipe.clip_grad_norm_(1.0))  # the same on every rank
         if not math.isfinite(norm):
-            stages = _stages_not_finite(pipe)
+            stages = stages_not_finite(pipe)
             return self._not_finite(NonFiniteGradientError(), (
                 f"the gradients of stage{'s' * (len(stages) > 1)} "
                 f"{', '.join(map(str, stages))} are not finite (norm {norm})"))
@@ -392,20 +363,6 @@ class _Training:
                 write_report(self.out, config, self.history, self.unigram, self.timeline,
                              sample, time.monotonic() - self.began,
                              (self.step - self.start) * config.batch * config.length)
-
-
-def _stages_not_finite(pipe: Pipeline) -> list[int]:
-    """The stages whose gradients hold a NaN or an infinity (under torchrun: every
-    rank's, agreed)."""
-    flags = torch.zeros(pipe.schedule.num_stages)
-    for index, stage in pipe.runtime.stages.items():
-        flags[index] = float(any(not bool(torch.isfinite(p.grad).all())
-                                 for p in stage.trainable_parameters() if p.grad is not None))
-    if dist.is_initialized():
-        collective.all_reduce(flags, group=None, op=dist.ReduceOp.MAX,
-                              seconds=pipe.timeouts.opening,
-                              what="the agreement on the stages of a gradient not finite")
-    return [index for index, flag in enumerate(flags.tolist()) if flag]
 
 
 def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:

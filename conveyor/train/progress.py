@@ -1,9 +1,14 @@
-"""How ``conveyor train`` shows its progress: a bar on a terminal, lines in a log."""
+"""How ``conveyor train`` shows its progress: a bar on a terminal, lines in a log, and
+with ``--verbose`` every action of the pipeline."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sys
 import time
+from collections.abc import Iterator
 
 __all__: list[str] = []
 
@@ -47,3 +52,27 @@ class Progress:
         """Ends the bar, if there is one."""
         if self.bar is not None:
             self.bar.close()
+
+
+@contextlib.contextmanager
+def verbose(enabled: bool) -> Iterator[None]:
+    """With ``--verbose``: the ``conveyor`` logger at DEBUG, printing to stderr, while the
+    command runs (``logging.basicConfig`` for that logger alone). Under torchrun each
+    line starts with the process's rank; the messages name the pipeline rank."""
+    if not enabled:
+        yield
+        return
+    logger = logging.getLogger("conveyor")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    process = f"process {os.environ.get('RANK', '0')} " if world > 1 else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s.%(msecs)03d {process}%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

@@ -1,16 +1,20 @@
 """Stopping ``conveyor train`` cleanly: a signal ends the run after the step in flight,
-at the same step on every rank."""
+at the same step on every rank; a step whose gradients are not finite names its stages;
+``kill -USR1`` shows where the ranks are."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from conveyor.distributed import collective
+from conveyor.observe.where import report_on_signal
 from conveyor.pipeline import Pipeline
 
 __all__: list[str] = []
@@ -53,3 +57,31 @@ def agree(pipe: Pipeline, *values: int) -> tuple[int, ...]:
     collective.all_reduce(flags, group=None, op=dist.ReduceOp.MAX, seconds=pipe.timeouts.opening,
                           what="the ranks' agreement to stop (a signal, the time limit)")
     return tuple(int(v) for v in flags.tolist())
+
+
+@contextlib.contextmanager
+def where_on_usr1(pipe: Pipeline) -> Iterator[None]:
+    """``kill -USR1 <pid>`` prints where the ranks of this process are in their step."""
+    if (not hasattr(signal, "SIGUSR1")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    previous = report_on_signal(pipe)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def stages_not_finite(pipe: Pipeline) -> list[int]:
+    """The stages whose gradients hold a NaN or an infinity (under torchrun: every
+    rank's, agreed)."""
+    flags = torch.zeros(pipe.schedule.num_stages)
+    for index, stage in pipe.runtime.stages.items():
+        flags[index] = float(any(not bool(torch.isfinite(p.grad).all())
+                                 for p in stage.trainable_parameters() if p.grad is not None))
+    if dist.is_initialized():
+        collective.all_reduce(flags, group=None, op=dist.ReduceOp.MAX,
+                              seconds=pipe.timeouts.opening,
+                              what="the agreement on the stages of a gradient not finite")
+    return [index for index, flag in enumerate(flags.tolist()) if flag]
