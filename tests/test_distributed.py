@@ -202,6 +202,24 @@ def test_a_rank_raising_stops_every_rank(tmp_path: Path, world: int) -> None:
         assert count["after_failure"] <= world - rank, (rank, counts)
 
 
+def test_a_pipeline_steps_again_after_a_failed_step_and_so_does_a_new_one(
+        tmp_path: Path) -> None:
+    # Before: when rank 0 failed first, the stale abort report of rank 1 made rank 0
+    # wait for rank 1's next message before sending its own, and the next step of the
+    # same pipeline timed out on both ranks (a deadlock, then a closed connection).
+    outcome = launch("pipeline_after_failure", 2, tmp_path, timeout=240, launcher="env")
+    assert outcome.returncodes == [0, 0], "\n".join(o[-2000:] for o in outcome.outputs)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for how in ("forward0", "forward", "backward", "loss", "tied"):
+        for rank, result in enumerate(results):
+            steps = result[how]
+            assert isinstance(steps["0.0"], str) and "once" in steps["0.0"], (how, rank, steps)
+            for later in ("0.1", "1.0", "1.1"):
+                assert isinstance(steps[later], float), (how, rank, later, steps)
+        # Every rank reports the step's one loss; a new pipeline starts over the same.
+        assert results[0][how]["0.1"] == results[1][how]["0.1"] == results[0][how]["1.1"]
+
+
 def test_mismatched_shapes_stop_every_rank_naming_the_stage(tmp_path: Path) -> None:
     outcome = launch("fault_shape", 2, tmp_path, timeout=120)
     failing = r"stage 1, layer 3 \(Linear\) failed on micro-batch 0 \(1F0\): RuntimeError: mat1"

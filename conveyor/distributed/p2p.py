@@ -291,10 +291,9 @@ class P2PTransport:
         this rank raises. ``stopped`` says, in that failure's message, where this rank
         stopped (by default waiting for ``what``, or before its next action).
         """
-        if stopped is None:
-            stopped = (f"stopped waiting for {what}" if wait
-                       else "stopped before its next action")
-        message = self._incoming.get(peer)
+        stopped = stopped or (f"stopped waiting for {what}" if wait
+                              else "stopped before its next action")
+        asked, message = (wait, what), self._incoming.get(peer)
         while message is not None:
             if not wait and not message.work.is_completed():
                 return
@@ -323,9 +322,9 @@ class P2PTransport:
                 header, body = message.header, message.buffer
             self._capacity_in[peer] = max(self._capacity_in.get(peer, _HEADER_BYTES),
                                           _HEADER_BYTES + header[_BODY])
-            if header[_STEP] < self.step:  # sent before an earlier step failed: drop it
-                self._post(peer, drain=True)
-                message = self._incoming.get(peer)
+            if header[_STEP] < self.step:  # sent before an earlier step failed: drop it,
+                self._post(peer, drain=True)  # and wait as asked (not for a report's body)
+                message, (wait, what) = self._incoming.get(peer), asked
                 continue
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")

@@ -360,3 +360,71 @@ def _traced_step(model: nn.Module, schedule_name: str, checkpoint: str, rank: in
             "grads": {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
             "traffic": {key: (f.messages, f.bytes, f.wire)
                         for key, f in pipe.runtime.transport.traffic.flows.items()}}
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("once, in backward")
+
+
+class FailsOnce(nn.Module):
+    """Raises on the first call while ``armed`` holds (in forward, or in its backward);
+    then computes as Linear."""
+
+    def __init__(self, armed: list[bool], where: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.armed = armed
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed[0]:
+            self.armed[0] = False
+            if self.where == "forward":
+                raise ValueError("once")
+            return _RaisesInBackward.apply(self.linear(x))
+        return self.linear(x)
+
+
+@scenario("pipeline_after_failure")
+def pipeline_after_failure(rank: int, world: int, out_dir: Path) -> None:
+    """A step fails, in turn: in the forward of the first rank ("forward0") or of the
+    last ("forward"), in the last rank's backward, in its loss, and with a tied weight;
+    each time the same pipeline takes its next step, then a new Pipeline on the same
+    process group takes two. Each rank writes ``rank{r}.json``: per failure, per
+    attempt and step, the loss or the error."""
+    outcome: dict[str, dict[str, Any]] = {}
+    for how in ("forward0", "forward", "backward", "loss", "tied"):
+        armed = [rank == (0 if how == "forward0" else world - 1) and how != "loss"]
+        failing_loss = [how == "loss" and rank == world - 1]
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if failing_loss[0]:
+                failing_loss[0] = False
+                raise ValueError("once, in the loss")
+            return nn.functional.mse_loss(output, target)
+
+        outcome[how] = {}
+        for attempt in range(2):
+            torch.manual_seed(0)
+            layers: list[nn.Module] = []
+            for _ in range(world):
+                layers += [nn.Linear(6, 6), FailsOnce(armed, "backward" if how == "backward"
+                                                      else "forward")]
+            if how == "tied":
+                layers[-1].linear.weight = layers[0].weight
+            pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=4, schedule="1f1b",
+                                     balance=[2] * world, loss_fn=loss_fn, timeout=15)
+            for step in range(2):
+                try:
+                    loss = pipe.step(torch.randn(8, 6), torch.randn(8, 6))
+                    outcome[how][f"{attempt}.{step}"] = float(loss)
+                except conveyor.ConveyorError as exc:
+                    outcome[how][f"{attempt}.{step}"] = \
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
