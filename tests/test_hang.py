@@ -240,3 +240,29 @@ def test_conveyor_train_installs_where_on_usr1_while_it_trains() -> None:
             time.sleep(0.2)
     assert "done with its 8 actions" in printed.getvalue(), printed.getvalue()
     assert signal.getsignal(signal.SIGUSR1) is before  # put back when training ends
+
+
+class Slow(nn.Module):
+    """Takes ``seconds`` per forward (not per recomputation): slow, alive."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not conveyor.is_recomputing():
+            time.sleep(self.seconds)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_slow_stage_is_waited_for_as_long_as_it_makes_progress(schedule: str) -> None:
+    # Under GPipe stage 0's first gradient comes after every forward of stage 1, 4 x
+    # 0.5 s against a timeout of 1 s: before, stage 0 was declared stuck after 1 s.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Slow(0.5), nn.Linear(4, 4))
+    pipe = conveyor.Pipeline(model, stages=2, chunks=4, balance=[2, 2], schedule=schedule,
+                             loss_fn=nn.functional.mse_loss, timeout=1, recompute="never")
+    start = time.monotonic()
+    pipe.step(*batch())
+    assert time.monotonic() - start > 2.0  # it did wait longer than the timeout

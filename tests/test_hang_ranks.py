@@ -60,3 +60,13 @@ def test_a_raise_and_a_shape_change_are_reported_and_the_next_steps_are_right(
         assert re.search(r"stopped (in 0B0 after waiting [\d.]+ s for the gradient of "
                          r"micro-batch 0 from stage 1 \(rank 1\)|before its next action)",
                          lines[0]), lines[0]
+
+
+@pytest.mark.timeout(200)
+def test_a_slow_rank_is_waited_for_as_long_as_it_makes_progress(tmp_path: Path) -> None:
+    # Rank 0 waits ~4 s for its first gradient, against a 2 s timeout: before, it gave
+    # the last rank up as stuck (a wait's length), though it was computing all along.
+    outcome = launch("slow_rank", 2, tmp_path, timeout=150, launcher="env")
+    assert outcome.returncodes == [0, 0], "\n".join(o[-2000:] for o in outcome.outputs)
+    losses = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2

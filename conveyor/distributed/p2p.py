@@ -54,6 +54,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour
 from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.engine.watchdog.liveness import keep_waiting
 from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Schedule
 
@@ -97,9 +98,9 @@ class P2PTransport:
         self.deadlines = deadlines
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
-        #: ``locate_peer(rank, step)``: where a peer is (see whereabouts), None: no answer;
+        #: ``locate_ranks(step)``: where each peer is (see whereabouts), None: no answer;
         #: ``announce(step, report)``: posts a failure where collectives look, first thing.
-        self.locate_peer: Callable[[int, int], dict[str, Any] | None] | None = None
+        self.locate_ranks: Callable[[int], dict[int, dict[str, Any] | None]] | None = None
         self.announce: Callable[[int, dict[str, Any]], None] | None = None
         self._heard: set[int] = set()  # peers whose messages of this step have come
         self.device = topology.device or torch.device("cpu")
@@ -341,42 +342,37 @@ class P2PTransport:
             return
 
     def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
-        """Waits for ``work``: a receive from ``peer`` or a send (None), at most a
-        step's timeout; a peer whose first message of the step has not come and that
-        has not reached the step yet (asked through the store) is waited for up to the
-        opening timeout.
+        """Waits for ``work``: a receive from ``peer`` or a send (None), a step's timeout
+        at a time while :func:`~conveyor.engine.watchdog.liveness.keep_waiting` says so
+        (the pipeline makes progress; a peer not yet in the step). A send's wait, which
+        on gloo closes its connection when it times out, is never taken up again.
 
         Raises:
-            PeerFailure: the wait timed out, or the peer's connection closed; the
+            PeerFailure: the pipeline went silent, or the peer's connection closed; the
                 transport is broken from then on.
         """
         if self._aborted:
             raise Aborted(what)
-        seconds = self.deadlines.within
+        waited, seen = 0.0, None
         try:
-            try:
-                work.wait(datetime.timedelta(seconds=seconds))
-            except Exception as exc:
-                if not (timed_out(exc) and self._between_steps(peer)):
-                    raise
-                extra = self.deadlines.opening - seconds
-                seconds = self.deadlines.opening
-                work.wait(datetime.timedelta(seconds=extra))
+            while True:
+                try:
+                    work.wait(datetime.timedelta(seconds=self.deadlines.within))
+                    return
+                except Exception as exc:
+                    waited += self.deadlines.within
+                    if not timed_out(exc) or peer is None or self.locate_ranks is None:
+                        raise
+                    seen = keep_waiting(self.locate_ranks(self.step), peer, step=self.step,
+                                        heard=peer in self._heard, waited=waited, seen=seen,
+                                        deadlines=self.deadlines,
+                                        progress=self._watcher is not None)
+                    if seen is None:
+                        raise
         except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
             failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
-                                               seconds, self.step)
+                                               waited, self.step)
             raise failure from exc
-
-    def _between_steps(self, peer: int | None) -> bool:
-        """Whether ``peer``, whose first message of this step this rank has waited for
-        longer than a step's timeout, has not reached the step yet (it is saving,
-        evaluating...): then the wait goes on up to the opening timeout. A peer that is
-        in the step, or does not answer, is not waited for any longer."""
-        if (peer is None or peer in self._heard or self.locate_peer is None
-                or self.deadlines.opening <= self.deadlines.within):
-            return False
-        where = self.locate_peer(peer, self.step)
-        return where is not None and where["step"] < self.step
 
     # ------------------------------------------------------------ ending
 

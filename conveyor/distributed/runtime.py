@@ -108,7 +108,7 @@ class Runtime:
         if previous is not None and isinstance(previous.transport, P2PTransport):
             transport.step = previous.transport.step  # messages carry it; reports ask by it
         if self.whereabouts is not None:
-            transport.locate_peer = self.whereabouts.locate
+            transport.locate_ranks = self.whereabouts.locate
             transport.announce = self.whereabouts.announce
         return transport
 

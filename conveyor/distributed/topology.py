@@ -39,9 +39,9 @@ class Topology:
         device: the device this process computes on (None in one process).
         mesh: the (pipeline, data) DeviceMesh (None in one process); FSDP shards
             over its "data" dimension.
-        timeout: the seconds any collective of a group made for the pipeline may wait
-            inside the backend (the pipeline's opening timeout), so that no teardown
-            after a fault waits for torch's default of 30 minutes.
+        timeout: the seconds a collective of the groups made for the pipeline's
+            replicas and ties may wait inside the backend (the pipeline's opening
+            timeout), rather than torch's default of 30 minutes.
     """
 
     pipeline_size: int
@@ -119,7 +119,10 @@ def _process_device() -> torch.device:
 
 
 def _mesh(pipeline: int, data: int, device: torch.device, timeout: float) -> Any:
-    """The (pipeline, data) DeviceMesh, its groups bounded by ``timeout``."""
+    """The (pipeline, data) DeviceMesh. The data group's collectives (FSDP's among
+    them, which conveyor does not wait on itself) are bounded by ``timeout`` inside the
+    backend; the pipeline group's receives are waited on as long as the pipeline makes
+    progress (:mod:`conveyor.engine.watchdog.liveness`), under torch's own bound."""
     from torch.distributed.device_mesh import init_device_mesh
 
     backend = dist.get_backend()
@@ -127,5 +130,4 @@ def _mesh(pipeline: int, data: int, device: torch.device, timeout: float) -> Any
                else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
     options._timeout = datetime.timedelta(seconds=timeout)
     return init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"),
-                            backend_override={"pipeline": (backend, options),
-                                              "data": (backend, options)})
+                            backend_override={"data": (backend, options)})

@@ -138,18 +138,18 @@ class Whereabouts:
         """The global rank whose process hosts the store, if one does (env://)."""
         return host()
 
-    def locate(self, rank: int, step: int) -> dict[str, Any] | None:
-        """Where pipeline rank ``rank`` is, asked while this rank waits for it in
-        ``step``; None if it does not answer within its answering thread's time
-        (frozen, dead, or stuck outside Python) or the store cannot be reached."""
+    def locate(self, step: int) -> dict[int, dict[str, Any] | None]:
+        """Where every other rank of the pipeline is, asked while this rank waits in
+        ``step``; None for one that does not answer within its answering thread's time
+        (frozen, dead, or stuck outside Python), for all if the store cannot be reached."""
+        others = [rank for rank in range(self.ranks) if rank != self.rank]
         if not self.store.available:
-            return None
+            return dict.fromkeys(others)
         try:
-            answer: dict[str, Any] | None = self._ask(step, [rank], _ANSWER, set())[rank]
-            return answer
+            return self._ask(step, others, _ANSWER, set())
         except (StoreSilent, StoreGone) as exc:  # no store: nobody can tell
             self.store_trouble = str(exc)
-            return None
+            return dict.fromkeys(others)
 
     def _ask(self, step: int, ranks: list[int], seconds: float,
              known_silent: set[int]) -> dict[int, Any]:

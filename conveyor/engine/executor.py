@@ -40,7 +40,7 @@ from conveyor.engine.recorder import Recorder
 from conveyor.engine.routing import check_no_gradient
 from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
-from conveyor.engine.transport import Aborted, MessageKind, Transport
+from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.engine.watchdog.position import KIND_WORDS, Awaited, Position
@@ -84,12 +84,18 @@ class Executor:
         self._no_gradient = {(e.source, e.destination) for e in schedule.edges
                              if not e.gradient}
         self.recorder: Recorder | None = None  # set by conveyor.record()
+        local = getattr(transport, "local", transport)  # under torchrun: between own stages
+        if isinstance(local, LocalTransport):
+            local.liveness = self.snapshots
+
+    def snapshots(self) -> dict[int, dict[str, Any]]:
+        """Where each local rank stands now, as plain data."""
+        return {rank: position.snapshot() for rank, position in self.positions.items()}
 
     def report(self, notes: Mapping[int, str] = {}, absent: str = "no answer") -> str:
         """The hang report of the current (or last) run, from the local ranks' places
         (``absent``: what the others are said to be)."""
-        snapshots = {rank: position.snapshot() for rank, position in self.positions.items()}
-        return render_report(self.schedule, self.kinds, snapshots, notes, absent)
+        return render_report(self.schedule, self.kinds, self.snapshots(), notes, absent)
 
     def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
         """Runs the columns like :meth:`run`, then commits the local stages' deferred

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.engine.watchdog.liveness import progressed
 from conveyor.errors import StepTimeout
 
 __all__: list[str] = []
@@ -198,6 +199,9 @@ class LocalTransport:
         self._ready = threading.Condition()
         self._aborted = False
         self._copy_streams: dict[Any, Any] = {}
+        #: every rank's position (plain data), to tell a slow pipeline from a stuck one
+        #: when a receive runs out of time (see :mod:`conveyor.engine.watchdog.liveness`)
+        self.liveness: Callable[[], Mapping[int, dict[str, Any] | None]] | None = None
 
     def reset(self) -> None:
         """Empties the mailboxes and clears an abort, before a new phase."""
@@ -218,19 +222,26 @@ class LocalTransport:
         source = neighbour(kind, stage) if source is None else source
         key = (kind, source, stage, microbatch)
         timeout = self.deadlines.within
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        seen: dict[int, int] | None = None  # actions done by each rank at the last look
         with self._ready:
             while key not in self._boxes:
                 if self._aborted:
                     raise Aborted(f"stage {stage} stopped waiting for {kind} of "
                                   f"micro-batch {microbatch} from stage {source}")
                 left = deadline - time.monotonic()
+                if left <= 0 and self.liveness is not None:
+                    alive, seen = progressed(self.liveness(), seen, timeout)
+                    if alive:  # a slow stage, not a stuck one: wait another timeout
+                        deadline, left = time.monotonic() + timeout, timeout
                 if left <= 0:
                     raise StepTimeout(
-                        f"stage {stage} waited {timeout:g} s for the {kind} of micro-batch "
-                        f"{microbatch} from stage {source}, which never came: stage "
-                        f"{source} is stuck or slower than the timeout (raise timeout=)",
-                        stage=stage, microbatch=microbatch, action="recv")
+                        f"stage {stage} waited {time.monotonic() - start:.3g} s for the "
+                        f"{kind} of micro-batch {microbatch} from stage {source}, which never "
+                        f"came, and no stage made progress for {timeout:g} s: stage {source} "
+                        "is stuck (or an action takes longer than the timeout: raise "
+                        "timeout=)", stage=stage, microbatch=microbatch, action="recv")
                 self._ready.wait(left)
             value = self._boxes.pop(key)
         return deliver(value, self.devices[stage], self._copy_streams)

@@ -118,3 +118,28 @@ def hang_recover(rank: int, world: int, out_dir: Path) -> None:
     0's output loses two features, so stage 1 fails. Steps 3 and 5 run as if nothing
     happened (the failed steps' messages are drained)."""
     _run(rank, world, out_dir, {world - 1: {(2, 3): "raise"}, 0: {(4, 1): "shape"}}, 5)
+
+
+class _Slow(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+@scenario("slow_rank")
+def slow_rank(rank: int, world: int, out_dir: Path) -> None:
+    """GPipe with a 2 s timeout, the last rank 0.8 s per forward: rank 0 waits some 4 s
+    for its first gradient, while the last rank computes. Each rank writes its losses."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for k in range(world):
+        layers += [nn.Linear(4, 4), _Slow(0.8 if k == world - 1 else 0.0)]
+    pipe = conveyor.Pipeline(nn.Sequential(*layers), chunks=4, balance=[2] * world,
+                             schedule="gpipe", recompute="never", timeout=2,
+                             loss_fn=nn.functional.mse_loss)
+    losses = [float(pipe.step(torch.randn(8, 4), torch.randn(8, 4))) for _ in range(2)]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(losses))
