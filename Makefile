@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test typecheck bench faults fuzz zoo clean
+.PHONY: train demo test typecheck bench faults chaos fuzz zoo clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -21,6 +21,12 @@ test: $(VENV)/.installed
 FAULTS_JOBS ?= 1
 faults: $(VENV)/.installed
 	$(BIN)/python -m tests.faults --all --jobs $(FAULTS_JOBS)
+
+# Every generated fault of a whole conveyor train run (tests/runs): one process, torchrun
+# and env://, tied and untied, kill, freeze, NaN, a full disk, differing options, a damaged
+# checkpoint, a slow stage; each resumed where it can be. CI runs a sample (test_runs).
+chaos: $(VENV)/.installed
+	$(BIN)/python -m tests.runs --all --json benchmarks/results/chaos.json
 
 # Every family of the zoo (tests/zoo): Hugging Face models from tiny configs, pipelined by
 # stages=2 and by a named split, under 1f1b and zero-bubble; CI runs a sample (test_zoo).

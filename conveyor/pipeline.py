@@ -27,6 +27,7 @@ from torch import nn
 from conveyor.distributed.agreement import agree, model_shapes, schedule_of
 from conveyor.distributed.gradients import (
     clip_grad_norm, overflowed_on_any_rank, reduce_across_replicas, step_loss)
+from conveyor.distributed.peerfailure import as_everywhere
 from conveyor.distributed.planning import local_ranks, make_schedule, with_model_edges
 from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
 from conveyor.distributed.runtime import Runtime, RunsRuntime
@@ -280,7 +281,8 @@ class Pipeline(RunsRuntime):
 
         Raises:
             StageError: a stage failed; on every rank, naming the stage and micro-batch.
-            NonFiniteLossError: with ``check_finite``, a micro-batch's loss is NaN or inf.
+            NonFiniteLossError: with ``check_finite``, a micro-batch's loss is NaN or inf
+                (on every rank).
             ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
 
         A step that raises leaves ``.grad`` as it was before the step.
@@ -325,6 +327,9 @@ class Pipeline(RunsRuntime):
             runtime.explain(exc)  # a collective's failure too, not only the run's
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=False)
+            everywhere = as_everywhere(exc)
+            if everywhere is not exc:
+                raise everywhere from exc
             raise
         if overflowed:  # dropped, on every rank alike
             earlier.restore()

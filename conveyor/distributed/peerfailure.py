@@ -13,7 +13,7 @@ import sys
 import weakref
 from typing import Any
 
-from conveyor.errors import PeerFailure
+from conveyor.errors import NonFiniteLossError, PeerFailure
 
 __all__: list[str] = []
 
@@ -40,6 +40,18 @@ def reported(report: dict[str, Any], rank: int, stopped: str) -> PeerFailure:
                           microbatch=report["microbatch"], action=report["action"])
     failure.report = report
     return failure
+
+
+def as_everywhere(error: BaseException) -> BaseException:
+    """``error`` as this rank raises it: a peer's NonFiniteLossError (the step stopped
+    before it reached the weights, a condition a training loop handles, not a fault)
+    is raised as a NonFiniteLossError here too, naming the rank it came from."""
+    report = getattr(error, "report", None) or {}
+    prefix = "NonFiniteLossError: "
+    if isinstance(error, PeerFailure) and str(report.get("error", "")).startswith(prefix):
+        return NonFiniteLossError(f"{report['error'][len(prefix):]} (on rank "
+                                  f"{report['rank']})")
+    return error
 
 
 def origin(report: dict[str, Any]) -> str:

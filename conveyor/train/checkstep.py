@@ -32,7 +32,7 @@ def check_first_step(config: TrainConfig) -> None:
         torch.default_generator.manual_seed(config.seed)
         model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
                                vocab=256, max_length=config.length, dropout=config.dropout,
-                               tie=True)
+                               tie=config.tie)
     inputs, targets = text_corpus().batch(0, config.batch, config.length, seed=config.seed)
     replicas = config.data_parallel
     report = check(model, inputs[::replicas], targets[::replicas],

@@ -102,7 +102,10 @@ def load(target: Path, found: dict[str, Any], model: nn.Module,
     if optimizer is not None:
         if not optimizer.state:
             _materialize_optimizer_state(optimizer)
-        template["optimizer"] = manifest.optimizer_tensors(model, optimizer)
+        template["optimizer"] = {  # what was saved (none before the first step)
+            name: kept for name, state in manifest.optimizer_tensors(model, optimizer).items()
+            if (kept := {key: t for key, t in state.items()
+                         if f"optimizer.{name}.{key}" in index})}
     try:
         dcp.load(template, storage_reader=_Reader(str(target)), planner=_Planner())
     except (Exception, dcp.api.CheckpointException) as exc:  # the latter is a BaseException

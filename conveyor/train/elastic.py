@@ -122,18 +122,20 @@ def _fitting_chunks(values: dict[str, Any], stages: int, replicas: int) -> int |
 
 
 def join_world(*, stages: int, data_parallel: int, timeout: float) -> None:
-    """Under torchrun, opens the process group even for a world of one process, so that
-    the run saves the same kind of checkpoint (a torch.distributed.checkpoint directory,
-    with its ``latest`` pointer) at every size it shrinks or grows to. Does nothing
-    outside torchrun, where the group is open already, or where the layout is not one
-    rank per process (which :func:`plan_layout` refuses under torchrun).
+    """Opens the process group of a run of several processes (under torchrun, or
+    launched by hand with env://), before anything else, so that the processes can
+    compare their options first; under torchrun even for a world of one process, so
+    that the run saves the same kind of checkpoint at every size it shrinks or grows
+    to. Does nothing where the group is open already, or where the layout is not one
+    rank per process (which :func:`plan_layout` refuses under torchrun, and the
+    pipeline itself otherwise).
     """
     import torch
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if (not under_torchrun() or not dist.is_available() or dist.is_initialized()
-            or stages * data_parallel != world):
+    if (not (under_torchrun() or world > 1) or not dist.is_available()
+            or dist.is_initialized() or stages * data_parallel != world):
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

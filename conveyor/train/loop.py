@@ -342,8 +342,10 @@ class _Training:
         self.saved = self.step
 
     def stop(self, number: int) -> int:
-        """Saves where signal ``number`` stopped the run; returns 128 + ``number``."""
-        self.save()
+        """Saves where signal ``number`` stopped the run (unless the step's checkpoint is
+        there already); returns 128 + ``number``."""
+        if self.saved != self.step:
+            self.save()
         if self.show:
             print(f"stopped by {signal.Signals(number).name} after step {self.step}; "
                   f"checkpoint saved in {self.out}, continue with --resume", flush=True)
@@ -370,7 +372,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
     torch.manual_seed(config.seed)
     model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
                            vocab=256, max_length=config.length, dropout=config.dropout,
-                           tie=True)
+                           tie=config.tie)
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
                     devices=stage_devices(config), data_parallel=config.data_parallel,

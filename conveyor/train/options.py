@@ -37,6 +37,8 @@ class TrainConfig:
     heads: int = _option(4, "attention heads A")
     length: int = _option(128, "sequence length in bytes")
     dropout: float = _option(0.0, "dropout probability")
+    tie: bool = _option(True, "the output head shares the token embedding's weight (--no-tie: "
+                              "a head of its own)")
     batch: int = _option(32, "sequences per mini-batch")
     stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
