@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 import conveyor
 from conveyor.engine.microbatch import split
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES
+from tests.generated.models import Doubled  # a backward that is the forward's derivative
 from tests.support.models import assert_same_grads, paired, relative_error
 
 
@@ -323,20 +323,6 @@ def test_a_traced_autograd_function_is_refused_as_export_drops_its_backward() ->
                        r"forward and drops its backward(.|\n)*torch.library.custom_op"):
         conveyor.Pipeline(model, split_at=["head"], devices=["cpu"] * 2, chunks=2,
                           loss_fn=loss_fn, sample=torch.randn(2, 4, dtype=torch.float64))
-
-
-class Doubled(torch.autograd.Function):
-    """A hand-written backward that is its forward's derivative (as a fused kernel's)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return torch.tanh(x) * 2
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * 2 * (1 - torch.tanh(x) ** 2)
 
 
 ROUNDINGS["derivative"] = Doubled.apply
