@@ -53,10 +53,6 @@ class SideEffects:
 
     changed: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
 
-    def names(self) -> list[str]:
-        """The names of what changed, for messages (``'count'``, ``'calls'``)."""
-        return [key for _, key, _ in self.changed]
-
     def put_before(self) -> list[Any]:
         """Puts the values from before the forward in place (a copy of each tensor, so
         that a recomputation's own changes fall on the copy); returns what was there."""
@@ -188,10 +184,14 @@ class ModuleState:
             holder = look.holder
             for key, old in look.tensors:
                 kept = self._copies.get(id(old))
-                if kept is not None and kept[0] is old and holder.get(key) is old and (
-                        _version(old) != kept[1] or self._unversioned_change(
-                            (id(holder), key, look.training), old, kept[2])):
+                if kept is None or kept[0] is not old or holder.get(key) is not old:
+                    continue  # rebound (below), or not watched (an inference tensor)
+                entry = (id(holder), key, look.training)
+                if _version(old) != kept[1]:
+                    self._examined.add(entry)  # its version tells
                     changed.append((holder, key, kept[2]))  # changed in place
+                elif self._unversioned_change(entry, old, kept[2]):
+                    changed.append((holder, key, kept[2]))  # changed, version unmoved
             if len(holder) == len(look.before) and all(
                     map(is_, holder.values(), look.before.values())):
                 continue  # nothing rebound, added or removed
