@@ -187,16 +187,15 @@ class Stage:
         rows = batch_rows(x)
         if self.copies_input:
             x = _copied_leaves(x)
-        received = {id(t) for t in pytree.tree_leaves(x)
-                    if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
+        received = x  # as it arrived: its leaves that require grad
         for offset, layer in enumerate(self.layers):
             try:
                 x = self._call_layer(layer, offset, x, microbatch, step_seed)
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
-                if not (self.index > 0 and _writes_into_leaf(exc) and any(
-                        id(t) in received for t in pytree.tree_leaves(x))):
+                if not (self.index > 0 and _writes_into_leaf(exc)
+                        and _shares_a_leaf(x, received)):
                     error = self._layer_error(exc, offset, microbatch)
                     if error is exc:
                         raise
@@ -436,6 +435,13 @@ def _writes_into_leaf(exc: BaseException) -> bool:
     that requires grad (or into a view of one)."""
     return isinstance(exc, RuntimeError) and \
         "leaf Variable that requires grad is being used in an in-place operation" in str(exc)
+
+
+def _shares_a_leaf(value: Any, received: Any) -> bool:
+    """Whether ``value`` holds one of ``received``'s leaf tensors that require grad."""
+    leaves = {id(t) for t in pytree.tree_leaves(received)
+              if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
+    return any(id(t) in leaves for t in pytree.tree_leaves(value))
 
 
 def _copied_leaves(inputs: Any) -> Any:
