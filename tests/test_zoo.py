@@ -13,7 +13,7 @@ import torch
 
 from tests.support.extras import require
 from tests.zoo.families import FAMILIES
-from tests.zoo.harness import pipelined, prepare, tolerance
+from tests.zoo.harness import BF16_TOLERANCE, bf16_run, pipelined, prepare, tolerance
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -32,6 +32,16 @@ def test_a_family_is_exact_at_its_named_split_under_zero_bubble_with_recompute(
     assert outcome.cut == prepared.split_at
     assert outcome.error is not None and outcome.error <= tolerance(family.dtype), outcome
     assert family.dtype == (torch.float32 if name == "mixtral" else torch.float64)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_qwen3_trains_under_precision_bf16(schedule: str) -> None:
+    # Before: torch.export kept a float32 dtype assertion from Qwen3's RMSNorm
+    # (x.to(float32)), which the bfloat16 activations under autocast failed.
+    require("transformers")
+    outcome = bf16_run(FAMILIES["qwen3"], schedule)
+    assert outcome.failure is None, outcome.failure
+    assert outcome.error is not None and outcome.error <= BF16_TOLERANCE, outcome
 
 
 def zoo_rows() -> dict[str, str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from tests.zoo.families import BATCH, CHUNKS, FAMILIES
-from tests.zoo.harness import AUTO, SCHEDULES, Outcome, pipelined, prepare, tolerance
+from tests.zoo.harness import (AUTO, BF16_TOLERANCE, SCHEDULES, Outcome, bf16_run,
+                               pipelined, prepare, tolerance)
 from tests.zoo.reasons import reason_of
 
 
@@ -92,12 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__)
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES),
                         help="run only this family (repeatable); default: all")
+    parser.add_argument("--precision", choices=["bf16"],
+                        help="instead: each family in float32 at its named split with "
+                             "precision='bf16', against the plain model under bfloat16 "
+                             "autocast (1F1B and zero-bubble)")
     parser.add_argument("--json", type=Path,
                         help="write the rows as JSON here; with --family, replace those "
                              "families' rows in the file and keep the others")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    if args.precision:
+        return run_bf16(args.family or list(FAMILIES), args.json)
     start = time.perf_counter()
     rows = []
     for name in args.family or list(FAMILIES):
@@ -122,6 +129,27 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0
+
+
+def run_bf16(names: list[str], path: Path | None) -> int:
+    """Every family under ``precision="bf16"`` (see ``harness.bf16_run``)."""
+    start, rows = time.perf_counter(), []
+    for name in names:
+        outcomes = [bf16_run(FAMILIES[name], schedule) for schedule in SCHEDULES]
+        ok = all(o.failure is None and (o.error or 0.0) <= BF16_TOLERANCE for o in outcomes)
+        what = "; ".join(f"{o.schedule}: {o.failure or f'{o.error:.1e}'}" for o in outcomes)
+        rows.append({"family": name, "ok": ok, "runs": [vars(o) for o in outcomes]})
+        print(f"{name}: {'ok' if ok else 'FAILED'} ({what})", flush=True)
+    seconds = time.perf_counter() - start
+    passed = sum(row["ok"] for row in rows)
+    print(f"\n{passed} of {len(rows)} families train under precision='bf16' within "
+          f"{BF16_TOLERANCE:g} of the plain model under bfloat16 autocast; {seconds:.0f} s")
+    if path:
+        path.write_text(json.dumps({"command": "python -m tests.zoo --precision bf16",
+                                    "date": time.strftime("%Y-%m-%d"),
+                                    "seconds": round(seconds), "torch": torch.__version__,
+                                    "families": rows}, indent=1, default=str) + "\n")
+    return 0 if passed == len(rows) else 1
 
 
 def merged(whole: dict[str, object], part: dict[str, object]) -> dict[str, object]:

@@ -139,6 +139,8 @@ causal_lm("mistral", "decoder-only", "MistralConfig", "MistralForCausalLM", "mod
           num_key_value_heads=2, sliding_window=4, **TINY)
 causal_lm("qwen2", "decoder-only", "Qwen2Config", "Qwen2ForCausalLM", "model.layers.1",
           num_key_value_heads=2, **TINY)
+causal_lm("qwen3", "decoder-only", "Qwen3Config", "Qwen3ForCausalLM", "model.layers.1",
+          num_key_value_heads=2, head_dim=8, **TINY)
 causal_lm("gemma", "decoder-only", "GemmaConfig", "GemmaForCausalLM", "model.layers.1",
           {"float32_grads": r"norm\.weight$",
            "why": "Gemma's RMSNorm computes in float32, its weight's gradient summed over "

@@ -18,12 +18,18 @@ import conveyor
 from conveyor.engine.microbatch import split
 from tests.zoo.families import CHUNKS, Family
 
-__all__ = ["AUTO", "SCHEDULES", "Outcome", "Prepared", "prepare", "pipelined", "tolerance"]
+__all__ = ["AUTO", "BF16_TOLERANCE", "SCHEDULES", "Outcome", "Prepared", "bf16_run",
+           "prepare", "pipelined", "tolerance"]
 
 AUTO = "auto"  # the split chosen by stages=2
 RUN_LIMIT = 300  # seconds a run may take (build, trace, step) before the zoo gives up
 #: The schedules each split runs under, with their recomputation.
 SCHEDULES = {"1f1b": "except_last", "zero-bubble": "always"}
+
+
+#: ``precision="bf16"`` against the plain float32 model under the caller's own bfloat16
+#: autocast: the same operations in bfloat16, summed in another order (micro-batches).
+BF16_TOLERANCE = 3e-2
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -156,3 +162,37 @@ def gradient_errors(pipe: nn.Module, prepared: Prepared) -> dict[str, float]:
             denominator = max(float(want.norm()), 1e-6 * float(scale))
             errors[name] = float((got - want).norm()) / denominator
     return errors
+
+
+def bf16_run(family: Family, schedule: str) -> Outcome:
+    """The family in float32, pipelined at its named split with ``precision="bf16"``,
+    against the plain model under ``torch.autocast("cpu", torch.bfloat16)`` over the
+    same micro-batches: its largest relative error (loss and gradients), or what failed."""
+    case = family.build()
+    model = case.model.float()
+    inputs, targets = cast(case.inputs, torch.float32), cast(case.targets, torch.float32)
+    plain = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = list(zip(split(inputs, CHUNKS), split(targets, CHUNKS)))
+        losses = [case.loss(call(plain, x), y) * (len(y) / len(targets)) for x, y in parts]
+    loss = torch.stack([part.float() for part in losses]).sum()
+    loss.backward()
+    grads: dict[str, torch.Tensor | None] = {}
+    aliases: dict[int, set[str]] = {}
+    for name, param in plain.named_parameters(remove_duplicate=False):
+        grads[name] = None if param.grad is None else param.grad.detach()
+        aliases.setdefault(id(param), set()).add(name)
+    prepared = Prepared(family, model, inputs, targets, case.loss, case.split_at,
+                        float(loss.detach()), grads, list(aliases.values()))
+    outcome = Outcome("named", schedule)
+    try:
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(model), split_at=case.split_at, sample=split(inputs, CHUNKS)[0],
+            devices=["cpu", "cpu"], chunks=CHUNKS, schedule=schedule,
+            recompute=SCHEDULES[schedule], loss_fn=case.loss, precision="bf16")
+        got = float(pipe.step(inputs, targets))
+        outcome.error = max([abs(got - prepared.loss) / abs(prepared.loss),
+                             *gradient_errors(pipe, prepared).values()])
+    except Exception as error:  # noqa: BLE001 - the zoo reports every failure
+        outcome.failure = first_line(error)
+    return outcome
