@@ -36,6 +36,7 @@ _PUBLIC = {
     "DeferredBatchNorm": "conveyor.engine.batchnorm",
     "convert_deferred_batch_norm": "conveyor.engine.batchnorm",
     "is_recomputing": "conveyor.engine.recompute",
+    "token_loss": "conveyor.engine.loss",
     "tune_malloc": "conveyor.engine.allocator",
     "LayerProfile": "conveyor.graph.profile",
     "balance_by_memory": "conveyor.graph.balance",

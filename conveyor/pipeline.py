@@ -50,7 +50,7 @@ from conveyor.engine.microbatch import (
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, MicroBatchError
 from conveyor.graph.layout import (
     adopt,
     cut,
@@ -299,8 +299,12 @@ class Pipeline(RunsRuntime):
                                check_finite=self.check_finite,
                                grad_scale=self.scaler.scale if self.scaler else 1.0)
         if last in self._runtime.stages:
-            state.targets = split(targets, self.chunks)
             batch = batch_size(targets)
+            if 0 in self._runtime.stages and batch_size(inputs) != batch:
+                raise MicroBatchError(
+                    f"the targets have {batch} rows but the inputs {batch_size(inputs)}: "
+                    "dim 0 is the batch in both; give one target per sample")
+            state.targets = split(targets, self.chunks)
             state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
         params = list(self.parameters())
         earlier = SetAside(params)  # this step's gradients alone, until they are reduced

@@ -11,10 +11,41 @@ import torch
 
 from conveyor.errors import ConfigError, ConveyorError
 
-__all__: list[str] = []
+__all__ = ["token_loss"]
 
 #: ``loss_fn(output, target)``: a one-element tensor, or a ``(loss_sum, count)`` pair.
 LossFn = Callable[[Any, Any], Any]
+
+
+def token_loss(output: Any, targets: torch.Tensor, *,
+               ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the tokens whose target is not ``ignore_index``, and
+    their count: a ``loss_fn`` whose step loss is the mean over every real token of the
+    whole batch, exactly, however the padding falls into micro-batches.
+
+    Args:
+        output: the logits (``(..., vocabulary)``), or a model's output holding them
+            (a Hugging Face ``ModelOutput`` or a dict with ``"logits"``, or a tuple
+            whose first element they are).
+        targets: the class of each position, ``output``'s shape without its last
+            dimension (for a language model, the next token: shifted by the caller).
+        ignore_index: the target of padding, counted nowhere.
+
+    Raises:
+        ValueError: the targets' shape does not match the logits'.
+    """
+    logits = output
+    if not isinstance(logits, torch.Tensor):
+        logits = output["logits"] if isinstance(output, dict) or hasattr(output, "keys") \
+            else output[0]
+    if tuple(logits.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(f"token_loss: the logits are {tuple(logits.shape)}, so the targets "
+                         f"must be {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # a softmax over a vocabulary, summed: in float32 at least
+    total = torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum")
+    return total, (targets != ignore_index).sum()
 
 
 def loss_and_count(result: Any, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:

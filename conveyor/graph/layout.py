@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.layers import Partition
-from conveyor.engine.microbatch import split
+from conveyor.engine.microbatch import microbatch_count, split
 from conveyor.engine.rng import LayerRandomness
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
@@ -304,7 +304,7 @@ def first_microbatch(inputs: Any, chunks: int, model: nn.Module) -> Any:
     the sample of a pipeline built without one (logged at INFO)."""
     tensors = [*model.parameters(), *model.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    sample = split(inputs, chunks)[0]
+    sample = split(inputs, microbatch_count(inputs, chunks))[0]  # a smaller batch: a sample
     shapes = [tuple(t.shape) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
     logger.info("conveyor cuts %s on the first micro-batch of the first step (tensor shapes "
                 "%s): no sample= was given", type(model).__name__, shapes)

@@ -149,6 +149,12 @@ class StageProgram:
         """The error of a micro-batch that does not call the model as the sample did."""
         traced = {*self.form.names, *self.form.added}
         given = set(kwargs)
+        if "labels" in given - traced:
+            return ModelError(
+                f"this micro-batch gives labels, which the sample of {self.form.model} did "
+                "not: a model given labels reduces its own loss over each micro-batch. Leave "
+                "labels out of the inputs: give them to step() as the targets, and a loss_fn "
+                "on the model's output (conveyor.token_loss for tokens with padding)")
         if given != traced and self.form.signature is not None:
             missing, extra = sorted(traced - given), sorted(given - traced)
             said = [f"lacks {missing}" if missing else "",

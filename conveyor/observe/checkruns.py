@@ -40,7 +40,7 @@ from conveyor.graph.layout import resolve_balance
 from conveyor.graph.source import LayerBuilder, sequential
 from conveyor.graph.source import sequential_layers
 from conveyor.graph.source import LayerSource
-from conveyor.graph.tracedstage import as_call
+from conveyor.graph.calls import call_form
 from conveyor.observe.probe import Probe, digest, probe
 from conveyor.pipeline import Pipeline
 from conveyor.schedules import Action, Kind, Schedule
@@ -377,7 +377,9 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
-    args, kwargs = as_call(batch)
+    """The plain model called on ``batch`` as a traced pipeline calls it (a Hugging
+    Face model with ``use_cache=False`` where the batch leaves it out)."""
+    args, kwargs = call_form(model, batch).call(batch)
     return model(*args, **kwargs)
 
 
