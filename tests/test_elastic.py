@@ -96,7 +96,7 @@ def test_resume_auto_starts_a_run_or_continues_it(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     flags = [*TINY, "--steps", "4", "--save-every", "2", "--resume", "auto",
              "--out", str(tmp_path)]
-    assert main(["train", *flags, "--time-limit", "0"]) == 0  # stops after a step
+    assert main(["train", *flags, "--time-limit", "0.001"]) == 0  # stops after a step
     assert "resuming" not in capsys.readouterr().out
     assert main(["train", *flags, "--time-limit", "600"]) == 0
     assert "resuming at step 1" in capsys.readouterr().out

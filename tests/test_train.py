@@ -199,6 +199,12 @@ def test_verbose_prints_every_action_of_a_step_to_stderr(
       "--batch", "6"], "interleaved"),
     (["--resume"], "--resume: there is no checkpoint in"),
     (["--data-parallel", "3"], "--batch 4 does not split evenly into --data-parallel 3"),
+    (["--lr", "-1"], "--lr must be greater than 0, got -1.0"),  # was torch's traceback
+    (["--timeout", "-5"], "--timeout must be at least 0, got -5.0"),
+    (["--on-nonfinite", "ignore"], "unknown --on-nonfinite 'ignore'; choose stop or skip"),
+    (["--length", "10000000"], "--length 10000000: one micro-batch's attention scores alone "
+                               "take 1490116 GiB (2 sequences x 2 heads x 10000000^2 x 4 "
+                               "bytes), more than half of this machine's"),  # was a hang
     (["--data-parallel", "2", "--chunks", "4"], "--chunks 4 is more than the batch of 2 "
                                                 "sequences per replica"),
     (["--data-parallel", "2"], "--data-parallel 2 needs processes: launch 4 with torchrun"),

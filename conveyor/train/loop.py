@@ -77,7 +77,8 @@ def _run_command(args: argparse.Namespace) -> int:
         return 2
     except ConveyorError as exc:
         where = f" (rank {rank})" if dist.is_initialized() else ""
-        print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
+        text = str(exc).replace("raise timeout=", "raise --timeout")  # the flag here
+        print(f"conveyor train: error{where}: {text}", file=sys.stderr)
         report = getattr(exc, "where", None)  # where every rank stood, when a step failed
         if report:
             print(report, file=sys.stderr)
@@ -241,7 +242,7 @@ class _Training:
                 self._after_step(loss, progress)
                 stopped_by, out_of_time = agree(
                     self.pipe, signals.received,
-                    int(time.monotonic() - self.began > config.time_limit))
+                    int(0 < config.time_limit < time.monotonic() - self.began))
                 if stopped_by:
                     break
                 if out_of_time and self.step < config.steps:
@@ -378,6 +379,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimi
                     devices=stage_devices(config), data_parallel=config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_byte_loss, check_finite=True,
+                    timeout=config.timeout or None,
                     rebalance=Rebalance() if config.rebalance else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers

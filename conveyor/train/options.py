@@ -65,7 +65,10 @@ class TrainConfig:
     on_nonfinite: str = _option("stop", "a step whose loss or gradient is NaN or infinite: "
                                         "stop the run before it reaches the weights (exit "
                                         "1), or skip it (counted and reported)")
-    time_limit: float = _option(240.0, "seconds after which the run stops early (and saves)")
+    time_limit: float = _option(0.0, "seconds after which the run stops early and saves "
+                                     "(0: none)")
+    timeout: float = _option(0.0, "seconds a stage may take for one action, and the pipeline "
+                                  "without progress (0: fitted to the step time)")
     sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
     out: str = _option("runs/default", "output directory")
 
@@ -90,6 +93,12 @@ class TrainConfig:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.sample_bytes < 0:
             raise ConfigError(f"--sample-bytes must be at least 0, got {self.sample_bytes}")
+        for name in ("lr", "time_limit", "timeout"):
+            value = getattr(self, name)
+            if not (value > 0 or (value == 0 and name != "lr")) or value != value:
+                least = "greater than 0" if name == "lr" else "at least 0"
+                raise ConfigError(f"{_flag(name)} must be {least}, got {value}")
+        self._check_memory()
         if self.batch % self.data_parallel:
             raise ConfigError(f"--batch {self.batch} does not split evenly into "
                               f"--data-parallel {self.data_parallel} replicas")
@@ -119,6 +128,23 @@ class TrainConfig:
             raise ConfigError(f"--shard cannot run --schedule {self.schedule}, whose split "
                               "backwards compute weight gradients outside FSDP's hooks; use "
                               "1f1b, gpipe or interleaved-1f1b")
+
+
+    def _check_memory(self) -> None:
+        """Refuses a length whose attention alone would not fit in this machine's memory
+        (it would not fail: it would swap, or compute for hours before the first step)."""
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return
+        rows = -(-self.batch // (self.data_parallel * self.chunks))
+        scores = rows * self.heads * self.length ** 2 * 4  # float32, one layer
+        if scores > memory // 2:
+            raise ConfigError(
+                f"--length {self.length}: one micro-batch's attention scores alone take "
+                f"{scores / 2**30:.0f} GiB ({rows} sequences x {self.heads} heads x "
+                f"{self.length}^2 x 4 bytes), more than half of this machine's "
+                f"{memory / 2**30:.0f} GiB; use a shorter --length, or more --chunks")
 
 
 _METAVARS = {int: "N", float: "X", str: "NAME"}

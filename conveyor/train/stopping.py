@@ -23,8 +23,9 @@ __all__: list[str] = []
 class StopSignals:
     """SIGINT and SIGTERM ask the training loop to stop after the step in flight.
 
-    ``received`` is the number of the first such signal (0: none). A second Ctrl-C
-    interrupts at once, without saving (the last periodic checkpoint stays).
+    ``received`` is the number of the first such signal (0: none). A second one (Ctrl-C
+    again, or a scheduler's second SIGTERM) interrupts at once, without saving (the
+    last periodic checkpoint stays).
     """
 
     def __init__(self) -> None:
@@ -38,9 +39,9 @@ class StopSignals:
         return self
 
     def _handle(self, number: int, frame: Any) -> None:
-        if self.received and number == signal.SIGINT:
+        if self.received:  # a second signal: the step in flight does not end (stuck)
             raise KeyboardInterrupt
-        self.received = self.received or number
+        self.received = number
 
     def __exit__(self, *exc: object) -> None:
         for number, handler in self.previous.items():
