@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from conveyor import GPipe  # noqa: E402
-from conveyor.engine.rng import LayerRandomness  # noqa: E402
+from conveyor.engine.recompute.rng import LayerRandomness  # noqa: E402
 
 BATCH, WIDTH, CHUNKS = 256, 512, 8
 

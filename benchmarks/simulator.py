@@ -24,8 +24,8 @@ from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
 from conveyor.train.models import feed_forward_stack  # noqa: E402
-from conveyor.observe.simulate import CostModel, simulate  # noqa: E402
-from conveyor.observe.trace import plot_timelines  # noqa: E402
+from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
+from conveyor.schedules.timeline import plot_timelines  # noqa: E402
 
 BATCH, WIDTH, CHUNKS, STAGES = 256, 512, 8, 2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)]

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 from conveyor import profile_layers, solve_balance  # noqa: E402
 from conveyor.schedules import gpipe  # noqa: E402
-from conveyor.observe.simulate import CostModel, simulate  # noqa: E402
+from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 
 BATCH, LENGTH, DEVICES, CHUNKS = 64, 128, (2, 4, 8), (1, 4, 32)
 PAPER = {2: (1.0, 1.7, 1.8), 4: (1.07, 3.2, 3.4), 8: (1.3, 4.8, 6.3)}

@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from conveyor import GPipe  # noqa: E402
-from conveyor.engine.recompute import recomputes  # noqa: E402
+from conveyor.engine.recompute.replay import recomputes  # noqa: E402
 from conveyor.train.models import feed_forward_stack  # noqa: E402
 
 STAGES = 2

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from schedules import models  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor.observe.simulate import CostModel, simulate  # noqa: E402
+from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 from conveyor.observe.plan import measure, plan  # noqa: E402
 from conveyor.schedules import build  # noqa: E402
 

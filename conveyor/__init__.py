@@ -13,7 +13,7 @@ The package is layered; each part imports only those listed above it::
     cli/          the conveyor command
 
 The names below load on first use, so ``import conveyor`` and ``conveyor.schedules``
-(and the simulator, ``conveyor.observe.simulate``) work without importing torch.
+(and the simulator, ``conveyor.schedules.simulate``) work without importing torch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _PUBLIC = {
     "Schedule": "conveyor.schedules",
     "DeferredBatchNorm": "conveyor.engine.batchnorm",
     "convert_deferred_batch_norm": "conveyor.engine.batchnorm",
-    "is_recomputing": "conveyor.engine.recompute",
+    "is_recomputing": "conveyor.engine.recompute.replay",
     "token_loss": "conveyor.engine.loss",
     "tune_malloc": "conveyor.engine.allocator",
     "LayerProfile": "conveyor.graph.profile",
@@ -51,12 +51,12 @@ _PUBLIC = {
     "stash": "conveyor.graph.skip",
     "verify_skips": "conveyor.graph.skip",
     "record": "conveyor.observe.recording",
-    "Rebalance": "conveyor.observe.rebalance_policy",
-    "check": "conveyor.observe.check",
-    "CheckReport": "conveyor.observe.check",
-    "CostModel": "conveyor.observe.simulate",
-    "Timeline": "conveyor.observe.trace",
-    "plot_timelines": "conveyor.observe.trace",
+    "Rebalance": "conveyor.runtime.rebalance.policy",
+    "check": "conveyor.checking.check",
+    "CheckReport": "conveyor.checking.check",
+    "CostModel": "conveyor.schedules.simulate",
+    "Timeline": "conveyor.schedules.timeline",
+    "plot_timelines": "conveyor.schedules.timeline",
     "where": "conveyor.observe.where",
     "report_on_signal": "conveyor.observe.where",
     "CheckpointError": "conveyor.train.errors",

@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.distributed.runtime import RunsRuntime
+from conveyor.runtime.runtime import RunsRuntime
 from conveyor.errors import ConveyorError
 
 __all__ = ["generate"]

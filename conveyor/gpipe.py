@@ -17,7 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.distributed.runtime import Runtime, RunsRuntime
+from conveyor.runtime.runtime import Runtime, RunsRuntime
+from conveyor.runtime.wiring import Threads
 from conveyor.distributed.topology import Topology
 from conveyor.engine.accumulation import SetAside, fusing_allowed
 from conveyor.engine.devices import Device, resolve_devices
@@ -142,7 +143,8 @@ class GPipe(RunsRuntime):
         schedule = gpipe(count, chunks).with_edges(layout.edges)
         validate(schedule)
         self._runtime = Runtime(layout, schedule, Topology(pipeline_size=count), self.devices,
-                                Deadlines(timeout), fuse_accumulation=fusing_allowed())
+                                Deadlines(timeout), Threads(),
+                                fuse_accumulation=fusing_allowed())
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)

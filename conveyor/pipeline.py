@@ -19,38 +19,26 @@ and is divided by the whole batch's count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.distributed.agreement import agree, model_shapes, schedule_of
-from conveyor.distributed.gradients import (
-    clip_grad_norm, overflowed_on_any_rank, reduce_across_replicas, step_loss)
-from conveyor.distributed.peerfailure import as_everywhere
-from conveyor.distributed.planning import local_ranks, make_schedule, with_model_edges
-from conveyor.distributed.rebalance import BalancePolicy, Rebalancing, check_rebalance
-from conveyor.distributed.runtime import Runtime, RunsRuntime
+from conveyor.distributed.faults.agreement import agree, model_shapes
+from conveyor.distributed.gradients import clip_grad_norm
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
-from conveyor.distributed.whereabouts import Whereabouts
-from conveyor.engine.accumulation import SetAside, fusing_allowed
+from conveyor.engine.accumulation import fusing_allowed
 from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.layers import compile_layers
 from conveyor.engine.loss import LossFn, LossScaler, autocast, compute_dtype
-from conveyor.engine.microbatch import (
-    batch_size,
-    gather,
-    microbatch_count,
-    microbatch_sizes,
-    split,
-)
-from conveyor.engine.step import StepState, check_options, new_step
-from conveyor.engine.ties import sum_tied_gradients
+from conveyor.engine.microbatch import gather, microbatch_count, split
+from conveyor.engine.step import check_options, new_step
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import ConveyorError, MicroBatchError
+from conveyor.errors import ConveyorError
 from conveyor.graph.layout import (
     adopt,
     cut,
@@ -62,9 +50,24 @@ from conveyor.graph.layout import (
 )
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
+from conveyor.runtime.options import PipelineOptions
+from conveyor.runtime.planning import local_ranks, make_schedule, with_model_edges
+from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing, check_rebalance
+from conveyor.runtime.runtime import Runtime, RunsRuntime
+from conveyor.runtime.steps import TrainingStep, train_step
+from conveyor.runtime.wiring import Ranks, Threads, Wiring
 from conveyor.schedules import Kind, Schedule
 
 __all__ = ["Pipeline"]
+
+
+@dataclass
+class _Pending:
+    """What a pipeline cut at its first call keeps until then."""
+
+    module: nn.Module | LayerBuilder
+    deadlines: Deadlines
+    sharded: bool
 
 
 class Pipeline(RunsRuntime):
@@ -113,7 +116,7 @@ class Pipeline(RunsRuntime):
             the stages while training and, when another balance would make the step
             enough faster, moves layers between stages between two steps, with their
             optimizer state (call :meth:`attach_optimizer`); see
-            ``conveyor.distributed.rebalance``.
+            ``conveyor.runtime.rebalance.rebalancing``.
         check_finite: raise on every rank when a micro-batch's loss is NaN or inf.
         precision: "bf16" or "fp16" runs every stage under ``torch.autocast`` to that
             dtype, weights and gradients staying in their own (float32: master weights);
@@ -139,6 +142,11 @@ class Pipeline(RunsRuntime):
             module's ``reset_parameters()``).
         weights: with ``split_at``, a ``state_dict`` or a checkpoint file of the plain
             model (``.safetensors`` or ``torch.save``); each rank reads its own tensors.
+        topology: where the pipeline's ranks are, given rather than read from the
+            environment: ``Topology(pipeline_size=K)`` runs every stage in this process
+            (on threads) even under torchrun; a ``Topology`` of process groups (as
+            ``Topology.from_environment`` makes) runs one rank of them. Default: read
+            from the environment (torchrun's, or one process).
     """
 
     def __init__(
@@ -168,47 +176,36 @@ class Pipeline(RunsRuntime):
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
         rebalance: BalancePolicy | None = None,
+        topology: Topology | None = None,
     ) -> None:
         super().__init__()
-        mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
+        self.options = options = PipelineOptions.of(locals())
+        check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         if isinstance(module, nn.Module):  # in the model's mode: train() or eval() to change
             self.training = module.training
-        self.loss_fn = loss_fn
-        self.chunks = chunks
-        self.recompute = mode
-        self.check_finite = check_finite
-        self._dtype = compute_dtype(precision)
+        self.loss_fn, self.chunks, self.recompute = loss_fn, chunks, options.mode
         self.scaler = LossScaler() if precision == "fp16" else None
-        self.compiled = compile
         deadlines = Deadlines(timeout)
-        topology = Topology.from_environment(data_parallel=data_parallel, stages=stages,
-                                             timeout=deadlines.opening)
-        if topology is not None:
-            agree({"ranks": topology.pipeline_size, "data_parallel": data_parallel,
-                   "chunks": chunks, "schedule": schedule_of(schedule),
-                   "virtual_stages": virtual_stages,
-                   "balance": balance if isinstance(balance, (str, type(None))) else list(balance),
-                   "split_at": None if split_at is None else list(split_at),
-                   "recompute": mode, "deferred_batch_norm": deferred_batch_norm,
-                   "check_finite": check_finite, "precision": precision, "compile": compile,
-                   "layers": layers, "sharding": sharding,
-                   "tie_weights": [list(group) for group in tie_weights],
-                   "model": model_shapes(module),
-                   "rebalance": None if rebalance is None else repr(rebalance)})
-        ranks = topology.pipeline_size if topology else local_ranks(stages, devices)
-        self.topology = topology or Topology(pipeline_size=ranks)
+        explicit = topology is not None
+        topology = topology or Topology.from_environment(
+            data_parallel=data_parallel, stages=stages, timeout=deadlines.opening)
+        if topology is not None and topology.distributed:
+            agree({"ranks": topology.pipeline_size, **options.agreed(),
+                   "model": model_shapes(module)})
+        ranks = (topology.pipeline_size if topology and (explicit or topology.distributed)
+                 else local_ranks(stages, devices))
+        self.topology = topology if topology and topology.distributed \
+            else Topology(pipeline_size=ranks)
         table = make_schedule(schedule, ranks, chunks, virtual_stages)
         self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
                                         per="pipeline rank")
-                        if topology is None else [topology.device or torch.device("cpu")] * ranks)
+                        if not self.topology.distributed
+                        else [self.topology.device or torch.device("cpu")] * ranks)
         sharded = check_sharding(sharding, table, self.topology)
         refuse_edges(table.edges, module, split_at)
         self.schedule = table  # before the layers are registered: no layer takes the name
         self._rebalancing: Rebalancing | None = None
-        self._pending: dict[str, Any] | None = dict(
-            module=module, deadlines=deadlines, sharded=sharded, rebalance=rebalance, cut=dict(
-                balance=balance, split_at=split_at, layers=layers, tie_weights=tie_weights,
-                deferred_batch_norm=deferred_batch_norm, init_fn=init_fn, weights=weights))
+        self._pending: _Pending | None = _Pending(module, deadlines, sharded)
         if sample is None and isinstance(module, nn.Module) and cuts_at_first_step(
                 module, balance, split_at, distributed=self.topology.distributed):
             adopt(self, module)  # parameters() and state_dict() as the model's until the cut
@@ -219,35 +216,35 @@ class Pipeline(RunsRuntime):
         """Cuts the model and builds the runtime (when built, or at the first step)."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        table, distributed, ranks = self.schedule, self.topology.distributed, len(self.devices)
+        options, table, topology = self.options, self.schedule, self.topology
+        distributed = topology.distributed
         layout = cut(
-            self, pending["module"], stages=table.num_stages,
+            self, pending.module, stages=table.num_stages,
             devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},
             local=[s for s in range(table.num_stages)
-                   if not distributed or table.stage_ranks[s] == self.topology.pipeline_rank],
+                   if not distributed or table.stage_ranks[s] == topology.pipeline_rank],
             concurrent=thread_devices(self.devices if not distributed else self.devices[:1]),
-            sample=sample,
-            **pending["cut"])
+            sample=sample, **options.cut())
         if layout.edges:
             table = with_model_edges(table, layout.edges)
         if distributed:
-            connect_ties(layout.ties, self.topology, table.stage_ranks)
+            connect_ties(layout.ties, topology, table.stage_ranks)
         self.schedule = table
-        sharded, rebalance = pending["sharded"], pending["rebalance"]
-        self._sharding = Sharding(layout.stages, self.topology, table, layout.ties) if sharded \
-            else None
-        whereabouts = (Whereabouts(self.topology.pipeline_rank, ranks, self.topology.data_rank,
-                                   self._snapshot) if distributed else None)
+        sharding = Sharding(layout.stages, topology, table, layout.ties) \
+            if pending.sharded else None
+        wiring: Wiring = Ranks(topology, self._snapshot) if distributed else Threads()
         self._runtime = Runtime(
-            layout, table, self.topology, self.devices, pending["deadlines"],
-            whereabouts=whereabouts,
-            fuse_accumulation=fusing_allowed() and not self.compiled and not sharded)
-        for stage in layout.stages.values() if self.compiled else ():
+            layout, table, topology, self.devices, pending.deadlines, wiring,
+            fuse_accumulation=fusing_allowed() and not options.compile and not sharding)
+        self._training = TrainingStep(self.chunks, self.recompute, self.loss_fn,
+                                      options.check_finite, compute_dtype(options.precision),
+                                      self.scaler, sharding)
+        for stage in layout.stages.values() if options.compile else ():
             compile_layers(stage.layers)
-        if rebalance is not None:
-            check_rebalance(self._runtime, rebalance, sharded=sharded)
+        if options.rebalance is not None:
+            check_rebalance(self._runtime, options.rebalance, sharded=pending.sharded)
             assert layout.source is not None  # check_rebalance refuses a traced model
-            self._rebalancing = Rebalancing(rebalance, len(layout.source.names))
+            self._rebalancing = Rebalancing(options.rebalance, len(layout.source.names))
 
     @property  # type: ignore[override]
     def _runtime(self) -> Runtime:
@@ -293,54 +290,14 @@ class Pipeline(RunsRuntime):
         self._cut_at_first_call(inputs)
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
-        runtime = self._runtime
-        last = self.schedule.num_stages - 1
-        state = self._new_step(inputs, grad_enabled=True, loss_fn=self.loss_fn,
-                               check_finite=self.check_finite,
-                               grad_scale=self.scaler.scale if self.scaler else 1.0)
-        if last in self._runtime.stages:
-            batch = batch_size(targets)
-            if 0 in self._runtime.stages and batch_size(inputs) != batch:
-                raise MicroBatchError(
-                    f"the targets have {batch} rows but the inputs {batch_size(inputs)}: "
-                    "dim 0 is the batch in both; give one target per sample")
-            state.targets = split(targets, self.chunks)
-            state.loss_scale = [n / batch for n in microbatch_sizes(batch, self.chunks)]
-        params = list(self.parameters())
-        earlier = SetAside(params)  # this step's gradients alone, until they are reduced
+        completed = False
         try:
-            with autocast(self.devices, self._dtype):
-                self._runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
-            loss, divisor = step_loss(state, runtime, self.chunks)
-            if self._sharding is not None:  # reduce-scattered once, after the last backward
-                self._sharding.reduce(divisor, lambda total, group: runtime.all_reduce(
-                    total, group, "the all-reduce of the tied weights' gradients"))
-            else:
-                sum_tied_gradients(runtime.layout.ties, lambda total, group: runtime.all_reduce(
-                    total, group, "the all-reduce of the tied weights' gradients"))
-                reduce_across_replicas(
-                    params, self.topology.data_group, self.topology.data_size, divisor,
-                    lambda flat, op: runtime.all_reduce(flat, self.topology.data_group,
-                                                      "the replicas' gradient averaging", op))
-            overflowed = self.scaler is not None and overflowed_on_any_rank(
-                self.scaler, params, runtime)
-        except BaseException as exc:
-            if self._sharding is not None:
-                self._sharding.discard()
-            earlier.restore()
-            runtime.explain(exc)  # a collective's failure too, not only the run's
+            loss = train_step(self._runtime, self._training, inputs, targets,
+                              params=list(self.parameters()), training=self.training)
+            completed = True
+        finally:
             if self._rebalancing is not None:
-                self._rebalancing.after_step(self._runtime, completed=False)
-            everywhere = as_everywhere(exc)
-            if everywhere is not exc:
-                raise everywhere from exc
-            raise
-        if overflowed:  # dropped, on every rank alike
-            earlier.restore()
-        else:
-            earlier.add_back()
-        if self._rebalancing is not None:
-            self._rebalancing.after_step(self._runtime, completed=True)
+                self._rebalancing.after_step(self._runtime, completed=completed)
         return loss
 
     @torch.no_grad()
@@ -363,10 +320,10 @@ class Pipeline(RunsRuntime):
         microbatches = split(inputs, count) if 0 in self._runtime.stages else []
         state = new_step(microbatches, chunks=count, recompute=self.recompute,
                          grad_enabled=False, training=self.training)
-        with autocast(self.devices, self._dtype):
+        with autocast(self.devices, self._training.dtype):
             self._runtime.run([Kind.FORWARD], state, microbatches=count)
-        if self._sharding is not None:
-            self._sharding.reshard()
+        if self._training.sharding is not None:
+            self._training.sharding.reshard()
         if self.schedule.num_stages - 1 not in self._runtime.stages:
             return None
         return gather([state.outputs[m] for m in range(count)])
@@ -390,7 +347,9 @@ class Pipeline(RunsRuntime):
     def _cut_at_first_call(self, inputs: Any) -> None:
         """Built without ``sample=``: cuts the model on the first call's first micro-batch."""
         if self._pending is not None:
-            self._build(first_microbatch(inputs, self.chunks, self._pending["module"]))
+            module = self._pending.module
+            assert isinstance(module, nn.Module)  # a layer builder is cut when built
+            self._build(first_microbatch(inputs, self.chunks, module))
             keep_copies_equal(self, self._runtime.layout.ties)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -401,7 +360,7 @@ class Pipeline(RunsRuntime):
                 counted.discard(id(duplicate))
         params = list(self.parameters())
         # Sharded, each stage's norm is first summed over its shards.
-        groups = [self.topology.data_group] if self._sharding is not None else []
+        groups = [self.topology.data_group] if self._training.sharding is not None else []
         groups.append(self.topology.pipeline_group)
 
         def reduce(norm: torch.Tensor, op: Any) -> None:
@@ -434,11 +393,6 @@ class Pipeline(RunsRuntime):
                 f"chunks={self.chunks}, recompute={self.recompute!r}, {where}")
 
     # ----------------------------------------------------------------- internals
-
-    def _new_step(self, inputs: Any, *, grad_enabled: bool, **options: Any) -> StepState:
-        microbatches = split(inputs, self.chunks) if 0 in self._runtime.stages else []
-        return new_step(microbatches, chunks=self.chunks, recompute=self.recompute,
-                        grad_enabled=grad_enabled, training=self.training, **options)
 
     def _snapshot(self) -> dict[str, Any] | None:
         """This rank's place in the current (or last) step (the whereabouts' answer)."""

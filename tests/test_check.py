@@ -241,7 +241,7 @@ def test_train_check_runs_before_training_and_is_not_saved(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     from conveyor.cli.main import build_parser
-    from conveyor.observe.check import CheckReport, Finding
+    from conveyor.checking.check import CheckReport, Finding
     from conveyor.train import checkstep
     from conveyor.train.options import TrainConfig, from_arguments
 
@@ -301,9 +301,9 @@ def _counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     the last stage's outputs themselves, so a split backward of a recomputed micro-batch
     starts from their total gradients, and what flows into the encoder's state through
     the decoder counts twice."""
-    import conveyor.engine.stage
+    import conveyor.engine.actions
 
-    monkeypatch.setattr(conveyor.engine.stage, "_read_apart", lambda outputs: outputs)
+    monkeypatch.setattr(conveyor.engine.actions, "_read_apart", lambda outputs: outputs)
 
 
 def test_a_returned_value_counted_twice_by_split_backward_is_named(

@@ -101,7 +101,7 @@ def test_simulate_says_what_its_figures_are(capsys: pytest.CaptureFixture[str]) 
 def test_simulate_ends_bad_input_with_one_line_and_code_2(
         argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from conveyor.observe.simulate import CostModel
+    from conveyor.schedules.simulate import CostModel
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "four.json").write_text(json.dumps(CostModel.uniform(4).to_dict()))
@@ -114,7 +114,7 @@ def test_simulate_ends_bad_input_with_one_line_and_code_2(
 
 def test_a_cost_model_file_drives_simulate_in_its_own_unit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from conveyor.observe.simulate import CostModel
+    from conveyor.schedules.simulate import CostModel
 
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(CostModel.uniform(2, forward=0.01, backward=0.01,
@@ -127,7 +127,7 @@ def test_a_cost_model_file_drives_simulate_in_its_own_unit(
 
 def test_a_recorded_run_has_the_simulators_form_and_the_trace_command_reads_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from conveyor.observe.simulate import CostModel, simulate
+    from conveyor.schedules.simulate import CostModel, simulate
     from conveyor.schedules import dependencies
 
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def test_trace_ends_an_unreadable_file_with_one_line_and_code_2(
 
 def test_trace_shows_a_simulated_timeline_in_its_own_unit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from conveyor.observe.simulate import CostModel, simulate
+    from conveyor.schedules.simulate import CostModel, simulate
 
     simulate(build("1f1b", 2, 4), CostModel.uniform(2)).timeline.save(tmp_path / "u.json")
     assert main(["trace", str(tmp_path / "u.json")]) == 0

@@ -20,8 +20,8 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.layers import compile_layers, is_compiled
-from conveyor.engine.rng import draw_step_seed
-from conveyor.observe.checkruns import _traced_per_microbatch
+from conveyor.engine.recompute.rng import draw_step_seed
+from conveyor.checking.runs import _traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
 from tests.support import any_models
 from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer

@@ -144,7 +144,7 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
     for name, grad in grads.items():
         assert relative_error(grad, expected[name]) <= 1e-10, name
     # Recording under torchrun: every rank gets every rank's actions.
-    from conveyor.observe.trace import Timeline
+    from conveyor.schedules.timeline import Timeline
 
     for result in results:
         timeline = Timeline.from_dict(result["timeline"])  # type: ignore[arg-type]

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from conveyor.distributed import agreement
-from conveyor.distributed.explain import _name_the_store_host, _notes, _read_the_notice
-from conveyor.distributed.peerfailure import lost_peer, origin, reported, wait_failed
-from conveyor.distributed.store import StoreGone
+from conveyor.distributed.faults import agreement
+from conveyor.distributed.faults.explain import _name_the_store_host, _notes, _read_the_notice
+from conveyor.distributed.faults.peerfailure import lost_peer, origin, reported, wait_failed
+from conveyor.distributed.faults.store import StoreGone
 from conveyor.errors import PeerFailure
 
 TROUBLE = ("rank 0, whose process hosts the job's store, did not answer a call (check) "

@@ -15,9 +15,10 @@ import conveyor
 PACKAGE = Path(conveyor.__file__).parent
 # Each layer may import the ones before it, never one after it. The two faces, the
 # modules ``gpipe`` and ``pipeline``, stand side by side on one layer.
-LAYERS = ["errors", "schedules", "engine", "graph", "distributed", "gpipe|pipeline|decoding",
-          "observe", "train", "cli"]
-ROOMS = ["schedules", "engine", "graph", "distributed", "observe", "train", "cli"]
+LAYERS = ["errors", "schedules", "engine", "graph", "distributed", "runtime",
+          "gpipe|pipeline|decoding", "observe", "checking", "train", "cli"]
+ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "checking", "train",
+         "cli"]
 
 
 def _modules() -> dict[str, Path]:
@@ -139,8 +140,8 @@ def test_rooms_modules_and_functions_stay_small() -> None:
                                      f"runs {length} lines"
 
 
-@pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.observe.simulate",
-                                    "conveyor.observe.trace",
+@pytest.mark.parametrize("module", ["conveyor", "conveyor.schedules", "conveyor.schedules.simulate",
+                                    "conveyor.schedules.timeline",
                                     "conveyor.train.options", "conveyor.train.outdir",
                                     "conveyor.cli"])
 def test_modules_that_import_no_torch(module: str) -> None:
@@ -151,7 +152,7 @@ def test_modules_that_import_no_torch(module: str) -> None:
 
 
 def test_no_import_hook_and_no_short_paths() -> None:
-    """Every module path is a file: ``conveyor.simulate`` is ``conveyor.observe.simulate``."""
+    """Every module path is a file: ``conveyor.simulate`` is ``conveyor.schedules.simulate``."""
     import sys
 
     assert not [finder for finder in sys.meta_path

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.rng import draw_step_seed
+from conveyor.engine.recompute.rng import draw_step_seed
 from tests.support.models import (
     assert_same_grads,
     build,

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.distributed.optimizer import adopt, release
-from conveyor.distributed.rebalance import StageTimes
-from conveyor.observe.rebalance_policy import layer_costs
+from conveyor.runtime.rebalance.optimizer import adopt, release
+from conveyor.runtime.rebalance.rebalancing import StageTimes
+from conveyor.runtime.rebalance.policy import layer_costs
 from conveyor.schedules import build
 from tests.support.launch import launch
 from tests.support.models import relative_error

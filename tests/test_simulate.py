@@ -8,8 +8,8 @@ import pytest
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules import Edge, Schedule, build, parse
-from conveyor.observe.simulate import CostModel, simulate
-from conveyor.observe.trace import Event, Timeline
+from conveyor.schedules.simulate import CostModel, simulate
+from conveyor.schedules.timeline import Event, Timeline
 
 SIZES = [(k, m) for k in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 16, 32)]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.observe.simulate import CostModel, simulate
-from conveyor.observe.trace import (
+from conveyor.schedules.simulate import CostModel, simulate
+from conveyor.schedules.timeline import (
     Event,
     Timeline,
     _draw_arrows,

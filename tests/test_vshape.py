@@ -9,7 +9,7 @@ import pytest
 
 import conveyor
 from conveyor.errors import ScheduleError
-from conveyor.observe.simulate import CostModel, simulate
+from conveyor.schedules.simulate import CostModel, simulate
 from conveyor.schedules import (
     build,
     dualpipe_v,

@@ -71,7 +71,7 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
 def check_command(args: argparse.Namespace) -> int:
     """The body of ``conveyor check``."""
     from conveyor.errors import ConveyorError
-    from conveyor.observe.check import check
+    from conveyor.checking.check import check
 
     try:
         arguments = _arguments(args)

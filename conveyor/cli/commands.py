@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from conveyor.cli import tables
 
 if TYPE_CHECKING:
-    from conveyor.observe.simulate import CostModel, Simulation
+    from conveyor.schedules.simulate import CostModel, Simulation
     from conveyor.schedules import Schedule
 
 __all__: list[str] = []
@@ -52,8 +52,8 @@ def simulate_command(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     """Checks the options, simulates, draws and writes what was asked, prints the figures."""
     from conveyor.errors import ConfigError
-    from conveyor.observe.simulate import simulate
-    from conveyor.observe.trace import plot_timelines
+    from conveyor.schedules.simulate import simulate
+    from conveyor.schedules.timeline import plot_timelines
     from conveyor.schedules import build
 
     for name in ("stages", "chunks", "virtual_stages"):
@@ -117,7 +117,7 @@ def _simulate_costs(args: argparse.Namespace, table: Schedule,
                     flags: dict[str, float | None]) -> CostModel:
     """The --costs file as it is, or the flags, which describe one rank's layers: each of
     a rank's V stages costs 1/V of them (``CostModel.per_rank``)."""
-    from conveyor.observe.simulate import CostModel
+    from conveyor.schedules.simulate import CostModel
 
     if args.costs:
         costs = CostModel.load(args.costs)
@@ -240,7 +240,7 @@ def trace_command(args: argparse.Namespace) -> int:
     """``conveyor trace``: a file it cannot read or write ends it with one line on stderr
     and code 2."""
     from conveyor.errors import ConfigError
-    from conveyor.observe.trace import Timeline, plot_timelines
+    from conveyor.schedules.timeline import Timeline, plot_timelines
 
     try:
         try:

@@ -25,6 +25,7 @@ from torch import nn
 from conveyor.cli import tables
 from conveyor.cli.loading import load_function
 from conveyor.errors import ConfigError, ConveyorError
+from conveyor.checking.plans import verify_plans
 from conveyor.observe import plan as planning
 
 __all__: list[str] = []
@@ -132,7 +133,7 @@ def _verify(args: argparse.Namespace, model: nn.Module, sample: Any, split_at: l
         return {}, ("not verified: the model is on the meta device, with nothing to run; "
                     f"check a small build of it: {command}")
     mode = "never" if args.no_rematerialize else "except_last"
-    return planning.verify_plans(plans, model, sample, split_at=split_at, recompute=mode), ""
+    return verify_plans(plans, model, sample, split_at=split_at, recompute=mode), ""
 
 
 def _print_plan(args: argparse.Namespace, model: nn.Module, names: list[str],

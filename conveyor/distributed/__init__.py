@@ -1,7 +1,6 @@
-"""Where stages run: the runtime both faces build (threads of one process, or processes
-under torchrun), topology, the point-to-point transport, bounded collectives and hang
-reports across ranks, tied weights across ranks, data parallelism (replicas or FSDP2),
-clipping, and re-balancing a running pipeline.
+"""The wire and the ranks: topology, the point-to-point transport and its envelopes,
+watched receives, tied weights across ranks, data parallelism (replicas or FSDP2) and
+gradients across ranks; what a rank reports when another fails is in ``faults/``.
 """
 
 __all__: list[str] = []

@@ -7,27 +7,21 @@ more than one rank:
 * data-parallel replicas of a stage average their gradients (as DDP would), or, for a
   ``(loss_sum, count)`` loss, sum them and divide by the count over every replica;
 * clipping by the global norm needs the norm over every stage, counting a tied weight
-  once;
-* the step's loss, and float16's check for overflowing gradients, are agreed on by
-  every rank.
+  once.
+
+(The step's loss and float16's overflow check, agreed on by every rank, are the
+runtime's: :mod:`conveyor.runtime.steps`.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from conveyor.engine.loss import LossScaler
-from conveyor.engine.step import StepState
-from conveyor.errors import ConveyorError
-
-if TYPE_CHECKING:
-    from conveyor.distributed.runtime import Runtime
 
 __all__: list[str] = []
 
@@ -119,58 +113,3 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
             if p.grad is not None:
                 p.grad.mul_(coefficient)
     return total.to(torch.float32)
-
-
-def step_loss(state: StepState, runtime: Runtime, chunks: int) -> tuple[torch.Tensor, float]:
-    """The step's loss on every rank, and what its gradients are to be divided by
-    once summed over the data-parallel replicas (collectives: every rank calls it).
-
-    The last stage's rank shares ``[sum, count, paired]`` over the pipeline, and the
-    replicas add theirs up: float64 whatever the model's dtype, which every rank
-    must agree on before the last stage has computed anything, and which keeps a
-    float64 model's loss exact.
-
-    Raises:
-        ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
-    """
-    totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
-    if runtime.schedule.num_stages - 1 in runtime.stages:
-        losses = torch.stack([state.losses[m] for m in range(chunks)]).to(totals)
-        if state.counts:
-            counts = torch.stack([state.counts[m] for m in range(chunks)]).to(totals)
-            totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
-        else:
-            totals[0] = (losses * losses.new_tensor(state.loss_scale)).sum()
-    totals = runtime.from_last_stage(totals)
-    replicas = runtime.topology.data_size
-    if replicas > 1:
-        runtime.all_reduce(totals, runtime.topology.data_group, "the replicas' loss total")
-    if not totals[2]:  # scalar losses: the replicas' mean
-        return (totals[0] / replicas).detach(), replicas
-    count = float(totals[1])
-    if count <= 0:
-        raise ConveyorError(
-            f"loss_fn's counts add up to {count:g} over the whole batch"
-            f"{f' and its {replicas} replicas' if replicas > 1 else ''}, so the loss "
-            "(loss_sum / count) is undefined; every target is padding?"
-        )
-    return (totals[0] / count).detach(), count
-
-
-def overflowed_on_any_rank(scaler: LossScaler, params: Sequence[nn.Parameter],
-                           runtime: Runtime) -> bool:
-    """Unscales this step's gradients (float16 loss scaling) and updates the scale;
-    whether a NaN or inf was found on any stage of any rank (every rank gets the same
-    answer, so that all drop the step or none)."""
-    topology = runtime.topology
-
-    def agree(flag: torch.Tensor) -> None:
-        for group in (topology.pipeline_group, topology.data_group):
-            if group is not None:
-                runtime.all_reduce(flag, group, "the agreement on overflowing gradients",
-                                   dist.ReduceOp.MAX)
-
-    found = scaler.unscale([p.grad for p in params if p.grad is not None],
-                           agree if topology.distributed else None)
-    scaler.update(found)
-    return found

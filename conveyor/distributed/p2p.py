@@ -48,8 +48,8 @@ from conveyor.distributed.envelope import (
     _encode_abort,
     _unpickle,
 )
-from conveyor.distributed import peerfailure
-from conveyor.distributed.peerfailure import lost_peer, reported, timed_out, wait_failed
+from conveyor.distributed.faults import peerfailure
+from conveyor.distributed.faults.peerfailure import lost_peer, reported, timed_out, wait_failed
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.engine.recompute import is_recomputing
+from conveyor.engine.recompute.replay import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.accumulation import FusedAccumulation
+from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
 from conveyor.engine.layers import (
     STOP_RECOMPUTATION,
@@ -32,27 +32,19 @@ from conveyor.engine.layers import (
     is_compiled,
     mark_batch_dynamic,
 )
-from conveyor.engine.loss import loss_and_count
-from conveyor.engine.recompute import Recomputation, checkpointed, is_recomputing
-from conveyor.engine.sideeffects import ModuleState, SideEffects
-from conveyor.engine.rng import LayerRandomness
-from conveyor.engine.routing import Pair, output_pairs, summed
-from conveyor.engine.step import Saved, StepState
-from conveyor.engine.transport import deliver
-from conveyor.engine.weightgrad import WeightGradient, backward_input
+from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
+from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
+from conveyor.engine.recompute.rng import LayerRandomness
 from conveyor.errors import (
-    ConveyorError,
     LayerOutputError,
     ModelError,
-    NonFiniteLossError,
-    StageError,
 )
 
 __all__: list[str] = []
 
 _log = logging.getLogger(__name__)
 
-class Stage:
+class Stage(StageActions):
     """Layers ``first_layer .. first_layer + len(layers) - 1`` of the model on ``device``.
 
     Args:
@@ -65,9 +57,8 @@ class Stage:
             forward computes the loss).
 
     Besides running its layers on a micro-batch, a stage owns what each action of the
-    table means for it: :meth:`forward_one` (``F``), :meth:`backward_one` (``B``, or
-    ``I`` when split) and :meth:`weight_one` (``W``). The executor only walks the table,
-    receiving what an action needs and sending what it made.
+    table means for it (:class:`~conveyor.engine.actions.StageActions`): the executor
+    only walks the table, receiving what an action needs and sending what it made.
     """
 
     def __init__(
@@ -282,145 +273,6 @@ class Stage:
             "the batch, along which the pipeline splits and concatenates micro-batches"
         )
 
-    # ------------------------------------------------------------ the table's actions
-
-    def forward_one(self, microbatch: int, received: Mapping[int, Any], state: StepState,
-                    destinations: Sequence[int]) -> dict[int, Any]:
-        """``F``: runs the micro-batch (stage 0: the step's, later: joined from what the
-        earlier stages sent, by sending stage), computes the loss at the last stage, and
-        keeps what the backward needs. Returns what goes to each of ``destinations``."""
-        m = microbatch
-        inputs = (deliver(state.inputs[m], self.device) if self.index == 0
-                  else self.join(received))
-        recompute = state.grad_enabled and state.recompute(m)
-        outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
-                                        recompute=recompute)
-        loss = None
-        sent: dict[int, Any] = {}  # by receiving stage
-        read = None  # the output as loss_fn read it
-        if self.last and state.loss_fn is not None:
-            read = _read_apart(outputs) if recompute else outputs
-            loss = self._loss(m, read, state)
-        elif self.last:
-            state.outputs[m] = outputs
-        else:
-            sent = self.route(outputs, destinations)
-        if state.grad_enabled:
-            state.saved[(self.index, m)] = Saved(inputs, received, outputs, sent, loss,
-                                                 effects, read)
-        return sent
-
-    def backward_one(self, microbatch: int, came: Mapping[int, Any], state: StepState, *,
-                     split: bool) -> dict[int, list[torch.Tensor | None]]:
-        """``B`` (``split=False``): input and weight gradients at once. ``I``
-        (``split=True``): the input gradient; the weight gradient waits for ``W``.
-
-        Args:
-            came: the gradients of what this stage sent, by the stage they come from.
-
-        Returns:
-            The gradients of the stage's input, by the stage that sent each part.
-        """
-        m = microbatch
-        saved = state.saved.pop((self.index, m))
-        pairs: list[Pair]
-        if saved.loss is not None:
-            pairs = [(saved.loss, None)] if saved.loss.requires_grad else []
-        elif self.last:
-            pairs = output_pairs(saved.outputs, state.output_grads.pop(m))
-        else:
-            pairs = summed([pair for j, grads in came.items()  # a value sent to several
-                            for pair in output_pairs(saved.sent[j], grads)])  # stages: add
-        if pairs and split and saved.effects is not None:
-            pairs = self._rebuilt(m, saved, pairs, state)
-        input_leaves = pytree.tree_leaves(saved.inputs)
-        wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        found: Sequence[torch.Tensor | None] = [None] * len(wanted)
-        if pairs and split:
-            found, state.weight_work[(self.index, m)] = backward_input(
-                [out for out, _ in pairs], [g for _, g in pairs], wanted,
-                self.trainable_parameters())
-        elif pairs:
-            # The graph of a stage starts at its own detached inputs, so backward reaches
-            # exactly this stage's parameters and input leaves. Accumulating into .grad
-            # (AccumulateGrad) adds each weight gradient while it is still in cache:
-            # 5-10% faster on CPU than collecting them with autograd.grad.
-            with self.accumulator.backward() if self.accumulator else contextlib.nullcontext():
-                torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
-            found = [t.grad for t in wanted]
-        elif split:
-            state.weight_work[(self.index, m)] = WeightGradient([], [])
-        grad_of = {id(t): grad for t, grad in zip(wanted, found)}
-        if self.index == 0:
-            state.input_grads[m] = [grad_of.get(id(t)) for t in input_leaves]
-        return {i: [grad_of.get(id(t)) for t in pytree.tree_leaves(part)]
-                for i, part in saved.received.items()}
-
-    def weight_one(self, microbatch: int, state: StepState) -> None:
-        """``W``: the weight gradient that the micro-batch's ``I`` left."""
-        state.weight_work.pop((self.index, microbatch)).run()
-
-    def _loss(self, m: int, outputs: Any, state: StepState) -> torch.Tensor:
-        """The loss of micro-batch m, as its backward starts from: scaled by the
-        micro-batch's share of the batch, or (a ``(loss_sum, count)`` pair) the sum
-        alone, divided by the whole step's count once every micro-batch is done."""
-        assert state.loss_fn is not None and state.targets is not None
-        targets = deliver(state.targets[m], self.device)
-        try:
-            result = state.loss_fn(outputs, targets)
-        except Exception as exc:
-            action = f"{self.index}F{m}"  # the loss is part of the last stage's forward
-            raise StageError(f"loss_fn failed on micro-batch {m} (stage {self.index}, "
-                             f"{action}): {type(exc).__name__}: {exc}", stage=self.index,
-                             microbatch=m, action=action) from exc
-        loss, count = loss_and_count(result, m)
-        if state.losses and (count is not None) != bool(state.counts):
-            raise ConveyorError(
-                f"loss_fn returned {'a (loss_sum, count) pair' if count is not None else 'a scalar'}"
-                f" for micro-batch {m} but not for micro-batch {next(iter(state.losses))}; "
-                "return the same kind of loss for every micro-batch"
-            )
-        value = loss.detach().reshape(())
-        if state.check_finite and not math.isfinite(float(value)):
-            raise NonFiniteLossError(f"the loss of micro-batch {m} is {float(value)} "
-                                     f"(stage {self.index}); stopping before it reaches the "
-                                     "weights")
-        state.losses[m] = value
-        if count is None:
-            return loss.reshape(()) * (state.loss_scale[m] * state.grad_scale)
-        state.counts[m] = count
-        return loss.reshape(()) * state.grad_scale
-
-    def _rebuilt(self, m: int, saved: Saved, pairs: list[Pair],
-                 state: StepState) -> list[Pair]:
-        """``pairs`` (output, gradient) moved onto a graph of the stage rebuilt now.
-
-        A split backward of a recomputed micro-batch rebuilds the stage's graph here,
-        once, and I and W both use it; left to torch.utils.checkpoint, each of the two
-        backward calls would recompute the stage. A loss at the last stage is first
-        back-propagated to the stage's outputs (its own graph was kept), as loss_fn read
-        them: each through a view of its own (see :func:`_read_apart`), so that the
-        gradient of each is what the loss sends into it directly. The gradient of the
-        output itself would be the total one, which also counts what flows into it
-        through the stage from the other outputs (an output another one is made from,
-        an input the stage returns as it is); the rebuilt graph adds that again.
-        """
-        if saved.loss is not None:
-            read = pytree.tree_leaves(saved.read)
-            at = [i for i, t in enumerate(read)
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = torch.autograd.grad(saved.loss, [read[i] for i in at], allow_unused=True)
-            by_position: list[tuple[int, torch.Tensor | None]] = [
-                (i, g) for i, g in zip(at, grads) if g is not None]
-        else:
-            leaves = pytree.tree_leaves(saved.outputs)
-            positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-            by_position = [(positions[id(out)], grad) for out, grad in pairs]
-        assert saved.effects is not None
-        outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, saved.effects,
-                                                    step_seed=state.step_seed))
-        return [(outputs[i], grad) for i, grad in by_position]
-
     def end_step(self, *, commit: bool) -> None:
         """Commits (or, after a failure, discards) deferred batch-norm statistics."""
         for module in self._deferred:
@@ -448,13 +300,3 @@ def _copied_leaves(inputs: Any) -> Any:
     """``inputs`` with each tensor leaf that requires grad replaced by a copy of it."""
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.clone() if t.requires_grad and t.is_leaf else t, inputs)
-
-
-def _read_apart(outputs: Any) -> Any:
-    """``outputs`` with each tensor that requires grad replaced by a view of it, made
-    for loss_fn alone: the loss's gradient w.r.t. the view is what loss_fn itself sends
-    into that output, and taking it runs nothing of the stage's graph (a recomputed
-    stage's, whose saved tensors would be recomputed to get through it)."""
-    return pytree.tree_map(
-        lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t,
-        outputs)

@@ -14,9 +14,9 @@ import torch
 
 from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import microbatch_sizes
-from conveyor.engine.recompute import recompute_mode, recomputes
-from conveyor.engine.rng import draw_step_seed
-from conveyor.engine.sideeffects import SideEffects
+from conveyor.engine.recompute.replay import recompute_mode, recomputes
+from conveyor.engine.recompute.rng import draw_step_seed
+from conveyor.engine.recompute.sideeffects import SideEffects
 from conveyor.engine.weightgrad import WeightGradient
 
 __all__: list[str] = []

@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.layers import Partition
 from conveyor.engine.microbatch import microbatch_count, split
-from conveyor.engine.rng import LayerRandomness
+from conveyor.engine.recompute.rng import LayerRandomness
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
     NamedLayers,

@@ -6,7 +6,7 @@ made before it that it uses; each returns the values it makes that later stages 
 (stage 0: the model's inputs among them), which :meth:`GraphStage.route` sorts by the
 stage each goes to, and the last returns what the model returns. Parameters and buffers are read from the model's own modules at each
 call (a batch norm's running statistics are current; a recomputation reads the copies
-:class:`conveyor.engine.recompute.Recomputation` puts in their place).
+:class:`conveyor.engine.recompute.replay.Recomputation` puts in their place).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.engine.layers import WholeStage
-from conveyor.engine.recompute import is_recomputing
+from conveyor.engine.recompute.replay import is_recomputing
 from conveyor.errors import ModelError
 from conveyor.graph.calls import CallForm
 from conveyor.graph.calls import as_call as as_call  # profile, plan and check import it here

@@ -32,7 +32,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from conveyor.engine.rng import derive_seed
+from conveyor.engine.recompute.rng import derive_seed
 from conveyor.errors import ModelError
 
 __all__ = ["initialize"]

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from conveyor.engine.recorder import Recorder
-from conveyor.observe.trace import Event, Timeline
+from conveyor.schedules.timeline import Event, Timeline
 
 __all__ = ["record"]
 

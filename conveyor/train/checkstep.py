@@ -9,7 +9,7 @@ import os
 import torch
 
 from conveyor.errors import ConveyorError
-from conveyor.observe.check import check
+from conveyor.checking.check import check
 from conveyor.train.data import text_corpus
 from conveyor.train.language import summed_next_byte_loss
 from conveyor.train.models import transformer_lm

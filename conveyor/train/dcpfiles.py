@@ -245,7 +245,7 @@ def _all_reduce(model: nn.Module, tensor: torch.Tensor, what: str, op: Any) -> N
     if timeouts is None:
         dist.all_reduce(tensor, op=op)
         return
-    from conveyor.distributed import collective
+    from conveyor.distributed.faults import collective
 
     collective.all_reduce(tensor, group=None, what=what, seconds=timeouts.opening, op=op)
 
@@ -303,12 +303,12 @@ def _failed_save(exc: Exception, model: nn.Module, name: str) -> None:
         PeerFailure: another rank failed or went silent during the save.
         ConveyorError: this rank's own error (its cause), once announced.
     """
-    from conveyor.distributed.explain import own_report
-    from conveyor.distributed.peerfailure import first_line, reported, timed_out
+    from conveyor.distributed.faults.explain import own_report
+    from conveyor.distributed.faults.peerfailure import first_line, reported, timed_out
     from conveyor.errors import ConveyorError, PeerFailure
 
     runtime = getattr(model, "runtime", None)
-    whereabouts = getattr(runtime, "whereabouts", None)
+    whereabouts = getattr(getattr(runtime, "wiring", None), "whereabouts", None)  # ranks
     if whereabouts is None or _write_failure_of(exc):
         return
     rank, step = dist.get_rank(), runtime.transport.step  # type: ignore[union-attr]

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.watchdog.deadline import OPENING
-from conveyor.distributed.agreement import agree as agree_options
+from conveyor.distributed.faults.agreement import agree as agree_options
 from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
-from conveyor.observe.rebalance_policy import Rebalance
+from conveyor.runtime.rebalance.policy import Rebalance
 from conveyor.observe.recording import record
-from conveyor.observe.trace import Timeline
+from conveyor.schedules.timeline import Timeline
 from conveyor.pipeline import Pipeline
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step

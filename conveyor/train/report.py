@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from conveyor.observe.trace import Timeline, plot_timelines
+from conveyor.schedules.timeline import Timeline, plot_timelines
 from conveyor.train.options import TrainConfig
 
 __all__: list[str] = []

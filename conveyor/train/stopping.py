@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.distributed import collective
+from conveyor.distributed.faults import collective
 from conveyor.observe.where import report_on_signal
 from conveyor.pipeline import Pipeline
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import conveyor
-from conveyor.distributed import collective
+from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog import deadline
 from conveyor.train import dcpfiles, saving
 from conveyor.train.language import summed_next_byte_loss

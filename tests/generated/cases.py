@@ -23,9 +23,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import conveyor
-from conveyor.engine.rng import draw_step_seed
+from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.graph.binding import COPY_MARK, restore_ties
-from conveyor.observe.checkruns import _traced_per_microbatch
+from conveyor.checking.runs import _traced_per_microbatch
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES, build
 from conveyor.schedules.table import Action, Kind, Schedule
 from tests.generated.models import (

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from conveyor.cli import main
-from conveyor.distributed import collective
+from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog import deadline
 from conveyor.pipeline import Pipeline
 from conveyor.train import dcpfiles, loop

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import gather, split
-from conveyor.engine.rng import derive_seed
+from conveyor.engine.recompute.rng import derive_seed
 from conveyor.graph.balance import solve_balance
 
 

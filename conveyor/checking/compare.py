@@ -1,6 +1,6 @@
 """The two runs of :func:`conveyor.check` side by side: each kind of value compared
 in the order a step runs, the first difference of each kind kept as a :class:`Finding`
-with its likely cause (:mod:`conveyor.observe.causes`)."""
+with its likely cause (:mod:`conveyor.checking.causes`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from conveyor.engine.microbatch import microbatch_sizes, split
 from conveyor.engine.ties import find_ties
 from conveyor.errors import StageError
 from conveyor.graph.source import sequential_layers
-from conveyor.observe import causes
-from conveyor.observe.checkruns import Layer, Leaves, PipelineRun, PlainRun, leaves, whole_loss
+from conveyor.checking import causes
+from conveyor.checking.runs import Layer, Leaves, PipelineRun, PlainRun, leaves, whole_loss
 from conveyor.schedules import Kind
 
 __all__: list[str] = []

@@ -1,11 +1,11 @@
 """Re-balancing while training: measuring the stages, agreeing on a move, making it.
 
 A pipeline built with ``rebalance=conveyor.Rebalance(...)`` (a *policy*, see
-:mod:`conveyor.observe.rebalance_policy`) measures, over a window of steps, each stage's mean
+:mod:`conveyor.runtime.rebalance.policy`) measures, over a window of steps, each stage's mean
 forward, backward and weight-gradient time per micro-batch (compute only: the time
 spent waiting for a neighbour or sending is left out) and each layer's forward time.
 At the start of the step after the window, the policy proposes a balance; if it moves
-layers, :mod:`conveyor.distributed.moves` moves them, with their optimizer state,
+layers, :mod:`conveyor.runtime.rebalance.moves` moves them, with their optimizer state,
 before the step runs::
 
     step   1      2 .. 1+window        next                  next+1
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from conveyor.distributed.moves import move_layers, share_bytes
-from conveyor.distributed.runtime import Runtime
+from conveyor.runtime.rebalance.moves import move_layers, share_bytes
+from conveyor.runtime.runtime import Runtime
 from conveyor.engine.recorder import Recorder
 from conveyor.errors import ConfigError
 from conveyor.graph.skip import skips_of

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent, host
+from conveyor.distributed.faults.store import BoundedStore, StoreGone, StoreSilent, host
 from conveyor.engine.watchdog.deadline import OPENING
 from conveyor.errors import ConfigError, PeerFailure
 

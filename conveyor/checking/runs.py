@@ -10,7 +10,7 @@ recomputation runs it again; a recorder on the executor tells them which action,
 so which micro-batch, each thread is running.
 
 The plain model runs on the whole batch, layer by layer. A layer that draws random
-numbers (found by :func:`conveyor.observe.probe.probe`) runs micro-batch by micro-batch
+numbers (found by :func:`conveyor.checking.probe.probe`) runs micro-batch by micro-batch
 with the pipeline's streams (``derive_seed(step_seed, layer, microbatch)``), which is
 what the pipeline promises for random layers; every other layer sees the whole batch.
 """
@@ -18,7 +18,6 @@ what the pipeline promises for random layers; every other layer sees the whole b
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from torch import nn
 
 from conveyor.engine.microbatch import gather, split
 from conveyor.engine.recorder import Recorder
-from conveyor.engine.rng import derive_seed, draw_step_seed, reseed
+from conveyor.engine.recompute.rng import derive_seed, draw_step_seed, reseed
 from conveyor.engine.ties import find_ties
 from conveyor.errors import ConveyorError, ModelError
 from conveyor.graph.layout import resolve_balance
@@ -41,8 +40,10 @@ from conveyor.graph.source import LayerBuilder, sequential
 from conveyor.graph.source import sequential_layers
 from conveyor.graph.source import LayerSource
 from conveyor.graph.calls import call_form
-from conveyor.observe.probe import Probe, digest, probe
+from conveyor.checking.probe import Probe, digest, probe
+from conveyor.distributed.topology import Topology
 from conveyor.pipeline import Pipeline
+from conveyor.runtime.planning import local_ranks
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
 
@@ -264,8 +265,8 @@ def traced(model: nn.Module, *, builder: bool, balance: Sequence[int] | str | No
 
 
 def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
-    """A Pipeline of every stage in this process, even under torchrun, whose environment
-    would make it join the processes' group.
+    """A Pipeline of every stage in this process, even under torchrun: built on an
+    explicit topology of this process alone, not on the environment's.
 
     Raises:
         ConveyorError: torch.distributed is already initialised with several processes.
@@ -274,15 +275,8 @@ def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
         raise ConveyorError(
             "conveyor.check runs every stage in this process, but torch.distributed is "
             "already initialised here; check before the first Pipeline (or outside torchrun)")
-    world = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = "1"
-    try:
-        return Pipeline(module, **options)
-    finally:
-        if world is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = world
+    ranks = local_ranks(options.get("stages"), options.get("devices"))
+    return Pipeline(module, topology=Topology(pipeline_size=ranks), **options)
 
 
 def _retie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:

@@ -8,14 +8,14 @@
     assert report.ok     # and its likely cause with what to do
 
 The pipelined configuration runs as a K-rank torchrun job would (emulated on CPU
-threads, :mod:`conveyor.observe.checkruns`) beside the plain model on the whole batch,
+threads, :mod:`conveyor.checking.runs`) beside the plain model on the whole batch,
 both on float64 copies of the model and batch (the model passed in is never run or
 changed). They are compared in the order a step runs: each layer's output per
 micro-batch (each traced stage's, for a model cut with ``split_at``: there the model's
 output), each recomputation against its own forward, the loss, every parameter's
 gradient and every buffer. The first difference beyond ``rtol`` gets a likely cause
-(:mod:`conveyor.observe.causes`) from what the check can see: probes of each layer
-(:mod:`conveyor.observe.probe`), inputs changed in place, weights shared out of sight.
+(:mod:`conveyor.checking.causes`) from what the check can see: probes of each layer
+(:mod:`conveyor.checking.probe`), inputs changed in place, weights shared out of sight.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import batch_size, split
-from conveyor.engine.recompute import recompute_mode
+from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.graph.source import LayerBuilder
-from conveyor.observe.checkruns import build_pipeline, float64, plain_model, run_plain, traced
-from conveyor.observe.compare import Comparison, Finding
+from conveyor.checking.runs import build_pipeline, float64, plain_model, run_plain, traced
+from conveyor.checking.compare import Comparison, Finding
 from conveyor.schedules import Schedule
 
 __all__ = ["CheckReport", "check"]

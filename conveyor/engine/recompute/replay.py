@@ -4,10 +4,10 @@ In forward, a checkpointed stage keeps only its input; in backward it runs its l
 again to rebuild the activations. conveyor uses torch.utils.checkpoint (non-reentrant),
 with two additions: layers can ask :func:`is_recomputing`, and the recomputation sees the
 state of the stage's modules (buffers, tensor and plain attributes) as the forward saw
-it and leaves it as it finds it (:mod:`conveyor.engine.sideeffects`), so batch norm's
+it and leaves it as it finds it (:mod:`conveyor.engine.recompute.sideeffects`), so batch norm's
 running statistics, a step counter or an exponential average are neither read advanced
 nor advanced a second time.
-Random numbers are replayed by :mod:`conveyor.engine.rng`, so the checkpoint does not stash
+Random numbers are replayed by :mod:`conveyor.engine.recompute.rng`, so the checkpoint does not stash
 generator states itself.
 
 torch.utils.checkpoint rebuilds the graph inside each backward call that needs it. A
@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from conveyor.engine.sideeffects import ModuleState, SideEffects
+from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
 
 __all__ = ["is_recomputing"]
 
@@ -83,7 +83,7 @@ def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
 class Recomputation:
     """Context of one recomputation (entered again for each): the module state the
     first forward saw put in place, and what was there put back on exit (see
-    :mod:`conveyor.engine.sideeffects`). Putting tensors back, rather than copying
+    :mod:`conveyor.engine.recompute.sideeffects`). Putting tensors back, rather than copying
     values into them, leaves their version counters alone: a micro-batch that was not
     recomputed (under ``except_last``, while other micro-batches recompute before its
     backward under 1F1B) still finds the buffers its forward saved for backward as

@@ -19,7 +19,7 @@ step's *notice* before anything else (:meth:`Whereabouts.announce`): a rank wait
 a collective reads it (:meth:`Whereabouts.notice`) and names the origin, even when the
 failed rank was the store's host and is gone a moment later.
 
-Every store call is bounded (:mod:`conveyor.distributed.store`): a frozen host (rank 0
+Every store call is bounded (:mod:`conveyor.distributed.faults.store`): a frozen host (rank 0
 under env://) costs a gather its few seconds, not the group's 30 minutes, and the
 report then names the host as the rank that did not answer.
 
@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.distributed.store import BoundedStore, StoreGone, StoreSilent, host
+from conveyor.distributed.faults.store import BoundedStore, StoreGone, StoreSilent, host
 
 __all__: list[str] = []
 

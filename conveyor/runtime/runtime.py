@@ -1,8 +1,9 @@
 """``Runtime``: what one pipeline runs with, built in one place for both faces.
 
 A runtime holds a :class:`~conveyor.graph.layout.Layout` (the stages this process runs),
-the schedule table, the transport between stages (threads of this process, or
-torch.distributed point-to-point under torchrun) and the executor that walks the table.
+the schedule table, the transport between stages and the executor that walks the
+table. Threads of this process or ranks under torchrun: the difference is its *wiring*
+(:mod:`conveyor.runtime.wiring`), chosen once, never asked about again.
 ``GPipe`` and ``Pipeline`` build one; re-balancing replaces it as a whole
 (:meth:`Runtime.replaced`) when layers move, carrying over what must survive a move: the
 step count that messages carry, the runs counted, a recording under way.
@@ -19,18 +20,16 @@ from typing import Any
 
 import torch
 
-from conveyor.distributed import collective
-from conveyor.distributed.explain import explain
-from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.faults import collective
 from conveyor.distributed.topology import Topology
-from conveyor.distributed.whereabouts import Whereabouts
 from conveyor.engine.devices import KeepsPlacement
 from conveyor.engine.executor import Executor
 from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
-from conveyor.engine.transport import LocalTransport, Transport
+from conveyor.engine.transport import Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.layout import Layout
+from conveyor.runtime.wiring import Wiring
 from conveyor.schedules import Kind, Schedule, actions_of
 
 __all__: list[str] = []
@@ -46,7 +45,7 @@ class Runtime:
         topology: where this process sits (one process: ``Topology(pipeline_size=K)``).
         devices: one device per pipeline rank.
         deadlines: the seconds a wait may take.
-        whereabouts: under torchrun, how ranks ask each other where they stand.
+        wiring: how the stages reach each other (threads, or ranks).
         previous: the runtime this one replaces (its step count, runs and recording
             carry over).
         fuse_accumulation: let each stage whose backward the schedule never splits add
@@ -55,24 +54,24 @@ class Runtime:
     """
 
     def __init__(self, layout: Layout, schedule: Schedule, topology: Topology,
-                 devices: Sequence[torch.device], deadlines: Deadlines, *,
-                 whereabouts: Whereabouts | None = None,
+                 devices: Sequence[torch.device], deadlines: Deadlines, wiring: Wiring, *,
                  previous: Runtime | None = None, fuse_accumulation: bool = False) -> None:
         self.layout = layout
         self.schedule = schedule
         self.topology = topology
         self.devices = list(devices)
         self.deadlines = deadlines
-        self.whereabouts = whereabouts
+        self.wiring = wiring
         self.fuse_accumulation = fuse_accumulation
         split = {a.stage for a in schedule.actions if a.kind is Kind.INPUT}
         for number, stage in layout.stages.items():
             if fuse_accumulation and number not in split:
                 stage.fuse_accumulation()
-        self.transport = self._make_transport(previous)
+        self.transport: Transport = wiring.transport(
+            schedule, [self.stage_device(s) for s in range(schedule.num_stages)], deadlines,
+            previous.transport if previous is not None else None)
         self.executor = Executor(layout.stages, schedule, self.transport, deadlines)
-        # Under torchrun a report gathers every rank's place, not this one's alone.
-        self.executor.reports = not topology.distributed
+        self.executor.reports = wiring.reports
         if previous is not None:
             old = previous.executor
             self.executor.runs, self.executor.recorder = old.runs, old.recorder
@@ -94,23 +93,7 @@ class Runtime:
     def replaced(self, layout: Layout) -> Runtime:
         """A runtime for ``layout`` (the same stages, other layers) in this one's place."""
         return Runtime(layout, self.schedule, self.topology, self.devices, self.deadlines,
-                       whereabouts=self.whereabouts, previous=self,
-                       fuse_accumulation=self.fuse_accumulation)
-
-    def _make_transport(self, previous: Runtime | None) -> Transport:
-        if not self.topology.distributed:
-            return LocalTransport([self.stage_device(s)
-                                   for s in range(self.schedule.num_stages)],
-                                  deadlines=self.deadlines)
-        transport = P2PTransport(self.topology, self.schedule,
-                                 {s: stage.device for s, stage in self.stages.items()},
-                                 self.deadlines)
-        if previous is not None and isinstance(previous.transport, P2PTransport):
-            transport.step = previous.transport.step  # messages carry it; reports ask by it
-        if self.whereabouts is not None:
-            transport.locate_ranks = self.whereabouts.locate
-            transport.announce = self.whereabouts.announce
-        return transport
+                       self.wiring, previous=self, fuse_accumulation=self.fuse_accumulation)
 
     # ------------------------------------------------------------------ a step
 
@@ -126,15 +109,11 @@ class Runtime:
             StageError, StepTimeout, PeerFailure: as the executor's run; under torchrun
                 the error carries the report of where every rank stood.
         """
-        columns = actions_of(self.schedule, list(kinds))
+        everyone = actions_of(self.schedule, list(kinds))
         if microbatches is not None:
-            columns = {rank: [a for a in column if a.microbatch < microbatches]
-                       for rank, column in columns.items()}
-        if isinstance(self.transport, P2PTransport):
-            assert self.whereabouts is not None
-            self.whereabouts.start()
-            self.transport.prepare(columns)
-            columns = {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
+            everyone = {rank: [a for a in column if a.microbatch < microbatches]
+                        for rank, column in everyone.items()}
+        columns = self.wiring.columns(self.transport, everyone)
         try:
             if commit:
                 self.executor.run_committed(columns, state)
@@ -146,10 +125,8 @@ class Runtime:
 
     def explain(self, error: BaseException) -> None:
         """Under torchrun, gives a failed step's ``error`` the report of where every rank
-        stood (see :mod:`conveyor.distributed.explain`)."""
-        if self.whereabouts is not None and isinstance(self.transport, P2PTransport):
-            explain(error, self.executor, self.whereabouts, self.transport,
-                    self.topology.pipeline_rank)
+        stood (see :mod:`conveyor.distributed.faults.explain`)."""
+        self.wiring.explain(error, self.executor, self.transport)
 
     def snapshot(self) -> dict[str, Any] | None:
         """This rank's place in the current (or last) step, as plain data."""
@@ -203,11 +180,7 @@ class Runtime:
 
     def notice(self) -> collective.Notice | None:
         """How a collective of this step looks for a rank's announced failure."""
-        whereabouts, transport = self.whereabouts, self.transport
-        if whereabouts is None or not isinstance(transport, P2PTransport):
-            return None
-        step = transport.step
-        return lambda: whereabouts.notice(step)
+        return self.wiring.notice(self.transport)
 
 
 class RunsRuntime(KeepsPlacement):

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.distributed import collective
-from conveyor.distributed.optimizer import adopt, move_state, release
-from conveyor.distributed.runtime import Runtime
+from conveyor.distributed.faults import collective
+from conveyor.runtime.rebalance.optimizer import adopt, move_state, release
+from conveyor.runtime.runtime import Runtime
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.ties import NamedLayers
 from conveyor.graph.layout import Layout, build_stages

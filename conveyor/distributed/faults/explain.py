@@ -2,7 +2,7 @@
 
 When a step fails on a rank (its own error, a peer's report, a timeout), the rank
 publishes its place and gathers the others' through the store
-(:mod:`conveyor.distributed.whereabouts`), then gives the error the report
+(:mod:`conveyor.distributed.faults.whereabouts`), then gives the error the report
 (:mod:`conveyor.engine.watchdog.hangreport`) as ``where`` and as a note: every surviving rank
 prints the same merged view. A peer that went silent (it timed out, or its connection
 closed) also leaves the transport refusing further steps: the job must restart.
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.distributed.p2p import P2PTransport
-from conveyor.distributed.peerfailure import origin
-from conveyor.distributed.store import outlive_peers_at_exit
-from conveyor.distributed.whereabouts import Whereabouts
+from conveyor.distributed.faults.peerfailure import origin
+from conveyor.distributed.faults.store import outlive_peers_at_exit
+from conveyor.distributed.faults.whereabouts import Whereabouts
 from conveyor.engine.executor import Executor
 from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.engine.watchdog.position import (

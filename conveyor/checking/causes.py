@@ -13,7 +13,7 @@ from typing import Any
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from conveyor.observe.probe import Probe
+from conveyor.checking.probe import Probe
 
 __all__: list[str] = []
 

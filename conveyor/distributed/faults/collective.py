@@ -11,7 +11,7 @@ by a watcher thread (see :mod:`conveyor.distributed.watch`), so giving up does n
 close the group's connections.
 
 A rank that fails posts a notice of its failure in the job's store first thing (see
-:mod:`conveyor.distributed.whereabouts`); a rank waiting in a collective looks for it
+:mod:`conveyor.distributed.faults.whereabouts`); a rank waiting in a collective looks for it
 twice a second (``notice``), and when the collective's connections close (the failed
 rank has gone), so that its error names the failed rank, its action and its exception
 rather than gloo's "Connection closed by peer".
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.distributed.peerfailure import collective_failed, reported
+from conveyor.distributed.faults.peerfailure import collective_failed, reported
 from conveyor.distributed.watch import Watcher
 
 __all__: list[str] = []

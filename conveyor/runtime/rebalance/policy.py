@@ -8,7 +8,7 @@
     pipe.attach_optimizer(optimizer)     # its state moves with the layers
 
 After each window of steps the pipeline hands :meth:`Rebalance.propose` what it
-measured (see :mod:`conveyor.distributed.rebalance`). The proposal divides each stage's
+measured (see :mod:`conveyor.runtime.rebalance.rebalancing`). The proposal divides each stage's
 measured forward, backward and weight-gradient time among its layers in proportion to
 the layers' measured forward times, solves the balance that minimises the slowest
 stage over those per-layer costs, and asks the simulator for the step time of the
@@ -23,10 +23,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from conveyor.distributed.rebalance import Proposal, StageTimes
+from conveyor.runtime.rebalance.rebalancing import Proposal, StageTimes
 from conveyor.errors import ConfigError
 from conveyor.graph.balance import solve_measured_balance, stage_costs
-from conveyor.observe.simulate import CostModel, simulate
+from conveyor.schedules.simulate import CostModel, simulate
 from conveyor.schedules import Schedule
 
 __all__ = ["Rebalance"]

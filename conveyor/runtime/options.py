@@ -1,0 +1,99 @@
+"""The options of a :class:`~conveyor.Pipeline`, written once.
+
+``Pipeline(module, loss_fn=..., chunks=..., ...)`` keeps the options it was given in one
+frozen :class:`PipelineOptions` (``pipe.options``). What the ranks of a job must agree
+on, and what the cut of the model takes, are read off the fields' marks here, never
+written out again as string-keyed dicts; a test holds the pipeline's signature and its
+docstring to these fields::
+
+    PipelineOptions              agreed by every rank     handed to the cut
+      chunks, schedule, ...      x (as plain data)
+      balance, split_at          x                        x
+      init_fn, weights                                    x
+      loss_fn, devices, sample   (per rank, or not comparable)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from conveyor.distributed.faults.agreement import schedule_of
+from conveyor.engine.devices import Device
+from conveyor.engine.loss import LossFn
+from conveyor.engine.recompute.replay import recompute_mode
+from conveyor.graph.weights import InitFn, Weights
+from conveyor.schedules import Schedule
+
+__all__: list[str] = []
+
+_AGREED, _CUT = "agreed", "cut"
+
+
+def _option(default: Any = MISSING, *, agreed: Callable[[Any], Any] | bool = False,
+            cut: bool = False) -> Any:
+    """A field: ``agreed`` (True, or how to show the value to the other ranks) and
+    ``cut`` mark what the ranks compare and what the cut takes."""
+    shown = (lambda value: value) if agreed is True else agreed or None
+    return field(default=default, metadata={_AGREED: shown, _CUT: cut})
+
+
+def _listed(value: Any) -> Any:
+    return value if value is None or isinstance(value, str) else list(value)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Every keyword option of :class:`~conveyor.Pipeline` (documented there)."""
+
+    loss_fn: LossFn | None
+    chunks: int = _option(agreed=True)
+    stages: int | None = _option(None)
+    layers: int | None = _option(None, agreed=True, cut=True)
+    balance: Sequence[int] | str | None = _option(None, agreed=_listed, cut=True)
+    split_at: Sequence[str] | None = _option(None, agreed=_listed, cut=True)
+    sample: Any = _option(None)
+    schedule: str | Schedule = _option("gpipe", agreed=schedule_of)
+    virtual_stages: int = _option(1, agreed=True)
+    devices: Sequence[Device] | None = _option(None)
+    recompute: str | None = _option(None)
+    checkpoint: str | None = _option(None)
+    data_parallel: int = _option(1, agreed=True)
+    sharding: str = _option("replicate", agreed=True)
+    tie_weights: Sequence[Sequence[str]] = _option(
+        (), agreed=lambda groups: [list(group) for group in groups], cut=True)
+    check_finite: bool = _option(False, agreed=True)
+    precision: str | None = _option(None, agreed=True)
+    compile: bool = _option(False, agreed=True)
+    timeout: float | None = _option(None)
+    deferred_batch_norm: bool = _option(False, agreed=True, cut=True)
+    init_fn: InitFn | None = _option(None, cut=True)
+    weights: Weights | None = _option(None, cut=True)
+    rebalance: Any = _option(None, agreed=lambda policy: None if policy is None else repr(policy))
+    topology: Any = _option(None)
+
+    @classmethod
+    def of(cls, given: dict[str, Any]) -> PipelineOptions:
+        """The options among ``given`` (a constructor's ``locals()``)."""
+        return cls(**{f.name: given[f.name] for f in fields(cls)})
+
+    @property
+    def mode(self) -> str:
+        """The recompute mode (``recompute=``, or its alias ``checkpoint=``).
+
+        Raises:
+            ValueError: both are given, or an unknown mode.
+        """
+        return recompute_mode(self.recompute, self.checkpoint)
+
+    def agreed(self) -> dict[str, Any]:
+        """What every rank must have been given alike, as plain data (the recompute
+        mode as resolved)."""
+        shown = {f.name: f.metadata[_AGREED](getattr(self, f.name)) for f in fields(self)
+                 if f.metadata.get(_AGREED)}
+        return {**shown, "recompute": self.mode}
+
+    def cut(self) -> dict[str, Any]:
+        """The options the cut of the model takes, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get(_CUT)}

@@ -1,0 +1,192 @@
+"""A pipeline's training step, top to bottom, and the work after its actions.
+
+::
+
+    split the batch ─ run the table ─ the step's loss ─ reduce gradients ─ commit
+      inputs, targets   F, B, I, W       from the last     sharded: reduce-scatter     add to
+      into M micro-     on every local   stage, over the   else: tie sums, replica     .grad,
+      batches           rank             replicas          averaging; fp16 overflow    or drop
+
+Until the end, the step's gradients stand apart from what ``.grad`` held before
+(:class:`~conveyor.engine.accumulation.SetAside`): a step that fails, or whose float16
+gradients overflow on any rank, leaves ``.grad`` as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.distributed.faults.peerfailure import as_everywhere
+from conveyor.distributed.gradients import reduce_across_replicas
+from conveyor.distributed.sharding import Sharding
+from conveyor.engine.accumulation import SetAside
+from conveyor.engine.loss import LossFn, LossScaler, autocast
+from conveyor.engine.microbatch import batch_size, microbatch_sizes, split
+from conveyor.engine.step import StepState, new_step
+from conveyor.engine.ties import sum_tied_gradients
+from conveyor.errors import ConveyorError, MicroBatchError
+from conveyor.runtime.runtime import Runtime
+from conveyor.schedules import Kind
+
+__all__: list[str] = []
+
+_TIES = "the all-reduce of the tied weights' gradients"
+
+
+@dataclass
+class TrainingStep:
+    """How a pipeline trains: what its steps need besides the batch.
+
+    Attributes:
+        chunks: micro-batches per batch.
+        recompute: the recompute mode.
+        loss_fn: the loss of a micro-batch.
+        check_finite: stop a step whose loss is not finite (on every rank).
+        dtype: the autocast dtype of ``precision=`` (None: none).
+        scaler: float16's loss scaler (None: no loss scaling).
+        sharding: FSDP2's shards of the stages (None: whole copies).
+    """
+
+    chunks: int
+    recompute: str
+    loss_fn: LossFn | None
+    check_finite: bool
+    dtype: torch.dtype | None
+    scaler: LossScaler | None
+    sharding: Sharding | None
+
+
+def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *,
+               params: Sequence[nn.Parameter], training: bool) -> torch.Tensor:
+    """One training step of ``runtime``'s stages on a batch; returns its loss.
+
+    Raises:
+        MicroBatchError: the targets' rows differ from the inputs'.
+        StageError, PeerFailure, StepTimeout: the step failed (on every rank).
+        NonFiniteLossError: with ``check_finite``, a loss was not finite (every rank).
+        ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
+    """
+    state = _new_state(runtime, how, inputs, targets, training)
+    earlier = SetAside(params)  # this step's gradients alone, until they are reduced
+    try:
+        with autocast(runtime.devices, how.dtype):
+            runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
+        loss, overflowed = finish_step(runtime, how, state, params)
+    except BaseException as exc:
+        if how.sharding is not None:
+            how.sharding.discard()
+        earlier.restore()
+        runtime.explain(exc)  # a collective's failure too, not only the run's
+        everywhere = as_everywhere(exc)
+        if everywhere is not exc:
+            raise everywhere from exc
+        raise
+    if overflowed:  # dropped, on every rank alike
+        earlier.restore()
+    else:
+        earlier.add_back()
+    return loss
+
+
+def _new_state(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any,
+               training: bool) -> StepState:
+    """The state of a step: stage 0's micro-batches, the last stage's targets and each
+    micro-batch's share of the batch (where those stages run here)."""
+    stages = runtime.stages
+    state = new_step(split(inputs, how.chunks) if 0 in stages else [], chunks=how.chunks,
+                     recompute=how.recompute, grad_enabled=True, training=training,
+                     loss_fn=how.loss_fn, check_finite=how.check_finite,
+                     grad_scale=how.scaler.scale if how.scaler else 1.0)
+    if runtime.schedule.num_stages - 1 in stages:
+        batch = batch_size(targets)
+        if 0 in stages and batch_size(inputs) != batch:
+            raise MicroBatchError(
+                f"the targets have {batch} rows but the inputs {batch_size(inputs)}: "
+                "dim 0 is the batch in both; give one target per sample")
+        state.targets = split(targets, how.chunks)
+        state.loss_scale = [n / batch for n in microbatch_sizes(batch, how.chunks)]
+    return state
+
+
+def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
+                params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
+    """The work after a step's actions (collectives: every rank calls it): the step's
+    loss, the gradients reduced (sharded: reduce-scattered once, after the last
+    backward; else the tied copies summed and the replicas averaged), and with loss
+    scaling whether they overflowed on any rank."""
+    loss, divisor = step_loss(state, runtime, how.chunks)
+    topology = runtime.topology
+    if how.sharding is not None:
+        how.sharding.reduce(divisor, lambda total, group: runtime.all_reduce(total, group,
+                                                                             _TIES))
+    else:
+        sum_tied_gradients(runtime.layout.ties,
+                           lambda total, group: runtime.all_reduce(total, group, _TIES))
+        reduce_across_replicas(
+            params, topology.data_group, topology.data_size, divisor,
+            lambda flat, op: runtime.all_reduce(flat, topology.data_group,
+                                              "the replicas' gradient averaging", op))
+    overflowed = how.scaler is not None and overflowed_on_any_rank(how.scaler, params,
+                                                                   runtime)
+    return loss, overflowed
+
+
+def step_loss(state: StepState, runtime: Runtime, chunks: int) -> tuple[torch.Tensor, float]:
+    """The step's loss on every rank, and what its gradients are to be divided by
+    once summed over the data-parallel replicas (collectives: every rank calls it).
+
+    The last stage's rank shares ``[sum, count, paired]`` over the pipeline, and the
+    replicas add theirs up: float64 whatever the model's dtype, which every rank
+    must agree on before the last stage has computed anything, and which keeps a
+    float64 model's loss exact.
+
+    Raises:
+        ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
+    """
+    totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+    if runtime.schedule.num_stages - 1 in runtime.stages:
+        losses = torch.stack([state.losses[m] for m in range(chunks)]).to(totals)
+        if state.counts:
+            counts = torch.stack([state.counts[m] for m in range(chunks)]).to(totals)
+            totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
+        else:
+            totals[0] = (losses * losses.new_tensor(state.loss_scale)).sum()
+    totals = runtime.from_last_stage(totals)
+    replicas = runtime.topology.data_size
+    if replicas > 1:
+        runtime.all_reduce(totals, runtime.topology.data_group, "the replicas' loss total")
+    if not totals[2]:  # scalar losses: the replicas' mean
+        return (totals[0] / replicas).detach(), replicas
+    count = float(totals[1])
+    if count <= 0:
+        raise ConveyorError(
+            f"loss_fn's counts add up to {count:g} over the whole batch"
+            f"{f' and its {replicas} replicas' if replicas > 1 else ''}, so the loss "
+            "(loss_sum / count) is undefined; every target is padding?"
+        )
+    return (totals[0] / count).detach(), count
+
+
+def overflowed_on_any_rank(scaler: LossScaler, params: Sequence[nn.Parameter],
+                           runtime: Runtime) -> bool:
+    """Unscales this step's gradients (float16 loss scaling) and updates the scale;
+    whether a NaN or inf was found on any stage of any rank (every rank gets the same
+    answer, so that all drop the step or none)."""
+    topology = runtime.topology
+
+    def agree(flag: torch.Tensor) -> None:
+        for group in (topology.pipeline_group, topology.data_group):
+            if group is not None:
+                runtime.all_reduce(flag, group, "the agreement on overflowing gradients",
+                                   dist.ReduceOp.MAX)
+
+    found = scaler.unscale([p.grad for p in params if p.grad is not None],
+                           agree if topology.distributed else None)
+    scaler.update(found)
+    return found
