@@ -236,9 +236,8 @@ class Pipeline(RunsRuntime):
         self._runtime = Runtime(
             layout, table, topology, self.devices, pending.deadlines, wiring,
             fuse_accumulation=fusing_allowed() and not options.compile and not sharding)
-        self._training = TrainingStep(self.chunks, self.recompute, self.loss_fn,
-                                      options.check_finite, compute_dtype(options.precision),
-                                      self.scaler, sharding)
+        self._training = TrainingStep(self.chunks, self.recompute, options.check_finite,
+                                      compute_dtype(options.precision), self.scaler, sharding)
         for stage in layout.stages.values() if options.compile else ():
             compile_layers(stage.layers)
         if options.rebalance is not None:
@@ -293,7 +292,8 @@ class Pipeline(RunsRuntime):
         completed = False
         try:
             loss = train_step(self._runtime, self._training, inputs, targets,
-                              params=list(self.parameters()), training=self.training)
+                              loss_fn=self.loss_fn, params=list(self.parameters()),
+                              training=self.training)
             completed = True
         finally:
             if self._rebalancing is not None:

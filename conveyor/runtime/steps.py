@@ -46,7 +46,6 @@ class TrainingStep:
     Attributes:
         chunks: micro-batches per batch.
         recompute: the recompute mode.
-        loss_fn: the loss of a micro-batch.
         check_finite: stop a step whose loss is not finite (on every rank).
         dtype: the autocast dtype of ``precision=`` (None: none).
         scaler: float16's loss scaler (None: no loss scaling).
@@ -55,7 +54,6 @@ class TrainingStep:
 
     chunks: int
     recompute: str
-    loss_fn: LossFn | None
     check_finite: bool
     dtype: torch.dtype | None
     scaler: LossScaler | None
@@ -63,8 +61,10 @@ class TrainingStep:
 
 
 def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *,
-               params: Sequence[nn.Parameter], training: bool) -> torch.Tensor:
-    """One training step of ``runtime``'s stages on a batch; returns its loss.
+               loss_fn: LossFn | None, params: Sequence[nn.Parameter],
+               training: bool) -> torch.Tensor:
+    """One training step of ``runtime``'s stages on a batch, under ``loss_fn``; returns
+    its loss.
 
     Raises:
         MicroBatchError: the targets' rows differ from the inputs'.
@@ -72,7 +72,7 @@ def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *
         NonFiniteLossError: with ``check_finite``, a loss was not finite (every rank).
         ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
     """
-    state = _new_state(runtime, how, inputs, targets, training)
+    state = _new_state(runtime, how, inputs, targets, loss_fn, training)
     earlier = SetAside(params)  # this step's gradients alone, until they are reduced
     try:
         with autocast(runtime.devices, how.dtype):
@@ -95,13 +95,13 @@ def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *
 
 
 def _new_state(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any,
-               training: bool) -> StepState:
+               loss_fn: LossFn | None, training: bool) -> StepState:
     """The state of a step: stage 0's micro-batches, the last stage's targets and each
     micro-batch's share of the batch (where those stages run here)."""
     stages = runtime.stages
     state = new_step(split(inputs, how.chunks) if 0 in stages else [], chunks=how.chunks,
                      recompute=how.recompute, grad_enabled=True, training=training,
-                     loss_fn=how.loss_fn, check_finite=how.check_finite,
+                     loss_fn=loss_fn, check_finite=how.check_finite,
                      grad_scale=how.scaler.scale if how.scaler else 1.0)
     if runtime.schedule.num_stages - 1 in stages:
         batch = batch_size(targets)
