@@ -19,55 +19,33 @@ and is divided by the whole batch's count.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.distributed.faults.agreement import agree, model_shapes
-from conveyor.distributed.gradients import clip_grad_norm
-from conveyor.distributed.sharding import Sharding, check_sharding
-from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
-from conveyor.engine.accumulation import fusing_allowed
-from conveyor.engine.devices import Device, resolve_devices
-from conveyor.engine.executor import thread_devices
-from conveyor.engine.layers import compile_layers
-from conveyor.engine.loss import LossFn, LossScaler, autocast, compute_dtype
-from conveyor.engine.microbatch import gather, microbatch_count, split
-from conveyor.engine.step import check_options, new_step
+from conveyor.engine.devices import Device
+from conveyor.engine.loss import LossFn, LossScaler
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError
 from conveyor.graph.layout import (
     adopt,
-    cut,
     cuts_at_first_step,
     first_microbatch,
     keep_copies_equal,
     not_cut,
-    refuse_edges,
 )
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
+from conveyor.runtime.build import Pending, build, place
 from conveyor.runtime.options import PipelineOptions
-from conveyor.runtime.planning import local_ranks, make_schedule, with_model_edges
-from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing, check_rebalance
+from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing
 from conveyor.runtime.runtime import Runtime, RunsRuntime
-from conveyor.runtime.steps import TrainingStep, train_step
-from conveyor.runtime.wiring import Ranks, Threads, Wiring
-from conveyor.schedules import Kind, Schedule
+from conveyor.runtime.steps import clip_gradients, infer, train_step
+from conveyor.schedules import Schedule
 
 __all__ = ["Pipeline"]
-
-
-@dataclass
-class _Pending:
-    """What a pipeline cut at its first call keeps until then."""
-
-    module: nn.Module | LayerBuilder
-    deadlines: Deadlines
-    sharded: bool
 
 
 class Pipeline(RunsRuntime):
@@ -180,32 +158,15 @@ class Pipeline(RunsRuntime):
     ) -> None:
         super().__init__()
         self.options = options = PipelineOptions.of(locals())
-        check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         if isinstance(module, nn.Module):  # in the model's mode: train() or eval() to change
             self.training = module.training
         self.loss_fn, self.chunks, self.recompute = loss_fn, chunks, options.mode
         self.scaler = LossScaler() if precision == "fp16" else None
-        deadlines = Deadlines(timeout)
-        explicit = topology is not None
-        topology = topology or Topology.from_environment(
-            data_parallel=data_parallel, stages=stages, timeout=deadlines.opening)
-        if topology is not None and topology.distributed:
-            agree({"ranks": topology.pipeline_size, **options.agreed(),
-                   "model": model_shapes(module)})
-        ranks = (topology.pipeline_size if topology and (explicit or topology.distributed)
-                 else local_ranks(stages, devices))
-        self.topology = topology if topology and topology.distributed \
-            else Topology(pipeline_size=ranks)
-        table = make_schedule(schedule, ranks, chunks, virtual_stages)
-        self.devices = (resolve_devices(devices, ranks, what=f"the pipeline has {ranks} ranks",
-                                        per="pipeline rank")
-                        if not self.topology.distributed
-                        else [self.topology.device or torch.device("cpu")] * ranks)
-        sharded = check_sharding(sharding, table, self.topology)
-        refuse_edges(table.edges, module, split_at)
-        self.schedule = table  # before the layers are registered: no layer takes the name
+        placed = place(module, options)
+        self.topology, self.devices = placed.topology, placed.devices
+        self.schedule = placed.schedule  # before the layers: no layer takes the name
         self._rebalancing: Rebalancing | None = None
-        self._pending: _Pending | None = _Pending(module, deadlines, sharded)
+        self._pending: Pending | None = placed.pending
         if sample is None and isinstance(module, nn.Module) and cuts_at_first_step(
                 module, balance, split_at, distributed=self.topology.distributed):
             adopt(self, module)  # parameters() and state_dict() as the model's until the cut
@@ -216,34 +177,11 @@ class Pipeline(RunsRuntime):
         """Cuts the model and builds the runtime (when built, or at the first step)."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        options, table, topology = self.options, self.schedule, self.topology
-        distributed = topology.distributed
-        layout = cut(
-            self, pending.module, stages=table.num_stages,
-            devices={s: self.devices[table.stage_ranks[s]] for s in range(table.num_stages)},
-            local=[s for s in range(table.num_stages)
-                   if not distributed or table.stage_ranks[s] == topology.pipeline_rank],
-            concurrent=thread_devices(self.devices if not distributed else self.devices[:1]),
-            sample=sample, **options.cut())
-        if layout.edges:
-            table = with_model_edges(table, layout.edges)
-        if distributed:
-            connect_ties(layout.ties, topology, table.stage_ranks)
-        self.schedule = table
-        sharding = Sharding(layout.stages, topology, table, layout.ties) \
-            if pending.sharded else None
-        wiring: Wiring = Ranks(topology, self._snapshot) if distributed else Threads()
-        self._runtime = Runtime(
-            layout, table, topology, self.devices, pending.deadlines, wiring,
-            fuse_accumulation=fusing_allowed() and not options.compile and not sharding)
-        self._training = TrainingStep(self.chunks, self.recompute, options.check_finite,
-                                      compute_dtype(options.precision), self.scaler, sharding)
-        for stage in layout.stages.values() if options.compile else ():
-            compile_layers(stage.layers)
-        if options.rebalance is not None:
-            check_rebalance(self._runtime, options.rebalance, sharded=pending.sharded)
-            assert layout.source is not None  # check_rebalance refuses a traced model
-            self._rebalancing = Rebalancing(options.rebalance, len(layout.source.names))
+        built = build(self, pending, self.options, self.schedule, self.topology, self.devices,
+                      sample=sample, snapshot=self._snapshot, scaler=self.scaler)
+        self.schedule, self._runtime, self._training = built.schedule, built.runtime, \
+            built.training
+        self._rebalancing = built.rebalancing
 
     @property  # type: ignore[override]
     def _runtime(self) -> Runtime:
@@ -314,19 +252,7 @@ class Pipeline(RunsRuntime):
             None on the other ranks.
         """
         self._cut_at_first_call(inputs)
-        first = 0 in self._runtime.stages  # under torchrun, its rank counts for all
-        count = self._runtime.from_first_stage(
-            microbatch_count(inputs, self.chunks) if first else self.chunks)
-        microbatches = split(inputs, count) if 0 in self._runtime.stages else []
-        state = new_step(microbatches, chunks=count, recompute=self.recompute,
-                         grad_enabled=False, training=self.training)
-        with autocast(self.devices, self._training.dtype):
-            self._runtime.run([Kind.FORWARD], state, microbatches=count)
-        if self._training.sharding is not None:
-            self._training.sharding.reshard()
-        if self.schedule.num_stages - 1 not in self._runtime.stages:
-            return None
-        return gather([state.outputs[m] for m in range(count)])
+        return infer(self._runtime, self._training, inputs, training=self.training)
 
     def forward(self, inputs: Any) -> Any:
         """``pipe(inputs)``: inference, as :meth:`eval_step` (in eval mode, or with
@@ -354,22 +280,8 @@ class Pipeline(RunsRuntime):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips gradients by their norm over every stage and rank; returns that norm."""
-        counted = {id(p) for p in self.parameters()}
-        for tie in self._runtime.layout.ties:
-            for duplicate in tie.duplicates():
-                counted.discard(id(duplicate))
-        params = list(self.parameters())
-        # Sharded, each stage's norm is first summed over its shards.
-        groups = [self.topology.data_group] if self._training.sharding is not None else []
-        groups.append(self.topology.pipeline_group)
-
-        def reduce(norm: torch.Tensor, op: Any) -> None:
-            for group in groups:
-                self._runtime.all_reduce(norm, group, "the all-reduce of the gradients' norm",
-                                         op, seconds=self._runtime.deadlines.opening)
-
-        return clip_grad_norm(params, [p for p in params if id(p) in counted], max_norm,
-                              norm_type, self.topology.pipeline_group, reduce)
+        return clip_gradients(self._runtime, list(self.parameters()), max_norm, norm_type,
+                              sharded=self._training.sharding is not None)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Lets re-balancing (``rebalance=``) keep ``optimizer`` in step with the layers

@@ -22,40 +22,29 @@ import datetime
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from conveyor.distributed.envelope import (
-    _ABORT,
     _BODY,
-    _CODE,
     _CODES,
     _HEADER_BYTES,
     _INLINE,
-    _KINDS,
-    _MICROBATCH,
-    _SOURCE,
-    _STAGE,
     _STEP,
-    _abort_summary,
     _assemble,
-    _check_header,
-    _decode,
     _encode,
     _encode_abort,
-    _unpickle,
 )
 from conveyor.distributed.faults import peerfailure
-from conveyor.distributed.faults.peerfailure import lost_peer, reported, timed_out, wait_failed
+from conveyor.distributed.faults.peerfailure import lost_peer
+from conveyor.distributed.receiving import Incoming, Receiving
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Traffic, neighbour
+from conveyor.engine.transport import LocalTransport, MessageKind, Traffic, neighbour
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.engine.watchdog.liveness import keep_waiting
-from conveyor.errors import ConveyorError, PeerFailure
+from conveyor.errors import ConveyorError
 from conveyor.schedules import Action, Schedule
 
 __all__: list[str] = []
@@ -64,17 +53,7 @@ SETTLE = 5.0  # seconds a failed rank waits for its posted receives to be answer
 FLUSH = 1.0  # seconds a failed rank waits for its abort reports to leave
 
 
-@dataclass
-class _Incoming:
-    """The message being received from one peer: its posted buffer and what is known."""
-
-    key: tuple[str, int, int, int]  # kind, source stage, stage, micro-batch
-    buffer: torch.Tensor
-    work: Any
-    header: list[int] | None = None  # once the header has arrived and the body has not
-
-
-class P2PTransport:
+class P2PTransport(Receiving):
     """Delivery between the ranks of one pipeline over torch.distributed.
 
     Args:
@@ -118,7 +97,7 @@ class P2PTransport:
                                     deadlines)
         self._expected: dict[int, list[tuple[str, int, int, int]]] = {}
         self._position: dict[int, int] = {}
-        self._incoming: dict[int, _Incoming] = {}
+        self._incoming: dict[int, Incoming] = {}
         self._capacity_in: dict[int, int] = {}  # per peer, kept from step to step
         self._capacity_out: dict[int, int] = {}
         self._peers: set[int] = set()
@@ -218,161 +197,6 @@ class P2PTransport:
             raise failure from exc
         self._sends.append((work, buffer))
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
-
-    # ------------------------------------------------------------ receiving
-
-    def _post(self, peer: int, *, drain: bool = False) -> None:
-        """Posts the receive of ``peer``'s next expected message, if any (``drain``:
-        of the message that follows one of a failed step, whatever this step expects)."""
-        position = self._position.get(peer, 0)
-        expected = self._expected.get(peer, [])
-        if position >= len(expected) and not drain:
-            self._incoming.pop(peer, None)
-            return
-        key = expected[position] if position < len(expected) else ("drained", -1, -1, -1)
-        size = self._capacity_in.get(peer, _HEADER_BYTES) if self.envelopes else _HEADER_BYTES
-        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._incoming[peer] = _Incoming(key, buffer, self._irecv(peer, buffer))
-
-    def _irecv(self, peer: int, buffer: torch.Tensor) -> Any:
-        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo.
-
-        Raises:
-            PeerFailure: the connection to ``peer`` is closed (it died, e.g. between
-                two steps); the transport is broken from then on.
-        """
-        try:
-            work = dist.irecv(buffer, self.topology.global_rank(peer),
-                              group=self.topology.pipeline_group)
-        except RuntimeError as exc:  # gloo: "Connection closed by peer"
-            failure, self.broken = lost_peer(exc, self.topology.pipeline_rank, peer, self.step)
-            raise failure from exc
-        return work if self._watcher is None else self._watcher.watch(peer, work)
-
-    def poll(self) -> None:
-        """Moves every incoming message on as far as it can without waiting.
-
-        Raises:
-            PeerFailure: a peer's abort report has arrived, from whichever peer: this
-                rank stops before its next action, as a receive from that peer would.
-        """
-        for peer in list(self._incoming):
-            self._advance(peer, wait=False)
-
-    def _poll_after(self, what: str) -> None:
-        """:meth:`poll`, once this rank has received ``what``: a failure it brings says so."""
-        for peer in list(self._incoming):
-            self._advance(peer, wait=False, stopped=f"stopped after receiving {what}")
-
-    def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
-             source: int | None = None) -> Any:
-        source_stage = neighbour(kind, stage) if source is None else source
-        source = self.stage_ranks[source_stage]
-        if source == self.topology.pipeline_rank:
-            return self.local.recv(kind, stage, microbatch, source=source_stage)
-        key = (kind, source_stage, stage, microbatch)
-        what = f"the {kind} of micro-batch {microbatch} from stage {source_stage} (rank {source})"
-        if key in self._stash:
-            return self._stash.pop(key)
-        while key not in self._stash:
-            if source not in self._incoming:
-                raise ConveyorError(f"rank {source} never sends {what} in this table")
-            self._advance(source, wait=True, what=what)
-        # While this rank waited for ``source``, another peer may have failed: stop now
-        # rather than compute and send to a rank that is gone.
-        self._poll_after(what)
-        return self._stash.pop(key)
-
-    def _advance(self, peer: int, *, wait: bool, what: str = "a message",
-                 stopped: str | None = None) -> None:
-        """Moves ``peer``'s message on; with ``wait``, until it has arrived whole.
-
-        Without ``wait``, the body of an abort report whose header has arrived is still
-        waited for: its sender sent it right behind the header, and the report is what
-        this rank raises. ``stopped`` says, in that failure's message, where this rank
-        stopped (by default waiting for ``what``, or before its next action).
-        """
-        stopped = stopped or (f"stopped waiting for {what}" if wait
-                              else "stopped before its next action")
-        asked, message = (wait, what), self._incoming.get(peer)
-        while message is not None:
-            if not wait and not message.work.is_completed():
-                return
-            try:
-                self._wait(message.work, what, peer)
-            except PeerFailure as lost:
-                if message.header is None or message.header[_CODE] != _ABORT:
-                    raise
-                # The failed rank exited before this one took its report's body.
-                text = str(lost.__cause__ or lost).splitlines()[0]
-                summary = _abort_summary(message.header, text)
-                raise reported(summary, self.topology.pipeline_rank, stopped)
-            if message.header is None:
-                header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
-                _check_header(header)  # before trusting its body size with an allocation
-                if not header[_INLINE] and header[_BODY]:
-                    message.header = header  # the body follows in a message of its own
-                    message.buffer = torch.empty(header[_BODY], dtype=torch.uint8,
-                                                 device=self.device)
-                    message.work = self._irecv(peer, message.buffer)
-                    if header[_CODE] == _ABORT:
-                        wait, what = True, f"the abort report of rank {peer}"
-                    continue
-                body = message.buffer[_HEADER_BYTES:]
-            else:
-                header, body = message.header, message.buffer
-            self._capacity_in[peer] = max(self._capacity_in.get(peer, _HEADER_BYTES),
-                                          _HEADER_BYTES + header[_BODY])
-            if header[_STEP] < self.step:  # sent before an earlier step failed: drop it,
-                self._post(peer, drain=True)  # and wait as asked (not for a report's body)
-                message, (wait, what) = self._incoming.get(peer), asked
-                continue
-            if header[_CODE] == _ABORT:
-                report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
-                raise reported(report, self.topology.pipeline_rank, stopped)
-            arrived = (_KINDS.get(header[_CODE], "?"), header[_SOURCE], header[_STAGE],
-                       header[_MICROBATCH])
-            if arrived != message.key:
-                raise ConveyorError(f"expected {message.key} from rank {peer}, got "
-                                    f"{arrived}: the ranks run different tables")
-            self._stash[message.key] = _decode(header, body)
-            self._heard.add(peer)
-            self._position[peer] += 1
-            self._post(peer)
-            return
-
-    def _wait(self, work: Any, what: str, peer: int | None = None) -> None:
-        """Waits for ``work``: a receive from ``peer`` or a send (None), a step's timeout
-        at a time while :func:`~conveyor.engine.watchdog.liveness.keep_waiting` says so
-        (the pipeline makes progress; a peer not yet in the step). A send's wait, which
-        on gloo closes its connection when it times out, is never taken up again.
-
-        Raises:
-            PeerFailure: the pipeline went silent, or the peer's connection closed; the
-                transport is broken from then on.
-        """
-        if self._aborted:
-            raise Aborted(what)
-        waited, seen = 0.0, None
-        try:
-            while True:
-                try:
-                    work.wait(datetime.timedelta(seconds=self.deadlines.within))
-                    return
-                except Exception as exc:
-                    waited += self.deadlines.within
-                    if not timed_out(exc) or peer is None or self.locate_ranks is None:
-                        raise
-                    seen = keep_waiting(self.locate_ranks(self.step), peer, step=self.step,
-                                        heard=peer in self._heard, waited=waited, seen=seen,
-                                        deadlines=self.deadlines,
-                                        progress=self._watcher is not None)
-                    if seen is None:
-                        raise
-        except Exception as exc:  # gloo/nccl report timeouts and lost peers as RuntimeError
-            failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
-                                               waited, self.step)
-            raise failure from exc
 
     # ------------------------------------------------------------ ending
 

@@ -20,10 +20,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from conveyor.distributed.faults.agreement import schedule_of
+from conveyor.distributed.topology import Topology
 from conveyor.engine.devices import Device
 from conveyor.engine.loss import LossFn
 from conveyor.engine.recompute.replay import recompute_mode
+from conveyor.engine.step import check_options
 from conveyor.graph.weights import InitFn, Weights
+from conveyor.runtime.rebalance.rebalancing import BalancePolicy
 from conveyor.schedules import Schedule
 
 __all__: list[str] = []
@@ -70,13 +73,22 @@ class PipelineOptions:
     deferred_batch_norm: bool = _option(False, agreed=True, cut=True)
     init_fn: InitFn | None = _option(None, cut=True)
     weights: Weights | None = _option(None, cut=True)
-    rebalance: Any = _option(None, agreed=lambda policy: None if policy is None else repr(policy))
-    topology: Any = _option(None)
+    rebalance: BalancePolicy | None = _option(
+        None, agreed=lambda policy: None if policy is None else repr(policy))
+    topology: Topology | None = _option(None)
 
     @classmethod
     def of(cls, given: dict[str, Any]) -> PipelineOptions:
-        """The options among ``given`` (a constructor's ``locals()``)."""
-        return cls(**{f.name: given[f.name] for f in fields(cls)})
+        """The options among ``given`` (a constructor's ``locals()``), checked.
+
+        Raises:
+            MicroBatchError: ``chunks`` is not a positive integer.
+            ValueError: not a recompute mode, or both ``recompute`` and ``checkpoint``.
+        """
+        options = cls(**{f.name: given[f.name] for f in fields(cls)})
+        check_options(chunks=options.chunks, recompute=options.recompute,
+                      checkpoint=options.checkpoint)
+        return options
 
     @property
     def mode(self) -> str:

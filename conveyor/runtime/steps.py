@@ -1,4 +1,5 @@
-"""A pipeline's training step, top to bottom, and the work after its actions.
+"""A pipeline's training step, top to bottom, and the work after its actions; its
+inference pass; and clipping its gradients by their norm over every rank.
 
 ::
 
@@ -23,11 +24,17 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed.faults.peerfailure import as_everywhere
-from conveyor.distributed.gradients import reduce_across_replicas
+from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.sharding import Sharding
 from conveyor.engine.accumulation import SetAside
 from conveyor.engine.loss import LossFn, LossScaler, autocast
-from conveyor.engine.microbatch import batch_size, microbatch_sizes, split
+from conveyor.engine.microbatch import (
+    batch_size,
+    gather,
+    microbatch_count,
+    microbatch_sizes,
+    split,
+)
 from conveyor.engine.step import StepState, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.errors import ConveyorError, MicroBatchError
@@ -190,3 +197,41 @@ def overflowed_on_any_rank(scaler: LossScaler, params: Sequence[nn.Parameter],
                            agree if topology.distributed else None)
     scaler.update(found)
     return found
+
+
+def infer(runtime: Runtime, how: TrainingStep, inputs: Any, *, training: bool) -> Any:
+    """The pipelined forward of a batch, without gradients or recomputation: the
+    gathered output where the last stage runs, None elsewhere. A batch of fewer
+    samples than the chunks runs as one micro-batch per sample; under torchrun, stage
+    0's rank decides their number and tells the others (every rank calls it)."""
+    first = 0 in runtime.stages  # under torchrun, its rank counts for all
+    count = runtime.from_first_stage(
+        microbatch_count(inputs, how.chunks) if first else how.chunks)
+    state = new_step(split(inputs, count) if first else [], chunks=count,
+                     recompute=how.recompute, grad_enabled=False, training=training)
+    with torch.no_grad(), autocast(runtime.devices, how.dtype):
+        runtime.run([Kind.FORWARD], state, microbatches=count)
+    if how.sharding is not None:
+        how.sharding.reshard()
+    if runtime.schedule.num_stages - 1 not in runtime.stages:
+        return None
+    return gather([state.outputs[m] for m in range(count)])
+
+
+def clip_gradients(runtime: Runtime, params: Sequence[nn.Parameter], max_norm: float,
+                   norm_type: float, *, sharded: bool) -> torch.Tensor:
+    """Clips ``params``' gradients by their norm over every stage and rank (a tied
+    weight counted once; sharded, each stage's norm first summed over its shards);
+    returns the norm before clipping."""
+    duplicates = {id(d) for tie in runtime.layout.ties for d in tie.duplicates()}
+    topology = runtime.topology
+    groups = [topology.data_group] if sharded else []
+    groups.append(topology.pipeline_group)
+
+    def reduce(norm: torch.Tensor, op: Any) -> None:
+        for group in groups:
+            runtime.all_reduce(norm, group, "the all-reduce of the gradients' norm", op,
+                               seconds=runtime.deadlines.opening)
+
+    return clip_grad_norm(params, [p for p in params if id(p) not in duplicates], max_norm,
+                          norm_type, topology.pipeline_group, reduce)

@@ -1,0 +1,140 @@
+"""Building a pipeline from its options, in two parts.
+
+:func:`place`, when the pipeline is made: where its ranks are (the given topology, or
+the environment's, whose ranks then agree on every option), its devices and its table.
+:func:`build`, then or at its first call (a model cut on its first micro-batch keeps a
+:class:`Pending` until that call): the cut, the table's edges and ties, the wiring,
+data parallelism, compilation and re-balancing, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.distributed.faults.agreement import agree, model_shapes
+from conveyor.distributed.sharding import Sharding, check_sharding
+from conveyor.distributed.ties import connect_ties
+from conveyor.distributed.topology import Topology
+from conveyor.engine.accumulation import fusing_allowed
+from conveyor.engine.devices import resolve_devices
+from conveyor.engine.executor import thread_devices
+from conveyor.engine.layers import compile_layers
+from conveyor.engine.loss import LossScaler, compute_dtype
+from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.graph.layout import cut, refuse_edges
+from conveyor.graph.source import LayerBuilder
+from conveyor.runtime.options import PipelineOptions
+from conveyor.runtime.planning import local_ranks, make_schedule, with_model_edges
+from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
+from conveyor.runtime.runtime import Runtime
+from conveyor.runtime.steps import TrainingStep
+from conveyor.runtime.wiring import Ranks, Threads, Wiring
+from conveyor.schedules import Schedule
+
+__all__: list[str] = []
+
+
+@dataclass
+class Pending:
+    """What a pipeline not cut yet keeps until it is."""
+
+    module: nn.Module | LayerBuilder
+    deadlines: Deadlines
+    sharded: bool
+
+
+@dataclass
+class Placed:
+    """Where a pipeline runs, decided when it is made."""
+
+    topology: Topology
+    devices: list[torch.device]
+    schedule: Schedule
+    pending: Pending
+
+
+def place(module: nn.Module | LayerBuilder, options: PipelineOptions) -> Placed:
+    """The topology (``options.topology``, else the environment's: under torchrun the
+    ranks first agree on every option and the model's shapes), devices and table of a
+    pipeline of ``module``.
+
+    Raises:
+        ConfigError: under torchrun, the ranks were given different options.
+        ScheduleError, BalanceError, ConveyorError: the options do not fit.
+    """
+    deadlines = Deadlines(options.timeout)
+    given = options.topology
+    topology = given or Topology.from_environment(
+        data_parallel=options.data_parallel, stages=options.stages, timeout=deadlines.opening)
+    if topology is not None and topology.distributed:
+        agree({"ranks": topology.pipeline_size, **options.agreed(),
+               "model": model_shapes(module)})
+    ranks = (topology.pipeline_size if topology and (given or topology.distributed)
+             else local_ranks(options.stages, options.devices))
+    if topology is None or not topology.distributed:
+        topology = Topology(pipeline_size=ranks)
+    schedule = make_schedule(options.schedule, ranks, options.chunks, options.virtual_stages)
+    devices = (resolve_devices(options.devices, ranks, what=f"the pipeline has {ranks} ranks",
+                               per="pipeline rank")
+               if not topology.distributed
+               else [topology.device or torch.device("cpu")] * ranks)
+    sharded = check_sharding(options.sharding, schedule, topology)
+    refuse_edges(schedule.edges, module, options.split_at)
+    return Placed(topology, devices, schedule, Pending(module, deadlines, sharded))
+
+
+@dataclass
+class Built:
+    """A built pipeline: its table (with the model's edges), runtime, how it trains
+    (with its shards), and its re-balancing (None: none)."""
+
+    schedule: Schedule
+    runtime: Runtime
+    training: TrainingStep
+    rebalancing: Rebalancing | None
+
+
+def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule: Schedule,
+          topology: Topology, devices: Sequence[torch.device], *, sample: Any,
+          snapshot: Callable[[], dict[str, Any] | None],
+          scaler: LossScaler | None) -> Built:
+    """Cuts ``pending.module`` into ``owner`` (its layers registered there) and builds
+    the runtime of this process's stages.
+
+    Args:
+        snapshot: this rank's place in a step (what it answers other ranks).
+        scaler: float16's loss scaler (None: no loss scaling).
+    """
+    distributed = topology.distributed
+    layout = cut(
+        owner, pending.module, stages=schedule.num_stages,
+        devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},
+        local=[s for s in range(schedule.num_stages)
+               if not distributed or schedule.stage_ranks[s] == topology.pipeline_rank],
+        concurrent=thread_devices(devices if not distributed else devices[:1]),
+        sample=sample, **options.cut())
+    if layout.edges:
+        schedule = with_model_edges(schedule, layout.edges)
+    if distributed:
+        connect_ties(layout.ties, topology, schedule.stage_ranks)
+    sharding = Sharding(layout.stages, topology, schedule, layout.ties) \
+        if pending.sharded else None
+    wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()
+    runtime = Runtime(layout, schedule, topology, devices, pending.deadlines, wiring,
+                      fuse_accumulation=fusing_allowed() and not options.compile
+                      and not sharding)
+    for stage in layout.stages.values() if options.compile else ():
+        compile_layers(stage.layers)
+    rebalancing = None
+    if options.rebalance is not None:
+        check_rebalance(runtime, options.rebalance, sharded=pending.sharded)
+        assert layout.source is not None  # check_rebalance refuses a traced model
+        rebalancing = Rebalancing(options.rebalance, len(layout.source.names))
+    training = TrainingStep(options.chunks, options.mode, options.check_finite,
+                            compute_dtype(options.precision), scaler, sharding)
+    return Built(schedule, runtime, training, rebalancing)
