@@ -67,7 +67,7 @@ def main() -> int:
         return launch(args)
 
     import conveyor
-    from conveyor.engine.accumulation import FusedAccumulation
+    from conveyor.engine.backward.accumulation import FusedAccumulation
     from conveyor.train.models import feed_forward_stack
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 

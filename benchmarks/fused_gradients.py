@@ -4,7 +4,7 @@ A stage of 4 blocks of Linear(W, 4W)-GELU-Linear(4W, W) runs M=8 micro-batches o
 on one thread as GPipe runs a stage: M forwards, then M backwards into ``.grad`` (set to
 None first). Once with autograd's accumulation (each micro-batch's weight gradient made,
 then added into ``.grad``), once with conveyor's fused accumulation
-(``conveyor.engine.accumulation``: the product adds itself into ``.grad``), timed in
+(``conveyor.engine.backward.accumulation``: the product adds itself into ``.grad``), timed in
 turn round after round. The wider the layers and the fewer the rows, the larger the
 share of the separate additions.
 
@@ -27,7 +27,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from conveyor.engine.accumulation import FusedAccumulation  # noqa: E402
+from conveyor.engine.backward.accumulation import FusedAccumulation  # noqa: E402
 
 SHAPES = [(160, 16), (160, 128), (512, 32), (1024, 32), (2048, 8)]  # (width W, rows R)
 MICROBATCHES, BLOCKS = 8, 4

@@ -20,7 +20,7 @@ from torch import nn
 from conveyor.runtime.runtime import Runtime, RunsRuntime
 from conveyor.runtime.wiring import Threads
 from conveyor.distributed.topology import Topology
-from conveyor.engine.accumulation import SetAside, fusing_allowed
+from conveyor.engine.backward.accumulation import SetAside, fusing_allowed
 from conveyor.engine.devices import Device, resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.microbatch import (

@@ -15,7 +15,7 @@ from torch import nn
 
 import conveyor
 from conveyor.engine.microbatch import split
-from conveyor.engine.routing import check_no_gradient
+from conveyor.engine.backward.routing import check_no_gradient
 from conveyor.errors import ConveyorError, ScheduleError
 from conveyor.schedules import Edge, parse
 from tests.support.crossing_models import Crossing, UNet, crossing, token_batch, token_loss

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine import accumulation
-from conveyor.engine.accumulation import FusedLinear
+from conveyor.engine.backward import accumulation
+from conveyor.engine.backward.accumulation import FusedLinear
 from tests.support import any_models
 from tests.support.models import assert_same_grads, build, relative_error, sample
 

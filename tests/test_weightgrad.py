@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.engine.weightgrad import backward_input
+from conveyor.engine.backward.weightgrad import backward_input
 from tests.support.models import cnn, mlp, paired, relative_error, transformer
 
 

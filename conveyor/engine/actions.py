@@ -20,13 +20,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.engine.accumulation import FusedAccumulation
+from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.loss import loss_and_count
 from conveyor.engine.recompute.sideeffects import SideEffects
-from conveyor.engine.routing import Pair, output_pairs, summed
+from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
-from conveyor.engine.weightgrad import WeightGradient, backward_input
+from conveyor.engine.backward.weightgrad import WeightGradient, backward_input
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 
 __all__: list[str] = []

@@ -37,7 +37,7 @@ from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.layers import failure
 from conveyor.engine.recorder import Recorder
-from conveyor.engine.routing import check_no_gradient
+from conveyor.engine.backward.routing import check_no_gradient
 from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Transport

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
-from conveyor.engine.accumulation import FusedAccumulation
+from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
 from conveyor.engine.layers import (
@@ -100,7 +100,7 @@ class Stage(StageActions):
 
     def fuse_accumulation(self) -> None:
         """Lets the linear layers' weight gradients add themselves into ``.grad`` in
-        ``B`` (see :mod:`conveyor.engine.accumulation`); for a stage whose backward the
+        ``B`` (see :mod:`conveyor.engine.backward.accumulation`); for a stage whose backward the
         schedule never splits into ``I`` and ``W``."""
         self.accumulator = FusedAccumulation(
             (module for layer in self.layers if not isinstance(layer, WholeStage)

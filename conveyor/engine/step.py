@@ -17,7 +17,7 @@ from conveyor.engine.microbatch import microbatch_sizes
 from conveyor.engine.recompute.replay import recompute_mode, recomputes
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.engine.recompute.sideeffects import SideEffects
-from conveyor.engine.weightgrad import WeightGradient
+from conveyor.engine.backward.weightgrad import WeightGradient
 
 __all__: list[str] = []
 

@@ -20,7 +20,7 @@ from conveyor.distributed.faults.agreement import agree, model_shapes
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
-from conveyor.engine.accumulation import fusing_allowed
+from conveyor.engine.backward.accumulation import fusing_allowed
 from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.layers import compile_layers

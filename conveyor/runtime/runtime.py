@@ -50,7 +50,7 @@ class Runtime:
             carry over).
         fuse_accumulation: let each stage whose backward the schedule never splits add
             its linear layers' weight gradients into ``.grad`` as they are computed
-            (:mod:`conveyor.engine.accumulation`; not for compiled or sharded stages).
+            (:mod:`conveyor.engine.backward.accumulation`; not for compiled or sharded stages).
     """
 
     def __init__(self, layout: Layout, schedule: Schedule, topology: Topology,

@@ -9,7 +9,7 @@ inference pass; and clipping its gradients by their norm over every rank.
       batches           rank             replicas          averaging; fp16 overflow    or drop
 
 Until the end, the step's gradients stand apart from what ``.grad`` held before
-(:class:`~conveyor.engine.accumulation.SetAside`): a step that fails, or whose float16
+(:class:`~conveyor.engine.backward.accumulation.SetAside`): a step that fails, or whose float16
 gradients overflow on any rank, leaves ``.grad`` as it was.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from conveyor.distributed.faults.peerfailure import as_everywhere
 from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
 from conveyor.distributed.sharding import Sharding
-from conveyor.engine.accumulation import SetAside
+from conveyor.engine.backward.accumulation import SetAside
 from conveyor.engine.loss import LossFn, LossScaler, autocast
 from conveyor.engine.microbatch import (
     batch_size,

@@ -31,7 +31,6 @@ from conveyor.engine.watchdog.deadline import OPENING
 from conveyor.distributed.faults.agreement import agree as agree_options
 from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
-from conveyor.runtime.rebalance.policy import Rebalance
 from conveyor.observe.recording import record
 from conveyor.schedules.timeline import Timeline
 from conveyor.pipeline import Pipeline
@@ -40,11 +39,11 @@ from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
 from conveyor.train.elastic import (RESUME_AUTO, describe_replan, join_world, restart_hint,
                                     world_size)
-from conveyor.train.language import evaluate, generate, summed_next_byte_loss
-from conveyor.train.models import transformer_lm
+from conveyor.train.language import evaluate, generate
 from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
 from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress, verbose
+from conveyor.train.setup import build
 from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where_on_usr1
 
@@ -186,7 +185,7 @@ class _Training:
         """Builds the model, pipeline and optimizer; resuming, loads the checkpoint.
         Under torchrun, takes ``lock`` once the processes can agree on it."""
         corpus = text_corpus()
-        model, pipe, optimizer, scheduler = _build(config)
+        model, pipe, optimizer, scheduler = build(config)
         show = not dist.is_initialized() or dist.get_rank() == 0
         if dist.is_initialized():
             lock.acquire_together(writer=show, agree=lambda value: agree(pipe, value)[0])
@@ -366,64 +365,3 @@ class _Training:
                 write_report(self.out, config, self.history, self.unigram, self.timeline,
                              sample, time.monotonic() - self.began,
                              (self.step - self.start) * config.batch * config.length)
-
-
-def _build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:
-    """The model, its pipeline, AdamW, and its schedule: linear warm-up, cosine decay."""
-    torch.manual_seed(config.seed)
-    model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
-                           vocab=256, max_length=config.length, dropout=config.dropout,
-                           tie=config.tie)
-    pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
-                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
-                    devices=stage_devices(config), data_parallel=config.data_parallel,
-                    sharding="fsdp" if config.shard else "replicate",
-                    loss_fn=summed_next_byte_loss, check_finite=True,
-                    timeout=config.timeout or None,
-                    rebalance=Rebalance() if config.rebalance else None)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
-    pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers
-
-    def rate(step: int) -> float:
-        warm = min(1.0, (step + 1) / config.warmup)
-        return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
-
-    return model, pipe, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
-
-
-def stage_devices(config: TrainConfig) -> list[torch.device] | None:
-    """The device of each pipeline rank in one process (None under torchrun, where
-    each process has its own).
-
-    Raises:
-        ConfigError: ``--devices`` names a device that does not exist, or not one per
-            stage.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if config.devices != "auto":
-            raise ConfigError("under torchrun each process uses its own device (its "
-                              "LOCAL_RANK's GPU, else the CPU); leave out --devices")
-        return None
-    if config.devices == "auto":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", s % gpus) if gpus else torch.device("cpu")
-                for s in range(config.stages)]
-    names = config.devices.split(",")
-    if len(names) == 1:
-        names = names * config.stages
-    if len(names) != config.stages:
-        raise ConfigError(f"--devices names {len(names)} devices for {config.stages} stages; "
-                          "give one for all, or one per stage")
-    devices = []
-    for name in names:
-        try:
-            device = torch.device(name.strip())
-        except RuntimeError as exc:
-            raise ConfigError(f"--devices: {name!r} is not a device (cpu, cuda, cuda:1, "
-                              "...)") from exc
-        if device.type == "cuda" and (not torch.cuda.is_available() or (
-                device.index or 0) >= torch.cuda.device_count()):
-            raise ConfigError(f"--devices: there is no {device} here ("
-                              f"{torch.cuda.device_count()} CUDA devices)")
-        devices.append(device)
-    return devices

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.train import dcpfiles, manifest
+from conveyor.train.checkpoints import dcpfiles, manifest
 from conveyor.train.errors import CheckpointError, SaveError
 
 __all__ = ["CheckpointError", "exists", "load", "load_weights", "remove_temporaries", "save"]

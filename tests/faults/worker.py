@@ -31,7 +31,8 @@ from torch import nn
 import conveyor
 from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog import deadline
-from conveyor.train import dcpfiles, saving
+from conveyor.train import saving
+from conveyor.train.checkpoints import dcpfiles
 from conveyor.train.language import summed_next_byte_loss
 from conveyor.train.models import transformer_lm
 
@@ -164,7 +165,7 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
     """``conveyor train``, with the fault in its loss or in a save, in step 3."""
     from conveyor.cli import main
     from conveyor.pipeline import Pipeline
-    from conveyor.train import loop
+    from conveyor.train import loop, setup
     from tests.support.training import TINY
 
     plant = Plant(case, out)
@@ -182,7 +183,7 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
         plant.at("loss", rank)
         return summed_next_byte_loss(logits, targets)
 
-    loop.summed_next_byte_loss = loss_fn  # type: ignore[assignment]
+    setup.summed_next_byte_loss = loss_fn  # type: ignore[assignment]
     original = dcpfiles._write
 
     def write(tensors: dict[str, Any], target: Path) -> None:

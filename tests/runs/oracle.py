@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from conveyor.train import manifest, saving
+from conveyor.train import saving
+from conveyor.train.checkpoints import manifest
 from tests.runs import GRACE, STEPS, TIMEOUT, Case, launch_run, logs
 
 

@@ -25,7 +25,8 @@ from conveyor.cli import main
 from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog import deadline
 from conveyor.pipeline import Pipeline
-from conveyor.train import dcpfiles, loop
+from conveyor.train import loop, setup
+from conveyor.train.checkpoints import dcpfiles
 from tests.runs import TIMEOUT
 
 
@@ -86,14 +87,14 @@ class Poison(nn.Module):
 def with_poisons(chosen: Plant) -> None:
     """``conveyor train``'s model with a Poison layer after its embedding and one before
     its head (in every phase: a checkpoint has the same names)."""
-    build = loop.transformer_lm
+    build = setup.transformer_lm
 
     def poisoned(*args: Any, **kwargs: Any) -> nn.Sequential:
         model = build(*args, **kwargs)
         return nn.Sequential(model[0], Poison(chosen, 0), *model[1:-1], Poison(chosen, 1),
                              model[-1])
 
-    loop.transformer_lm = poisoned  # type: ignore[assignment]
+    setup.transformer_lm = poisoned  # type: ignore[assignment]
 
 
 def plant(case: dict[str, Any], rank: int, out: Path, flags: list[str]) -> None:

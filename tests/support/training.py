@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor.cli import main
-from conveyor.train import manifest
+from conveyor.train.checkpoints import manifest
 
 # T(2, 32, 2), width 16, on 4 sequences of 16 bytes: a step takes milliseconds. No
 # warm-up: the full learning rate from the first step, so that a few steps learn.

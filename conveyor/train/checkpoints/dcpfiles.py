@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from conveyor.train import manifest
+from conveyor.train.checkpoints import manifest
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
