@@ -49,7 +49,7 @@ _PUBLIC = {
     "pop": "conveyor.graph.skip",
     "skippable": "conveyor.graph.skip",
     "stash": "conveyor.graph.skip",
-    "verify_skips": "conveyor.graph.skip",
+    "verify_skips": "conveyor.graph.skipcut",
     "record": "conveyor.observe.recording",
     "Rebalance": "conveyor.runtime.rebalance.policy",
     "check": "conveyor.checking.check",

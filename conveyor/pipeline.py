@@ -29,13 +29,13 @@ from conveyor.engine.devices import Device
 from conveyor.engine.loss import LossFn, LossScaler
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError
-from conveyor.graph.layout import (
-    adopt,
+from conveyor.graph.firstcall import (
     cuts_at_first_step,
     first_microbatch,
     keep_copies_equal,
     not_cut,
 )
+from conveyor.graph.layout import adopt
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.runtime.build import Pending, build, place

@@ -15,7 +15,7 @@ from torch import nn
 
 import conveyor
 from conveyor.graph import tracing
-from conveyor.graph.layout import cuts_at_first_step
+from conveyor.graph.firstcall import cuts_at_first_step
 from tests.support.any_models import quiet_transformers
 from tests.support.user_models import TiedLM
 

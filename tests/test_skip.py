@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
-from conveyor.graph.skip import _store, skips_of, split_at_skips
+from conveyor.graph.skip import _store
+from conveyor.graph.skipcut import skips_of, split_at_skips
 from conveyor.errors import BalanceError, ModelError, SkipError
 from tests.support.models import relative_error
 from tests.support.skip_models import Dense, Pop, Stash, build, long_skip

@@ -36,8 +36,8 @@ ordinary function returning its output: it type-checks, reads as the model it is
 a pop can sit inside an expression. The decorator keeps the class (its name, repr and
 parameter names: no wrapper module in between, so state dicts are unchanged).
 
-Names are checked before a pipeline is built (:func:`verify_skips`): in the order the
-layers run (submodules in the order they are registered), every pop takes a value an
+Names are checked before a pipeline is built (:mod:`conveyor.graph.skipcut`): in the
+order the layers run (submodules in the order they are registered), every pop takes a value an
 earlier layer stashed and that is not popped yet, every stash is popped, and a name is
 not stashed again while its value waits. Blocks repeated in sequence (stash, pop,
 stash, pop) may reuse a name; nested ones (a U-Net's levels) give each pair a namespace
@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -58,19 +58,19 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.errors import BalanceError, ModelError, SkipError
+from conveyor.errors import SkipError
 
-__all__ = ["isolate", "pop", "skippable", "stash", "verify_skips"]
+__all__ = ["isolate", "pop", "skippable", "stash"]
 
 M = TypeVar("M", bound=nn.Module)
 Key = tuple[str | None, str]  # (namespace, name)
 
-_DECLARED = "_conveyor_skips"  # on a skippable class: its _Declared
+_DECLARED = "_conveyor_skips"  # on a skippable class: its Declared
 _NAMESPACES = "_conveyor_skip_namespaces"  # on an isolated layer: name -> namespace
 
 
 @dataclass(frozen=True)
-class _Declared:
+class Declared:
     stash: frozenset[str]
     pop: frozenset[str]
 
@@ -114,7 +114,7 @@ def skippable(*, stash: Iterable[str] = (), pop: Iterable[str] = ()
         SkipError: a name is not a string, or is both stashed and popped.
         TypeError: the decorated object is not an ``nn.Module`` class.
     """
-    declared = _Declared(_names(stash, "stash"), _names(pop, "pop"))
+    declared = Declared(_names(stash, "stash"), _names(pop, "pop"))
     both = declared.stash & declared.pop
     if both:
         raise SkipError(f"@skippable declares {sorted(both)} both in stash= and pop=; a "
@@ -151,7 +151,7 @@ def stash(name: str, value: Any) -> None:
         raise SkipError(f"{_kind(call.layer)} stashes {name!r} twice in one call; stash it "
                         "once (a tuple of values if need be)")
     call.stashed.add(name)
-    _store.values[_key(call.layer, name)] = value
+    _store.values[skip_key(call.layer, name)] = value
 
 
 def pop(name: str) -> Any:
@@ -167,9 +167,9 @@ def pop(name: str) -> Any:
     if name in call.popped:
         raise SkipError(f"{_kind(call.layer)} pops {name!r} twice in one call; pop it "
                         "once and keep the value")
-    key = _key(call.layer, name)
+    key = skip_key(call.layer, name)
     if key not in _store.values:
-        raise SkipError(f"{_kind(call.layer)} pops {_label(key)}, but nothing stashed it: "
+        raise SkipError(f"{_kind(call.layer)} pops {describe(key)}, but nothing stashed it: "
                         "an earlier layer of the nn.Sequential must stash it in the same "
                         "namespace (conveyor.verify_skips(model) checks the whole model)")
     call.popped.add(name)
@@ -200,7 +200,7 @@ def isolate(module: M, namespace: str, *, only: Iterable[str] | None = None) -> 
     """
     if not isinstance(namespace, str):
         raise SkipError(f"a namespace is a string, got {namespace!r}")
-    layers = [m for m in module.modules() if _declared(m) is not None]
+    layers = [m for m in module.modules() if declared_of(m) is not None]
     if not layers:
         raise SkipError(f"{_kind(module)} has no @conveyor.skippable layer to isolate")
     every = set().union(*(_declared_names(m) for m in layers))
@@ -213,118 +213,6 @@ def isolate(module: M, namespace: str, *, only: Iterable[str] | None = None) -> 
         spaces.update({name: namespace for name in names & _declared_names(layer)})
         setattr(layer, _NAMESPACES, spaces)
     return module
-
-
-@dataclass(frozen=True)
-class Skip:
-    """One matched stash and pop: the skip's key, and the layers (index in the
-    ``nn.Sequential``, and the path of the submodule) that stash and pop it."""
-
-    key: Key
-    stashed_by: int
-    popped_by: int
-    stash_path: str
-    pop_path: str
-
-
-def verify_skips(model: nn.Module) -> None:
-    """Checks that the stashes and pops of an ``nn.Sequential``'s layers match: each pop
-    takes a value an earlier layer stashed and nothing popped yet, each stash is
-    popped, and no name is stashed again while its value waits. ``GPipe`` and
-    ``Pipeline`` check this before they build anything.
-
-    Raises:
-        SkipError: the layers that do not match, each with what to do.
-        TypeError: ``model`` is not an ``nn.Sequential``.
-    """
-    from conveyor.graph.source import sequential_layers  # which profiles with ours
-
-    skips_of(sequential_layers(model))
-
-
-def skips_of(layers: Sequence[tuple[str, nn.Module]]) -> list[Skip]:
-    """The skips of ``layers`` in the order they are popped (see :func:`verify_skips`).
-
-    Raises:
-        SkipError: every mismatch, in one message.
-    """
-    waiting: dict[Key, tuple[int, str]] = {}
-    popped: dict[Key, str] = {}
-    skips: list[Skip] = []
-    problems = []
-    for index, (name, layer) in enumerate(layers):
-        for path, module in layer.named_modules(prefix=name, remove_duplicate=False):
-            declared = _declared(module)
-            if declared is None:
-                continue
-            for skip in sorted(declared.pop):
-                key = _key(module, skip)
-                if key in waiting:
-                    stashed_by, stash_path = waiting.pop(key)
-                    skips.append(Skip(key, stashed_by, index, stash_path, path))
-                    popped[key] = path
-                elif key in popped:
-                    problems.append(
-                        f"layer {path!r} pops {_label(key)}, which layer {popped[key]!r} "
-                        "popped already; a value is popped once: stash it again in between, "
-                        "or pop it once and stash what both need")
-                else:
-                    problems.append(
-                        f"layer {path!r} pops {_label(key)}, but no layer before it stashes "
-                        "it; stash it in an earlier layer (if one does, give both the same "
-                        "namespace: conveyor.isolate(layer, namespace))")
-            for skip in sorted(declared.stash):
-                key = _key(module, skip)
-                if key in waiting:
-                    problems.append(
-                        f"layer {path!r} stashes {_label(key)} while the value layer "
-                        f"{waiting[key][1]!r} stashed is not popped yet; give each pair a "
-                        "namespace of its own: conveyor.isolate(layer, namespace)")
-                else:
-                    waiting[key] = (index, path)
-    problems += [f"layer {path!r} stashes {_label(key)}, but no later layer pops it; pop "
-                 "it, or take it out of stash=" for key, (_, path) in waiting.items()]
-    if problems:
-        raise SkipError("the stashes and pops of the nn.Sequential do not match:\n" +
-                        "\n".join(f"* {problem}" for problem in problems))
-    return skips
-
-
-def split_at_skips(layers: Sequence[tuple[str, nn.Module]], balance: Sequence[int], *,
-                   sample: Any, deferred_batch_norm: bool) -> list[str] | None:
-    """Where to cut the traced ``nn.Sequential`` when a skip crosses stages (the names
-    of each stage's first layer but the first), or None when none crosses: every pop
-    runs on its stash's stage, and the layers run as they are.
-
-    Raises:
-        SkipError: the stashes and pops do not match.
-        BalanceError: a skip crosses stages but ``sample`` is missing, or
-            ``deferred_batch_norm`` is asked for.
-        ModelError: ``sample`` is a tuple or dict (a traced model's arguments, not one
-            layer input).
-    """
-    skips = skips_of(layers)
-    stage_of = [k for k, count in enumerate(balance) for _ in range(count)]
-    crossing = [s for s in skips if stage_of[s.stashed_by] != stage_of[s.popped_by]]
-    if not crossing:
-        return None
-    skip = crossing[0]
-    where = (f"layer {skip.stash_path!r} stashes {_label(skip.key)} on stage "
-             f"{stage_of[skip.stashed_by]} and layer {skip.pop_path!r} pops it on stage "
-             f"{stage_of[skip.popped_by]}")
-    if sample is None:
-        raise BalanceError(f"{where}: conveyor traces the layers to send it; pass "
-                           "sample=<one micro-batch as the model takes it>")
-    if isinstance(sample, (tuple, dict)):  # a traced model takes these as its arguments
-        raise ModelError(f"{where}, so the layers are traced, and a traced nn.Sequential "
-                         "takes one argument: give each micro-batch as a tensor or a list "
-                         f"of tensors, not a {type(sample).__name__}")
-    if deferred_batch_norm:
-        raise BalanceError(f"{where}, so the layers are traced, and a traced model's batch "
-                           "norms update per micro-batch: drop deferred_batch_norm=True, or "
-                           "choose a balance that keeps each stash and pop on one stage")
-    starts = [sum(balance[:k]) for k in range(1, len(balance))]
-    return [layers[start][0] for start in starts]
 
 
 @contextlib.contextmanager
@@ -354,11 +242,11 @@ def _running(layer: nn.Module) -> Iterator[None]:
         yield
     except BaseException:
         for name in call.stashed:  # a failed call leaves nothing of its own behind
-            _store.values.pop(_key(layer, name), None)
+            _store.values.pop(skip_key(layer, name), None)
         raise
     finally:
         calls.pop()
-    declared = _declared(layer)
+    declared = declared_of(layer)
     assert declared is not None
     for names, done, verb in ((declared.stash, call.stashed, "stash"),
                               (declared.pop, call.popped, "pop")):
@@ -378,7 +266,7 @@ def _current(verb: str, name: str) -> _Call:
 
 
 def _check_declared(layer: nn.Module, name: str, verb: str) -> None:
-    declared = _declared(layer)
+    declared = declared_of(layer)
     names: frozenset[str] = frozenset() if declared is None else getattr(declared, verb)
     if name not in names:
         does = "stashes" if verb == "stash" else "pops"
@@ -386,20 +274,20 @@ def _check_declared(layer: nn.Module, name: str, verb: str) -> None:
                         f"({verb}={sorted(names)}); add it: @conveyor.skippable({verb}=[...])")
 
 
-def _declared(module: nn.Module) -> _Declared | None:
+def declared_of(module: nn.Module) -> Declared | None:
     return getattr(type(module), _DECLARED, None)
 
 
 def _declared_names(module: nn.Module) -> set[str]:
-    declared = _declared(module)
+    declared = declared_of(module)
     return set() if declared is None else set(declared.stash | declared.pop)
 
 
-def _key(layer: nn.Module, name: str) -> Key:
+def skip_key(layer: nn.Module, name: str) -> Key:
     return getattr(layer, _NAMESPACES, {}).get(name), name
 
 
-def _label(key: Key) -> str:
+def describe(key: Key) -> str:
     namespace, name = key
     return repr(name) if namespace is None else f"{name!r} (namespace {namespace!r})"
 

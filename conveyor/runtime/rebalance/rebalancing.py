@@ -34,7 +34,7 @@ from conveyor.runtime.rebalance.moves import move_layers, share_bytes
 from conveyor.runtime.runtime import Runtime
 from conveyor.engine.recorder import Recorder
 from conveyor.errors import ConfigError
-from conveyor.graph.skip import skips_of
+from conveyor.graph.skipcut import skips_of
 from conveyor.schedules import Kind, Schedule
 
 
