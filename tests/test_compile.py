@@ -21,7 +21,7 @@ from torch import nn
 import conveyor
 from conveyor.engine.layers import compile_layers, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
-from conveyor.checking.runs import _traced_per_microbatch
+from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
 from tests.support import any_models
 from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
@@ -78,7 +78,7 @@ def test_a_traced_stage_drawing_random_numbers_stays_eager_and_exact() -> None:
     torch.manual_seed(3)
     loss = pipe.step(ids, y)
     torch.manual_seed(3)
-    expected = loss_fn(_traced_per_microbatch(plain, ids, 2, draw_step_seed(), ["0.4"]), y)
+    expected = loss_fn(traced_per_microbatch(plain, ids, 2, draw_step_seed(), ["0.4"]), y)
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), plain.named_parameters())

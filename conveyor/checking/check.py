@@ -32,7 +32,8 @@ from conveyor.engine.microbatch import batch_size, split
 from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.graph.source import LayerBuilder
-from conveyor.checking.runs import build_pipeline, float64, plain_model, run_plain, traced
+from conveyor.checking.plain import float64, plain_model, run_plain
+from conveyor.checking.runs import build_pipeline, traced
 from conveyor.checking.compare import Comparison, Finding
 from conveyor.schedules import Schedule
 
@@ -157,8 +158,8 @@ def check(
         pipe = run.pipe
         if cut:  # as given, or chosen among the model's blocks
             split_at = pipe.split_at
-        reference = run_plain(plain, run, inputs, targets, loss_fn=loss_fn, chunks=chunks,
-                              seed=seed, split_at=split_at)
+        reference = run_plain(plain, [layer.index for layer in run.layers], inputs, targets,
+                              loss_fn=loss_fn, chunks=chunks, seed=seed, split_at=split_at)
         comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
                                 chunks=chunks, rows=batch_size(inputs), rtol=rtol, atol=atol,
                                 traced=cut, declared=[tuple(g) for g in tie_weights],

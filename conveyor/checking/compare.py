@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from conveyor.engine.microbatch import microbatch_sizes, split
-from conveyor.engine.ties import find_ties
 from conveyor.errors import StageError
-from conveyor.graph.source import sequential_layers
 from conveyor.checking import causes
-from conveyor.checking.runs import Layer, Leaves, PipelineRun, PlainRun, leaves, whole_loss
+from conveyor.checking.plain import Leaves, PlainRun, leaves, whole_loss
+from conveyor.checking.runs import Layer, PipelineRun
+from conveyor.checking.ties import hidden_ties, undeclared_ties
 from conveyor.schedules import Kind
 
 __all__: list[str] = []
@@ -268,8 +268,9 @@ class Comparison:
             return None
         name, param, gap = differing[0]
         stage, layer = self._owner(name, param)
-        hidden = self._hidden_ties()
-        undeclared = self._undeclared_ties()
+        hidden = hidden_ties(self.run)
+        undeclared = undeclared_ties(self.run, self.plain, self.declared) \
+            if self.builder else {}
         if name in hidden:
             cause = hidden[name]
         elif name in undeclared:
@@ -359,41 +360,6 @@ class Comparison:
                 return k, name.rpartition(".")[0]
         return None, name.rpartition(".")[0]
 
-    def _hidden_ties(self) -> dict[str, str]:
-        """Parameters that a rank's layers used without holding them (a tie the pipeline
-        cannot see): their gradient went into that rank's own copy of the model."""
-        found: dict[str, str] = {}
-        models = self.run.rank_models or {}
-        ours = {id(p) for p in self.run.pipe.parameters()}
-        ranks = self.run.pipe.schedule.stage_ranks
-        for rank, model in models.items():
-            mine = [layer for layer in self.run.layers if ranks[layer.stage] == rank]
-            for name, param in model.named_parameters():
-                if id(param) in ours or param.grad is None or not param.grad.any():
-                    continue
-                owner = self.by_name.get(name.split(".", 1)[0])
-                for layer in mine:
-                    path = _path_to(layer.module, param, layer.name)
-                    if path is not None or layer is mine[-1]:
-                        found.setdefault(name, causes.hidden_tie(
-                            layer.describe(), layer.stage, name,
-                            owner.describe() if owner else "another layer", path))
-                        break
-        return found
-
-    def _undeclared_ties(self) -> dict[str, tuple[str, ...]]:
-        """For a layer function: parameters one in the model it builds but not declared
-        tied, so that separate ranks hold separate weights."""
-        if not self.builder:
-            return {}
-        declared = {frozenset(group) for group in self.declared}
-        missing = {}
-        for group in find_ties(sequential_layers(self.plain)):
-            stages = {self.by_name[n.split(".", 1)[0]].stage for n in group}
-            if len(stages) > 1 and frozenset(group) not in declared:
-                missing.update({name: group for name in group})
-        return missing
-
 
 def _note(gap: Gap) -> str:
     if not gap.note:
@@ -404,33 +370,3 @@ def _note(gap: Gap) -> str:
 def _grad(param: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient, zeros where it has none."""
     return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
-
-
-def _path_to(root: nn.Module, target: torch.Tensor, prefix: str) -> str | None:
-    """An attribute path from ``root`` to ``target`` through attributes that are not
-    registered submodules or parameters (a list, a dict, a plain attribute)."""
-    seen: set[int] = set()
-
-    def walk(value: Any, path: str, hidden: bool, depth: int) -> str | None:
-        if value is target:
-            return path if hidden else None
-        if id(value) in seen or depth > 6:
-            return None
-        seen.add(id(value))
-        items: list[tuple[str, Any, bool]] = []
-        if isinstance(value, nn.Module):
-            items += [(f".{k}", v, hidden) for k, v in value._parameters.items()]
-            items += [(f".{k}", v, hidden) for k, v in value._modules.items()]
-            items += [(f".{k}", v, True) for k, v in vars(value).items()
-                      if not k.startswith("_") and isinstance(v, (nn.Module, list, tuple, dict))]
-        elif isinstance(value, (list, tuple)):
-            items += [(f"[{i}]", v, True) for i, v in enumerate(value)]
-        elif isinstance(value, dict):
-            items += [(f"[{k!r}]", v, True) for k, v in value.items()]
-        for suffix, item, item_hidden in items:
-            result = walk(item, path + suffix, item_hidden, depth + 1)
-            if result is not None:
-                return result
-        return None
-
-    return walk(root, prefix, False, 0)

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.checking.check import check
-from conveyor.checking.runs import float64, plain_model
+from conveyor.checking.plain import float64, plain_model
 from conveyor.engine.microbatch import batch_size, gather
 from conveyor.errors import ModelError
 from conveyor.graph.calls import as_call

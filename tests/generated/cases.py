@@ -25,7 +25,7 @@ from torch import nn
 import conveyor
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.graph.binding import COPY_MARK, restore_ties
-from conveyor.checking.runs import _traced_per_microbatch
+from conveyor.checking.plain import traced_per_microbatch
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES, build
 from conveyor.schedules.table import Action, Kind, Schedule
 from tests.generated.models import (
@@ -250,7 +250,7 @@ def reference_output(case: Case, plain: nn.Module, inputs: Any,
     if not _per_microbatch(plain):
         return plain(**inputs) if isinstance(inputs, dict) else plain(inputs)
     if split_at is not None:
-        return _traced_per_microbatch(plain, inputs, case.chunks, step_seed, split_at)
+        return traced_per_microbatch(plain, inputs, case.chunks, step_seed, split_at)
     assert isinstance(plain, nn.Sequential)
     return seeded_per_layer(plain, inputs, case.chunks, step_seed)
 
