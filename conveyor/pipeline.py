@@ -29,19 +29,12 @@ from conveyor.engine.devices import Device
 from conveyor.engine.loss import LossFn, LossScaler
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError
-from conveyor.graph.firstcall import (
-    cuts_at_first_step,
-    first_microbatch,
-    keep_copies_equal,
-    not_cut,
-)
-from conveyor.graph.layout import adopt
 from conveyor.graph.source import LayerBuilder
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.runtime.build import Pending, build, place
 from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing
-from conveyor.runtime.runtime import Runtime, RunsRuntime
+from conveyor.runtime.runtime import RunsRuntime
 from conveyor.runtime.steps import clip_gradients, infer, train_step
 from conveyor.schedules import Schedule
 
@@ -162,15 +155,12 @@ class Pipeline(RunsRuntime):
             self.training = module.training
         self.loss_fn, self.chunks, self.recompute = loss_fn, chunks, options.mode
         self.scaler = LossScaler() if precision == "fp16" else None
-        placed = place(module, options)
+        placed = place(self, module, options)
         self.topology, self.devices = placed.topology, placed.devices
         self.schedule = placed.schedule  # before the layers: no layer takes the name
         self._rebalancing: Rebalancing | None = None
         self._pending: Pending | None = placed.pending
-        if sample is None and isinstance(module, nn.Module) and cuts_at_first_step(
-                module, balance, split_at, distributed=self.topology.distributed):
-            adopt(self, module)  # parameters() and state_dict() as the model's until the cut
-        else:
+        if not placed.pending.at_first_call:
             self._build(sample)
 
     def _build(self, sample: Any) -> None:
@@ -182,15 +172,6 @@ class Pipeline(RunsRuntime):
         self.schedule, self._runtime, self._training = built.schedule, built.runtime, \
             built.training
         self._rebalancing = built.rebalancing
-
-    @property  # type: ignore[override]
-    def _runtime(self) -> Runtime:
-        built: Runtime = self.__dict__["_built"] if "_built" in self.__dict__ else not_cut()
-        return built
-
-    @_runtime.setter
-    def _runtime(self, runtime: Runtime) -> None:
-        self.__dict__["_built"] = runtime
 
     @property
     def rebalancing(self) -> Rebalancing | None:
@@ -273,10 +254,7 @@ class Pipeline(RunsRuntime):
     def _cut_at_first_call(self, inputs: Any) -> None:
         """Built without ``sample=``: cuts the model on the first call's first micro-batch."""
         if self._pending is not None:
-            module = self._pending.module
-            assert isinstance(module, nn.Module)  # a layer builder is cut when built
-            self._build(first_microbatch(inputs, self.chunks, module))
-            keep_copies_equal(self, self._runtime.layout.ties)
+            self._build(inputs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips gradients by their norm over every stage and rank; returns that norm."""
@@ -295,7 +273,8 @@ class Pipeline(RunsRuntime):
     def timeouts(self) -> Deadlines:
         """The seconds a wait may take: ``opening`` (start-up, a peer's first message
         of a step, between steps) and ``within`` (any other wait of a step)."""
-        return self._runtime.deadlines
+        return self._pending.deadlines if self._pending is not None else \
+            self._runtime.deadlines
 
     def extra_repr(self) -> str:
         where = (f"rank {self.topology.pipeline_rank} of {self.topology.pipeline_size}"

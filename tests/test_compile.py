@@ -47,7 +47,7 @@ def test_compiled_stages_with_split_backward_recomputation_and_dropout_are_exact
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), reference.named_parameters())
-    compiled = [layer for stage in pipe._runtime.stages.values() for layer in stage.layers]
+    compiled = [layer for stage in pipe.runtime.stages.values() for layer in stage.layers]
     assert all(is_compiled(layer) for layer in compiled)
 
 
@@ -82,7 +82,7 @@ def test_a_traced_stage_drawing_random_numbers_stays_eager_and_exact() -> None:
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), plain.named_parameters())
-    stages = pipe._runtime.stages
+    stages = pipe.runtime.stages
     first, last = stages[0].layers[0].graphs(), stages[1].layers[0].graphs()
     assert first and last
     programs = stages[0].layers[0].programs
@@ -124,7 +124,7 @@ def test_compiled_v_shapes_on_one_rank_are_exact(schedule: str) -> None:
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), plain.named_parameters())
-    assert all(is_compiled(graph) for stage in pipe._runtime.stages.values()
+    assert all(is_compiled(graph) for stage in pipe.runtime.stages.values()
                for layer in stage.layers for graph in layer.graphs())
 
 

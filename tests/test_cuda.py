@@ -113,4 +113,4 @@ def test_stages_on_one_gpu_reseed_its_generator_without_the_dispatch_mode() -> N
                              loss_fn=lambda out, _: weighted_loss(out), devices=["cuda:0"] * 3)
     x = sample("transformer").cuda()
     pipe.step(x, x)
-    assert not any(stage.randomness.shared for stage in pipe._runtime.stages.values())
+    assert not any(stage.randomness.shared for stage in pipe.runtime.stages.values())

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.watchdog import deadline
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.hangreport import render_report
 from conveyor.schedules import Kind, build
@@ -32,7 +31,7 @@ FLOOR = 2.0  # the fitted timeout of a step after the first, at least
 def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fitted timeouts (the default) with a floor of 2 s: the first step, slow with
     warm-up, may take 300 s; later steps 10 x the step time, at least 2 s."""
-    monkeypatch.setattr(deadline, "FLOOR", FLOOR)
+    monkeypatch.setattr(Deadlines, "floor", FLOOR)  # every pipeline's, as documented
 
 
 class Gate(nn.Module):
@@ -200,6 +199,27 @@ def test_fitted_deadlines_follow_the_step_time() -> None:
     assert (given.opening, given.within) == (7, 7)
     with pytest.raises(ValueError, match="positive"):
         Deadlines(0)
+    own = Deadlines(None)  # one pipeline's bounds, set on it alone
+    own.first, own.floor = 20.0, 0.5
+    own.measured(1.0)
+    own.measured(0.01)
+    assert (own.opening, own.within, fitted.opening) == (20.0, 0.5, 300.0)
+
+
+def test_a_pipeline_shows_its_deadlines_before_its_first_call() -> None:
+    class Two(nn.Module):  # traced, so cut at the first call
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks[1](self.blocks[0](x).relu())
+
+    pipe = conveyor.Pipeline(Two(), stages=2, chunks=2, loss_fn=nn.functional.mse_loss,
+                             timeout=9)
+    assert "cut at the first call" in repr(pipe) and pipe.timeouts.within == 9.0
+    pipe.step(torch.randn(4, 3), torch.randn(4, 3))
+    assert pipe.timeouts.within == 9.0
 
 
 def test_the_report_marks_each_rank_on_the_clock() -> None:

@@ -175,7 +175,7 @@ def test_attention_is_routed_to_the_layers_stream_only_when_it_drops(dropout: fl
         torch.manual_seed(5)
         pipe.step(x, y)
         results.append([p.grad for p in pipe.parameters()])
-    stages = pipe._runtime.stages
+    stages = pipe.runtime.stages
     routed = [stages[0].randomness._random_parts[(0, True)],
               stages[1].randomness._random_parts[(2, True)]]
     assert [bool(parts) for parts in routed] == [dropout > 0] * 2

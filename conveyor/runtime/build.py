@@ -26,7 +26,12 @@ from conveyor.engine.executor import thread_devices
 from conveyor.engine.layers import compile_layers
 from conveyor.engine.loss import LossScaler, compute_dtype
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.graph.layout import cut, refuse_edges
+from conveyor.graph.firstcall import (
+    cuts_at_first_step,
+    first_microbatch,
+    keep_copies_equal,
+)
+from conveyor.graph.layout import adopt, cut, refuse_edges
 from conveyor.graph.source import LayerBuilder
 from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.planning import local_ranks, make_schedule, with_model_edges
@@ -41,11 +46,17 @@ __all__: list[str] = []
 
 @dataclass
 class Pending:
-    """What a pipeline not cut yet keeps until it is."""
+    """What a pipeline not cut yet keeps until it is.
+
+    Attributes:
+        at_first_call: the model is cut on the first call's first micro-batch (no
+            ``sample=``); until then the pipeline has adopted its weights.
+    """
 
     module: nn.Module | LayerBuilder
     deadlines: Deadlines
     sharded: bool
+    at_first_call: bool
 
 
 @dataclass
@@ -58,10 +69,12 @@ class Placed:
     pending: Pending
 
 
-def place(module: nn.Module | LayerBuilder, options: PipelineOptions) -> Placed:
+def place(owner: nn.Module, module: nn.Module | LayerBuilder,
+          options: PipelineOptions) -> Placed:
     """The topology (``options.topology``, else the environment's: under torchrun the
     ranks first agree on every option and the model's shapes), devices and table of a
-    pipeline of ``module``.
+    pipeline of ``module``. A model cut at the first call is adopted by ``owner`` until
+    then (its ``parameters()`` and ``state_dict()`` are the model's).
 
     Raises:
         ConfigError: under torchrun, the ranks were given different options.
@@ -73,7 +86,7 @@ def place(module: nn.Module | LayerBuilder, options: PipelineOptions) -> Placed:
         data_parallel=options.data_parallel, stages=options.stages, timeout=deadlines.opening)
     if topology is not None and topology.distributed:
         agree({"ranks": topology.pipeline_size, **options.agreed(),
-               "model": model_shapes(module)})
+               "model": model_shapes(module)}, seconds=deadlines.opening)
     ranks = (topology.pipeline_size if topology and (given or topology.distributed)
              else local_ranks(options.stages, options.devices))
     if topology is None or not topology.distributed:
@@ -85,7 +98,14 @@ def place(module: nn.Module | LayerBuilder, options: PipelineOptions) -> Placed:
                else [topology.device or torch.device("cpu")] * ranks)
     sharded = check_sharding(options.sharding, schedule, topology)
     refuse_edges(schedule.edges, module, options.split_at)
-    return Placed(topology, devices, schedule, Pending(module, deadlines, sharded))
+    at_first_call = options.sample is None and isinstance(module, nn.Module) and \
+        cuts_at_first_step(module, options.balance, options.split_at,
+                           distributed=topology.distributed)
+    if at_first_call:
+        assert isinstance(module, nn.Module)
+        adopt(owner, module)
+    return Placed(topology, devices, schedule,
+                  Pending(module, deadlines, sharded, at_first_call))
 
 
 @dataclass
@@ -107,10 +127,15 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     the runtime of this process's stages.
 
     Args:
+        sample: a batch to cut on (a model cut at the first call: that call's inputs,
+            cut on their first micro-batch).
         snapshot: this rank's place in a step (what it answers other ranks).
         scaler: float16's loss scaler (None: no loss scaling).
     """
     distributed = topology.distributed
+    if pending.at_first_call:
+        assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
+        sample = first_microbatch(sample, options.chunks, pending.module)
     layout = cut(
         owner, pending.module, stages=schedule.num_stages,
         devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},
@@ -128,6 +153,8 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     runtime = Runtime(layout, schedule, topology, devices, pending.deadlines, wiring,
                       fuse_accumulation=fusing_allowed() and not options.compile
                       and not sharding)
+    if pending.at_first_call:  # the optimizer holds the adopted weights
+        keep_copies_equal(owner, layout.ties)
     for stage in layout.stages.values() if options.compile else ():
         compile_layers(stage.layers)
     rebalancing = None

@@ -28,6 +28,7 @@ from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
 from conveyor.engine.transport import Transport
 from conveyor.engine.watchdog.deadline import Deadlines
+from conveyor.graph.firstcall import not_cut
 from conveyor.graph.layout import Layout
 from conveyor.runtime.wiring import Wiring
 from conveyor.schedules import Kind, Schedule, actions_of
@@ -185,9 +186,17 @@ class Runtime:
 
 class RunsRuntime(KeepsPlacement):
     """What the two faces, ``GPipe`` and ``Pipeline``, share: a module that runs a
-    :class:`Runtime` (set as ``_runtime`` by the face's constructor) and shows its cut."""
+    :class:`Runtime` (set as ``_runtime`` by the face's constructor, or at the first
+    call of a model cut on it) and shows its cut."""
 
-    _runtime: Runtime
+    @property
+    def _runtime(self) -> Runtime:
+        built: Runtime | None = self.__dict__.get("_built")
+        return built if built is not None else not_cut()
+
+    @_runtime.setter
+    def _runtime(self, runtime: Runtime) -> None:
+        self.__dict__["_built"] = runtime
 
     @property
     def runtime(self) -> Runtime:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.engine.watchdog.deadline import OPENING
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.distributed.faults.agreement import agree as agree_options
 from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
@@ -106,9 +106,9 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     """
     config.check()
     check_usable(Path(config.out))
-    join_world(stages=config.stages, data_parallel=config.data_parallel, timeout=OPENING)
+    join_world(stages=config.stages, data_parallel=config.data_parallel, timeout=Deadlines.first)
     if dist.is_initialized():  # every option that shapes the run, before any work
-        agree_options({**asdict(config), "resume": resume, "check": check}, seconds=OPENING,
+        agree_options({**asdict(config), "resume": resume, "check": check}, seconds=Deadlines.first,
                       what="options")
     if resume == RESUME_AUTO:
         resume = saving.exists(config.out)

@@ -30,7 +30,7 @@ from torch import nn
 
 import conveyor
 from conveyor.distributed.faults import collective
-from conveyor.engine.watchdog import deadline
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.train import saving
 from conveyor.train.checkpoints import dcpfiles
 from conveyor.train.language import summed_next_byte_loss
@@ -165,12 +165,12 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
     """``conveyor train``, with the fault in its loss or in a save, in step 3."""
     from conveyor.cli import main
     from conveyor.pipeline import Pipeline
-    from conveyor.train import loop, setup
+    from conveyor.train import setup
     from tests.support.training import TINY
 
     plant = Plant(case, out)
-    deadline.FLOOR = case["timeout"]  # the fitted timeout of later steps, at least
-    deadline.OPENING = loop.OPENING = 2 * case["timeout"]  # start-up, saves, steps 1-2
+    Deadlines.floor = case["timeout"]  # the fitted timeout of later steps, at least
+    Deadlines.first = 2 * case["timeout"]  # start-up, steps 1-2
     stepping = Pipeline.step
 
     def step(self: Pipeline, inputs: Any, targets: Any) -> torch.Tensor:

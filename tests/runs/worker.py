@@ -23,9 +23,9 @@ from torch import nn
 
 from conveyor.cli import main
 from conveyor.distributed.faults import collective
-from conveyor.engine.watchdog import deadline
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.pipeline import Pipeline
-from conveyor.train import loop, setup
+from conveyor.train import setup
 from conveyor.train.checkpoints import dcpfiles
 from tests.runs import TIMEOUT
 
@@ -164,8 +164,8 @@ def run() -> int:
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     # Fitted timeouts of TIMEOUT s (twice that for start-up and the first two steps).
-    deadline.FLOOR = 2.0 if case["fault"] == "slow" else TIMEOUT
-    deadline.OPENING = loop.OPENING = 2 * deadline.FLOOR
+    Deadlines.floor = 2.0 if case["fault"] == "slow" else TIMEOUT
+    Deadlines.first = 2 * Deadlines.floor
     from tests.runs import Case
 
     flags = [*Case(**case).flags(), "--out", str(out / "run")]

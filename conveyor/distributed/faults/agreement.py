@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed.faults.store import BoundedStore, StoreGone, StoreSilent, host
-from conveyor.engine.watchdog.deadline import OPENING
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConfigError, PeerFailure
 
 __all__: list[str] = []
@@ -47,14 +47,14 @@ def schedule_of(schedule: Any) -> str:
     return f"a table ({hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]})"
 
 
-def agree(options: Mapping[str, Any], *, seconds: float = OPENING,
+def agree(options: Mapping[str, Any], *, seconds: float | None = None,
           what: str = "pipelines") -> None:
     """Checks that every process of the job was given the same ``options`` (plain
     values: they cross as JSON).
 
     A collective over the default process group: every process calls it once, when it
-    builds its pipeline, and waits at most ``seconds`` for the others (start-up's
-    timeout: processes may be started seconds or minutes apart).
+    builds its pipeline, and waits at most ``seconds`` (default ``Deadlines.first``) for
+    the others (start-up's timeout: processes may be started seconds or minutes apart).
 
     Raises:
         ConfigError: an option differs between processes; on every process, naming the
@@ -65,7 +65,7 @@ def agree(options: Mapping[str, Any], *, seconds: float = OPENING,
             froze or died), naming the host.
     """
     mine = json.loads(json.dumps(dict(options)))  # as the others' come back
-    gathered = _exchange(mine, seconds)
+    gathered = _exchange(mine, Deadlines.first if seconds is None else seconds)
     differences = [_describe(key, [ranked.get(key) for ranked in gathered])
                    for key in mine if any(r.get(key) != mine[key] for r in gathered)]
     if differences:

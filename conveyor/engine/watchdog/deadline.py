@@ -26,8 +26,6 @@ from collections import deque
 
 __all__: list[str] = []
 
-OPENING = 300.0
-FLOOR = 30.0
 FACTOR = 10.0
 WINDOW = 20
 
@@ -37,7 +35,20 @@ class Deadlines:
 
     Args:
         timeout: seconds for every wait; None fits them to the phase (see the module).
+
+    Attributes:
+        first: fitted, the seconds of the start-up, the first two steps and a peer that
+            has not reached the step (300).
+        floor: fitted, the least a wait within a later step may take (30): lower it where
+            steps take milliseconds and a frozen rank should be found sooner.
+
+    Both can be set on one pipeline's (``pipe.timeouts.floor = 3``) or, before the
+    pipelines are built, for every one in the process (``Deadlines.floor = 3``; the
+    start-up of ``conveyor train`` and of the ranks' agreement waits ``Deadlines.first``).
     """
+
+    first: float = 300.0
+    floor: float = 30.0
 
     def __init__(self, timeout: float | None) -> None:
         if timeout is not None and not timeout > 0:
@@ -49,7 +60,7 @@ class Deadlines:
     @property
     def opening(self) -> float:
         """For a peer that has not reached the step yet, and for the start-up."""
-        return self.fixed if self.fixed is not None else OPENING
+        return self.fixed if self.fixed is not None else self.first
 
     @property
     def within(self) -> float:
@@ -57,8 +68,8 @@ class Deadlines:
         if self.fixed is not None:
             return self.fixed
         if not self._steps:
-            return OPENING
-        return max(FLOOR, FACTOR * max(self._steps))
+            return self.first
+        return max(self.floor, FACTOR * max(self._steps))
 
     def measured(self, seconds: float) -> None:
         """Notes how long a run that went through took (the first one is warm-up)."""

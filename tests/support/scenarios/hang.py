@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.watchdog import deadline
+from conveyor.engine.watchdog.deadline import Deadlines
 from tests.support.scenarios import scenario
 
 FLOOR = 3.0  # the fitted timeout of a step after the first two, at least
@@ -75,7 +75,7 @@ def _run(rank: int, world: int, out_dir: Path, plans: dict[int, dict[tuple[int, 
     model = nn.Sequential(*layers).double()
     plain = copy.deepcopy(nn.Sequential(*[nn.Identity() if isinstance(layer, Trap) else layer
                                           for layer in model]))
-    deadline.FLOOR = FLOOR  # fitted timeouts, as by default, with a lower floor than 30 s
+    Deadlines.floor = FLOOR  # fitted timeouts, as by default, with a lower floor than 30 s
     pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", balance=[3] * world,
                              loss_fn=nn.functional.mse_loss)
     found: list[dict[str, Any]] = []
