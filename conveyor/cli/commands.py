@@ -14,6 +14,7 @@ from conveyor.cli import tables
 
 if TYPE_CHECKING:
     from conveyor.schedules.simulate import CostModel, Simulation
+    from conveyor.observe.plan import Plan
     from conveyor.schedules import Schedule
 
 __all__: list[str] = []
@@ -317,6 +318,18 @@ def plan_command(args: argparse.Namespace) -> int:
                           "options": [p.summary() for p in plans],
                           "largest_layers": depth}, indent=2))
         return 0
+    _print_plans(args, plans, parameters, memory, remat)
+    print(f"\nthe deepest {args.model} of this width that fits: {depth} layers")
+    return 0
+
+
+def _print_plans(args: argparse.Namespace, plans: list[Plan], parameters: int, memory: float,
+                 remat: bool) -> None:
+    """The family's plans as ``conveyor plan`` prints them: the best one's stages, then
+    every schedule and micro-batch count it tried."""
+    from conveyor.observe import plan as planning
+
+    chosen = plans[0]
     per = planning.OPTIMIZER_BYTES[args.optimizer]
     print(f"{args.model}, {args.layers} layers: {parameters / 1e9:.2f}B parameters, "
           f"{per} bytes each with {args.optimizer}; batch {args.batch}, {args.devices} "
@@ -334,5 +347,3 @@ def plan_command(args: argparse.Namespace) -> int:
              tables.size(max(p.rank_bytes)),
              f"{p.throughput:.1f}"] for p in plans[:args.top]]
     print(tables.table(["schedule", "M", "fits", "largest rank", "samples/s"], rows))
-    print(f"\nthe deepest {args.model} of this width that fits: {depth} layers")
-    return 0
