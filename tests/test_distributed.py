@@ -121,13 +121,17 @@ def test_layers_start_the_same_whatever_the_partition(tmp_path: Path) -> None:
         out.mkdir()
         outcome = launch("initialisation", world, out, timeout=240)
         assert outcome.returncodes == [0] * world, "\n".join(outcome.outputs)
+        timed = []
         for rank in range(world):
             states = torch.load(out / f"rank{rank}.pt")
             assert states["meta"] and states["builder"]
+            timed.append(states["timed"])
             for name, value in states["meta"].items():
                 assert torch.equal(value, one_stage[name]), (world, name)
             for name, value in states["builder"].items():
                 assert torch.equal(value, reference[name]), (world, name)
+        # balance="time": rank 0's timings decide for every rank (a bounded exchange)
+        assert all(balance == timed[0] for balance in timed) and sum(timed[0]) == 12
 
 
 def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:

@@ -173,6 +173,34 @@ def test_the_library_never_writes_the_environment() -> None:
     assert _environment_writes(sample) == [2, 3, 4, 5]
 
 
+#: torch.distributed's collectives and point-to-point calls, which wait as long as the
+#: process group's timeout unless the caller bounds them.
+COLLECTIVES = {"all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather",
+               "all_gather_into_tensor", "all_gather_object", "broadcast_object_list",
+               "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+#: Where they may be called: the bounded collectives, and the wire, whose receives a
+#: watcher bounds (sends complete or fail with their receive).
+BOUNDED = {"conveyor.distributed.faults.collective": {"all_reduce", "broadcast"},
+           "conveyor.distributed.p2p": {"isend"},
+           "conveyor.distributed.receiving": {"irecv"}}
+
+
+def test_every_collective_is_bounded() -> None:
+    """Every collective conveyor makes goes through conveyor.distributed.faults.collective
+    (a bounded wait that names the rank that did not come), never torch's directly."""
+    found = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "dist" \
+                    and node.func.attr in COLLECTIVES \
+                    and node.func.attr not in BOUNDED.get(name, set()):
+                found.setdefault(name, []).append(f"{node.func.attr} (line {node.lineno})")
+    assert not found, found
+
+
 def test_the_pipeline_face_imports_from_few_modules() -> None:
     """``pipeline.py`` is a face: what it builds is ``runtime/``'s. Of its modules, most
     give only the types of its signature."""

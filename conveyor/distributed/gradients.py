@@ -32,11 +32,11 @@ Reduce = Callable[[torch.Tensor, Any], None]  # reduce(tensor, op): an all-reduc
 
 
 def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int,
-                           divisor: float, reduce: Reduce | None = None) -> None:
+                           divisor: float, reduce: Reduce) -> None:
     """Sums gradients over the data-parallel replicas, in flattened buckets, and divides
     them by ``divisor``: ``replicas`` to average them as DDP does, or the step's count of
     a ``(loss_sum, count)`` loss over every replica. ``reduce(flat, op)`` sums a bucket
-    over ``group`` (default ``dist.all_reduce``; a pipeline bounds its wait)."""
+    over ``group`` (with a bounded wait: see :mod:`conveyor.distributed.faults.collective`)."""
     grads = [p.grad for p in params if p.grad is not None]
     if replicas == 1:
         if divisor != 1:
@@ -56,10 +56,7 @@ def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas:
     for bucket_list in buckets.values():
         for bucket in bucket_list:
             flat = _flatten_dense_tensors(bucket)
-            if reduce is None:
-                dist.all_reduce(flat, group=group)
-            else:
-                reduce(flat, dist.ReduceOp.SUM)
+            reduce(flat, dist.ReduceOp.SUM)
             flat /= divisor
             for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
@@ -74,7 +71,7 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
                    max_norm: float, norm_type: float, group: Any,
-                   reduce: Reduce | None = None) -> torch.Tensor:
+                   reduce: Reduce) -> torch.Tensor:
     """Scales ``params``' gradients so that their global norm is at most ``max_norm``.
 
     Args:
@@ -85,8 +82,8 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
         norm_type: the p of the p-norm (``float("inf")`` for the largest entry).
         group: the processes whose norms combine (None: this one); with sharded
             gradients, ``reduce`` also combines the shards of each stage.
-        reduce: ``reduce(norm, op)`` combines the norms over ``group`` (default
-            ``dist.all_reduce``; a pipeline bounds its wait).
+        reduce: ``reduce(norm, op)`` combines the norms over ``group`` (with a bounded
+            wait).
 
     Returns:
         The global norm before clipping.
@@ -102,10 +99,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
     local = local.to(torch.float64)
     if group is not None:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if reduce is None:
-            dist.all_reduce(local, op=op, group=group)
-        else:
-            reduce(local, op)
+        reduce(local, op)
     total = local if inf else local.pow(1.0 / norm_type)
     coefficient = max_norm / (float(total) + 1e-6)
     if coefficient < 1.0:

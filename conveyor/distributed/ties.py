@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
+from conveyor.distributed.faults import collective
 from conveyor.distributed.topology import Topology
 from conveyor.engine.ties import TiedParameter, equalize
 
@@ -17,16 +16,22 @@ __all__: list[str] = []
 
 
 def connect_ties(ties: Sequence[TiedParameter], topology: Topology,
-                 stage_ranks: Sequence[int]) -> None:
+                 stage_ranks: Sequence[int], seconds: float) -> None:
     """Gives each tie its process group and the lowest stage's value on every rank.
 
-    A collective: every process calls it with the same ties, in the same order.
+    A collective: every process calls it with the same ties, in the same order, and
+    waits at most ``seconds`` for the others.
+
+    Raises:
+        PeerFailure: a rank holding a copy did not join in time.
     """
     for tie in ties:
         tie.group = _tie_group(tie.stages, stage_ranks, topology)
         if tie.group is not None and tie.copies:
             source = topology.global_rank(stage_ranks[tie.stages[0]])
-            dist.broadcast(tie.copies[0].data, src=source, group=tie.group)
+            collective.broadcast(tie.copies[0].data, src=source, group=tie.group,
+                                 what="the broadcast of a tied weight's first value",
+                                 seconds=seconds)
             equalize(tie)
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor.errors import BalanceError
@@ -120,8 +119,8 @@ def sum_tied_gradients(ties: Iterable[TiedParameter],
                        reduce: Callable[[torch.Tensor, Any], None] | None = None) -> None:
     """Gives every copy of each tied weight the sum of all copies' gradients.
 
-    ``reduce(total, group)`` sums a tie's total over the processes of its group
-    (default ``dist.all_reduce``; a pipeline passes one whose wait is bounded).
+    ``reduce(total, group)`` sums a tie's total over the processes of its group (a
+    pipeline's all-reduce, whose wait is bounded; not needed in one process).
     """
     for tie in ties:
         if not tie.copies:
@@ -132,9 +131,9 @@ def sum_tied_gradients(ties: Iterable[TiedParameter],
                 total += held.grad.to(total.device)
         if tie.group is not None:
             if reduce is None:
-                dist.all_reduce(total, group=tie.group)
-            else:
-                reduce(total, tie.group)
+                raise ValueError("a weight tied across processes needs reduce=, an "
+                                 "all-reduce with a bounded wait")
+            reduce(total, tie.group)
         for held in tie.copies:
             held.grad = total.to(held.device, copy=True)
 

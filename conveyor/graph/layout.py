@@ -17,12 +17,11 @@ statistics where asked, and gives each stage its random streams.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
@@ -94,6 +93,7 @@ def cut(
     deferred_batch_norm: bool = False,
     init_fn: InitFn | None = None,
     weights: Weights | None = None,
+    decide: Callable[[list[int]], Sequence[int]] = list,
 ) -> Layout:
     """Cuts ``module`` into ``stages`` stages and builds those in ``local``.
 
@@ -114,6 +114,8 @@ def cut(
         tie_weights: groups of parameter names that are one weight.
         deferred_batch_norm: batch-norm statistics over the whole mini-batch.
         init_fn, weights: how a traced model on the meta device gets its values.
+        decide: a balance this process measured ("time") as the job's (under torchrun:
+            rank 0's, shared by a bounded collective).
 
     Raises:
         BalanceError: the balance or the cut does not fit the model or ``stages``.
@@ -133,7 +135,7 @@ def cut(
                            init_fn=init_fn, weights=weights)
     refuse_initialisation(init_fn, weights)
     source = LayerSource(module, layers)
-    resolved = resolve_balance(balance, source, stages, sample)
+    resolved = resolve_balance(balance, source, stages, sample, decide)
     crossing = split_at_skips(source.layers_if_known(), resolved, sample=sample,
                               deferred_batch_norm=deferred_batch_norm)
     if crossing is not None:  # a layer pops what an earlier stage stashed: trace
@@ -161,9 +163,11 @@ def cut(
 
 
 def resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
-                    num_stages: int, sample: Any) -> list[int]:
+                    num_stages: int, sample: Any,
+                    decide: Callable[[list[int]], Sequence[int]] = list) -> list[int]:
     """Layers per stage of a sequence of layers: as given (checked), by parameters
-    (None) or by time on ``sample`` ("time"; under torchrun rank 0's timings decide).
+    (None) or by time on ``sample`` ("time": ``decide`` makes this process's timings
+    the job's; under torchrun rank 0's decide).
 
     Raises:
         BalanceError: the balance does not fit the layers or the number of stages.
@@ -180,11 +184,7 @@ def resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,
                                "sample=<a micro-batch> with an nn.Sequential built on a device")
         result = balance_by_time(nn.Sequential(*[layer for _, layer in model]), sample,
                                  num_stages)
-        if dist.is_available() and dist.is_initialized():
-            shared = [result]
-            dist.broadcast_object_list(shared, src=0)  # one rank's timings decide for all
-            result = shared[0]
-        return result
+        return list(decide(result))  # one rank's timings decide for all
     result = validate_balance(balance, len(source.names))
     if len(result) != num_stages:
         raise BalanceError(f"balance {result} has {len(result)} stages but the schedule has "

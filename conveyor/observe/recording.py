@@ -10,17 +10,20 @@
 Off by default and free when off; see :mod:`conveyor.engine.recorder` for its cost.
 The timeline carries the schedule's edges, so that pictures show their messages.
 Under torchrun every rank records its own actions; when the block ends, every rank gets
-all the ranks' events, on clocks aligned by a barrier taken when recording began.
+all the ranks' events, on clocks aligned by a barrier taken when recording began (both
+bounded by the pipeline's opening deadline; the events cross as JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
+import torch
 
+from conveyor.distributed.faults import collective
 from conveyor.engine.recorder import Recorder
 from conveyor.schedules.timeline import Event, Timeline
 
@@ -37,8 +40,11 @@ def record(pipe: Any) -> Iterator[Timeline]:
     executor = pipe.runtime.executor
     topology = getattr(pipe, "topology", None)
     group = topology.pipeline_group if topology is not None and topology.distributed else None
-    if group is not None:
-        dist.barrier(group=group)
+    device = (topology.device if topology is not None else None) or torch.device("cpu")
+    if group is not None:  # the barrier
+        collective.all_reduce(torch.zeros(1, device=device), group=group,
+                              what="the barrier that starts a recording",
+                              seconds=pipe.timeouts.opening)
     recorder = Recorder()
     schedule = executor.schedule
     timeline = Timeline(num_ranks=len(set(executor.stage_ranks)), source="measured",
@@ -57,7 +63,8 @@ def record(pipe: Any) -> Iterator[Timeline]:
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]
         if group is not None and not failed:  # after a failure a peer may be gone
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, events, group=group)
-            events = [e for part in gathered for e in part]
+            gathered = collective.exchange([dataclasses.asdict(e) for e in events], group=group,
+                                           what="the gathering of the ranks' timelines",
+                                           seconds=pipe.timeouts.opening, device=device)
+            events = [Event(**e) for part in gathered for e in part]
         timeline.events = sorted(events, key=lambda e: (e.start, e.rank))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.distributed.faults import collective
 from conveyor.distributed.faults.agreement import agree, model_shapes
 from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
@@ -142,11 +143,11 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         local=[s for s in range(schedule.num_stages)
                if not distributed or schedule.stage_ranks[s] == topology.pipeline_rank],
         concurrent=thread_devices(devices if not distributed else devices[:1]),
-        sample=sample, **options.cut())
+        sample=sample, decide=_from_rank_zero(topology, pending.deadlines), **options.cut())
     if layout.edges:
         schedule = with_model_edges(schedule, layout.edges)
     if distributed:
-        connect_ties(layout.ties, topology, schedule.stage_ranks)
+        connect_ties(layout.ties, topology, schedule.stage_ranks, pending.deadlines.opening)
     sharding = Sharding(layout.stages, topology, schedule, layout.ties) \
         if pending.sharded else None
     wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()
@@ -165,3 +166,16 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     training = TrainingStep(options.chunks, options.mode, options.check_finite,
                             compute_dtype(options.precision), scaler, sharding)
     return Built(schedule, runtime, training, rebalancing)
+
+
+def _from_rank_zero(topology: Topology, deadlines: Deadlines) -> Callable[[list[int]], list[int]]:
+    """What the cut calls to make the balance this rank measured the job's: under
+    torchrun, global rank 0's (a bounded exchange); in one process, its own."""
+    def decide(balance: list[int]) -> list[int]:
+        if not topology.distributed:
+            return balance
+        shared = collective.exchange(balance, group=None, seconds=deadlines.opening,
+                                     what="the sharing of rank 0's balance by time",
+                                     device=topology.device)
+        return [int(count) for count in shared[0]]
+    return decide

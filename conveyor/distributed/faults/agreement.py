@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.distributed.faults import collective
 from conveyor.distributed.faults.store import BoundedStore, StoreGone, StoreSilent, host
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConfigError, PeerFailure
@@ -75,15 +76,14 @@ def agree(options: Mapping[str, Any], *, seconds: float | None = None,
 
 
 def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
-    """Every rank's ``options``: through the store (bounded), else a collective."""
+    """Every rank's ``options``: through the store, else a collective (both bounded)."""
     global _agreements
     _agreements += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     store = BoundedStore()
     if not store.available:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, options)
-        return gathered
+        return collective.exchange(options, group=None, what="the agreement on options",
+                                   seconds=seconds)
     prefix = f"conveyor/agree/{_agreements}"
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:

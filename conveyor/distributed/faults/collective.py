@@ -4,7 +4,8 @@ torch's collectives wait as long as the process group's timeout (set once, at st
 and then fail with the backend's words ("Timed out waiting 20000ms for send",
 "Connection closed by peer"). A pipeline's collectives (the step's loss, the tied
 weights' gradients, the replicas' averaging, the clipping norm, the agreement to stop)
-go through :func:`all_reduce` and :func:`broadcast` here instead: they run
+go through :func:`all_reduce` and :func:`broadcast` here instead (and plain data, such
+as one rank's balance or every rank's timeline, through :func:`exchange`): they run
 asynchronously, and this rank waits at most ``seconds``, then raises
 :class:`~conveyor.PeerFailure` naming the collective. On gloo the wait itself is done
 by a watcher thread (see :mod:`conveyor.distributed.watch`), so giving up does not
@@ -20,6 +21,7 @@ rather than gloo's "Connection closed by peer".
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +72,30 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
     if joined is not None:
         joined()
     _wait(work, group, what, seconds, notice)
+
+
+def exchange(value: Any, *, group: Any, what: str, seconds: float,
+             device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``value``, in the order of the ranks of ``group``: plain data, which
+    crosses as JSON (never pickled: nothing a peer sends is run), through two bounded
+    all-reduces of tensors on ``device`` (the group's backend's: the CPU for gloo).
+
+    Raises:
+        PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
+        TypeError: ``value`` is not plain data (JSON).
+    """
+    device = device or torch.device("cpu")
+    mine = json.dumps(value).encode()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes[me] = len(mine)
+    all_reduce(sizes, group=group, what=what, seconds=seconds)
+    rows = torch.zeros(world, int(sizes.max()), dtype=torch.int32, device=device)
+    rows[me, :len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    all_reduce(rows, group=group, what=what, seconds=seconds)
+    rows = rows.to(device="cpu", dtype=torch.uint8)
+    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode())
+            for r in range(world)]
 
 
 def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | None) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.train.checkpoints import manifest
 from conveyor.train.errors import CheckpointError
 
@@ -241,13 +242,13 @@ def barrier(model: nn.Module, what: str) -> None:
 
 
 def _all_reduce(model: nn.Module, tensor: torch.Tensor, what: str, op: Any) -> None:
-    timeouts = getattr(model, "timeouts", None)
-    if timeouts is None:
-        dist.all_reduce(tensor, op=op)
-        return
+    """A bounded all-reduce over every rank: the pipeline's opening deadline, or (a model
+    of another kind) every pipeline's first."""
     from conveyor.distributed.faults import collective
 
-    collective.all_reduce(tensor, group=None, what=what, seconds=timeouts.opening, op=op)
+    timeouts = getattr(model, "timeouts", None)
+    seconds = timeouts.opening if timeouts is not None else Deadlines.first
+    collective.all_reduce(tensor, group=None, what=what, seconds=seconds, op=op)
 
 
 _stuck: list[threading.Thread] = []  # saves that never came back (a rank froze in one)

@@ -83,8 +83,10 @@ def initialisation(rank: int, world: int, out_dir: Path) -> None:
     torch.manual_seed(5)
     built = conveyor.Pipeline(lambda i: deep_mlp()[i], layers=12, chunks=2,
                               loss_fn=nn.functional.mse_loss)
-    torch.save({"meta": from_meta.state_dict(), "builder": built.state_dict()},
-               out_dir / f"rank{rank}.pt")
+    timed = conveyor.Pipeline(deep_mlp(), chunks=2, loss_fn=nn.functional.mse_loss,
+                              balance="time", sample=torch.randn(4, 6, dtype=torch.float64))
+    torch.save({"meta": from_meta.state_dict(), "builder": built.state_dict(),
+                "timed": timed.balance}, out_dir / f"rank{rank}.pt")
 
 
 @scenario("clip_and_check")
