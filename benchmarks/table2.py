@@ -21,7 +21,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 
 from conveyor.train.models import transformer_lm  # noqa: E402
-from conveyor import profile_layers, solve_balance  # noqa: E402
+from conveyor.balance import profile_layers, solve_balance  # noqa: E402
 from conveyor.schedules import gpipe  # noqa: E402
 from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 

@@ -3,12 +3,16 @@
 The package is layered; each part imports only those listed above it::
 
     errors.py     every error a user can catch
-    schedules/    the action table, validator, builders              (no torch)
-    engine/       one process: stages, executor, recompute, watchdog
+    schedules/    the action table, validator, builders, simulator, timelines  (no torch)
+    engine/       one process: stages, executor, recompute, backward, watchdog
     graph/        any model cut into stages: tracing, balance, skips, weights
-    distributed/  where stages run: the runtime, topology, p2p, ties, re-balancing
-    gpipe.py, pipeline.py   the two faces: ``GPipe`` and ``Pipeline``
-    observe/      simulator and timelines (no torch), recording, planner, check
+    distributed/  the wire and the ranks: topology, p2p, ties, data parallelism, faults/
+    runtime/      what both faces run: the Runtime, its wiring, options, the step, planning,
+                  re-balancing
+    gpipe.py, pipeline.py, decoding.py   the faces: ``GPipe``, ``Pipeline``, ``generate``
+    balance.py, skip.py                  the sub-faces ``conveyor.balance`` and ``conveyor.skip``
+    observe/      what sees a run: recording, where, the planner
+    checking/     conveyor.check: the pipeline against the plain model
     train/        conveyor train: options, data, reference models, saving
     cli/          the conveyor command
 
@@ -19,6 +23,7 @@ The names below load on first use, so ``import conveyor`` and ``conveyor.schedul
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 from conveyor import errors as _errors
@@ -38,18 +43,7 @@ _PUBLIC = {
     "is_recomputing": "conveyor.engine.recompute.replay",
     "token_loss": "conveyor.engine.loss",
     "tune_malloc": "conveyor.engine.allocator",
-    "LayerProfile": "conveyor.graph.profile",
-    "balance_by_memory": "conveyor.graph.balance",
-    "balance_by_params": "conveyor.graph.balance",
-    "balance_by_time": "conveyor.graph.balance",
-    "profile_layers": "conveyor.graph.profile",
-    "solve_balance": "conveyor.graph.balance",
     "initialize": "conveyor.graph.weights",
-    "isolate": "conveyor.graph.skip",
-    "pop": "conveyor.graph.skip",
-    "skippable": "conveyor.graph.skip",
-    "stash": "conveyor.graph.skip",
-    "verify_skips": "conveyor.graph.skipcut",
     "record": "conveyor.observe.recording",
     "Rebalance": "conveyor.runtime.rebalance.policy",
     "check": "conveyor.checking.check",
@@ -63,10 +57,30 @@ _PUBLIC = {
     "SaveError": "conveyor.train.errors",
 }
 
-__all__ = sorted([*_errors.__all__, *_PUBLIC])
+# Families of names with a module of their own, as torchgpipe's: ``conveyor.balance``
+# and ``conveyor.skip`` (and ``conveyor.schedules``, its tables).
+_SUBFACES = ("balance", "skip", "schedules")
+
+# Flat names that moved to a sub-face: they still work, with a DeprecationWarning,
+# until 0.3.
+_MOVED = {name: "balance" for name in ("LayerProfile", "balance_by_memory",
+                                       "balance_by_params", "balance_by_time",
+                                       "profile_layers", "solve_balance")}
+_MOVED.update({name: "skip" for name in ("isolate", "pop", "skippable", "stash",
+                                         "verify_skips")})
+
+__all__ = sorted([*_errors.__all__, *_PUBLIC, *_SUBFACES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBFACES:
+        return importlib.import_module(f"conveyor.{name}")
+    if name in _MOVED:
+        face = _MOVED[name]
+        warnings.warn(f"conveyor.{name} is conveyor.{face}.{name} (from conveyor.{face} "
+                      f"import {name}); the flat name goes in conveyor 0.3",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"conveyor.{face}"), name)
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -64,8 +64,8 @@ class GPipe(RunsRuntime):
             chooses; then it may be built on the meta device). Its tensors are moved
             to their stages' devices.
         balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
-            ``conveyor.balance_by_time`` and friends to compute one. Where a layer pops
-            a value (``conveyor.skippable``) that a layer of an earlier stage stashed,
+            ``conveyor.balance.balance_by_time`` and friends to compute one. Where a layer pops
+            a value (``conveyor.skip.skippable``) that a layer of an earlier stage stashed,
             the layers are traced on ``sample`` and cut where the balance says. For a
             model that is not an ``nn.Sequential``: None or "time", how to choose
             ``split_at``.
@@ -351,7 +351,7 @@ def _stage_count(module: nn.Module, balance: Sequence[int] | str | None,
     if isinstance(module, nn.Sequential):
         raise BalanceError("give balance= (layers per stage) for an nn.Sequential, or "
                            "split_at= (submodule names) and sample= for any module"
-                           + ("; conveyor.balance_by_time(model, sample, stages) "
+                           + ("; conveyor.balance.balance_by_time(model, sample, stages) "
                               "computes one by time" if balance == "time" else ""))
     if stages is not None:
         return stages

@@ -38,7 +38,7 @@ def test_more_stages_than_layers() -> None:
                        match=r"asks for 9 stages but the model has only 8 layers"):
         conveyor.GPipe(model8(), [1] * 9, devices=["cpu"] * 9)
     with pytest.raises(conveyor.BalanceError, match=r"cannot cut 8 layers into 9 stages"):
-        conveyor.balance_by_params(model8(), 9)
+        conveyor.balance.balance_by_params(model8(), 9)
 
 
 def test_devices_must_match_balance() -> None:

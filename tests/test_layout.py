@@ -16,7 +16,7 @@ PACKAGE = Path(conveyor.__file__).parent
 # Each layer may import the ones before it, never one after it. The two faces, the
 # modules ``gpipe`` and ``pipeline``, stand side by side on one layer.
 LAYERS = ["errors", "schedules", "engine", "graph", "distributed", "runtime",
-          "gpipe|pipeline|decoding", "observe", "checking", "train", "cli"]
+          "gpipe|pipeline|decoding|balance|skip", "observe", "checking", "train", "cli"]
 ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "checking", "train",
          "cli"]
 
@@ -58,7 +58,7 @@ def test_the_top_level_shows_the_layers() -> None:
     packages = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
     assert sorted(packages) == sorted(ROOMS)
     assert set(entries) == {*ROOMS, "errors.py", "gpipe.py", "pipeline.py", "decoding.py",
-                            "__init__.py", "__main__.py", "py.typed"}
+                            "balance.py", "skip.py", "__init__.py", "__main__.py", "py.typed"}
     for name in packages:
         doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
         assert doc, f"conveyor/{name}/__init__.py says nothing about what lives there"
@@ -261,7 +261,7 @@ def test_errors_live_in_the_errors_modules() -> None:
 
 # Modules whose names users import; elsewhere __all__ lists only names of ``conveyor``.
 PUBLIC_MODULES = {"conveyor", "conveyor.errors", "conveyor.train.errors", "conveyor.cli",
-                  "conveyor.cli.main",
+                  "conveyor.cli.main", "conveyor.balance", "conveyor.skip",
                   "conveyor.graph.source"} | {
     name for name in _modules() if name.startswith("conveyor.schedules")} | {
     f"conveyor.{short}" for short in ("observe.simulate", "observe.trace", "observe.plan",
@@ -282,3 +282,18 @@ def test_public_names_all_resolve() -> None:
     assert len(set(conveyor.__all__)) == len(conveyor.__all__) > 0  # each listed once
     missing = [name for name in conveyor.__all__ if not hasattr(conveyor, name)]
     assert not missing, f"conveyor.__all__ lists names the package lacks: {missing}"
+
+
+def test_sub_faces_hold_their_families_and_old_flat_names_warn() -> None:
+    """``conveyor.balance`` and ``conveyor.skip`` (as torchgpipe's); the flat names they
+    replace keep working for a release, with a DeprecationWarning naming the new one."""
+    import conveyor.balance
+    import conveyor.skip
+
+    assert conveyor.balance.__all__ and conveyor.skip.__all__
+    assert not set(conveyor.balance.__all__ + conveyor.skip.__all__) & set(conveyor.__all__)
+    for face in (conveyor.balance, conveyor.skip):
+        for name in face.__all__:
+            with pytest.warns(DeprecationWarning, match=rf"conveyor\.{face.__name__[9:]}\.{name}"):
+                assert getattr(conveyor, name) is getattr(face, name)
+    assert len(conveyor.__all__) - len(conveyor.errors.__all__) <= 25

@@ -71,8 +71,8 @@ def test_balance_by_params_evens_out_parameters() -> None:
     model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10), nn.Linear(10, 10),
                           nn.Linear(10, 100), nn.Linear(100, 100))
     # parameters: 10100, 0, 1010, 110, 1100, 10100
-    assert conveyor.balance_by_params(model, 2) == [4, 2]  # 11220 | 11200
-    assert conveyor.balance_by_params(model, 3) == [1, 4, 1]
+    assert conveyor.balance.balance_by_params(model, 2) == [4, 2]  # 11220 | 11200
+    assert conveyor.balance.balance_by_params(model, 3) == [1, 4, 1]
 
 
 def test_profile_layers_counts_parameters_and_saved_activations() -> None:
@@ -125,8 +125,8 @@ def test_balance_by_time_gives_a_costly_layer_a_stage_of_its_own(
     # layers (4 < 8), so this is the only balance with the least maximum.
     model = one_costly_layer(layers, costly, times=8)
     with one_cpu_thread():
-        assert conveyor.balance_by_time(model, torch.randn(64, 128), stages) == expected
-    assert conveyor.balance_by_params(model, stages) != expected  # parameters cannot see it
+        assert conveyor.balance.balance_by_time(model, torch.randn(64, 128), stages) == expected
+    assert conveyor.balance.balance_by_params(model, stages) != expected  # parameters cannot see it
 
 
 def test_balance_by_memory_weighs_activations_and_parameters() -> None:
@@ -134,4 +134,4 @@ def test_balance_by_memory_weighs_activations_and_parameters() -> None:
     model = nn.Sequential(nn.Linear(256, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4),
                           nn.Linear(4, 4))
     x = torch.randn(64, 256)
-    assert conveyor.balance_by_memory(model, x, 2) == [1, 3]
+    assert conveyor.balance.balance_by_memory(model, x, 2) == [1, 3]

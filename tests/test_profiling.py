@@ -18,15 +18,15 @@ from tests.support.models import one_costly_layer, one_cpu_thread
 def test_a_layer_starting_in_place_is_profiled() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
                           nn.ReLU(inplace=True))
-    profiles = conveyor.profile_layers(model, torch.randn(4, 8), repeat=1)
+    profiles = conveyor.balance.profile_layers(model, torch.randn(4, 8), repeat=1)
     assert [p.name for p in profiles] == ["0", "1", "2", "3"]
-    assert conveyor.balance_by_memory(model, torch.randn(4, 8), 2) == [2, 2]
-    assert sum(conveyor.balance_by_time(model, torch.randn(4, 8), 2)) == 4
+    assert conveyor.balance.balance_by_memory(model, torch.randn(4, 8), 2) == [2, 2]
+    assert sum(conveyor.balance.balance_by_time(model, torch.randn(4, 8), 2)) == 4
 
 
 def test_all_zero_costs_balance_the_number_of_layers() -> None:
-    assert conveyor.solve_balance([0.0] * 6, 2) == [3, 3]
-    assert conveyor.solve_balance([0.0] * 7, 3) == [2, 2, 3]  # earlier cuts break ties
+    assert conveyor.balance.solve_balance([0.0] * 6, 2) == [3, 3]
+    assert conveyor.balance.solve_balance([0.0] * 7, 3) == [2, 2, 3]  # earlier cuts break ties
 
 
 @pytest.mark.parametrize("noise", [(1.0, 1.02, 0.99, 1.01, 1.0), (1.03, 0.98, 1.0, 1.0, 0.97),
@@ -60,7 +60,7 @@ def test_sample_is_one_micro_batch_for_pipeline_as_for_balance_by_time(
     with one_cpu_thread():
         pipe = conveyor.Pipeline(model, loss_fn=nn.MSELoss(), chunks=chunks, balance="time",
                                  sample=microbatch, devices=["cpu"] * 2)
-        assert pipe.balance == conveyor.balance_by_time(model, microbatch, 2) == [5, 1]
+        assert pipe.balance == conveyor.balance.balance_by_time(model, microbatch, 2) == [5, 1]
     assert profiled == [(64, 128), (64, 128)]
 
 
@@ -98,8 +98,8 @@ def test_profiling_trains_and_puts_every_module_s_mode_back() -> None:
     model[2].train()  # a mixed model: its modes come back one by one
     statistics = model[1].running_mean.clone()
     with torch.no_grad():  # the caller's grad mode does not matter
-        conveyor.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
-    conveyor.balance_by_memory(model, torch.randn(8, 4), 2)
+        conveyor.balance.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
+    conveyor.balance.balance_by_memory(model, torch.randn(8, 4), 2)
     assert [m.training for m in model] == [False, False, True] and not model.training
     assert torch.equal(model[1].running_mean, statistics)
     assert model[0].seen and set(model[0].seen) == {(True, True)}
@@ -117,9 +117,9 @@ def test_profiling_leaves_existing_gradients_as_they_were() -> None:
     model[2].bias.grad = None  # one parameter without a gradient
     before = {name: p.grad for name, p in model.named_parameters()}
     values = {name: g.clone() for name, g in before.items() if g is not None}
-    conveyor.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
-    conveyor.balance_by_memory(model, torch.randn(8, 4), 2)
-    conveyor.profile_layers(model, torch.randn(8, 4), repeat=1)
+    conveyor.balance.balance_by_time(model, torch.randn(8, 4), 2, repeat=1)
+    conveyor.balance.balance_by_memory(model, torch.randn(8, 4), 2)
+    conveyor.balance.profile_layers(model, torch.randn(8, 4), repeat=1)
     blocks = Blocks()
     blocks(torch.randn(2, 4)).sum().backward()
     block_grads = [p.grad.clone() for p in blocks.parameters()]  # type: ignore[union-attr]

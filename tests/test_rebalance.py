@@ -211,16 +211,16 @@ def test_what_cannot_be_rebalanced_yet_is_refused() -> None:
 
 
 def test_skips_are_refused() -> None:
-    @conveyor.skippable(stash=["x"])
+    @conveyor.skip.skippable(stash=["x"])
     class Keep(nn.Module):
         def forward(self, x: torch.Tensor) -> Any:
-            yield conveyor.stash("x", x)
+            yield conveyor.skip.stash("x", x)
             return x
 
-    @conveyor.skippable(pop=["x"])
+    @conveyor.skip.skippable(pop=["x"])
     class Add(nn.Module):
         def forward(self, x: torch.Tensor) -> Any:
-            return x + (yield conveyor.pop("x"))
+            return x + (yield conveyor.skip.pop("x"))
 
     with pytest.raises(conveyor.ConfigError, match=r"skip connections .* not supported yet"):
         conveyor.Pipeline(nn.Sequential(Keep(), nn.Linear(4, 4), Add(), nn.Linear(4, 4)),

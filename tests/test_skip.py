@@ -1,4 +1,4 @@
-"""Skip connections in an nn.Sequential (conveyor.skippable, stash, pop, isolate): the
+"""Skip connections in an nn.Sequential (conveyor.skip.skippable, stash, pop, isolate): the
 layer list runs as a plain model, and pipelined its skips cross stages with their
 gradients, equal to the plain model in float64; mismatched stashes and pops are refused
 before anything is built, naming the layers."""
@@ -24,21 +24,21 @@ from tests.support.skip_models import Dense, Pop, Stash, build, long_skip
 CHUNKS = 4
 
 
-@conveyor.skippable(stash=["index", "nothing"])
+@conveyor.skip.skippable(stash=["index", "nothing"])
 class StashIndex(Dense):
     """Stashes an integer tensor (no gradient) and None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conveyor.stash("index", x.argmax(dim=1))
-        conveyor.stash("nothing", None)
+        conveyor.skip.stash("index", x.argmax(dim=1))
+        conveyor.skip.stash("nothing", None)
         return torch.tanh(self.linear(x))
 
 
-@conveyor.skippable(pop=["index", "nothing"])
+@conveyor.skip.skippable(pop=["index", "nothing"])
 class PopIndex(Dense):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert conveyor.pop("nothing") is None
-        return self.linear(x) * F.one_hot(conveyor.pop("index"), 6).to(x.dtype)
+        assert conveyor.skip.pop("nothing") is None
+        return self.linear(x) * F.one_hot(conveyor.skip.pop("index"), 6).to(x.dtype)
 
 
 def assert_same_grads(pipe: nn.Module, reference: nn.Module) -> None:
@@ -160,7 +160,7 @@ def test_a_skip_within_a_stage_runs_the_layers_untraced() -> None:
 def test_namespaces_pair_nested_blocks_and_a_name_is_reused_in_sequence() -> None:
     """A U-Net's levels (stash outer, stash inner, pop inner, pop outer) need a namespace
     each; blocks in sequence (stash, pop, stash, pop) may share the name."""
-    isolate = conveyor.isolate
+    isolate = conveyor.skip.isolate
     model, reference, inputs, targets = build(
         isolate(Stash(), "outer"), isolate(Stash(), "inner"), Dense(),
         isolate(Pop(), "inner"), isolate(Pop(), "outer"), Stash(), Pop())
@@ -194,71 +194,71 @@ def test_where_each_skip_goes() -> None:
 
 
 def isolate_all(module: nn.Module, namespace: str) -> nn.Module:
-    return conveyor.isolate(module, namespace)
+    return conveyor.skip.isolate(module, namespace)
 
 
 def test_verify_names_every_layer_that_does_not_match() -> None:
-    @conveyor.skippable(stash=["skip", "other"])
+    @conveyor.skip.skippable(stash=["skip", "other"])
     class StashTwo(Dense):
         pass
 
-    @conveyor.skippable(pop=["skip"], stash=["next"])
+    @conveyor.skip.skippable(pop=["skip"], stash=["next"])
     class Relay(Dense):
         pass
 
-    @conveyor.skippable(pop=["next"])
+    @conveyor.skip.skippable(pop=["next"])
     class PopNext(Dense):
         pass
 
-    conveyor.verify_skips(nn.Sequential(Stash(), Pop(), Stash(), Pop()))  # names reused
-    conveyor.verify_skips(nn.Sequential(Stash(), Relay(), PopNext()))
+    conveyor.skip.verify_skips(nn.Sequential(Stash(), Pop(), Stash(), Pop()))  # names reused
+    conveyor.skip.verify_skips(nn.Sequential(Stash(), Relay(), PopNext()))
     cases = {
         (Pop(),): r"layer '0' pops 'skip', but no layer before it stashes it",
         (Stash(),): r"layer '0' stashes 'skip', but no later layer pops it",
         (Stash(), Stash(), Pop()): r"layer '1' stashes 'skip' while the value layer '0' "
-                                   r"stashed is not popped yet; .*conveyor.isolate",
+                                   r"stashed is not popped yet; .*conveyor.skip.isolate",
         (Stash(), Pop(), Pop()): r"layer '2' pops 'skip', which layer '1' popped already",
         (StashTwo(), Pop()): r"layer '0' stashes 'other', but no later layer pops it",
-        (conveyor.isolate(Stash(), "a"), Pop()): r"(?s)'1' pops 'skip', but no layer "
+        (conveyor.skip.isolate(Stash(), "a"), Pop()): r"(?s)'1' pops 'skip', but no layer "
                                                  r".*'0' stashes 'skip' \(namespace 'a'\)",
         (nn.Sequential(Dense(), Stash()),): r"layer '0.1' stashes 'skip', but no later",
     }
     for layers, message in cases.items():
         with pytest.raises(SkipError, match=message):
-            conveyor.verify_skips(nn.Sequential(*layers))
+            conveyor.skip.verify_skips(nn.Sequential(*layers))
     with pytest.raises(SkipError, match=r"do not match"):  # before anything is built
         conveyor.GPipe(nn.Sequential(Pop(), Dense()), balance=[1, 1], devices=["cpu"] * 2)
     with pytest.raises(SkipError, match=r"declares \['skip'\] both in stash= and pop="):
-        conveyor.skippable(stash=["skip"], pop=["skip"])
+        conveyor.skip.skippable(stash=["skip"], pop=["skip"])
     with pytest.raises(SkipError, match=r"write stash=\['skip'\]"):
-        conveyor.skippable(stash="skip")
+        conveyor.skip.skippable(stash="skip")
     with pytest.raises(TypeError, match=r"decorates an nn.Module class"):
-        conveyor.skippable(stash=["skip"])(print)  # type: ignore[arg-type]
+        conveyor.skip.skippable(stash=["skip"])(print)  # type: ignore[arg-type]
 
 
 def test_stash_and_pop_check_what_the_layer_declares() -> None:
     """torchgpipe's test_stash_pop: declared but not used, used but not declared, popped
     before any stash; and both called outside a skippable forward."""
-    @conveyor.skippable(stash=["skip"])
+    @conveyor.skip.skippable(stash=["skip"])
     class Silent(Dense):
         pass
 
-    @conveyor.skippable(stash=["skip"])
+    @conveyor.skip.skippable(stash=["skip"])
     class Twice(Dense):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            conveyor.stash("skip", x)
-            conveyor.stash("skip", x)
+            conveyor.skip.stash("skip", x)
+            conveyor.skip.stash("skip", x)
             return x
 
-    @conveyor.skippable()
+    @conveyor.skip.skippable()
     class Undeclared(Dense):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + conveyor.pop("skip")
+            return x + conveyor.skip.pop("skip")
 
-    @conveyor.skippable(pop=["skip"])
+    @conveyor.skip.skippable(pop=["skip"])
     class StashUndeclared(Dense):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            conveyor.stash("skip", x)
+            conveyor.skip.stash("skip", x)
             return x
 
     x = torch.zeros(2, 6)
@@ -270,12 +270,12 @@ def test_stash_and_pop_check_what_the_layer_declares() -> None:
             (Pop(), r"Pop pops 'skip', but nothing stashed it")]:
         with pytest.raises(SkipError, match=message):
             layer(x)
-    with pytest.raises(SkipError, match=r"conveyor.stash\('skip'\) runs outside the forward"):
-        conveyor.stash("skip", x)
-    with pytest.raises(SkipError, match=r"Dense has no @conveyor.skippable layer"):
-        conveyor.isolate(Dense(), "a")
+    with pytest.raises(SkipError, match=r"conveyor.skip.stash\('skip'\) runs outside the forward"):
+        conveyor.skip.stash("skip", x)
+    with pytest.raises(SkipError, match=r"Dense has no @conveyor.skip.skippable layer"):
+        conveyor.skip.isolate(Dense(), "a")
     with pytest.raises(SkipError, match=r"declares \['skip'\], not \['other'\]"):
-        conveyor.isolate(Stash(), "a", only=["other"])
+        conveyor.skip.isolate(Stash(), "a", only=["other"])
     assert not _store.values  # Twice's first value went with its failed call
 
 
@@ -302,10 +302,10 @@ def test_the_class_stays_itself() -> None:
     assert type(layer).__name__ == "Stash" and isinstance(layer, Dense)
     assert repr(layer) == repr(Dense()).replace("Dense", "Stash")
     assert list(layer.state_dict()) == ["linear.weight", "linear.bias"]
-    model = nn.Sequential(conveyor.isolate(Stash(), "a"), conveyor.isolate(Pop(), "a"))
+    model = nn.Sequential(conveyor.skip.isolate(Stash(), "a"), conveyor.skip.isolate(Pop(), "a"))
     inputs = torch.randn(2, 6)
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        conveyor.verify_skips(twin)
+        conveyor.skip.verify_skips(twin)
         assert torch.equal(twin(inputs), model(inputs))
 
 

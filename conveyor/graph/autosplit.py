@@ -15,7 +15,7 @@ and they weigh there::
 By parameters, a block costs the parameter elements its operations read in the traced
 graph (a weight tied between the embedding and the head counts on both ends, as each
 end's stage holds a copy). By time, it costs its forward and backward on the sample,
-measured with hooks at the blocks' boundaries. :func:`conveyor.solve_balance` finds the
+measured with hooks at the blocks' boundaries. :func:`conveyor.balance.solve_balance` finds the
 cut. A cut that leaves a stage without parameters is refused (``split_at=`` cuts there
 if that is what you want). The cut is logged at INFO with each stage's blocks and share
 of the parameters, and :func:`auto_cut` returns it as an :class:`AutoCut` to inspect

@@ -19,7 +19,7 @@ from conveyor.errors import BalanceError
 from conveyor.graph.profile import profile_layers
 from conveyor.graph.source import sequential_layers
 
-__all__ = ["balance_by_memory", "balance_by_params", "balance_by_time", "solve_balance"]
+__all__: list[str] = []
 
 
 # Stages whose measured times differ by less than this (relative) count as equal.

@@ -41,7 +41,7 @@ from conveyor.graph import skip
 from conveyor.graph.source import sequential_layers
 from conveyor.graph.tracedstage import as_call
 
-__all__ = ["LayerProfile", "profile_layers"]
+__all__: list[str] = []
 
 # A layer is timed at least ``repeat`` times and for at least this long (up to
 # _LAYER_RUNS): a fast layer's time is otherwise mostly noise.

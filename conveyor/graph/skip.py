@@ -4,17 +4,17 @@ A layer list passes one value from layer to layer; a U-Net's long skip or a resi
 around several layers needs a second channel. Declare it on the layer classes and use
 it in their ``forward``::
 
-    @conveyor.skippable(stash=["skip"])
+    @conveyor.skip.skippable(stash=["skip"])
     class Down(nn.Module):
         def forward(self, x):
             x = self.conv(x)
-            conveyor.stash("skip", x)
+            conveyor.skip.stash("skip", x)
             return self.pool(x)
 
-    @conveyor.skippable(pop=["skip"])
+    @conveyor.skip.skippable(pop=["skip"])
     class Up(nn.Module):
         def forward(self, x):
-            return self.conv(self.upsample(x) + conveyor.pop("skip"))
+            return self.conv(self.upsample(x) + conveyor.skip.pop("skip"))
 
     model = nn.Sequential(Down(), Middle(), Up())
     model(x)                                   # a plain model: the skip just works
@@ -60,7 +60,7 @@ from torch import nn
 
 from conveyor.errors import SkipError
 
-__all__ = ["isolate", "pop", "skippable", "stash"]
+__all__: list[str] = []
 
 M = TypeVar("M", bound=nn.Module)
 Key = tuple[str | None, str]  # (namespace, name)
@@ -102,8 +102,8 @@ def skippable(*, stash: Iterable[str] = (), pop: Iterable[str] = ()
               ) -> Callable[[type[M]], type[M]]:
     """Declares the skip values a layer class stashes and pops (class decorator).
 
-    The class's ``forward`` calls :func:`conveyor.stash` for each name in ``stash`` and
-    :func:`conveyor.pop` for each in ``pop``, once per call. The decorated class is a
+    The class's ``forward`` calls :func:`conveyor.skip.stash` for each name in ``stash`` and
+    :func:`conveyor.skip.pop` for each in ``pop``, once per call. The decorated class is a
     subclass under the same name whose ``forward`` tracks these calls.
 
     Args:
@@ -122,7 +122,7 @@ def skippable(*, stash: Iterable[str] = (), pop: Iterable[str] = ()
 
     def decorate(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise TypeError(f"@conveyor.skippable decorates an nn.Module class, got {cls!r}")
+            raise TypeError(f"@conveyor.skip.skippable decorates an nn.Module class, got {cls!r}")
         original = cls.forward
 
         @functools.wraps(original)
@@ -171,7 +171,7 @@ def pop(name: str) -> Any:
     if key not in _store.values:
         raise SkipError(f"{_kind(call.layer)} pops {describe(key)}, but nothing stashed it: "
                         "an earlier layer of the nn.Sequential must stash it in the same "
-                        "namespace (conveyor.verify_skips(model) checks the whole model)")
+                        "namespace (conveyor.skip.verify_skips(model) checks the whole model)")
     call.popped.add(name)
     if _store.profiling:
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, _store.values[key])
@@ -202,7 +202,7 @@ def isolate(module: M, namespace: str, *, only: Iterable[str] | None = None) -> 
         raise SkipError(f"a namespace is a string, got {namespace!r}")
     layers = [m for m in module.modules() if declared_of(m) is not None]
     if not layers:
-        raise SkipError(f"{_kind(module)} has no @conveyor.skippable layer to isolate")
+        raise SkipError(f"{_kind(module)} has no @conveyor.skip.skippable layer to isolate")
     every = set().union(*(_declared_names(m) for m in layers))
     names = every if only is None else _names(only, "only")
     if names - every:
@@ -259,9 +259,9 @@ def _running(layer: nn.Module) -> Iterator[None]:
 
 def _current(verb: str, name: str) -> _Call:
     if not _store.calls:
-        raise SkipError(f"conveyor.{verb}({name!r}) runs outside the forward of a "
-                        "@conveyor.skippable layer; decorate the layer's class with "
-                        f"@conveyor.skippable({verb}=[{name!r}])")
+        raise SkipError(f"conveyor.skip.{verb}({name!r}) runs outside the forward of a "
+                        "@conveyor.skip.skippable layer; decorate the layer's class with "
+                        f"@conveyor.skip.skippable({verb}=[{name!r}])")
     return _store.calls[-1]
 
 
@@ -271,7 +271,7 @@ def _check_declared(layer: nn.Module, name: str, verb: str) -> None:
     if name not in names:
         does = "stashes" if verb == "stash" else "pops"
         raise SkipError(f"{_kind(layer)} {does} {name!r}, which its class does not declare "
-                        f"({verb}={sorted(names)}); add it: @conveyor.skippable({verb}=[...])")
+                        f"({verb}={sorted(names)}); add it: @conveyor.skip.skippable({verb}=[...])")
 
 
 def declared_of(module: nn.Module) -> Declared | None:

@@ -19,7 +19,7 @@ from conveyor.errors import BalanceError, ModelError, SkipError
 from conveyor.graph.skip import Key, declared_of, describe, skip_key
 from conveyor.graph.source import sequential_layers
 
-__all__ = ["verify_skips"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,14 @@ def skips_of(layers: Sequence[tuple[str, nn.Module]]) -> list[Skip]:
                     problems.append(
                         f"layer {path!r} pops {describe(key)}, but no layer before it stashes "
                         "it; stash it in an earlier layer (if one does, give both the same "
-                        "namespace: conveyor.isolate(layer, namespace))")
+                        "namespace: conveyor.skip.isolate(layer, namespace))")
             for skip in sorted(declared.stash):
                 key = skip_key(module, skip)
                 if key in waiting:
                     problems.append(
                         f"layer {path!r} stashes {describe(key)} while the value layer "
                         f"{waiting[key][1]!r} stashed is not popped yet; give each pair a "
-                        "namespace of its own: conveyor.isolate(layer, namespace)")
+                        "namespace of its own: conveyor.skip.isolate(layer, namespace)")
                 else:
                     waiting[key] = (index, path)
     problems += [f"layer {path!r} stashes {describe(key)}, but no later layer pops it; pop "

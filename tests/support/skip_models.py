@@ -1,4 +1,4 @@
-"""Layers of an nn.Sequential that stash and pop a skip connection (conveyor.skippable),
+"""Layers of an nn.Sequential that stash and pop a skip connection (conveyor.skip.skippable),
 and the model whose skip crosses two stages, with its plain copy and a float64 batch."""
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ class Dense(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-@conveyor.skippable(stash=["skip"])
+@conveyor.skip.skippable(stash=["skip"])
 class Stash(Dense):
     """Stashes its output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.tanh(self.linear(x))
-        conveyor.stash("skip", y)
+        conveyor.skip.stash("skip", y)
         return y
 
 
-@conveyor.skippable(pop=["skip"])
+@conveyor.skip.skippable(pop=["skip"])
 class Pop(Dense):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) + conveyor.pop("skip")
+        return self.linear(x) + conveyor.skip.pop("skip")
 
 
 class Mode(Dense):

@@ -111,7 +111,7 @@ def check_rebalance(runtime: Runtime, policy: Any, *, sharded: bool) -> None:
         raise ConfigError("rebalance= with sharding='fsdp' is not supported yet: use "
                           "sharding='replicate', or drop rebalance=")
     if skips_of(source.layers_if_known()):
-        raise ConfigError("rebalance= with skip connections (conveyor.skippable) is not "
+        raise ConfigError("rebalance= with skip connections (conveyor.skip.skippable) is not "
                           "supported yet: a move could make a skip cross stages; drop "
                           "rebalance=")
     ends = {source.names[0], source.names[-1]}
