@@ -1,4 +1,4 @@
-"""``GPipe``: a drop-in ``nn.Module`` that runs an ``nn.Sequential`` as a pipeline.
+"""``GPipe``: a drop-in ``nn.Module`` that runs a model as a pipeline on one process.
 
 ``pipe(x)`` splits the batch into micro-batches and runs the forward half of the GPipe
 schedule on one thread per stage; the gathered output is connected to the autograd
@@ -33,7 +33,7 @@ from conveyor.engine.microbatch import (
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import TiedParameter, sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import BalanceError, LayerOutputError
+from conveyor.errors import BalanceError, LayerOutputError, ModelError
 from conveyor.graph.layout import cut
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.schedules import Kind, gpipe, validate
@@ -63,12 +63,11 @@ class GPipe(RunsRuntime):
             ``nn.Module`` with ``sample`` (cut at ``split_at``, or where conveyor
             chooses; then it may be built on the meta device). Its tensors are moved
             to their stages' devices.
-        balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``; see
-            ``conveyor.balance.balance_by_time`` and friends to compute one. Where a layer pops
-            a value (``conveyor.skip.skippable``) that a layer of an earlier stage stashed,
-            the layers are traced on ``sample`` and cut where the balance says. For a
-            model that is not an ``nn.Sequential``: None or "time", how to choose
-            ``split_at``.
+        balance: the number of consecutive layers of each stage, e.g. ``[3, 5]``;
+            :mod:`conveyor.balance` computes one. Where a layer pops a value
+            (:mod:`conveyor.skip`) that a layer of an earlier stage stashed, the layers
+            are traced on ``sample`` and cut where the balance says. For a model that
+            is not an ``nn.Sequential``: None or "time", how to choose ``split_at``.
         split_at: for any ``nn.Module``, the qualified names of the submodules where
             stages 1, 2, ... begin (``["transformer.h.2"]``); None chooses them among
             the model's repeated blocks (the children of its largest ``nn.ModuleList``)
@@ -100,9 +99,11 @@ class GPipe(RunsRuntime):
             10 x the slowest call (at least 30 s).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        BalanceError: ``balance`` does not fit the model, or ``devices`` the balance.
-        ModelError: a layer's name would shadow an attribute of GPipe.
+        ModelError: ``module`` is not an ``nn.Module``, cannot be traced or cut where
+            asked, or a layer's name would shadow an attribute of GPipe.
+        BalanceError: ``balance`` does not fit the model, or ``devices`` the balance;
+            nothing says how many stages (``balance``, ``split_at``, ``stages`` or
+            ``devices``).
         MicroBatchError: ``chunks`` is not a positive integer.
         ValueError: an unknown ``recompute`` mode, or both it and ``checkpoint``.
     """
@@ -125,6 +126,10 @@ class GPipe(RunsRuntime):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ModelError(f"GPipe runs an nn.Module (an nn.Sequential of layers, or any "
+                             f"model with sample=), got {type(module).__name__}; for a "
+                             "function that builds layer i, use conveyor.Pipeline(layers=)")
         mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks

@@ -472,3 +472,8 @@ def test_a_failing_loss_fn_names_the_last_stage_and_its_action() -> None:
                              r"targets of the wrong shape") as caught:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     assert (caught.value.stage, caught.value.action, caught.value.microbatch) == (1, "1F0", 0)
+
+
+def test_gpipe_names_what_it_takes_when_given_something_else() -> None:
+    with pytest.raises(conveyor.ModelError, match=r"GPipe runs an nn.Module .* got function"):
+        conveyor.GPipe(lambda i: torch.nn.Linear(2, 2), chunks=2)  # type: ignore[arg-type]
