@@ -73,9 +73,11 @@ def generate(
         input_ids: the prompts, ``[batch, length]`` (any number of rows: one is fine).
         max_new_tokens: how many tokens to add at most.
         do_sample: sample from the processed distribution rather than take its argmax.
-        temperature, top_k, top_p: how sampled logits are processed, as
-            ``model.generate`` does (and only when sampling; None or 1.0: not applied).
-            Unlike ``model.generate`` there is no default top-k of 50: pass it to match.
+        temperature: how sampled logits are processed, as ``model.generate`` does (and
+            only when sampling; None or 1.0: not applied); so are ``top_k`` and ``top_p``.
+        top_k: keep the k likeliest tokens. Unlike ``model.generate`` there is no
+            default top-k of 50: pass it to match.
+        top_p: keep the likeliest tokens whose probabilities add up to p.
         generator: the random generator sampling draws from, on ``input_ids``' device
             (default: torch's).
         attention_mask: ``[batch, length]``, 0 at padding (default: all ones).

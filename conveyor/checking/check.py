@@ -122,11 +122,13 @@ def check(
             ``balance``), any other module (cut at ``split_at``, or among its blocks
             for ``stages=K``, traced on ``sample``: default, the first micro-batch), or
             a function that builds layer i (with ``layers``).
-        inputs, targets: one batch, as ``Pipeline.step`` takes it.
+        inputs: one batch, as ``Pipeline.step`` takes it.
+        targets: its targets, as ``Pipeline.step`` takes them.
         loss_fn: as for ``Pipeline``: a mean over the micro-batch's samples, or
             ``(loss_sum, count)``.
         seed: seeds the step's random streams (dropout) in both runs.
-        rtol, atol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``.
+        rtol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``.
+        atol: see ``rtol``.
 
     Returns:
         A :class:`CheckReport`; ``print`` it, or read ``ok`` and ``findings``.
