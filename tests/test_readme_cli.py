@@ -1,8 +1,9 @@
-"""Every command works from its help and from the README: each sub-command prints its
-``--help``, and every example of the README's command-line blocks (lines that start with
-``conveyor `` or ``$ conveyor ``) runs in-process through ``conveyor.cli.main.main``, in
-the README's order, in one empty folder; a ``$`` example's output lines are compared
-with the README's (``...`` stands for any text). Examples that would run for minutes get
+"""Every command works from its help and from the documentation: each sub-command prints
+its ``--help``, and every example of the command-line blocks of the README and the site's
+pages (lines that start with ``conveyor `` or ``$ conveyor ``) runs in-process through
+``conveyor.cli.main.main``, in the pages' order (tests/support/docs.py), in one empty
+folder; a ``$`` example's output lines are compared with the page's (``...`` stands for
+any text). Examples that would run for minutes get
 small sizes added (``_SMALLER``), placeholders a real function (``_REAL``); what one
 cannot run here is listed with why (``_NOT_RUN``), and what takes long runs only with
 ``CONVEYOR_README_SLOW=1`` (``_SLOW``, a visible skip): a new example fails until it runs."""
@@ -20,8 +21,8 @@ from torch import nn
 
 import conveyor
 from conveyor.cli.main import build_parser, main
+from tests.support.docs import ROOT, blocks, pages
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The first training run of the README, made small: width 128 stays, as a later
 # example's output names the checkpoint's (256, 128) embedding.
@@ -44,20 +45,11 @@ _NOT_RUN = {"conveyor train --resume": "needs another conveyor train training in
 
 
 def examples() -> list[tuple[str, list[str]]]:
-    """The README's command-line examples in order, each with the output lines that
+    """The pages' command-line examples in order, each with the output lines that
     follow it in a ``$`` block (none for a block of commands alone)."""
-    blocks: list[list[str]] = []
-    fenced = inside = False
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-            inside = fenced and line[3:].strip() in ("", "bash", "console", "sh")
-            if inside:
-                blocks.append([])
-        elif inside:
-            blocks[-1].append(line)
     found: list[tuple[str, list[str]]] = []
-    for block in blocks:
+    for block in [b.lines for page in pages() for b in blocks(page)
+                  if b.language in ("", "bash", "console", "sh")]:
         prompt = "$ " if any(line.startswith("$ ") for line in block) else ""
         pending = ""
         for line in block:
@@ -100,7 +92,7 @@ def test_the_slow_readme_examples_are_run_by_hand() -> None:
 def test_the_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(README.parent))  # tests.*, examples.*
+    monkeypatch.syspath_prepend(str(ROOT))  # tests.*, examples.*
     (tmp_path / "notes.txt").write_text("not a folder")
     _record_run(tmp_path / "run.json")
     found = examples()
@@ -108,9 +100,11 @@ def test_the_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert len(commands) >= 15 and set(_NOT_RUN) <= set(commands), commands
     slow = os.environ.get("CONVEYOR_README_SLOW") == "1"
     assert set(_SLOW) <= set(commands), commands
+    ran: set[str] = set()
     for line, expected in found:
-        if line in _NOT_RUN or (line in _SLOW and not slow):
-            continue
+        if line in _NOT_RUN or (line in _SLOW and not slow) or (line in ran and not expected):
+            continue  # (shown again on a later page without output: run once)
+        ran.add(line)
         argv = [_REAL.get(word, word) for word in shlex.split(line)[1:]]
         argv += _SMALLER.get(line, [])
         code = main(argv)
