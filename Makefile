@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test typecheck bench faults chaos fuzz zoo clean
+.PHONY: train demo test docs typecheck bench faults chaos fuzz zoo clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -33,6 +33,11 @@ chaos: $(VENV)/.installed
 zoo: $(VENV)/.installed
 	$(BIN)/python -m tests.zoo --json benchmarks/results/zoo.json
 
+# The documentation site (docs/, mkdocs.yml) in site/; --strict fails on a broken link,
+# anchor or API reference. CI builds it too.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
 typecheck: $(VENV)/.installed
 	$(BIN)/python -m mypy
 
@@ -47,11 +52,11 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		$(PYTHON) -m venv $(VENV) && $(BIN)/pip install --quiet torch==2.13.0; \
 	fi
-	$(BIN)/pip install --quiet -e ".[dev,all]"
+	$(BIN)/pip install --quiet -e ".[dev,all,docs]"
 	touch $@
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache
 
 # Generated models against the plain model: FUZZ_COUNT seeds (4 cases each) from FUZZ_START.
 FUZZ_START ?= 0
