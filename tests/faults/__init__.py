@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.launch import Outcome, launch
+from tests.support.sampling import most_varied
 
 #: launcher name: (how tests.support.launch starts it, processes)
 LAUNCHERS = {"threads": ("threads", 3), "torchrun": ("torchrun", 3), "env2": ("env", 2),
@@ -110,16 +111,7 @@ def pick(seed: int) -> Case:
 def sample(count: int, seed: int = 0) -> list[Case]:
     """``count`` cases from ``seed``, as varied as can be: each next one the case that
     adds the most launchers, faults, places, phases and ranks not yet drawn."""
-    cases = every_case()
-    random.Random(seed).shuffle(cases)
-    chosen: list[Case] = []
-    seen: set[tuple[str, Any]] = set()
-    for _ in range(count):
-        best = max(cases, key=lambda c: len(_traits(c) - seen))
-        chosen.append(best)
-        cases.remove(best)
-        seen |= _traits(best)
-    return chosen
+    return most_varied(every_case(), count, seed, _traits)
 
 
 def _traits(case: Case) -> set[tuple[str, Any]]:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from tests.support.launch import Outcome, launch
+from tests.support.sampling import most_varied
 
 LAUNCHERS = ("one", "torchrun", "env")
 FAULTS = ("none", "kill", "freeze", "nan", "disk_full", "options", "bitflip", "truncate",
@@ -114,16 +115,7 @@ def pick(seed: int) -> Case:
 def sample(count: int, seed: int = 0) -> list[Case]:
     """``count`` cases, each next one adding the most launchers, faults, ties and ranks
     not yet drawn."""
-    cases = every_case()
-    random.Random(seed).shuffle(cases)
-    chosen: list[Case] = []
-    seen: set[tuple[str, Any]] = set()
-    for _ in range(count):
-        best = max(cases, key=lambda c: len(_traits(c) - seen))
-        chosen.append(best)
-        cases.remove(best)
-        seen |= _traits(best)
-    return chosen
+    return most_varied(every_case(), count, seed, _traits)
 
 
 def _traits(case: Case) -> set[tuple[str, Any]]:
