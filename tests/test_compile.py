@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.layers import compile_layers, is_compiled
+from conveyor.engine.compiling import compile_layers, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case

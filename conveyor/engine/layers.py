@@ -2,14 +2,12 @@
 
 A stage holds its layers in a :class:`Partition`; a traced model's stage is one
 :class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
-exception raised in a layer into the error a user sees; :func:`compile_layers` compiles
-a stage's layers (``compile=True``).
+exception raised in a layer into the error a user sees. Compiling a stage's layers
+(``compile=True``) is :mod:`conveyor.engine.compiling`'s.
 """
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +15,6 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from conveyor.errors import ConveyorError, StageError, add_note
 
@@ -65,148 +62,6 @@ class Partition(nn.Sequential):
 
     def forward(self, input: Any, loop: LayerLoop | None = None) -> Any:
         return super().forward(input) if loop is None else loop(input)
-
-
-_log = logging.getLogger(__name__)
-_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def compile_layers(layers: Partition) -> None:
-    """Compiles each layer with ``torch.compile`` (a traced stage: each of its graphs):
-    parameters, names, hooks and state dict stay as they are, and so do the stage's
-    loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
-    through the compiled graph; see :func:`_keep_buffers`). Dropout modules stay
-    eager, each call a graph break, so that they draw from the pipeline's streams as
-    the plain model's do; a traced graph that draws random numbers stays eager whole
-    (compiled, its random ops would draw other numbers than the plain model's)."""
-    _keep_buffers()
-    for layer in layers:
-        if isinstance(layer, WholeStage):
-            for graph in layer.graphs():
-                if graph in _COMPILED:
-                    continue
-                if _draws_random(graph):
-                    _log.info("compile=True: a graph of %s draws random numbers; it runs "
-                              "eagerly, to draw the plain model's numbers", layer)
-                    continue
-                _COMPILED.add(graph)
-                _COMPILED.add(layer)  # the stage's loop marks what enters it
-                graph.compile()
-                graph.register_forward_hook(EagerLayout())
-        elif layer not in _COMPILED:
-            _COMPILED.add(layer)
-            for module in layer.modules():
-                if isinstance(module, _DropoutNd):
-                    module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
-            layer.compile()
-            layer.register_forward_hook(EagerLayout())
-
-
-class EagerLayout:
-    """A forward hook that lays a compiled module's outputs out in memory as its eager
-    forward does. Inductor may store an output otherwise (contiguous, where eager hands
-    on a transposed view), and a random op downstream fills its mask in memory order:
-    dropout would then drop other elements than the plain model's. The eager layout of
-    each kind of input (shapes, strides, dtypes, training) is found once, by running
-    the eager forward without gradient, its random numbers and buffers put back; an
-    output laid out otherwise is copied into that layout (autograd sees a copy)."""
-
-    def __init__(self) -> None:
-        self._strides: dict[Any, list[tuple[int, ...] | None]] = {}
-
-    @torch.compiler.disable
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        key = (module.training, *((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor)
-                                  else type(t) for t in pytree.tree_leaves(args)
-                                  if not isinstance(t, nn.Parameter)))
-        strides = self._strides.get(key)
-        if strides is None:
-            strides = self._strides[key] = _eager_strides(module, args)
-        leaves, spec = pytree.tree_flatten(output)
-        if all(not isinstance(t, torch.Tensor) or t.stride() == want
-               for t, want in zip(leaves, strides)):
-            return None
-        return pytree.tree_unflatten([t if not isinstance(t, torch.Tensor) or t.stride() == want
-                                      or want is None else _laid_out(t, want)
-                                      for t, want in zip(leaves, strides)], spec)
-
-
-def _eager_strides(module: nn.Module, args: tuple[Any, ...]) -> list[tuple[int, ...] | None]:
-    """The strides of each output leaf of ``module``'s eager forward on ``args`` (None:
-    not a tensor); its random numbers and the buffers it updates are put back."""
-    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-    kept = [t for t in (*tensors, *module.buffers()) if not t.requires_grad]
-    saved = [t.clone() for t in kept]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        output = module.forward(*args)
-        for tensor, before in zip(kept, saved):
-            if not torch.equal(tensor, before):  # a buffer it updated (batch norm's)
-                tensor.data.copy_(before)  # .data: saved for backward, its version stays
-    return [t.stride() if isinstance(t, torch.Tensor) else None
-            for t in pytree.tree_leaves(output)]
-
-
-def _laid_out(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
-    """``tensor``'s values in a new tensor of ``strides``."""
-    laid = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device)
-    return laid.copy_(tensor)
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """Whether :func:`compile_layers` compiled ``module`` (a layer, or a traced graph)."""
-    return module in _COMPILED
-
-
-def mark_batch_dynamic(value: Any) -> None:
-    """Marks dim 0 of each tensor in ``value``, the input of a compiled layer, as
-    dynamic from its first call. The last micro-batches of an uneven split are smaller:
-    torch.compile would otherwise recompile to a dynamic graph in the middle of a step,
-    and recomputing an earlier micro-batch would then run the new graph, whose saved
-    tensors the old graph's backward cannot read (laid out otherwise)."""
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.dim():
-            torch._dynamo.maybe_mark_dynamic(leaf, 0)
-
-
-def _draws_random(graph: torch.fx.GraphModule) -> bool:
-    """Whether ``graph`` calls an op that draws random numbers: one tagged as seeded,
-    unless the graph itself fixes its probability at 0 or its training flag to False
-    (Hugging Face models call dropout and attention with ``p=0.0`` where the config has
-    no dropout: they draw nothing, eager or compiled)."""
-    return any(node.op == "call_function"
-               and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-               and not _draws_nothing(node)
-               for node in graph.graph.nodes)
-
-
-def _draws_nothing(node: torch.fx.Node) -> bool:
-    """A dropout or attention call whose probability (``p``, ``dropout_p``) is the
-    constant 0 or whose ``train`` is the constant False."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not any(word in schema.name for word in ("dropout", "attention")):
-        return False
-    given = {argument.name: value for argument, value in zip(schema.arguments, node.args)}
-    given.update(node.kwargs)
-    for argument in schema.arguments:
-        if argument.name not in given and argument.has_default_value():
-            given[argument.name] = argument.default_value
-    probability = given.get("p", given.get("dropout_p"))
-    if given.get("train") is False:
-        return True
-    return type(probability) in (int, float) and bool(probability == 0)
-
-
-def _keep_buffers() -> None:
-    """Compiled graphs built from now on keep their buffers after a backward (torch's
-    ``donated_buffer`` off, for the whole process): a split backward's ``I`` keeps the
-    graph (``retain_graph=True``) for its ``W``, which donated buffers forbid. Torch
-    reads it when it compiles a backward, at its first call, on any thread: a setting
-    changed around each call would race between the stages' threads."""
-    from torch._functorch import config
-
-    if getattr(config, "donated_buffer", False):  # older torch donates none
-        config.donated_buffer = False
 
 
 def batch_rows(value: Any) -> tuple[int, torch.Size] | None:

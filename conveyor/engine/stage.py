@@ -23,15 +23,8 @@ from torch import nn
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.layers import (
-    STOP_RECOMPUTATION,
-    Partition,
-    WholeStage,
-    batch_rows,
-    failure,
-    is_compiled,
-    mark_batch_dynamic,
-)
+from conveyor.engine.compiling import is_compiled, mark_batch_dynamic
+from conveyor.engine.layers import STOP_RECOMPUTATION, Partition, WholeStage, batch_rows, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
 from conveyor.engine.recompute.rng import LayerRandomness

@@ -24,7 +24,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.engine.backward.accumulation import fusing_allowed
 from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
-from conveyor.engine.layers import compile_layers
+from conveyor.engine.compiling import compile_layers
 from conveyor.engine.loss import LossScaler, compute_dtype
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import (
