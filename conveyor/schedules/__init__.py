@@ -1,4 +1,6 @@
-"""Schedules as data: the action table, its text form and validator, and its builders.
+"""Schedules as data: the action table, its text form and validator, its builders, and
+what is computed from a table alone: the simulator (``schedules.simulate``) and
+timelines (``schedules.timeline``).
 
 Imports nothing from torch, so tables can be built, checked and simulated anywhere.
 """
