@@ -86,3 +86,19 @@ def test_labels_given_with_the_inputs_get_the_advice_to_give_them_as_targets() -
                        r"sample of GPT2LMHeadModel did not(.|\n)*give them to step\(\) as the "
                        r"targets"):
         pipe.step({"input_ids": ids(), "labels": ids()}, ids())
+
+
+@pytest.mark.parametrize("schedule, balance, extra", [
+    ("1f1b", [2, 6], {}), ("zb-v", [2, 2, 2, 2], {}),
+    ("interleaved-1f1b", [2, 2, 2, 2], {"virtual_stages": 2})])
+def test_a_balance_list_says_how_many_ranks(schedule: str, balance: list[int],
+                                            extra: dict[str, int]) -> None:
+    """``Pipeline(model, balance=[2, 6], ...)`` in one process was refused for want of
+    ``stages=`` or ``devices=``, though the balance says 2 stages."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    pipe = conveyor.Pipeline(model, balance=balance, chunks=4, schedule=schedule,
+                             loss_fn=nn.functional.mse_loss, **extra)
+    assert pipe.schedule.num_ranks == 2 and pipe.balance == balance
+    with pytest.raises(conveyor.BalanceError, match="not 2 per rank; give stages="):
+        conveyor.Pipeline(model, balance=[3, 2, 3], chunks=4, schedule="zb-v",
+                          loss_fn=nn.functional.mse_loss)

@@ -229,7 +229,8 @@ def _local_pipeline(module: nn.Module, **options: Any) -> Pipeline:
         raise ConveyorError(
             "conveyor.check runs every stage in this process, but torch.distributed is "
             "already initialised here; check before the first Pipeline (or outside torchrun)")
-    ranks = local_ranks(options.get("stages"), options.get("devices"))
+    ranks = local_ranks(options.get("stages"), options.get("devices"), options.get("balance"),
+                        options.get("virtual_stages", 1), options.get("schedule"))
     return Pipeline(module, topology=Topology(pipeline_size=ranks), **options)
 
 

@@ -89,7 +89,8 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
         agree({"ranks": topology.pipeline_size, **options.agreed(),
                "model": model_shapes(module)}, seconds=deadlines.opening)
     ranks = (topology.pipeline_size if topology and (given or topology.distributed)
-             else local_ranks(options.stages, options.devices))
+             else local_ranks(options.stages, options.devices, options.balance,
+                              options.virtual_stages, options.schedule))
     if topology is None or not topology.distributed:
         topology = Topology(pipeline_size=ranks)
     schedule = make_schedule(options.schedule, ranks, options.chunks, options.virtual_stages)

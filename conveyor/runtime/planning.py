@@ -7,13 +7,22 @@ from collections.abc import Sequence
 
 from conveyor.engine.devices import Device
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
-from conveyor.schedules import Edge, Schedule, validate
+from conveyor.schedules import V_SHAPES, Edge, Schedule, validate
 from conveyor.schedules import build as build_schedule
 
 __all__: list[str] = []
 
 
-def local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
+def local_ranks(stages: int | None, devices: Sequence[Device] | None,
+                balance: Sequence[int] | str | None = None, virtual_stages: int = 1,
+                schedule: str | Schedule | None = None) -> int:
+    """The pipeline ranks of a pipeline in one process: ``stages``, else one per device,
+    else what a balance list (its stages over ``virtual_stages``) or a schedule table
+    says.
+
+    Raises:
+        BalanceError: they disagree, or nothing says how many.
+    """
     if stages is not None:
         if devices is not None and len(devices) != stages:
             raise BalanceError(f"devices lists {len(devices)} devices for stages={stages}; "
@@ -21,8 +30,16 @@ def local_ranks(stages: int | None, devices: Sequence[Device] | None) -> int:
         return stages
     if devices is not None:
         return len(devices)
-    raise BalanceError("give stages= (the number of pipeline ranks) or devices=, or run "
-                       "under torchrun")
+    if isinstance(schedule, Schedule):
+        return schedule.num_ranks
+    if balance is not None and not isinstance(balance, str):
+        per_rank = 2 if schedule in V_SHAPES else virtual_stages
+        if len(balance) % per_rank:
+            raise BalanceError(f"balance {list(balance)} has {len(balance)} stages, not "
+                               f"{per_rank} per rank; give stages=")
+        return len(balance) // per_rank
+    raise BalanceError("give stages= (the number of pipeline ranks), devices=, or a "
+                       "balance list, or run under torchrun")
 
 
 def make_schedule(schedule: str | Schedule, ranks: int, chunks: int,
