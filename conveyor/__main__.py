@@ -1,7 +1,5 @@
 """``python -m conveyor``: the command line, also for ``torchrun -m conveyor train``."""
 
-import sys
+from conveyor.cli.main import command
 
-from conveyor.cli import main
-
-sys.exit(main())
+command()

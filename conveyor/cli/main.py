@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from conveyor.engine.allocator import tune_malloc
 
@@ -178,5 +178,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.run(args))
 
 
+def command() -> NoReturn:
+    """The ``conveyor`` program (the console script and ``python -m conveyor``): ``main``,
+    then the process ends with its code (after a process group, as
+    ``conveyor.distributed.watch.exit_process`` ends it)."""
+    code = main()
+    watch = sys.modules.get("conveyor.distributed.watch")  # loaded: a group may have run
+    if watch is not None:
+        watch.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 __all__: list[str] = []
 
@@ -95,10 +95,7 @@ def _shut_down_cleanly() -> None:
     if _stuck_teardowns or (dist.is_available() and dist.is_initialized() and any(
             watcher.pending() for watcher in list(_watchers))):
         failed = getattr(sys, "last_value", None) is not None
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_exit_code if _exit_code is not None else 1 if failed else 0)
+        _end_now(_exit_code if _exit_code is not None else 1 if failed else 0)
     if not dist.is_available() or not dist.is_initialized():
         return
     try:
@@ -118,10 +115,11 @@ def end_process_group(code: int, seconds: float = 10.0) -> None:
     ``seconds``."""
     import torch.distributed as dist
 
-    global _exit_code
+    global _exit_code, _group_ended
     _exit_code = code
     if not dist.is_available() or not dist.is_initialized():
         return
+    _group_ended = True
     if any(watcher.pending() for watcher in list(_watchers)):
         return
     ending = threading.Thread(target=dist.destroy_process_group, daemon=True,
@@ -134,6 +132,28 @@ def end_process_group(code: int, seconds: float = 10.0) -> None:
 
 _stuck_teardowns: list[threading.Thread] = []
 _exit_code: int | None = None  # what the command ending the process returns, if known
+_group_ended = False  # whether a command ended a process group in this process
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends the process of a ``conveyor`` command with ``code``.
+
+    After a command that ran a process group, the process ends without the interpreter's
+    finalization (its output flushed, the group destroyed first): gloo's objects freed
+    that late can abort the process ("terminate called without an active exception",
+    exit -6) after the command has finished and said so. Otherwise, ``sys.exit``.
+    """
+    if _group_ended:
+        _shut_down_cleanly()  # destroys the group, or ends the process if it is stuck
+        _end_now(code)
+    sys.exit(code)
+
+
+def _end_now(code: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Watcher:

@@ -187,4 +187,6 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run())
+    from conveyor.distributed.watch import exit_process
+
+    exit_process(run())  # as the conveyor command ends its process
