@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test docs typecheck bench faults chaos fuzz zoo clean
+.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz zoo clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -15,6 +15,23 @@ demo: $(VENV)/.installed
 # Every extra is installed here, so a test that needs one fails rather than skips.
 test: $(VENV)/.installed
 	CONVEYOR_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest
+
+# The suite against another torch, in a venv of its own (.venv-torch-VERSION: torch from
+# pip, a CUDA build of several GB on Linux, which runs on the CPU too). Not part of
+# `make test` or CI; run it before a release and whenever torch moves:
+#     make test-torch TORCH=2.14.1 [TESTS=tests/test_compile.py]
+TORCH ?=
+TESTS ?= tests
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.14.1 [TESTS=...]"; exit 2; }
+	$(MAKE) .venv-torch-$(TORCH)/.installed
+	CONVEYOR_REQUIRE_EXTRAS=1 .venv-torch-$(TORCH)/bin/python -m pytest $(TESTS)
+
+.venv-torch-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/pip install --quiet torch==$*
+	.venv-torch-$*/bin/pip install --quiet -e ".[dev,all,docs]"
+	touch $@
 
 # Every generated fault case (tests/faults): launchers x faults x phases x ranks, one
 # after the other; CI runs a fixed sample of them (tests/test_faults.py).
@@ -56,7 +73,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) .venv-torch-* build site *.egg-info .pytest_cache .mypy_cache
 
 # Generated models against the plain model: FUZZ_COUNT seeds (4 cases each) from FUZZ_START.
 FUZZ_START ?= 0

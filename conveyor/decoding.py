@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.runtime.runtime import RunsRuntime
 from conveyor.errors import ConveyorError
+from conveyor.torchprivate import pytree
 
 __all__ = ["generate"]
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.runtime.runtime import Runtime, RunsRuntime
@@ -37,6 +36,7 @@ from conveyor.errors import BalanceError, LayerOutputError, ModelError
 from conveyor.graph.layout import cut
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.schedules import Kind, gpipe, validate
+from conveyor.torchprivate import pytree
 
 __all__ = ["GPipe"]
 

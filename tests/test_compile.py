@@ -173,7 +173,11 @@ def test_a_hugging_face_llama_compiles_and_stays_exact() -> None:
     """A model nobody here wrote, traced and cut by split_at, each stage's graph compiled:
     its attention and dropout calls take p=0.0, which draw nothing (before, any such
     call kept the whole graph eager, so compile=True compiled none of a Hugging Face
-    model). Fused weight gradients stay off: compiled stages keep autograd's."""
+    model). Fused weight gradients stay off: compiled stages keep autograd's.
+
+    Exact to float32's precision: Llama's RMSNorm and softmax compute in float32 in a
+    float64 model, and inductor's fused float32 kernels round otherwise than eager's
+    (6.8e-8, one float32 step). Every float64 operation is exact."""
     model, reference, split_at, inputs, targets = any_models.build("llama")
     stages = len(split_at) + 1
     pipe = conveyor.Pipeline(model, split_at=split_at, sample=any_models.sample_of(inputs),
@@ -182,10 +186,41 @@ def test_a_hugging_face_llama_compiles_and_stays_exact() -> None:
                              loss_fn=any_models.loss_of("llama"), compile=True)
     loss = pipe.step(inputs, targets)
     expected = any_models.plain_step("llama", reference, inputs, targets)
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item())
-    any_models.assert_model_grads(pipe, reference)
+    assert abs(loss.item() - expected.item()) <= 1e-7 * abs(expected.item())
+    any_models.assert_model_grads(pipe, reference, tolerance=1e-6)
     assert all(is_compiled(graph) for stage in pipe.runtime.stages.values()
                for graph in stage.layers[0].graphs())
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_compiled_layers_run_compiled_from_their_first_call(traced: bool) -> None:
+    """Stages sharing a device learn which parts of a layer draw random numbers by a
+    first call under a dispatch mode, which torch.compile leaves eager (torch 2.13 and
+    older: that layer for good, so compile=True compiled nothing on threads or one
+    GPU). A compiled layer is now probed by an eager call aside: every call of the step,
+    the first included, and each recomputation run the compiled graph."""
+    model, _ = build("transformer")
+    ids = sample("transformer", batch=8)
+    y = torch.randn(8, ids.shape[1], VOCAB, dtype=torch.float64)
+    layers = nn.Sequential(*model) if not traced else nn.Sequential(model)
+    options = {"split_at": ["0.3"], "sample": ids[:2]} if traced else {"balance": [3, 3]}
+    pipe = conveyor.Pipeline(layers, loss_fn=loss_fn, chunks=2, schedule="1f1b",
+                             devices=["cpu", "cpu"], recompute="always", compile=True,
+                             **options)
+    made: list[str] = []
+
+    def note(module: nn.Module, args: object, output: object) -> None:
+        leaves = torch.utils._pytree.tree_leaves(output)
+        made.append(type(next(t for t in leaves if isinstance(t, torch.Tensor)).grad_fn).__name__)
+
+    compiled = [module for stage in pipe.runtime.stages.values() for layer in stage.layers
+                for module in ([layer] if not traced else [layer.graph()]) if is_compiled(module)]
+    assert compiled
+    for module in compiled:
+        module.register_forward_hook(note)
+    pipe.step(ids, y)
+    # Each micro-batch's forward; recomputations (which may stop early) come on top.
+    assert len(made) >= len(compiled) * 2 and set(made) == {"CompiledFunctionBackward"}, made
 
 
 def test_uneven_micro_batches_recomputed_through_a_compiled_graph_are_exact() -> None:

@@ -32,6 +32,8 @@ from tests.support.docs import ROOT, Block, blocks, pages
 SHELL = {
     r"make (demo|train|test|docs|bench|faults|chaos|fuzz|zoo|typecheck)( .*)?":
         "the Makefile's targets: .ci/run runs make test and make docs",
+    r"make test-torch( .*)?": "the suite on another torch: by hand before a release, as "
+                              "its CUDA wheels are several GB",
     r"pip install .*": "installation: what make does on a fresh machine",
     r"git clone .*|cd conveyor": "getting the code",
     r"(PYTHONPATH=\. )?python -m (tests\.\w+|conveyor)( .*)?":

@@ -42,10 +42,10 @@ def _plain_step(name: str) -> tuple[torch.nn.Module, float]:
 
 
 def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                  label: str) -> None:
+                  label: str, tolerance: float = 1e-10) -> None:
     assert sorted(got) == sorted(expected), label  # both copies of a tied weight too
     for name, tensor in expected.items():
-        assert relative_error(got[name], tensor) <= 1e-10, f"{label}: {name}"
+        assert relative_error(got[name], tensor) <= tolerance, f"{label}: {name}"
 
 
 def test_every_replica_holds_half_of_its_stage(sharded) -> None:  # type: ignore[no-untyped-def]
@@ -106,8 +106,11 @@ def test_tied_lm_token_loss_clipping_and_adamw_equal_the_plain_model(sharded) ->
                   "clipped")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     optimizer.step()
+    # Adam's first step divides each gradient by its size plus 1e-8: an element near
+    # zero turns the roundoff of a sum over micro-batches into up to 3e-7 of the
+    # weights (torch 2.14.1). Its moments, the gradients themselves, are held to 1e-10.
     _assert_close(_merged(results, "stepped"), {n: p.detach() for n, p in params.items()},
-                  "AdamW")
+                  "AdamW", tolerance=1e-6)
     moments = {n: optimizer.state[p]["exp_avg"] for n, p in params.items()}
     _assert_close(_merged(results, "moments"), moments, "exp_avg")
 

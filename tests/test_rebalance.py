@@ -51,10 +51,15 @@ def plain_run(name: str) -> list[dict[str, Any]]:
 
 
 def assert_same(found: dict[str, Any], expected: dict[str, Any], label: str) -> None:
+    """Weights and optimizer state as the plain model's. AdamW's weights to 1e-6: its
+    step divides each gradient by its size plus 1e-8, so an element near zero turns the
+    roundoff of a sum over micro-batches into up to 3e-7 of the weights (torch 2.14.1);
+    its moments, the gradients themselves, are held to 1e-10."""
     assert sorted(found) == sorted(expected), label
     for name, want in expected.items():
         got = found[name]
-        assert relative_error(got["value"], want["value"]) <= 1e-10, f"{label} {name}"
+        tolerance = 1e-6 if "exp_avg" in want["state"] else 1e-10
+        assert relative_error(got["value"], want["value"]) <= tolerance, f"{label} {name}"
         assert sorted(got["state"]) == sorted(want["state"]) != [], f"{label} {name}"
         for key, value in want["state"].items():
             if isinstance(value, torch.Tensor) and value.dim():

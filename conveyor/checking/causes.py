@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from conveyor.checking.probe import Probe
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.checking.probe import Probe, probe
@@ -24,6 +23,7 @@ from conveyor.engine.recompute.rng import derive_seed, draw_step_seed, reseed
 from conveyor.errors import ModelError
 from conveyor.graph.calls import call_form
 from conveyor.graph.source import LayerBuilder, sequential, sequential_layers
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.checking.check import check
@@ -16,6 +15,7 @@ from conveyor.engine.microbatch import batch_size, gather
 from conveyor.errors import ModelError
 from conveyor.graph.calls import as_call
 from conveyor.observe.plan import Exactness, Plan
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from conveyor.torchprivate import pytree, TorchDispatchMode
 
 __all__: list[str] = []
 

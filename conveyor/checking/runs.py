@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
@@ -40,6 +39,7 @@ from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
 
 from conveyor.checking.plain import Leaves, leaves
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

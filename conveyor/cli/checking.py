@@ -144,7 +144,7 @@ def _first_rows(inputs: Any, rows: int) -> Any:
         ConfigError: ROWS is not a positive number.
     """
     import torch
-    import torch.utils._pytree as pytree
+    from conveyor.torchprivate import pytree
 
     from conveyor.errors import ConfigError
 

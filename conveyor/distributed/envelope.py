@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from conveyor.errors import ConveyorError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from conveyor.torchprivate import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__: list[str] = []
 
@@ -55,10 +56,10 @@ def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas:
         filled[key] = filled.get(key, 0) + grad.numel() * grad.element_size()
     for bucket_list in buckets.values():
         for bucket in bucket_list:
-            flat = _flatten_dense_tensors(bucket)
+            flat = flatten_dense_tensors(bucket)
             reduce(flat, dist.ReduceOp.SUM)
             flat /= divisor
-            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            for grad, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
 
 

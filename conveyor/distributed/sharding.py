@@ -56,6 +56,7 @@ from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ConveyorError, ModelError, ScheduleError
 from conveyor.graph.tracedstage import GraphStage
 from conveyor.schedules import Kind, Schedule
+from conveyor.torchprivate import fsdp_drop_unsharded_grads, fsdp_post_backward
 
 __all__: list[str] = []
 
@@ -157,11 +158,7 @@ class Sharding:
             root.set_requires_gradient_sync(reduce)
             root.set_reshard_after_backward(True)
             root.set_is_last_backward(True)
-            state = root._get_fsdp_state()
-            for unit in state._state_ctx.all_states:
-                for group in unit._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            fsdp_post_backward(root)
         self._defer()
 
     def reduce(self, divisor: float, tie_reduce: Callable[[torch.Tensor, Any], None]) -> None:
@@ -182,13 +179,7 @@ class Sharding:
         reshards, so that the next step starts as if this one never ran."""
         self._post_backward(reduce=False)
         for root in self.roots:
-            for unit in root._get_fsdp_state()._state_ctx.all_states:
-                for group in unit._fsdp_param_groups:
-                    for param in group.fsdp_params:
-                        unsharded = getattr(param, "_unsharded_param", None)
-                        if unsharded is not None:
-                            unsharded.grad = None
-                        param.unsharded_accumulated_grad = None
+            fsdp_drop_unsharded_grads(root)
 
     def reshard(self) -> None:
         """Frees the gathered parameters (after a forward without backward)."""

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from conveyor.engine.transport import MessageKind, Transport
 from conveyor.schedules import Action, Kind
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

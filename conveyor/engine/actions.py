@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
@@ -28,6 +27,7 @@ from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
 from conveyor.engine.backward.weightgrad import WeightGradient, backward_input
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -4,27 +4,29 @@ forward would run them.
 Compiling keeps what the pipeline promises: the same random draws as the plain model
 (dropout stays eager, a traced graph that draws random numbers stays eager whole), the
 same memory layout of each output (:class:`EagerLayout`), no recompilation in the middle
-of a step (:func:`mark_batch_dynamic`), and buffers a split backward can read twice
+of a step (:func:`before_compiled_call`), and buffers a split backward can read twice
 (:func:`_keep_buffers`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from conveyor.engine.layers import Partition, WholeStage
+from conveyor.torchprivate import keep_compiled_buffers, mark_dynamic, pytree
 
 __all__: list[str] = []
 
 _log = logging.getLogger(__name__)
 _COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_thread = threading.local()
 
 
 def compile_layers(layers: Partition) -> None:
@@ -89,7 +91,14 @@ class EagerLayout:
 
 def _eager_strides(module: nn.Module, args: tuple[Any, ...]) -> list[tuple[int, ...] | None]:
     """The strides of each output leaf of ``module``'s eager forward on ``args`` (None:
-    not a tensor); its random numbers and the buffers it updates are put back."""
+    not a tensor)."""
+    return [t.stride() if isinstance(t, torch.Tensor) else None
+            for t in pytree.tree_leaves(run_aside(module, args))]
+
+
+def run_aside(module: nn.Module, args: tuple[Any, ...]) -> Any:
+    """The output of ``module``'s eager forward on ``args``, without gradient, run aside
+    of the step: the random numbers it draws and the buffers it updates are put back."""
     tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
     kept = [t for t in (*tensors, *module.buffers()) if not t.requires_grad]
     saved = [t.clone() for t in kept]
@@ -99,8 +108,7 @@ def _eager_strides(module: nn.Module, args: tuple[Any, ...]) -> list[tuple[int, 
         for tensor, before in zip(kept, saved):
             if not torch.equal(tensor, before):  # a buffer it updated (batch norm's)
                 tensor.data.copy_(before)  # .data: saved for backward, its version stays
-    return [t.stride() if isinstance(t, torch.Tensor) else None
-            for t in pytree.tree_leaves(output)]
+    return output
 
 
 def _laid_out(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
@@ -114,15 +122,22 @@ def is_compiled(module: nn.Module) -> bool:
     return module in _COMPILED
 
 
-def mark_batch_dynamic(value: Any) -> None:
-    """Marks dim 0 of each tensor in ``value``, the input of a compiled layer, as
-    dynamic from its first call. The last micro-batches of an uneven split are smaller:
-    torch.compile would otherwise recompile to a dynamic graph in the middle of a step,
-    and recomputing an earlier micro-batch would then run the new graph, whose saved
-    tensors the old graph's backward cannot read (laid out otherwise)."""
+def before_compiled_call(value: Any) -> None:
+    """Prepares a call of a compiled layer on ``value``, on the calling thread.
+
+    Marks dim 0 of each tensor in ``value`` as dynamic from its first call. The last
+    micro-batches of an uneven split are smaller: torch.compile would otherwise
+    recompile to a dynamic graph in the middle of a step, and recomputing an earlier
+    micro-batch would then run the new graph, whose saved tensors the old graph's
+    backward cannot read (laid out otherwise). And keeps buffers (see
+    :func:`_keep_buffers`) on this thread: a stage's thread compiles its graphs at their
+    first call, and torch 2.14's settings are the thread's own."""
+    if not getattr(_thread, "keeps_buffers", False):
+        _keep_buffers()
+        _thread.keeps_buffers = True
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.dim():
-            torch._dynamo.maybe_mark_dynamic(leaf, 0)
+            mark_dynamic(leaf, 0)
 
 
 def _draws_random(graph: torch.fx.GraphModule) -> bool:
@@ -155,11 +170,9 @@ def _draws_nothing(node: torch.fx.Node) -> bool:
 
 def _keep_buffers() -> None:
     """Compiled graphs built from now on keep their buffers after a backward (torch's
-    ``donated_buffer`` off, for the whole process): a split backward's ``I`` keeps the
-    graph (``retain_graph=True``) for its ``W``, which donated buffers forbid. Torch
-    reads it when it compiles a backward, at its first call, on any thread: a setting
-    changed around each call would race between the stages' threads."""
-    from torch._functorch import config
-
-    if getattr(config, "donated_buffer", False):  # older torch donates none
-        config.donated_buffer = False
+    ``donated_buffer`` off): a split backward's ``I`` keeps the graph
+    (``retain_graph=True``) for its ``W``, which donated buffers forbid. Torch reads it
+    when it compiles a backward, at its first call. Up to torch 2.13 the setting is the
+    process's (a setting changed around each call would race between the stages'
+    threads); from 2.14 each thread's own, so each stage's thread sets it."""
+    keep_compiled_buffers()

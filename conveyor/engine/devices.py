@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import BalanceError
+from conveyor.torchprivate import device_of_to
 
 __all__: list[str] = []
 
@@ -67,7 +68,7 @@ class KeepsPlacement(nn.Module):
     """An nn.Module that allows dtype conversions but refuses device moves."""
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        device = device_of_to(*args, **kwargs)
         if device is not None:
             raise _move_error(device)
         return super().to(*args, **kwargs)

@@ -12,20 +12,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.errors import ConveyorError, StageError, add_note
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 
 LayerLoop = Callable[[Any], Any]
 
-# torch.utils.checkpoint stops a recomputation early by raising this through the layers.
-STOP_RECOMPUTATION: type[BaseException] = getattr(
-    torch.utils.checkpoint, "_StopRecomputationError", ConveyorError
-)
 
 
 class WholeStage(nn.Module):
@@ -42,6 +38,10 @@ class WholeStage(nn.Module):
 
     def graphs(self) -> list[torch.fx.GraphModule]:
         """The graphs this stage runs (one per training mode traced so far)."""
+        raise NotImplementedError
+
+    def graph(self) -> torch.fx.GraphModule | None:
+        """The graph its next call runs (its mode's), None before that mode is traced."""
         raise NotImplementedError
 
     def bound_modules(self) -> list[nn.Module]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import ConfigError, ConveyorError
+from conveyor.torchprivate import scale_in_place
 
 __all__ = ["token_loss"]
 
@@ -138,7 +139,7 @@ class LossScaler:
             by_device.setdefault(grad.device, []).append(grad)
         found = torch.zeros(1)
         for same in by_device.values():  # one host synchronisation per device
-            torch._foreach_mul_(same, 1.0 / self.scale)
+            scale_in_place(same, 1.0 / self.scale)
             finite = torch.stack([g.isfinite().all() for g in same]).all()
             found = torch.maximum(found, (~finite).float().reshape(1).cpu())
         if agree is not None:

@@ -16,15 +16,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.compiling import is_compiled, mark_batch_dynamic
-from conveyor.engine.layers import STOP_RECOMPUTATION, Partition, WholeStage, batch_rows, failure
+from conveyor.engine.compiling import before_compiled_call, is_compiled, run_aside
+from conveyor.engine.layers import Partition, WholeStage, batch_rows, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
 from conveyor.engine.recompute.rng import LayerRandomness
@@ -32,6 +31,7 @@ from conveyor.errors import (
     LayerOutputError,
     ModelError,
 )
+from conveyor.torchprivate import pytree, STOP_RECOMPUTATION
 
 __all__: list[str] = []
 
@@ -205,9 +205,26 @@ class Stage(StageActions):
             else contextlib.nullcontext()
         )
         if is_compiled(layer):
-            mark_batch_dynamic(x)
+            before_compiled_call(x)
+            index = self.first_layer + offset
+            if step_seed is not None and not self.randomness.knows(index, layer):
+                self._probe_aside(layer, index, x)
         with seeded:
             return layer(x)
+
+    def _probe_aside(self, layer: nn.Module, index: int, x: Any) -> None:
+        """Learns which parts of compiled ``layer`` draw random numbers before its first
+        call in this mode, so that the call itself runs compiled, not under the probe's
+        dispatch mode (which torch.compile leaves eager, and its recomputation would
+        not: the two would save different tensors for backward)."""
+        if not isinstance(layer, WholeStage):
+            with self.randomness.probing(index, layer):
+                run_aside(layer, (x,))
+            return
+        graph = layer.graph()
+        if graph is not None and is_compiled(graph):
+            self.randomness.draws_nothing(index, layer)  # graphs that draw stay eager
+        # else an eager graph: its own call probes it
 
     def _describe_layer(self, offset: int) -> str:
         layer = self.layers[offset]

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.utils._pytree as pytree
 
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.liveness import progressed
 from conveyor.errors import StepTimeout
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import ModelError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 
@@ -140,10 +141,10 @@ def widened(sample: Any) -> Any:
     """``sample`` with two rows where it has one: torch.export fixes a dimension of size
     1 to 1, and the pipeline's micro-batches may have other sizes. Every tensor with a
     batch dimension is concatenated with itself (they share dim 0, as micro-batches)."""
-    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(sample)
+    leaves = [leaf for leaf in pytree.tree_leaves(sample)
               if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not leaves or any(leaf.shape[0] != 1 for leaf in leaves):
         return sample
-    return torch.utils._pytree.tree_map(
+    return pytree.tree_map(
         lambda x: torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x,
         sample)

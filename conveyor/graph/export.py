@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
@@ -71,6 +70,7 @@ from conveyor.graph.weights import (
     tensor_slots,
 )
 from conveyor.schedules import Edge
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from conveyor.engine.microbatch import microbatch_count, split
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import BalanceError, ConveyorError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

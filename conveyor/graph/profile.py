@@ -33,13 +33,13 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph import skip
 from conveyor.graph.source import sequential_layers
 from conveyor.graph.tracedstage import as_call
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

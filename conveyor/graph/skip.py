@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import SkipError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
@@ -27,10 +26,10 @@ from conveyor.engine.recompute.replay import is_recomputing
 from conveyor.errors import ModelError
 from conveyor.graph.calls import CallForm
 from conveyor.graph.calls import as_call as as_call  # profile, plan and check import it here
+from conveyor.torchprivate import assert_tensor_metadata, pytree
 
 __all__: list[str] = []
 
-_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 @dataclass
@@ -92,7 +91,7 @@ class StageProgram:
         for node in program.graph.nodes:
             if node.op == "output":
                 output = node
-            elif node.target is _ASSERT_METADATA:
+            elif node.target is assert_tensor_metadata:
                 # A dtype the trace saw: under autocast (precision=) it differs, on purpose.
                 continue
             elif node.op != "placeholder" and plan.stage_of[node] == k:
@@ -217,6 +216,10 @@ class GraphStage(WholeStage):
 
     def graphs(self) -> list[fx.GraphModule]:
         return [program.module for program in self.programs.values()]
+
+    def graph(self) -> fx.GraphModule | None:
+        program = self.programs.get(self.training)
+        return program.module if program is not None else None
 
     def bound_modules(self) -> list[nn.Module]:
         """The modules whose parameters or buffers this stage reads (its batch norms

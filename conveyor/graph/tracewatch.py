@@ -25,10 +25,10 @@ import threading
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import ModelError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

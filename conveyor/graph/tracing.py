@@ -31,13 +31,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from conveyor.errors import ModelError
 from conveyor.graph.calls import CallForm, call_form, widened
 from conveyor.graph.tracewatch import TraceWatch
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -37,6 +36,7 @@ from conveyor.graph.balance import solve_balance
 from conveyor.graph.source import sequential_layers
 from conveyor.schedules.simulate import CostModel, simulate
 from conveyor.schedules import build
+from conveyor.torchprivate import pytree
 
 __all__ = [
     "OPTIMIZER_BYTES",

@@ -156,10 +156,11 @@ def build(name: str) -> tuple[nn.Module, nn.Module, list[str], Any, Any]:
     return model, copy.deepcopy(model), split_at, inputs, targets
 
 
-def assert_model_grads(pipe: nn.Module, reference: nn.Module) -> None:
-    """Every parameter of the pipeline has the plain model's name and gradient, and every
-    parameter of the plain model is there (a tie across stages as one copy per stage;
-    within a stage, as in the plain model, one Parameter under several names)."""
+def assert_model_grads(pipe: nn.Module, reference: nn.Module, tolerance: float = 1e-10) -> None:
+    """Every parameter of the pipeline has the plain model's name and gradient (to a
+    relative ``tolerance``), and every parameter of the plain model is there (a tie
+    across stages as one copy per stage; within a stage, as in the plain model, one
+    Parameter under several names)."""
     plain = dict(reference.named_parameters(remove_duplicate=False))
     names = [name for name, _ in pipe.named_parameters()]
     assert set(names) <= set(plain)
@@ -171,7 +172,7 @@ def assert_model_grads(pipe: nn.Module, reference: nn.Module) -> None:
         expected = plain[name].grad
         assert param.grad is not None and expected is not None, name
         error = float((param.grad - expected).norm() / max(expected.norm(), 1e-6 * scale))
-        assert error <= 1e-10, f"{name}: relative error {error:.3g}"
+        assert error <= tolerance, f"{name}: relative error {error:.3g}"
 
 
 def sample_of(inputs: Any) -> Any:

@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
+
+from conveyor.torchprivate import default_store
 
 __all__: list[str] = []
 
@@ -187,6 +188,6 @@ def _exit_past_a_stuck_call() -> None:
 def _default_store() -> Any:
     """The store of the default process group (None if it has none)."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001 - a private helper of torch: do without it
         return None

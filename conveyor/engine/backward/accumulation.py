@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.torchprivate import has_gradient_hooks
+
 __all__: list[str] = []
 
 
@@ -167,7 +169,7 @@ def _fusable(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type):
         return False
     return all(type(p) is nn.Parameter and p.requires_grad and p.dtype == input.dtype
-               and p.is_contiguous() and not p._backward_hooks
+               and p.is_contiguous() and not has_gradient_hooks(p)
                and not getattr(p, "_post_accumulate_grad_hooks", None)
                for p in (weight, bias) if p is not None)
 

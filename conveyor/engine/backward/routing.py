@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from conveyor.errors import ConveyorError
+from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from conveyor.torchprivate import OpOverload, TorchDispatchMode
 
 __all__: list[str] = []
 
@@ -103,6 +104,28 @@ class LayerRandomness:
         finally:
             generator.set_state(state)
 
+    def knows(self, index: int, layer: nn.Module) -> bool:
+        """Whether layer ``index`` needs no probe before its next call: its random
+        draws are routed already (or the device's generator is this worker's own)."""
+        return not self.shared or (index, layer.training) in self._random_parts
+
+    @contextlib.contextmanager
+    def probing(self, index: int, layer: nn.Module, seed: int = 0) -> Iterator[None]:
+        """Runs the body, a call of ``layer`` (layer ``index``), under a seeded dispatch
+        mode that notes which of its submodules draw random numbers, and routes their
+        draws from then on. torch.compile leaves a call under a dispatch mode eager
+        (torch 2.13 and older: that code for good), so a compiled layer is probed by an
+        eager call aside (see :class:`~conveyor.engine.stage.Stage`)."""
+        with _probe(layer, seed) as mode:
+            yield
+        self._random_parts[(index, layer.training)] = parts = _outermost(mode.sources)
+        for part in parts:
+            _route_random_ops(part)
+
+    def draws_nothing(self, index: int, layer: nn.Module) -> None:
+        """Notes that layer ``index`` draws no random numbers in its current mode."""
+        self._random_parts[(index, layer.training)] = []
+
     @contextlib.contextmanager
     def layer_call(self, step_seed: int, index: int, microbatch: int,
                    layer: nn.Module) -> Iterator[None]:
@@ -113,14 +136,10 @@ class LayerRandomness:
                 _default_generator(self.device).manual_seed(seed)
             yield
             return
-        key = (index, layer.training)
-        parts = self._random_parts.get(key)
+        parts = self._random_parts.get((index, layer.training))
         if parts is None:
-            with _probe(layer, seed) as mode:
+            with self.probing(index, layer, seed):
                 yield
-            self._random_parts[key] = parts = _outermost(mode.sources)
-            for part in parts:
-                _route_random_ops(part)
             return
         if not parts:
             yield
@@ -194,7 +213,7 @@ def _route_random_ops(part: nn.Module) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_generator(op: torch._ops.OpOverload) -> bool:
+def _takes_generator(op: OpOverload) -> bool:
     return any(argument.name == "generator" for argument in op._schema.arguments)
 
 
@@ -204,7 +223,7 @@ _COMPOSITE_DROPOUTS = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dr
                        "aten::feature_alpha_dropout"}
 
 
-def _draws(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _draws(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a random op draws: dropout (torch's composite ``dropout`` ops) and
     attention kernels with a dropout probability of 0, or dropout outside training,
     return without touching a generator."""

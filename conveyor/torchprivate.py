@@ -1,0 +1,113 @@
+"""Every private torch name conveyor uses, in one place: when torch moves, this is the
+file to read, and the oldest torch conveyor runs on is checked here, at import.
+
+Checked on torch 2.13.0 (CPU build: ``make test``), 2.14.1 (CUDA build on the CPU:
+``make test-torch TORCH=2.14.1``) and 2.11.0 (the CUDA build on an H100 and an H200:
+``benchmarks/gpu.py``; ``make test-torch TORCH=2.11.0`` on the CPU). Each name below
+says what conveyor needs it for, and whether torch offers a public one.
+
+Not moved here: ``nn.Module``'s own tables (``_modules``, ``_parameters``, ``_buffers``,
+``_forward_hooks``), which conveyor reads and writes as torch's own code does, and the
+name ``torch.serialization._get_layout`` that the checkpoint reader allows in a
+pickle's list of globals (data, not a call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The oldest torch the suite has passed on: conveyor refuses an older one at import.
+MINIMUM = "2.11"
+
+if torch.__version__ < MINIMUM:  # TorchVersion compares with a version string
+    raise ImportError(
+        f"conveyor needs torch {MINIMUM} or newer; this is torch {torch.__version__}. "
+        f"Upgrade it: pip install 'torch>={MINIMUM}'")
+
+import torch.distributed as dist  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402 - no public pytree module yet (2.14)
+import torch.utils.checkpoint  # noqa: E402
+from torch._ops import OpOverload  # noqa: E402 - the type of torch.ops.aten.x.default
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+__all__: list[str] = []  # the library's own helpers, none of them public
+
+# torch.utils.checkpoint raises it through the layers to stop a recomputation early,
+# once the tensors backward needs are made again; a layer's error check lets it pass.
+STOP_RECOMPUTATION: type[BaseException] = getattr(
+    torch.utils.checkpoint, "_StopRecomputationError", RuntimeError)
+
+# The op torch.export leaves in a graph to assert an input's dtype and device; a traced
+# stage drops it (its inputs are checked as they arrive).
+assert_tensor_metadata = torch.ops.aten._assert_tensor_metadata.default
+
+# One buffer of many tensors, and back: the bucket of data parallelism's all-reduce.
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Lets torch.compile treat ``dim`` of ``tensor`` as dynamic from its first graph
+    (``maybe_``: without failing where the graph makes it static)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def keep_compiled_buffers() -> None:
+    """Turns off torch's donated buffers for backward graphs compiled from now on (on
+    this thread from torch 2.14: its settings are each thread's own). A split backward
+    keeps the graph for its weight half, which donated buffers forbid."""
+    from torch._functorch import config
+
+    if getattr(config, "donated_buffer", False):
+        config.donated_buffer = False
+
+
+def device_of_to(*args: Any, **kwargs: Any) -> torch.device | None:
+    """The device a call of ``Module.to(*args, **kwargs)`` moves to (None: none given),
+    parsed as torch parses it."""
+    return torch._C._nn._parse_to(*args, **kwargs)[0]
+
+
+def scale_in_place(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiplies each of ``tensors`` by ``factor`` in one fused call."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def has_gradient_hooks(parameter: torch.Tensor) -> bool:
+    """Whether hooks run on ``parameter``'s gradient (``register_hook``)."""
+    return bool(parameter._backward_hooks)
+
+
+def fsdp_post_backward(root: torch.nn.Module) -> None:
+    """Runs by hand what FSDP2 runs after a backward, for every unit under ``root``
+    (``fully_shard`` applied): each parameter group's post-backward (reduce-scatter, as
+    the root's settings say), then the root's end-of-backward, which resets its
+    per-step state and reshards. A pipeline's backward is many autograd calls, FSDP's
+    one."""
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    for group in _fsdp_param_groups(root):
+        group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def fsdp_drop_unsharded_grads(root: torch.nn.Module) -> None:
+    """Drops the unsharded gradients FSDP2 accumulated under ``root`` (a failed step's)."""
+    for group in _fsdp_param_groups(root):
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
+
+
+def _fsdp_param_groups(root: torch.nn.Module) -> list[Any]:
+    return [group for unit in root._get_fsdp_state()._state_ctx.all_states  # type: ignore[operator]
+            for group in unit._fsdp_param_groups]
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (torchrun's or env://)."""
+    return dist.distributed_c10d._get_default_store()
