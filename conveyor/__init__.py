@@ -73,6 +73,8 @@ __all__ = sorted([*_errors.__all__, *_PUBLIC, *_SUBFACES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBFACES or name in _MOVED or name in _PUBLIC:
+        importlib.import_module("conveyor.torchprivate")  # refuses a torch too old
     if name in _SUBFACES:
         return importlib.import_module(f"conveyor.{name}")
     if name in _MOVED:

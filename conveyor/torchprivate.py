@@ -27,11 +27,13 @@ if torch.__version__ < MINIMUM:  # TorchVersion compares with a version string
         f"Upgrade it: pip install 'torch>={MINIMUM}'")
 
 import torch.distributed as dist  # noqa: E402
-import torch.utils._pytree as pytree  # noqa: E402 - no public pytree module yet (2.14)
+# Re-exported (F401): pytree has no public module yet (2.14); OpOverload is the type of
+# torch.ops.aten.x.default; TorchDispatchMode, the base of the random-stream modes.
+import torch.utils._pytree as pytree  # noqa: E402, F401
 import torch.utils.checkpoint  # noqa: E402
-from torch._ops import OpOverload  # noqa: E402 - the type of torch.ops.aten.x.default
+from torch._ops import OpOverload  # noqa: E402, F401
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402, F401
 
 __all__: list[str] = []  # the library's own helpers, none of them public
 

@@ -97,7 +97,9 @@ def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
                     f"with the other ranks', but {_ranks(missing)} never came (failed before "
                     "building its pipeline, froze, or was started with another world size)")
             time.sleep(0.05)
-        return [json.loads(store.get(key)) for key in keys]
+        gathered = [json.loads(store.get(key)) for key in keys]
+        _wait_until_all_read(store, prefix, rank, world, min(seconds, Deadlines.floor))
+        return gathered
     except (StoreSilent, StoreGone) as exc:  # its host froze or died: a lost peer
         failure = PeerFailure(f"rank {rank} could not compare its pipeline's options with "
                               f"the other ranks': {exc}", stage=-1, microbatch=-1,
@@ -108,6 +110,22 @@ def _exchange(options: dict[str, Any], seconds: float) -> list[Any]:
         raise failure from exc
     finally:
         store.close()
+
+
+def _wait_until_all_read(store: BoundedStore, prefix: str, rank: int, world: int,
+                         seconds: float) -> None:
+    """Says this rank has read every rank's options, and waits (up to ``seconds``) until
+    every rank has: a rank that finds a difference ends its process at once, and under
+    env:// rank 0's process hosts the store that the others are still reading from. A
+    rank that stops answering after this rank has read is no concern of this one's."""
+    keys = [f"{prefix}/read/{r}" for r in range(world)]
+    try:
+        store.set(keys[rank], b"1")
+        end = time.monotonic() + seconds
+        while not store.check(keys) and time.monotonic() < end:
+            time.sleep(0.02)
+    except (StoreSilent, StoreGone):
+        pass
 
 
 def _describe(key: str, values: list[Any]) -> str:
