@@ -4,8 +4,8 @@ forward would run them.
 Compiling keeps what the pipeline promises: the same random draws as the plain model
 (dropout stays eager, a traced graph that draws random numbers stays eager whole), the
 same memory layout of each output (:class:`EagerLayout`), no recompilation in the middle
-of a step (:func:`before_compiled_call`), and buffers a split backward can read twice
-(:func:`_keep_buffers`).
+of a step, and buffers a split backward can read twice (both by
+:func:`before_compiled_call`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def compile_layers(layers: Partition) -> None:
     """Compiles each layer with ``torch.compile`` (a traced stage: each of its graphs):
     parameters, names, hooks and state dict stay as they are, and so do the stage's
     loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
-    through the compiled graph; see :func:`_keep_buffers`). Dropout modules stay
+    through the compiled graph; see :func:`before_compiled_call`). Dropout modules stay
     eager, each call a graph break, so that they draw from the pipeline's streams as
     the plain model's do; a traced graph that draws random numbers stays eager whole
     (compiled, its random ops would draw other numbers than the plain model's)."""
-    _keep_buffers()
+    keep_compiled_buffers()
     for layer in layers:
         if isinstance(layer, WholeStage):
             for graph in layer.graphs():
@@ -129,11 +129,13 @@ def before_compiled_call(value: Any) -> None:
     micro-batches of an uneven split are smaller: torch.compile would otherwise
     recompile to a dynamic graph in the middle of a step, and recomputing an earlier
     micro-batch would then run the new graph, whose saved tensors the old graph's
-    backward cannot read (laid out otherwise). And keeps buffers (see
-    :func:`_keep_buffers`) on this thread: a stage's thread compiles its graphs at their
-    first call, and torch 2.14's settings are the thread's own."""
+    backward cannot read (laid out otherwise). And turns off donated buffers on this
+    thread: a split backward's ``I`` keeps the graph (``retain_graph=True``) for its
+    ``W``, which donated buffers forbid. Torch reads the setting when it compiles a
+    backward, at the graph's first call, on the stage's thread; up to torch 2.13 it is
+    the process's, from 2.14 each thread's own."""
     if not getattr(_thread, "keeps_buffers", False):
-        _keep_buffers()
+        keep_compiled_buffers()
         _thread.keeps_buffers = True
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.dim():
@@ -166,13 +168,3 @@ def _draws_nothing(node: torch.fx.Node) -> bool:
     if given.get("train") is False:
         return True
     return type(probability) in (int, float) and bool(probability == 0)
-
-
-def _keep_buffers() -> None:
-    """Compiled graphs built from now on keep their buffers after a backward (torch's
-    ``donated_buffer`` off): a split backward's ``I`` keeps the graph
-    (``retain_graph=True``) for its ``W``, which donated buffers forbid. Torch reads it
-    when it compiles a backward, at its first call. Up to torch 2.13 the setting is the
-    process's (a setting changed around each call would race between the stages'
-    threads); from 2.14 each thread's own, so each stage's thread sets it."""
-    keep_compiled_buffers()

@@ -23,7 +23,6 @@ __all__: list[str] = []
 LayerLoop = Callable[[Any], Any]
 
 
-
 class WholeStage(nn.Module):
     """A layer that is a whole stage of a traced model (``conveyor.graph`` makes them).
 
