@@ -6,7 +6,9 @@ Run it first whenever a machine with CUDA is at hand:
     python benchmarks/gpu.py --parts tests,overhead
     python benchmarks/gpu.py --smoke         # every part at toy sizes on the CPU (a check)
 
-Without CUDA (and without ``--smoke``) it says so and exits 0. The parts, in order:
+Without CUDA (and without ``--smoke``) it says so and exits 0. On a torch older than
+conveyor's floor (2.11 on the GPU machines here), run it with CONVEYOR_UNTESTED_TORCH=1.
+The parts, in order:
 
 * ``tests``: ``pytest tests/test_cuda.py`` in a child process (its counts and failures);
 * ``equivalence``: generated models (``tests/generated``) on ``cuda``, every stage on

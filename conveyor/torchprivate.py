@@ -1,10 +1,11 @@
 """Every private torch name conveyor uses, in one place: when torch moves, this is the
 file to read, and the oldest torch conveyor runs on is checked here, at import.
 
-Checked on torch 2.13.0 (CPU build: ``make test``), 2.14.1 (CUDA build on the CPU:
-``make test-torch TORCH=2.14.1``) and 2.11.0 (the CUDA build on an H100 and an H200:
-``benchmarks/gpu.py``; ``make test-torch TORCH=2.11.0`` on the CPU). Each name below
-says what conveyor needs it for, and whether torch offers a public one.
+Checked on torch 2.13.0 (CPU build: ``make test``) and 2.14.1 (CUDA build on the CPU:
+``make test-torch TORCH=2.14.1``), where the suite passes whole. On 2.11.0
+(``make test-torch TORCH=2.11.0``; the CUDA build of the GPU machines) 26 tests fail:
+compiled split backwards, FSDP2, saved-tensor hooks (docs/contributing.md). Each name
+below says what conveyor needs it for.
 
 Not moved here: ``nn.Module``'s own tables (``_modules``, ``_parameters``, ``_buffers``,
 ``_forward_hooks``), which conveyor reads and writes as torch's own code does, and the
@@ -14,17 +15,25 @@ pickle's list of globals (data, not a call).
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
 
-# The oldest torch the suite has passed on: conveyor refuses an older one at import.
-MINIMUM = "2.11"
+# The oldest torch the suite has passed on: conveyor refuses an older one at import,
+# unless told to run on it untested.
+MINIMUM = "2.13"
+UNTESTED = "CONVEYOR_UNTESTED_TORCH"
 
 if torch.__version__ < MINIMUM:  # TorchVersion compares with a version string
-    raise ImportError(
-        f"conveyor needs torch {MINIMUM} or newer; this is torch {torch.__version__}. "
-        f"Upgrade it: pip install 'torch>={MINIMUM}'")
+    if os.environ.get(UNTESTED) != "1":
+        raise ImportError(
+            f"conveyor needs torch {MINIMUM} or newer, the oldest its tests pass on; this "
+            f"is torch {torch.__version__}. Upgrade it: pip install 'torch>={MINIMUM}' (or "
+            f"set {UNTESTED}=1 to run on this torch untested)")
+    warnings.warn(f"conveyor runs on torch {torch.__version__}, older than {MINIMUM}, the "
+                  f"oldest its tests pass on ({UNTESTED}=1)", stacklevel=2)
 
 import torch.distributed as dist  # noqa: E402
 # Re-exported (F401): pytree has no public module yet (2.14); OpOverload is the type of
