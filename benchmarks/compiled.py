@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphs compiled: {result['graphs_compiled_first_step']} in the first steps, "
               f"{result['graphs_compiled_in_timed_steps']} after")
     if not args.quick:
-        print(f"wrote {_common.write('compiled', {'stages': STAGES, 'chunks': CHUNKS, 'results': results})}")
+        payload = {"stages": STAGES, "chunks": CHUNKS, "results": results}
+        print(f"wrote {_common.write('compiled', payload)}")
     return 0
 
 

@@ -311,7 +311,8 @@ def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
                                                   log=log), limit=limit)
         for name, pipelined in (("naive", False), ("pipeline_1", True))}
     at = max(1, largest["naive"])
-    held = {name: table1_activations(at, pipelined, args, device)
+    held = {name: pipeline1_gpu.activation_bytes(at, pipelined=pipelined, args=args,
+                                                 device=device)
             for name, pipelined in (("naive", False), ("pipeline_1", True))}
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -319,20 +320,6 @@ def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     return {"memory_gib": sizes.memory_gib, "config": vars(args), "largest_layers": largest,
             "parameters": params, "activation_layers": at, "activation_bytes": held,
             "resident_before_bytes": resident, "attempts": log}
-
-
-def table1_activations(layers: int, pipelined: bool, args: argparse.Namespace,
-                       device: torch.device) -> float | None:
-    """The peak memory of a step beyond its model's parameters and optimizer state."""
-    import pipeline1_gpu
-
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    pipeline1_gpu.train_step(layers, pipelined=pipelined, args=args, device=device)
-    resident = pipeline1_gpu.parameters(layers, args) * OPTIMIZER_BYTES["rmsprop"]
-    return float(torch.cuda.max_memory_allocated(device) - resident)
 
 
 def part_speedup(sizes: Sizes, device: torch.device) -> dict[str, Any]:

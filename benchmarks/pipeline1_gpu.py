@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from conveyor import GPipe  # noqa: E402
+from conveyor.observe.plan import OPTIMIZER_BYTES  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
 
@@ -99,6 +100,19 @@ def fits(layers: int, *, pipelined: bool, args: argparse.Namespace,
     print(f"  {'Pipeline-1' if pipelined else 'naive'}: L={layers} "
           f"{'fits' if ok else 'out of memory'}", file=sys.stderr, flush=True)
     return ok
+
+
+def activation_bytes(layers: int, *, pipelined: bool, args: argparse.Namespace,
+                     device: torch.device) -> float | None:
+    """The peak memory of a step beyond its model's parameters and optimizer state
+    (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    train_step(layers, pipelined=pipelined, args=args, device=device)
+    return float(torch.cuda.max_memory_allocated(device)
+                 - parameters(layers, args) * OPTIMIZER_BYTES["rmsprop"])
 
 
 def parameters(layers: int, args: argparse.Namespace) -> int:

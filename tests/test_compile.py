@@ -197,8 +197,8 @@ def test_compiled_layers_run_compiled_from_their_first_call(traced: bool) -> Non
     """Stages sharing a device learn which parts of a layer draw random numbers by a
     first call under a dispatch mode, which torch.compile leaves eager (torch 2.13 and
     older: that layer for good, so compile=True compiled nothing on threads or one
-    GPU). A compiled layer is now probed by an eager call aside: every call of the step,
-    the first included, and each recomputation run the compiled graph."""
+    GPU). A compiled layer is now probed by an eager call aside: every call of a
+    compiled layer in the step, the first included, runs the compiled graph."""
     model, _ = build("transformer")
     ids = sample("transformer", batch=8)
     y = torch.randn(8, ids.shape[1], VOCAB, dtype=torch.float64)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.errors import ConveyorError, StageError, add_note

@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
@@ -31,7 +30,7 @@ from conveyor.errors import (
     LayerOutputError,
     ModelError,
 )
-from conveyor.torchprivate import pytree, STOP_RECOMPUTATION
+from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
 
 __all__: list[str] = []
 
