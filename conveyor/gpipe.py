@@ -29,6 +29,7 @@ from conveyor.engine.microbatch import (
     microbatch_sizes,
     split,
 )
+from conveyor.engine.recompute.replay import check_stage_modes
 from conveyor.engine.step import StepState, check_options, new_step
 from conveyor.engine.ties import TiedParameter, sum_tied_gradients
 from conveyor.engine.watchdog.deadline import Deadlines
@@ -118,8 +119,8 @@ class GPipe(RunsRuntime):
         stages: int | None = None,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        recompute: str | None = None,
-        checkpoint: str | None = None,
+        recompute: str | Sequence[str] | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
@@ -133,8 +134,9 @@ class GPipe(RunsRuntime):
         mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
-        self.recompute: str = mode
+        self.recompute: str | tuple[str, ...] = mode
         count = _stage_count(module, balance, split_at, stages, devices)
+        check_stage_modes(mode, count)
         self.devices: list[torch.device] = resolve_devices(
             devices, count, what=_counted_by(balance, split_at, stages, count))
         # Set before the layers are registered, so that a layer cannot take their names.

@@ -74,7 +74,8 @@ class Pipeline(RunsRuntime):
         devices: in one process, one device per rank (default: the CUDA devices, else
             the CPU for every rank).
         recompute: which micro-batches are recomputed in backward rather than kept:
-            "always", "except_last" (default) or "never".
+            "always", "except_last" (default) or "never"; or a list of one per stage
+            (``["never", "always"]``: the first stage keeps its activations).
         checkpoint: another name for ``recompute`` (torchgpipe's).
         data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
         sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
@@ -118,6 +119,10 @@ class Pipeline(RunsRuntime):
             (on threads) even under torchrun; a ``Topology`` of process groups (as
             ``Topology.from_environment`` makes) runs one rank of them. Default: read
             from the environment (torchrun's, or one process).
+        plan: a :class:`conveyor.planner.PipelinePlan` (``conveyor.planner.solve``, or
+            ``PipelinePlan.load`` of ``conveyor plan --save``): its cut, schedule,
+            ``chunks``, recomputation per stage and replicas (``data_parallel``) are
+            used; giving one of them too is an error unless it agrees.
     """
 
     def __init__(
@@ -125,7 +130,7 @@ class Pipeline(RunsRuntime):
         module: nn.Module | LayerBuilder,
         *,
         loss_fn: LossFn,
-        chunks: int,
+        chunks: int | None = None,
         stages: int | None = None,
         layers: int | None = None,
         balance: Sequence[int] | str | None = None,
@@ -134,8 +139,8 @@ class Pipeline(RunsRuntime):
         schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
         devices: Sequence[Device] | None = None,
-        recompute: str | None = None,
-        checkpoint: str | None = None,
+        recompute: str | Sequence[str] | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         data_parallel: int = 1,
         sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
@@ -148,12 +153,13 @@ class Pipeline(RunsRuntime):
         weights: Weights | None = None,
         rebalance: BalancePolicy | None = None,
         topology: Topology | None = None,
+        plan: Any = None,
     ) -> None:
         super().__init__()
         self.options = options = PipelineOptions.of(locals())
         if isinstance(module, nn.Module):  # in the model's mode: train() or eval() to change
             self.training = module.training
-        self.loss_fn, self.chunks, self.recompute = loss_fn, chunks, options.mode
+        self.loss_fn, self.chunks, self.recompute = loss_fn, options.chunks, options.mode
         self.scaler = LossScaler() if precision == "fp16" else None
         placed = place(self, module, options)
         self.topology, self.devices = placed.topology, placed.devices

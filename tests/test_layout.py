@@ -16,9 +16,10 @@ PACKAGE = Path(conveyor.__file__).parent
 # Each layer may import the ones before it, never one after it. The two faces, the
 # modules ``gpipe`` and ``pipeline``, stand side by side on one layer.
 LAYERS = ["errors|torchprivate", "schedules", "engine", "graph", "distributed", "runtime",
-          "gpipe|pipeline|decoding|balance|skip", "observe", "checking", "train", "cli"]
-ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "checking", "train",
-         "cli"]
+          "gpipe|pipeline|decoding|balance|skip", "observe", "planner", "checking", "train",
+          "cli"]
+ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "planner",
+         "checking", "train", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -170,7 +170,7 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
                    stages: int, chunks: int,
                    balance: Sequence[int] | str | None, split_at: Sequence[str] | None,
                    sample: Any, schedule: str | Schedule, virtual_stages: int,
-                   recompute: str, tie_weights: Sequence[Sequence[str]],
+                   recompute: str | tuple[str, ...], tie_weights: Sequence[Sequence[str]],
                    deferred_batch_norm: bool) -> PipelineRun:
     """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``
     (in this process, under torchrun too).

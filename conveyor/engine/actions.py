@@ -66,7 +66,7 @@ class StageActions:
         m = microbatch
         inputs = (deliver(state.inputs[m], self.device) if self.index == 0
                   else self.join(received))
-        recompute = state.grad_enabled and state.recompute(m)
+        recompute = state.grad_enabled and state.recompute(self.index, m)
         outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
                                         recompute=recompute)
         loss = None

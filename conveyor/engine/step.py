@@ -50,7 +50,7 @@ class StepState:
     """
 
     inputs: Sequence[Any]
-    recompute: Callable[[int], bool]
+    recompute: Callable[[int, int], bool]  # (stage, micro-batch)
     grad_enabled: bool
     step_seed: int | None
     targets: Sequence[Any] | None = None
@@ -94,7 +94,8 @@ class Saved:
     read: Any = None
 
 
-def check_options(*, chunks: int, recompute: str | None, checkpoint: str | None) -> str:
+def check_options(*, chunks: int, recompute: str | Sequence[str] | None,
+                  checkpoint: str | Sequence[str] | None) -> str | tuple[str, ...]:
     """Checks the options every pipeline takes; returns the recompute mode.
 
     Raises:
@@ -106,7 +107,7 @@ def check_options(*, chunks: int, recompute: str | None, checkpoint: str | None)
     return recompute_mode(recompute, checkpoint)
 
 
-def new_step(microbatches: Sequence[Any], *, chunks: int, recompute: str,
+def new_step(microbatches: Sequence[Any], *, chunks: int, recompute: str | tuple[str, ...],
              grad_enabled: bool, training: bool, **options: Any) -> StepState:
     """The state of one pipelined call.
 
@@ -120,7 +121,7 @@ def new_step(microbatches: Sequence[Any], *, chunks: int, recompute: str,
     """
     return StepState(
         inputs=microbatches,
-        recompute=lambda m: recomputes(recompute, m, chunks),
+        recompute=lambda stage, m: recomputes(recompute, m, chunks, stage),
         grad_enabled=grad_enabled,
         # Seeded whenever a backward may recompute, in eval mode too (a layer random
         # in eval mode, MC dropout, must draw the same numbers again); inference in

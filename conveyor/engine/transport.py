@@ -8,12 +8,20 @@ from stage i straight to stage j, and their gradients back). What arrives is rea
 use: detached tensors on the receiving stage's device, each with the ``requires_grad``
 flag its sender's tensor had. Every transport counts what it sends in its
 :class:`Traffic`, per (kind, source, destination): clear it before a step, read it after.
+
+A testing aid: inside ``with emulated_links(bandwidth=1e8, latency=1e-4):`` the threads'
+transport holds every message between two stages as a wire would: it leaves once the
+messages sent before it on that link (source to destination) have, takes its bytes over
+the bandwidth, and arrives a latency later. A pipeline of CPU threads then shows what a
+slow interconnect does to a plan (``benchmarks/pipedream.py``); processes are not slowed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -28,6 +36,33 @@ from conveyor.torchprivate import pytree
 __all__: list[str] = []
 
 MessageKind = Literal["activation", "gradient"]
+
+
+@dataclass(frozen=True)
+class EmulatedLinks:
+    """Every link between two stages: ``bandwidth`` bytes per second each way, and
+    ``latency`` seconds added to each message."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+
+_emulated: list[EmulatedLinks] = []  # the innermost emulated_links() in force, last
+
+
+@contextlib.contextmanager
+def emulated_links(*, bandwidth: float, latency: float = 0.0) -> Iterator[EmulatedLinks]:
+    """Within the block, threads' transports deliver messages between stages as over
+    links of ``bandwidth`` bytes per second and ``latency`` seconds (a testing aid)."""
+    if bandwidth <= 0 or latency < 0:
+        raise ValueError(f"emulated_links needs bandwidth > 0 and latency >= 0; got "
+                         f"bandwidth={bandwidth}, latency={latency}")
+    links = EmulatedLinks(bandwidth, latency)
+    _emulated.append(links)
+    try:
+        yield links
+    finally:
+        _emulated.remove(links)
 
 
 class Aborted(Exception):
@@ -196,6 +231,8 @@ class LocalTransport:
         self.traffic = traffic if traffic is not None else Traffic()
         self.deadlines = deadlines if deadlines is not None else Deadlines(None)
         self._boxes: dict[tuple[str, int, int, int], Any] = {}
+        self._arrives: dict[tuple[str, int, int, int], float] = {}  # emulated links
+        self._link_free: dict[tuple[int, int], float] = {}
         self._ready = threading.Condition()
         self._aborted = False
         self._copy_streams: dict[Any, Any] = {}
@@ -207,14 +244,24 @@ class LocalTransport:
         """Empties the mailboxes and clears an abort, before a new phase."""
         with self._ready:
             self._boxes.clear()
+            self._arrives.clear()
+            self._link_free.clear()
             self._aborted = False
 
     def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
              source: int | None = None) -> None:
         source = neighbour(kind, stage) if source is None else source
         self.traffic.note(kind, source, stage, value)
+        key = (kind, source, stage, microbatch)
         with self._ready:
-            self._boxes[(kind, source, stage, microbatch)] = value
+            if _emulated and source != stage:
+                links = _emulated[-1]
+                link = (source, stage)
+                leaves = max(time.monotonic(), self._link_free.get(link, 0.0)) \
+                    + _tensor_bytes(value) / links.bandwidth
+                self._link_free[link] = leaves
+                self._arrives[key] = leaves + links.latency
+            self._boxes[key] = value
             self._ready.notify_all()
 
     def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
@@ -226,7 +273,10 @@ class LocalTransport:
         deadline = start + timeout
         seen: dict[int, int] | None = None  # actions done by each rank at the last look
         with self._ready:
-            while key not in self._boxes:
+            while key not in self._boxes or self._arrives.get(key, 0.0) > time.monotonic():
+                if key in self._boxes:  # on an emulated link, still on its way
+                    self._ready.wait(self._arrives[key] - time.monotonic())
+                    continue
                 if self._aborted:
                     raise Aborted(f"stage {stage} stopped waiting for {kind} of "
                                   f"micro-batch {microbatch} from stage {source}")
@@ -244,6 +294,7 @@ class LocalTransport:
                         "timeout=)", stage=stage, microbatch=microbatch, action="recv")
                 self._ready.wait(left)
             value = self._boxes.pop(key)
+            self._arrives.pop(key, None)
         return deliver(value, self.devices[stage], self._copy_streams)
 
     def abort(self, error: BaseException | None) -> None:

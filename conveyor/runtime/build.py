@@ -26,6 +26,7 @@ from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.compiling import compile_layers
 from conveyor.engine.loss import LossScaler, compute_dtype
+from conveyor.engine.recompute.replay import check_stage_modes
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import (
     cuts_at_first_step,
@@ -134,6 +135,7 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         snapshot: this rank's place in a step (what it answers other ranks).
         scaler: float16's loss scaler (None: no loss scaling).
     """
+    check_stage_modes(options.mode, schedule.num_stages)
     distributed = topology.distributed
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built

@@ -25,6 +25,7 @@ from conveyor.engine.devices import Device
 from conveyor.engine.loss import LossFn
 from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.engine.step import check_options
+from conveyor.errors import ConveyorError
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy
 from conveyor.schedules import Schedule
@@ -42,6 +43,22 @@ def _option(default: Any = MISSING, *, agreed: Callable[[Any], Any] | bool = Fal
     return field(default=default, metadata={_AGREED: shown, _CUT: cut})
 
 
+def _planned(given: dict[str, Any]) -> dict[str, Any]:
+    """The options ``given["plan"]`` sets, none of them given otherwise."""
+    planned = given["plan"].pipeline_options()
+    defaults = {f.name: f.default for f in fields(PipelineOptions)}
+    for name, value in planned.items():
+        if given[name] != defaults[name] and _plain(given[name]) != _plain(value):
+            raise ConveyorError(f"plan= sets {name}={value!r}, but {name}={given[name]!r} "
+                                "was given too; leave it to the plan, or plan again")
+    return planned
+
+
+def _plain(value: Any) -> Any:
+    """Sequences as lists, anything else as it is: what two options compare by."""
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
 def _listed(value: Any) -> Any:
     return value if value is None or isinstance(value, str) else list(value)
 
@@ -51,7 +68,7 @@ class PipelineOptions:
     """Every keyword option of :class:`~conveyor.Pipeline` (documented there)."""
 
     loss_fn: LossFn | None
-    chunks: int = _option(agreed=True)
+    chunks: int = _option(None, agreed=True)
     stages: int | None = _option(None)
     layers: int | None = _option(None, agreed=True, cut=True)
     balance: Sequence[int] | str | None = _option(None, agreed=_listed, cut=True)
@@ -60,8 +77,8 @@ class PipelineOptions:
     schedule: str | Schedule = _option("gpipe", agreed=schedule_of)
     virtual_stages: int = _option(1, agreed=True)
     devices: Sequence[Device] | None = _option(None)
-    recompute: str | None = _option(None)
-    checkpoint: str | None = _option(None)
+    recompute: str | Sequence[str] | None = _option(None)
+    checkpoint: str | Sequence[str] | None = _option(None)
     data_parallel: int = _option(1, agreed=True)
     sharding: str = _option("replicate", agreed=True)
     tie_weights: Sequence[Sequence[str]] = _option(
@@ -76,22 +93,31 @@ class PipelineOptions:
     rebalance: BalancePolicy | None = _option(
         None, agreed=lambda policy: None if policy is None else repr(policy))
     topology: Topology | None = _option(None)
+    plan: Any = _option(None)
 
     @classmethod
     def of(cls, given: dict[str, Any]) -> PipelineOptions:
-        """The options among ``given`` (a constructor's ``locals()``), checked.
+        """The options among ``given`` (a constructor's ``locals()``), checked, with
+        what ``plan=`` sets in place.
 
         Raises:
+            ConveyorError: an option disagrees with the plan, or no ``chunks``.
             MicroBatchError: ``chunks`` is not a positive integer.
             ValueError: not a recompute mode, or both ``recompute`` and ``checkpoint``.
         """
-        options = cls(**{f.name: given[f.name] for f in fields(cls)})
+        given = {f.name: given[f.name] for f in fields(cls)}
+        if given["plan"] is not None:
+            given.update(_planned(given))
+        if given["chunks"] is None:
+            raise ConveyorError("give chunks= (the number of micro-batches per step) or "
+                                "plan= (a conveyor.planner.PipelinePlan)")
+        options = cls(**given)
         check_options(chunks=options.chunks, recompute=options.recompute,
                       checkpoint=options.checkpoint)
         return options
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> str | tuple[str, ...]:
         """The recompute mode (``recompute=``, or its alias ``checkpoint=``).
 
         Raises:

@@ -60,7 +60,7 @@ class TrainingStep:
     """
 
     chunks: int
-    recompute: str
+    recompute: str | tuple[str, ...]
     check_finite: bool
     dtype: torch.dtype | None
     scaler: LossScaler | None

@@ -58,6 +58,10 @@ class CostModel:
         edge_communication: ``(i, j, time)`` per edge of a table that has some: moving
             the values of edge i -> j, or their gradients, between two ranks. An edge
             not listed costs ``communication[i]``, as much as stage i's activation.
+        serial_links: whether the link from one rank to another carries one message at
+            a time, in the order they are sent (a wire with a bandwidth: a message
+            waits for the one before it). False: every transfer only delays its
+            receiver, however many are under way at once.
     """
 
     forward: tuple[float, ...]
@@ -67,6 +71,7 @@ class CostModel:
     communication: tuple[float, ...]
     unit: str = "s"
     edge_communication: tuple[tuple[int, int, float], ...] = ()
+    serial_links: bool = False
 
     @classmethod
     def uniform(cls, stages: int, *, forward: float = 1.0, backward: float = 1.0,
@@ -148,6 +153,8 @@ class CostModel:
                                 "unit": self.unit}
         if self.edge_communication:
             data["edge_communication"] = [list(e) for e in self.edge_communication]
+        if self.serial_links:
+            data["serial_links"] = True
         return data
 
     @classmethod
@@ -175,7 +182,8 @@ class CostModel:
         except (TypeError, ValueError):
             raise ScheduleError("edge_communication must be a list of [source, destination, "
                                 f"time] triples, got {data['edge_communication']!r}") from None
-        return cls(**lists, unit=str(data.get("unit", "s")), edge_communication=edges)
+        return cls(**lists, unit=str(data.get("unit", "s")), edge_communication=edges,
+                   serial_links=bool(data.get("serial_links", False)))
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -278,6 +286,13 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
     layout_clock(schedule)  # a deadlock does not depend on durations: report it first
     ranks = schedule.stage_ranks
     end: dict[Action, float] = {}
+    arrival: dict[tuple[Action, Action], float] = {}  # a result reaching another rank
+    dependents: dict[Action, list[Action]] = {}
+    for column in schedule.columns:
+        for action in column:
+            for needed in dependencies(action, schedule):
+                dependents.setdefault(needed, []).append(action)
+    link_free: dict[tuple[int, int], float] = {}  # serial links: when each is next free
     events: list[Event] = []
     position = [0] * schedule.num_ranks
     free = [0.0] * schedule.num_ranks
@@ -290,10 +305,21 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
                 needs = dependencies(action, schedule)
                 if any(d not in end for d in needs):
                     break
-                start = max([free[rank]] + [end[d] + _transfer(d, action, ranks, costs)
-                                            for d in needs])
+                start = max([free[rank]] + [arrival.get((d, action), end[d]) for d in needs])
                 finish = start + _duration(action, costs)
                 end[action] = free[rank] = finish
+                # A rank's actions end in its column's order, so each of its links
+                # takes messages in the order they are sent.
+                for later in dependents.get(action, ()):
+                    if ranks[later.stage] == rank:
+                        continue
+                    link = (rank, ranks[later.stage])
+                    leaves = max(finish, link_free.get(link, 0.0)) if costs.serial_links \
+                        else finish
+                    arrival[(action, later)] = leaves + costs.edge_time(action.stage,
+                                                                        later.stage)
+                    if costs.serial_links:
+                        link_free[link] = arrival[(action, later)]
                 events.append(Event(rank, action.stage, action.kind.value, action.microbatch,
                                     start, finish))
                 position[rank] += 1
@@ -317,12 +343,6 @@ def _duration(action: Action, costs: CostModel) -> float:
     if action.kind is Kind.WEIGHT:
         return costs.weight[s]
     return costs.backward[s] + costs.weight[s]  # B: input and weight gradients
-
-
-def _transfer(done: Action, action: Action, ranks: Sequence[int], costs: CostModel) -> float:
-    if ranks[done.stage] == ranks[action.stage]:  # the same stage too
-        return 0.0
-    return costs.edge_time(done.stage, action.stage)
 
 
 def _memory(events: list[Event], schedule: Schedule,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -47,9 +47,11 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
+def recompute_mode(recompute: str | Sequence[str] | None,
+                   checkpoint: str | Sequence[str] | None) -> str | tuple[str, ...]:
     """The recompute mode of a pipeline given ``recompute=`` or its alias
-    ``checkpoint=`` (default ``"except_last"``, as the paper).
+    ``checkpoint=`` (default ``"except_last"``, as the paper): one mode for every
+    stage, or a list of one per stage (as a plan chooses: ``["never", "always"]``).
 
     Raises:
         ValueError: both are given, or an unknown mode; the message lists the known ones.
@@ -59,20 +61,35 @@ def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
                          "checkpoint= is another name for recompute=; give one of them")
     named = "checkpoint" if checkpoint is not None else "recompute"
     mode = checkpoint if checkpoint is not None else recompute or "except_last"
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"{named}={mode!r} is not a recompute mode; use one of "
-            + ", ".join(repr(m) for m in RECOMPUTE_MODES)
-        )
-    return mode
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    for one in modes:
+        if one not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"{named}={mode!r}: {one!r} is not a recompute mode; use one of "
+                + ", ".join(repr(m) for m in RECOMPUTE_MODES)
+                + ", or a list of them, one per stage"
+            )
+    if not modes:
+        raise ValueError(f"{named}=[] names no mode; give one, or one per stage")
+    return mode if isinstance(mode, str) else tuple(modes)
 
 
-def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
-    """Whether ``microbatch`` is recomputed in backward under ``mode``.
+def check_stage_modes(mode: str | tuple[str, ...], stages: int) -> None:
+    """Raises ValueError unless ``mode`` is one mode or one per stage of ``stages``."""
+    if not isinstance(mode, str) and len(mode) != stages:
+        raise ValueError(f"recompute={list(mode)} gives {len(mode)} modes for {stages} "
+                         "stages; give one mode, or one per stage")
+
+
+def recomputes(mode: str | tuple[str, ...], microbatch: int, num_microbatches: int,
+               stage: int = 0) -> bool:
+    """Whether ``microbatch`` is recomputed in backward on ``stage`` under ``mode``.
 
     ``except_last`` (the paper's choice) keeps the activations of the last micro-batch,
     whose backward comes right after its forward in a fill-drain schedule.
     """
+    if not isinstance(mode, str):
+        mode = mode[stage]
     if mode == "always":
         return True
     if mode == "except_last":

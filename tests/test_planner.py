@@ -1,0 +1,233 @@
+"""conveyor.planner: the cluster, the profile, PipeDream's solver and Pipeline(plan=...)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.errors import ConveyorError
+from conveyor.planner import (Cluster, LayerCost, Level, ModelProfile, PipelinePlan, evaluate,
+                              profile_model, solve)
+from conveyor.planner.machines import parse_bandwidth, parse_seconds
+from conveyor.schedules import build
+from conveyor.schedules.simulate import CostModel, simulate
+from tests.support.any_models import assert_model_grads
+
+
+def layer(name: str, *, time: float = 1.0, out: float = 10.0, params: int = 100,
+          saved: float = 10.0) -> LayerCost:
+    return LayerCost(name, time / 3, 2 * time / 3, params, 4.0 * params, saved, out)
+
+
+def profile_of(*layers: LayerCost) -> ModelProfile:
+    return ModelProfile("toy", tuple(layers), 10.0, "written by hand")
+
+
+def two_devices(bandwidth: float = 1e3, memory: float = 1e9) -> Cluster:
+    return Cluster((Level("node", 2, bandwidth, 0.0),), memory=memory)
+
+
+# ------------------------------------------------------------------ the cluster
+
+def test_a_cluster_reads_sizes_speeds_and_times_as_people_write_them(tmp_path) -> None:
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_bandwidth("100Gbps") == parse_bandwidth("100Gb/s") == 12.5e9
+    assert parse_bandwidth("1GiB/s") == 2**30
+    assert parse_seconds("5us") == pytest.approx(5e-6)
+    assert parse_seconds("1.5ms") == pytest.approx(1.5e-3)
+    path = tmp_path / "cluster.toml"
+    path.write_text('memory = "80GB"\nflops = 4e14\n'
+                    '[[levels]]\nname = "node"\nsize = 8\nbandwidth = "300GB/s"\n'
+                    'latency = "5us"\n'
+                    '[[levels]]\nname = "network"\nsize = 2\nbandwidth = "200Gbps"\n')
+    cluster = Cluster.load(path)
+    assert cluster == Cluster.of(nodes=2, per_node=8, memory="80GB", intra="300GB/s",
+                                 inter="200Gbps", intra_latency="5us", flops=4e14)
+    assert cluster.devices == 16
+    assert (cluster.level_of(0, 7), cluster.level_of(7, 8), cluster.level_of(3, 3)) == (0, 1, 0)
+    assert cluster.transfer(25e9, 1) == pytest.approx(1.0)
+    # A ring all-reduce: each of r devices sends 2(r-1)/r of the bytes.
+    assert cluster.all_reduce(300e9, 8, 0) == pytest.approx(2 * 7 * (5e-6 + 300e9 / 8 / 300e9))
+    json_path = tmp_path / "cluster.json"
+    json_path.write_text(json.dumps(cluster.to_dict()))
+    assert Cluster.load(json_path) == cluster
+
+
+def test_a_cluster_that_cannot_be_read_says_what_is_missing(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"levels": [{"size": 8}], "memory": "80GB"}')
+    with pytest.raises(ConveyorError, match="lacks 'bandwidth'"):
+        Cluster.load(path)
+    with pytest.raises(ConveyorError, match="nodes need the bandwidth between them"):
+        Cluster.of(nodes=2, per_node=8, memory="1GB", intra="1GB/s")
+    with pytest.raises(ValueError, match="as a bandwidth"):
+        parse_bandwidth("fast")
+    detected = Cluster.detect()
+    assert detected.devices >= 1 and "bandwidth" in detected.guessed
+
+
+# ------------------------------------------------------------------ serial links
+
+def test_messages_on_one_link_wait_for_each_other_when_links_are_serial() -> None:
+    table = build("gpipe", 2, 2)
+    costs = CostModel((1.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (3.0,))
+    starts = {}
+    for serial in (False, True):
+        timeline = simulate(table, CostModel(**{**costs.__dict__, "serial_links": serial})
+                            ).timeline
+        starts[serial] = {(e.stage, e.kind, e.microbatch): e.start for e in timeline.events}
+    # Micro-batch 1's activation leaves stage 0 at 2; the wire is busy with micro-batch 0's
+    # until 4 when serial, so it arrives at 7 rather than 5.
+    assert starts[False][(1, "F", 1)] == 5.0
+    assert starts[True][(1, "F", 1)] == 7.0
+    assert CostModel.from_dict(CostModel(**{**costs.__dict__, "serial_links": True}).to_dict()
+                               ).serial_links
+
+
+# ------------------------------------------------------------------ the solver
+
+def widening() -> ModelProfile:
+    """Four equal layers; the second hands on 100 times more than the others."""
+    return profile_of(layer("a"), layer("b", out=1000.0), layer("c"), layer("d"))
+
+
+def test_the_solver_cuts_away_from_a_wide_boundary_when_links_are_slow() -> None:
+    cluster = two_devices(bandwidth=1e2)  # a wide message: 2 samples x 1000 B: 20 s
+    plan = solve(widening(), cluster, batch=8, replicate=False, schedules=("gpipe",),
+                 chunk_options=[4])[0]
+    assert len(plan.stages) == 2 and plan.balance != [2, 2]
+    blind = solve(widening(), cluster, batch=8, replicate=False, schedules=("gpipe",),
+                  chunk_options=[4], communication=False)[0]
+    assert blind.balance == [2, 2]
+    # What the solver predicted for its cut is what evaluate() predicts for it.
+    again = evaluate(widening(), cluster, batch=8, balance=plan.balance, schedule="gpipe",
+                     chunks=4)
+    assert again.step_time == pytest.approx(plan.step_time)
+    assert evaluate(widening(), cluster, batch=8, balance=[2, 2], schedule="gpipe",
+                    chunks=4).step_time > plan.step_time
+    assert "link" in evaluate(widening(), cluster, batch=8, balance=[2, 2], schedule="gpipe",
+                              chunks=4).bottleneck
+
+
+def test_memory_decides_recomputation_stage_by_stage_and_nothing_fits_below_the_weights() -> None:
+    heavy = profile_of(layer("a", saved=1e6), layer("b"), layer("c"), layer("d"))
+    parameters = 100 * 16  # adam: 16 bytes per parameter
+    roomy = solve(heavy, two_devices(memory=1e9), batch=8, schedules=("gpipe",),
+                  replicate=False, chunk_options=[4], max_stages=2)
+    assert not any(s.recompute for s in roomy[0].stages)
+    tight = solve(heavy, two_devices(memory=3 * parameters + 2.1e6), batch=8, replicate=False,
+                  schedules=("gpipe",), chunk_options=[4], max_stages=2)
+    assert tight, "recomputing the first stage fits"
+    plan = tight[0]
+    assert [s.recompute for s in plan.stages] == [True, False]
+    assert plan.peak_memory <= plan.memory_cap
+    assert plan.pipeline_options()["recompute"] == ["always", "never"]
+    assert solve(heavy, two_devices(memory=parameters), batch=8) == []
+
+
+def test_a_heavy_first_layer_gets_replicas_and_a_plan_says_why() -> None:
+    # VGG's shape: a compute-heavy start with few parameters, a light end with many.
+    vgg_like = profile_of(layer("conv", time=12.0, params=10), layer("fc", params=10_000))
+    # The head's 40 kB of gradients take a minute to all-reduce among four; the
+    # convolutions' 40 bytes, no time.
+    cluster = Cluster((Level("node", 4, 1e3, 0.0),), memory=1e9)
+    plan = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",))[0]
+    assert plan.replicas == [3, 1] and plan.balance == [1, 1]
+    assert plan.bottleneck.startswith("stage 0 (layers 0-0, 3 replicas)")
+    with pytest.raises(ConveyorError, match=r"\[3, 1\] replicas"):
+        plan.pipeline_options()
+    uniform = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",),
+                    uniform_replicas=True)
+    assert all(len(set(p.replicas)) == 1 for p in uniform)
+
+
+def test_a_plan_is_saved_and_read_back(tmp_path) -> None:
+    plan = solve(widening(), two_devices(), batch=8, chunk_options=[4])[0]
+    plan.save(tmp_path / "plan.json")
+    assert PipelinePlan.load(tmp_path / "plan.json") == plan
+    assert "bottleneck" in plan.describe()
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConveyorError, match="cannot read the plan"):
+        PipelinePlan.load(tmp_path / "bad.json")
+
+
+# ------------------------------------------------------------------ profiles
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 3)).double()
+
+
+def test_a_profile_is_per_sample_and_read_from_its_cache(tmp_path) -> None:
+    model, x = mlp(), torch.randn(8, 6, dtype=torch.float64)
+    profile = profile_model(model, x, repeat=1, cache=tmp_path)
+    assert [c.name for c in profile.layers] == ["0", "1", "2", "3", "4"]
+    assert profile.layers[0].output_bytes == 32 * 8  # float64, per sample
+    assert profile.layers[0].parameters == 6 * 32 + 32
+    assert all(c.forward > 0 and c.backward > 0 for c in profile.layers)
+    assert list(tmp_path.glob("*.json")) == [tmp_path / f"{profile.key}.json"]
+    assert profile_model(model, x, repeat=1, cache=tmp_path) == profile  # not measured again
+    other = profile_model(model, torch.randn(4, 6, dtype=torch.float64), repeat=1,
+                          cache=tmp_path)
+    assert other.key != profile.key
+    with torch.device("meta"):
+        on_meta = profile_model(nn.Sequential(nn.Linear(6, 32), nn.Linear(32, 3)),
+                                torch.zeros(8, 6))
+    assert on_meta.source.startswith("FLOPs") and on_meta.layers[0].backward == \
+        pytest.approx(2 * on_meta.layers[0].forward)
+
+
+# ------------------------------------------------------------------ Pipeline(plan=...)
+
+def test_pipeline_runs_a_plan_exactly_as_the_plain_model() -> None:
+    model, x = mlp(), torch.randn(16, 6, dtype=torch.float64)
+    y = torch.randn(16, 3, dtype=torch.float64)
+    profile = profile_model(model, x[:4], repeat=1)
+    cluster = Cluster((Level("threads", 2, 1e9, 0.0),), memory=4 * 32 * 32 * 16 + 3000)
+    plans = [p for p in solve(profile, cluster, batch=16, replicate=False)
+             if len(p.stages) == 2]
+    assert plans
+    for plan in plans[:3]:
+        reference = copy.deepcopy(model)
+        nn.functional.mse_loss(reference(x), y).backward()
+        pipe = conveyor.Pipeline(copy.deepcopy(model), loss_fn=nn.functional.mse_loss,
+                                 plan=plan, devices=["cpu", "cpu"])
+        assert (pipe.chunks, pipe.balance) == (plan.chunks, plan.balance)
+        pipe.step(x, y)
+        assert_model_grads(pipe, reference)
+
+
+def test_per_stage_recomputation_is_exact_and_its_length_is_checked() -> None:
+    model, x = mlp(), torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    nn.functional.mse_loss(reference(x), y).backward()
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        pipe = conveyor.Pipeline(copy.deepcopy(model), loss_fn=nn.functional.mse_loss,
+                                 chunks=4, balance=[2, 3], schedule=schedule,
+                                 recompute=["never", "always"])
+        pipe.step(x, y)
+        assert_model_grads(pipe, reference)
+    with pytest.raises(ValueError, match="gives 3 modes for 2 stages"):
+        conveyor.Pipeline(copy.deepcopy(model), loss_fn=nn.functional.mse_loss, chunks=4,
+                          balance=[2, 3], recompute=["never", "always", "never"])
+    with pytest.raises(ValueError, match="'sometimes' is not a recompute mode"):
+        conveyor.Pipeline(copy.deepcopy(model), loss_fn=nn.functional.mse_loss, chunks=4,
+                          balance=[2, 3], recompute=["never", "sometimes"])
+
+
+def test_an_option_the_plan_sets_may_not_be_given_otherwise() -> None:
+    plan = solve(profile_model(mlp(), torch.randn(8, 6, dtype=torch.float64), repeat=1),
+                 two_devices(), batch=8, replicate=False, max_stages=2)[0]
+    with pytest.raises(ConveyorError, match=r"plan= sets chunks=.*but chunks=3 was given"):
+        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, plan=plan, chunks=3)
+    with pytest.raises(ConveyorError, match="give chunks="):
+        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, stages=2)
+    assert math.isfinite(plan.step_time)
