@@ -54,6 +54,10 @@ def test_a_cluster_reads_sizes_speeds_and_times_as_people_write_them(tmp_path) -
     assert cluster.transfer(25e9, 1) == pytest.approx(1.0)
     # A ring all-reduce: each of r devices sends 2(r-1)/r of the bytes.
     assert cluster.all_reduce(300e9, 8, 0) == pytest.approx(2 * 7 * (5e-6 + 300e9 / 8 / 300e9))
+    # Across the nodes, as NCCL does: a ring in each node, then one between the nodes
+    # whose uplink carries the node's whole share.
+    assert cluster.all_reduce(300e9, 16, 1) == pytest.approx(
+        2 * 7 * (5e-6 + 300e9 / 8 / 300e9) + 2 * 1 * (300e9 / 2 / 25e9))
     json_path = tmp_path / "cluster.json"
     json_path.write_text(json.dumps(cluster.to_dict()))
     assert Cluster.load(json_path) == cluster

@@ -20,11 +20,13 @@ from conveyor.torchprivate import pytree
 __all__: list[str] = []
 
 
-def verify_plans(plans: Sequence[Plan], model: nn.Module, sample: Any, *,
-                 split_at: Sequence[str], recompute: str = "except_last",
+def verify_plans(plans: Sequence[Plan | Any], model: nn.Module, sample: Any, *,
+                 split_at: Sequence[str], recompute: str | Sequence[str] = "except_last",
                  seed: int = 0) -> dict[str, Exactness]:
     """Checks the schedules of ``plans`` in their order with :func:`conveyor.check`
-    until one is exact: the verdict of each schedule checked, by name. Each check runs
+    until one is exact (a plan is anything with a ``schedule``: the ranked plans of
+    :func:`conveyor.observe.plan.rank_plans`, or :class:`conveyor.planner.PipelinePlan`):
+    the verdict of each schedule checked, by name. Each check runs
     one step of ``max(2, K)`` micro-batches, each one ``sample``, cut at ``split_at``,
     under a loss that reads every floating output the model returns (a fixed random
     projection of each, averaged over samples), so a gradient that any output gets

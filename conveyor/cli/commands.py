@@ -274,7 +274,12 @@ def trace_command(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    """``conveyor plan``: a family (transformer, convnet) or the user's model."""
+    """``conveyor plan``: a family (transformer, convnet) or the user's model, on a
+    cluster (PipeDream's planner) or on K devices of one memory."""
+    from conveyor.cli.clusterplan import plan_cluster_command, wants_cluster
+
+    if wants_cluster(args):
+        return plan_cluster_command(args)
     if args.model not in ("transformer", "convnet"):
         from conveyor.cli.modelplan import plan_model_command
 

@@ -162,6 +162,26 @@ def _plan_parser(commands: _Commands) -> None:
     sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
+    cluster = sub.add_argument_group(
+        "a cluster (PipeDream's planner: cut, replicas per stage, schedule, micro-batches "
+        "and recomputation per stage, weighing links and memory)")
+    cluster.add_argument("--topology", metavar="FILE",
+                         help="the cluster as JSON or TOML (levels with size, bandwidth, "
+                              "latency; memory; flops), or 'detect' for this machine")
+    cluster.add_argument("--nodes", type=int, help="nodes (with --per-node)")
+    cluster.add_argument("--per-node", type=int, help="devices per node")
+    cluster.add_argument("--intra-bandwidth", help="within a node, e.g. 300GB/s")
+    cluster.add_argument("--inter-bandwidth", help="between nodes, e.g. 200Gbps")
+    cluster.add_argument("--intra-latency", default="0", help="e.g. 5us")
+    cluster.add_argument("--inter-latency", default="0", help="e.g. 20us")
+    cluster.add_argument("--uniform-replicas", action="store_true",
+                         help="every stage as many replicas (what Pipeline runs today)")
+    cluster.add_argument("--no-replicas", action="store_true",
+                         help="one device per stage")
+    cluster.add_argument("--profile-cache", metavar="DIR",
+                         help="keep your model's timed profile here and reuse it")
+    cluster.add_argument("--save", metavar="PLAN.json",
+                         help="write the best plan, for Pipeline(plan=PipelinePlan.load(...))")
     sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
 
 

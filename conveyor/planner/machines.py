@@ -115,12 +115,19 @@ class Cluster:
         return link.latency + nbytes / link.bandwidth
 
     def all_reduce(self, nbytes: float, replicas: int, level: int) -> float:
-        """Seconds for ``replicas`` devices meeting at ``level`` to sum ``nbytes`` (a ring:
-        each sends 2(r-1)/r of it, in 2(r-1) messages)."""
+        """Seconds for ``replicas`` consecutive devices meeting at ``level`` to sum
+        ``nbytes``, level by level as NCCL's hierarchy does: a ring among the devices of
+        a node (each sends 2(n-1)/n of the bytes over its link, in 2(n-1) messages), then
+        a ring among the nodes, whose uplink carries the whole node's share, and so on."""
         if replicas <= 1 or nbytes <= 0:
             return 0.0
-        link = self.levels[level]
-        return 2 * (replicas - 1) * (link.latency + nbytes / replicas / link.bandwidth)
+        seconds, below = 0.0, 1
+        for link in self.levels[:level + 1]:
+            ring = min(math.ceil(replicas / below), link.size)
+            if ring > 1:
+                seconds += 2 * (ring - 1) * (link.latency + nbytes / ring / link.bandwidth)
+            below *= link.size
+        return seconds
 
     # ------------------------------------------------------------ reading and writing
 

@@ -98,14 +98,23 @@ class PipelinePlan:
                 f"the plan gives its stages {self.replicas} replicas; pipelines run the same "
                 "number of replicas on every stage so far. Plan with uniform_replicas=True "
                 "(conveyor plan --uniform-replicas)")
-        cut: dict[str, Any] = ({"split_at": list(self.split_at[s.layers[0] - 1]
-                                                 for s in self.stages[1:])}
-                               if self.split_at else {"balance": self.balance})
+        return {**self.cut(), "schedule": self.schedule, "chunks": self.chunks,
+                "recompute": self.recompute, "data_parallel": self.replicas[0]}
+
+    @property
+    def recompute(self) -> str | list[str]:
+        """The recompute mode as ``Pipeline`` takes it: one for all, or one per stage."""
         modes = {s.recompute for s in self.stages}
-        recompute = ("always" if modes == {True} else "never" if modes == {False}
-                     else ["always" if s.recompute else "never" for s in self.stages])
-        return {**cut, "schedule": self.schedule, "chunks": self.chunks,
-                "recompute": recompute, "data_parallel": self.replicas[0]}
+        if len(modes) == 1:
+            return "always" if modes == {True} else "never"
+        return ["always" if s.recompute else "never" for s in self.stages]
+
+    def cut(self) -> dict[str, Any]:
+        """Where the stages begin, as ``Pipeline`` takes it: ``split_at`` (the names of
+        the submodules, for a model profiled by its blocks) or ``balance``."""
+        if self.split_at:
+            return {"split_at": [self.split_at[s.layers[0] - 1] for s in self.stages[1:]]}
+        return {"balance": self.balance}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -157,7 +166,8 @@ class PipelinePlan:
 
 
 def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    """Seconds as people read them: ``"12.3 ms"``, ``"2.08 s"``."""
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def _devices(devices: Sequence[int]) -> str:

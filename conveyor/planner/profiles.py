@@ -126,15 +126,16 @@ def _key(name: str, sample: Any, device: torch.device) -> str:
 
 def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
                   split_at: Sequence[str] | None = None, repeat: int = 3,
-                  cache: str | Path | None = None) -> ModelProfile:
+                  cache: str | Path | None = None, flops: float = 1e14) -> ModelProfile:
     """Profiles ``model`` on ``sample`` (a batch as the model takes it), layer by layer.
 
     An ``nn.Sequential`` is profiled per layer. Any other model is cut at ``split_at``
-    (default: before each of its repeated blocks, as ``Pipeline`` finds them), and each
-    piece is one layer of the profile; what runs before the first block is a layer of
-    its own (an embedding), timed with the first block. On the meta device the times
-    come from FLOP counts at 1e14 FLOP/s (use :meth:`ModelProfile.from_figures` for
-    another rate).
+    (default: before each of its repeated blocks, as ``Pipeline`` finds them, and before
+    its output embedding where it names one, as Hugging Face models do with
+    ``get_output_embeddings()``), and each piece is one layer of the profile; what runs
+    before the first block is a layer of its own (an embedding), timed with the first
+    block. On the meta device the times
+    come from FLOP counts at ``flops`` FLOP/s.
 
     Args:
         name: the model's name in the cache (default: its class name).
@@ -142,7 +143,6 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
         cache: a folder: a profile of the same name, input shapes and device is read
             from it instead of measured, and a new one is saved there.
     """
-    from conveyor.graph.autosplit import find_blocks
     from conveyor.graph.profile import block_times, profile_layers
 
     name = name or type(model).__name__
@@ -156,10 +156,10 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
     if isinstance(model, nn.Sequential):
         figures = measure(model, sample)
     else:
-        names = tuple(split_at if split_at is not None else find_blocks(model).names)
+        names = tuple(split_at if split_at is not None else _blocks_and_head(model))
         figures = measure_split(model, sample, split_at=names)
     if device.type == "meta":
-        profile = ModelProfile.from_figures(figures, flops=1e14, name=name)
+        profile = ModelProfile.from_figures(figures, flops=flops, name=name)
     elif isinstance(model, nn.Sequential):
         timed = profile_layers(model, sample, repeat=repeat)
         profile = _timed(name, figures, [(t.forward_seconds, t.backward_seconds)
@@ -176,6 +176,16 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
     if path is not None:
         profile.save(path)
     return profile
+
+
+def _blocks_and_head(model: nn.Module) -> list[str]:
+    from conveyor.graph.autosplit import find_blocks
+
+    names = list(find_blocks(model).names)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(head, nn.Module):
+        names += [name for name, module in model.named_modules() if module is head][:1]
+    return names
 
 
 def _timed(name: str, figures: Sequence[LayerFigures], seconds: Sequence[tuple[float, float]],

@@ -75,7 +75,8 @@ def solve(profile: ModelProfile, cluster: Cluster, *, batch: int, optimizer: str
           schedules: Sequence[str] = SOLVED_SCHEDULES,
           chunk_options: Sequence[int] | None = None, replicate: bool = True,
           uniform_replicas: bool = False, communication: bool = True,
-          max_stages: int | None = None, keep: int = 8) -> list[PipelinePlan]:
+          max_stages: int | None = None, keep: int = 8,
+          sync_per_microbatch: bool = False) -> list[PipelinePlan]:
     """The fastest plans that fit the cluster's memory, fastest first (empty if
     nothing fits): at least the ``keep`` fastest of the best cut of every schedule,
     micro-batch count and number of stages.
@@ -87,6 +88,10 @@ def solve(profile: ModelProfile, cluster: Cluster, *, batch: int, optimizer: str
             today: ``data_parallel``).
         communication: False plans as if links were free (compute and memory only).
         max_stages: at most this many stages.
+        keep: at least this many plans are simulated and returned.
+        sync_per_microbatch: PipeDream's regime, to compare with its paper: a stage's
+            replicas synchronise their weights after every micro-batch (conveyor's
+            synchronise once per step).
 
     Raises:
         ConveyorError: an unknown optimizer, or an empty profile.
@@ -110,7 +115,7 @@ def solve(profile: ModelProfile, cluster: Cluster, *, batch: int, optimizer: str
             if holds_all not in searched:
                 searched[holds_all] = _Search(costs, cluster, batch, chunks, holds_all,
                                               optimizer, replicate, uniform_replicas,
-                                              communication)
+                                              communication, sync_per_microbatch)
             search = searched[holds_all]
             for stages in range(1, deepest + 1):
                 cut = search.best(stages)
@@ -141,6 +146,7 @@ class _Search:
     replicate: bool
     uniform: bool
     communication: bool
+    sync_each: bool = False  # replicas synchronise after every micro-batch (PipeDream)
 
     def __post_init__(self) -> None:
         self.micro = self.batch / self.chunks
@@ -191,7 +197,7 @@ class _Search:
         """The stage's busy seconds per step, and its outgoing link's."""
         each = math.ceil(self.chunks / stage.replicas)
         link = self.chunks * stage.send / max(1, min(stage.replicas, next_replicas))
-        return each * stage.compute + stage.sync, link
+        return each * stage.compute + (each if self.sync_each else 1) * stage.sync, link
 
     def best(self, stages: int) -> list[StageChoice] | None:
         """The cut into ``stages`` stages with the smallest bottleneck (None: none fits)."""
@@ -246,7 +252,7 @@ class _Search:
 
 def evaluate(profile: ModelProfile, cluster: Cluster, *, batch: int, balance: Sequence[int],
              schedule: str, chunks: int, replicas: Sequence[int] | None = None,
-             optimizer: str = "adam") -> PipelinePlan:
+             optimizer: str = "adam", sync_per_microbatch: bool = False) -> PipelinePlan:
     """What a given cut costs on ``cluster``: ``balance`` layers per stage (each with
     ``replicas``, default one), under ``schedule`` with ``chunks`` micro-batches, as
     :func:`solve` predicts its own (to weigh another cut, e.g. one balanced by compute
@@ -265,7 +271,7 @@ def evaluate(profile: ModelProfile, cluster: Cluster, *, batch: int, balance: Se
         raise ConveyorError(f"replicas {replicas} need {sum(replicas)} devices; the cluster "
                             f"has {cluster.devices}")
     search = _Search(_Costs.of(profile), cluster, batch, chunks, schedule in _HOLDS_ALL,
-                     optimizer, True, False, True)
+                     optimizer, True, False, True, sync_per_microbatch)
     cut, first, device = [], 0, 0
     for k, (layers, count) in enumerate(zip(balance, replicas)):
         stage = search.stage(first, first + layers, count, device, len(balance) - k)
@@ -280,11 +286,12 @@ def evaluate(profile: ModelProfile, cluster: Cluster, *, batch: int, balance: Se
 def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[StageChoice],
           schedule: str) -> PipelinePlan:
     """The plan of a cut: its step simulated under ``schedule``, and its bottleneck."""
-    simulation = simulate_cut(cut, schedule, search.chunks)
+    simulation = simulate_cut(cut, schedule, search.chunks, sync_each=search.sync_each)
     finish = [0.0] * len(cut)
     for event in simulation.timeline.events:
         finish[event.rank] = max(finish[event.rank], event.end)
-    step = max(end + stage.sync for end, stage in zip(finish, cut))
+    step = max(end + (0.0 if search.sync_each else stage.sync)
+               for end, stage in zip(finish, cut))
     loads = []
     for k, stage in enumerate(cut):
         own, link = search.load(stage, cut[k + 1].replicas if k + 1 < len(cut) else 1)
@@ -304,16 +311,19 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
                         cluster.memory, profile.split_at)
 
 
-def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int) -> Simulation:
+def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
+                 sync_each: bool = False) -> Simulation:
     """The schedule's simulation for a cut: one rank per stage, a stage of r replicas r
-    times as fast, each cut a serial link shared by the replicas on both sides."""
+    times as fast, each cut a serial link shared by the replicas on both sides (with
+    ``sync_each``, each backward followed by its replica's gradient all-reduce)."""
     table = build(schedule, len(cut), chunks)
     split = schedule == "zero-bubble"
     forward, backward, weight = [], [], []
     for stage in cut:
         share = 1 / stage.replicas
         f = stage.forward * share
-        b = stage.compute * share - f  # the backward, with the recomputed forward
+        # The backward, with the recomputed forward (and a synchronisation, if each).
+        b = (stage.compute + (stage.sync if sync_each else 0.0)) * share - f
         forward.append(f)
         backward.append(b / 2 if split else b)
         weight.append(b / 2 if split else 0.0)

@@ -38,7 +38,7 @@ def check_first_step(config: TrainConfig) -> None:
     report = check(model, inputs[::replicas], targets[::replicas],
                    loss_fn=summed_next_byte_loss, stages=config.stages, chunks=config.chunks,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
-                   checkpoint=config.checkpoint_mode, seed=config.seed)
+                   checkpoint=config.recompute(), balance=config.balance(), seed=config.seed)
     if os.environ.get("RANK", "0") == "0":
         print(report, flush=True)
     if not report.ok:

@@ -54,7 +54,11 @@ class TrainConfig:
     schedule: str = _option("1f1b", "one of " + ", ".join(SCHEDULES))
     virtual_stages: int = _option(1, "stages per rank, for interleaved-1f1b")
     checkpoint_mode: str = _option("except_last",
-                                   "re-materialization: always, except_last or never")
+                                   "re-materialization: always, except_last or never, or "
+                                   "one per stage, comma-separated (never,always)")
+    plan: str = _option("", "a plan file (conveyor plan --model transformer ... --save "
+                            "FILE): its cut, stages, schedule, chunks, re-materialization "
+                            "per stage and replicas replace those options")
     steps: int = _option(600, "optimizer steps in the whole run")
     lr: float = _option(3e-3, "peak learning rate (AdamW, warm-up then cosine)")
     warmup: int = _option(20, "warm-up steps")
@@ -73,16 +77,23 @@ class TrainConfig:
     out: str = _option("runs/default", "output directory")
 
     def check(self) -> None:
-        """Raises ConfigError (one line) for options that cannot work together."""
+        """Raises ConfigError (one line) for options that cannot work together. A
+        ``--plan`` sets the options it decides first."""
+        self._apply_plan()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of "
                               + ", ".join(SCHEDULES))
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}; choose stop or "
                               "skip")
-        if self.checkpoint_mode not in ("always", "except_last", "never"):
+        modes = self.checkpoint_mode.split(",")
+        if any(mode not in ("always", "except_last", "never") for mode in modes):
             raise ConfigError(f"unknown --checkpoint-mode {self.checkpoint_mode!r}; choose "
-                              "always, except_last or never")
+                              "always, except_last or never, or one per stage "
+                              "(never,always)")
+        if len(modes) > 1 and len(modes) != self.stages * self.virtual_stages:
+            raise ConfigError(f"--checkpoint-mode {self.checkpoint_mode} names {len(modes)} "
+                              f"modes for {self.stages * self.virtual_stages} stages")
         for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
                      "data_parallel", "chunks", "virtual_stages", "steps", "warmup", "eval_every",
                      "eval_batches", "save_every"):
@@ -129,6 +140,42 @@ class TrainConfig:
                               "backwards compute weight gradients outside FSDP's hooks; use "
                               "1f1b, gpipe or interleaved-1f1b")
 
+
+    def balance(self) -> list[int] | None:
+        """The layers per stage ``--plan`` cuts (None: the pipeline balances)."""
+        if not self.plan:
+            return None
+        from conveyor.planner import PipelinePlan
+
+        return PipelinePlan.load(self.plan).balance
+
+    def recompute(self) -> str | list[str]:
+        """``--checkpoint-mode`` as the pipeline takes it: one mode, or one per stage."""
+        modes = self.checkpoint_mode.split(",")
+        return modes if len(modes) > 1 else modes[0]
+
+    def _apply_plan(self) -> None:
+        if not self.plan:
+            return
+        from conveyor.planner import PipelinePlan
+
+        try:
+            options = PipelinePlan.load(self.plan).pipeline_options()
+        except ConveyorError as exc:
+            raise ConfigError(f"--plan {self.plan}: {exc}") from None
+        layers = self.layers + 3
+        if sum(options.get("balance", [])) != layers:
+            raise ConfigError(
+                f"--plan {self.plan} cuts {sum(options.get('balance', []))} layers; this "
+                f"run's model has {layers} ({self.layers} blocks, embedding, norm, head): "
+                f"plan it with conveyor plan --model transformer --layers {self.layers} "
+                f"--d-model {self.width} --d-ff {self.hidden} --heads {self.heads} --vocab "
+                f"256 --length {self.length} --batch {self.batch} ... --save FILE")
+        recompute = options["recompute"]
+        self.stages, self.virtual_stages = len(options["balance"]), 1
+        self.chunks, self.schedule = options["chunks"], options["schedule"]
+        self.data_parallel = options["data_parallel"]
+        self.checkpoint_mode = recompute if isinstance(recompute, str) else ",".join(recompute)
 
     def _check_memory(self) -> None:
         """Refuses a length whose attention alone would not fit in this machine's memory

@@ -28,7 +28,8 @@ def build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimiz
                            vocab=256, max_length=config.length, dropout=config.dropout,
                            tie=config.tie)
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
-                    virtual_stages=config.virtual_stages, checkpoint=config.checkpoint_mode,
+                    virtual_stages=config.virtual_stages, checkpoint=config.recompute(),
+                    balance=config.balance(),
                     devices=stage_devices(config), data_parallel=config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_byte_loss, check_finite=True,

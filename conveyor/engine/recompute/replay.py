@@ -64,10 +64,11 @@ def recompute_mode(recompute: str | Sequence[str] | None,
     modes = [mode] if isinstance(mode, str) else list(mode)
     for one in modes:
         if one not in RECOMPUTE_MODES:
+            which = f"{named}={one!r}" if isinstance(mode, str) else f"{named}={mode!r}: {one!r}"
             raise ValueError(
-                f"{named}={mode!r}: {one!r} is not a recompute mode; use one of "
+                f"{which} is not a recompute mode; use one of "
                 + ", ".join(repr(m) for m in RECOMPUTE_MODES)
-                + ", or a list of them, one per stage"
+                + ("" if isinstance(mode, str) else ", or a list of them, one per stage")
             )
     if not modes:
         raise ValueError(f"{named}=[] names no mode; give one, or one per stage")

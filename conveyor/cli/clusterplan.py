@@ -1,0 +1,147 @@
+"""``conveyor plan`` with a cluster (``--topology FILE``, ``--nodes``/``--per-node`` and
+bandwidths, or ``--topology detect``): PipeDream's planner on a family or the user's model.
+
+The model's profile comes from its FLOP counts on the meta device (a family, or a model
+built there) or from a short timed run (the user's model on a device, cached with
+``--profile-cache``); :func:`conveyor.planner.solve` cuts, replicates and schedules it on
+the cluster under its memory; the user's runnable model has the best plans' schedules
+checked with ``conveyor check`` before one is recommended, as without a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from conveyor.cli import tables
+from conveyor.errors import ConfigError, ConveyorError
+from conveyor.planner import Cluster, ModelProfile, PipelinePlan, profile_model, solve
+
+__all__: list[str] = []
+
+
+def wants_cluster(args: argparse.Namespace) -> bool:
+    return bool(args.topology or args.nodes or args.per_node)
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """The cluster the flags describe.
+
+    Raises:
+        ConfigError: neither a file nor the sizes, or a figure missing or unreadable.
+    """
+    if args.topology == "detect":
+        return Cluster.detect()
+    if args.topology:
+        return Cluster.load(args.topology)
+    missing = [flag for flag, value in (("--per-node", args.per_node), ("--memory", args.memory),
+                                        ("--intra-bandwidth", args.intra_bandwidth))
+               if value is None]
+    if missing:
+        raise ConfigError(f"a cluster by flags needs {', '.join(missing)} (or give "
+                          "--topology FILE, or --topology detect)")
+    try:
+        return Cluster.of(nodes=args.nodes or 1, per_node=args.per_node, memory=args.memory,
+                          intra=args.intra_bandwidth, inter=args.inter_bandwidth,
+                          intra_latency=args.intra_latency, inter_latency=args.inter_latency,
+                          flops=args.flops)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def plan_cluster_command(args: argparse.Namespace) -> int:
+    """The body of ``conveyor plan`` with a cluster; bad options end it with one line on
+    stderr and code 2."""
+    try:
+        return _plan(args)
+    except ConveyorError as exc:
+        print(f"conveyor plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _profile(args: argparse.Namespace, cluster: Cluster) -> tuple[ModelProfile, Any, Any]:
+    """The model's profile, and the model and sample to check plans on (None: a family,
+    or a model on the meta device)."""
+    if args.model in ("transformer", "convnet"):
+        from conveyor.train import models
+
+        if args.model == "transformer":
+            figures = models.transformer_figures(args.layers, args.d_model, args.d_ff,
+                                                 args.heads, vocab=args.vocab,
+                                                 length=args.length)
+        else:
+            figures = models.convnet_figures(args.layers, args.channels, image=args.image,
+                                             classes=args.classes)
+        return ModelProfile.from_figures(figures, flops=cluster.flops, name=args.model), \
+            None, None
+    from conveyor.cli.modelplan import load_model, token_sample
+
+    model, sample = load_model(args.model)
+    if sample is None:
+        sample = token_sample(model, args.length)
+    split_at = [n.strip() for n in args.split_at.split(",")] if args.split_at else None
+    profile = profile_model(model, sample, name=args.model, split_at=split_at,
+                            cache=args.profile_cache, flops=cluster.flops)
+    runnable = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    return profile, (model if runnable else None), sample
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cluster = cluster_of(args)
+    profile, model, sample = _profile(args, cluster)
+    plans = solve(profile, cluster, batch=args.batch, optimizer=args.optimizer,
+                  replicate=not args.no_replicas, uniform_replicas=args.uniform_replicas,
+                  max_stages=args.devices, keep=args.top)
+    if not plans:
+        print(f"conveyor plan: nothing fits: {profile.name} on {cluster.describe()} with "
+              f"batch {args.batch} (memory per device is the limit; more devices, a smaller "
+              "batch or a lighter optimizer may fit)", file=sys.stderr)
+        return 1
+    verdicts: dict[str, Any] = {}
+    if model is not None and not args.no_verify:
+        from conveyor.checking.plans import verify_plans
+
+        by_cut = plans[0].cut()
+        if "split_at" in by_cut:
+            verdicts = verify_plans(plans, model, sample, split_at=by_cut["split_at"],
+                                    recompute=plans[0].recompute)
+            plans = [p for p in plans
+                     if p.schedule not in verdicts or verdicts[p.schedule].exact] or plans
+    if args.save:
+        plans[0].save(args.save)
+    if args.json:
+        print(json.dumps({"cluster": cluster.to_dict(), "profile": profile.source,
+                          "best": plans[0].to_dict(),
+                          "options": [p.to_dict() for p in plans],
+                          "verified": {s: {"exact": v.exact, "reason": v.reason}
+                                       for s, v in verdicts.items()}}, indent=1))
+        return 0
+    _print(args, cluster, profile, plans, verdicts)
+    return 0
+
+
+def _print(args: argparse.Namespace, cluster: Cluster, profile: ModelProfile,
+           plans: list[PipelinePlan], verdicts: dict[str, Any]) -> None:
+    parameters = sum(layer.parameters for layer in profile.layers)
+    count = f"{parameters / 1e9:.3g}B" if parameters >= 1e9 else f"{parameters / 1e6:.3g}M"
+    print(f"{profile.name}: {len(profile.layers)} layers, {count} parameters "
+          f"({profile.source}); batch {args.batch}, {args.optimizer}")
+    print(f"cluster: {cluster.describe()}\n")
+    print(plans[0].describe())
+    verdict = verdicts.get(plans[0].schedule)
+    if verdict is not None:
+        print(f"exact: yes, checked (conveyor check, float64): {verdict.reason}")
+    for schedule, excluded in verdicts.items():
+        if not excluded.exact:
+            print(f"excluded: {schedule}, not exact on this model: {excluded.reason}")
+    if args.save:
+        print(f"\nsaved to {args.save}: conveyor.Pipeline(model, plan=conveyor.planner."
+              f"PipelinePlan.load({args.save!r}), loss_fn=...)")
+    print("\nthe fastest plans (simulated; replicas per stage, peak memory per device):")
+    print(tables.table(["schedule", "M", "stages", "replicas", "step", "samples/s", "peak"],
+                       [[p.schedule, str(p.chunks), str(len(p.stages)),
+                         "-".join(map(str, p.replicas)), f"{p.step_time * 1e3:.4g} ms",
+                         f"{p.throughput:.4g}", tables.size(p.peak_memory)]
+                        for p in plans[:args.top]]))
