@@ -265,7 +265,7 @@ def test_errors_live_in_the_errors_modules() -> None:
 PUBLIC_MODULES = {"conveyor", "conveyor.errors", "conveyor.train.errors", "conveyor.cli",
                   "conveyor.cli.main", "conveyor.balance", "conveyor.skip",
                   "conveyor.graph.source"} | {
-    name for name in _modules() if name.startswith("conveyor.schedules")} | {
+    name for name in _modules() if name.startswith(("conveyor.schedules", "conveyor.planner"))} | {
     f"conveyor.{short}" for short in ("observe.simulate", "observe.trace", "observe.plan",
                                       "train.models", "train.data", "train.saving")}
 

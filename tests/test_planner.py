@@ -235,3 +235,14 @@ def test_an_option_the_plan_sets_may_not_be_given_otherwise() -> None:
     with pytest.raises(ConveyorError, match="give chunks="):
         conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, stages=2)
     assert math.isfinite(plan.step_time)
+
+
+def test_a_tensor_two_layers_save_counts_once() -> None:
+    from conveyor.observe.plan import measure
+
+    with torch.device("meta"):
+        figures = measure(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                          torch.zeros(4, 8))
+    # The first Linear saves its input (8 floats a sample), the ReLU its output (16),
+    # which the second Linear saves as its input: held once, counted once.
+    assert [f.activation_bytes for f in figures] == [32.0, 64.0, 0.0]

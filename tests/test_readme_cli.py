@@ -39,6 +39,11 @@ _SLOW = {
     "--memory 1GiB": "traces a Llama at length 512 (10-30 s; length 16 in test_plan_model)",
     "conveyor plan --model transformer --layers 48 --d-model 2048 --d-ff 8192 --devices 8 "
     "--memory 16GiB --optimizer rmsprop": "searches the largest model that fits (8 s)",
+    "conveyor plan --model examples.llama7b:model --length 4096 --batch 64 --nodes 2 "
+    "--per-node 8 --memory 80GB --flops 4e14 --intra-bandwidth 300GB/s --inter-bandwidth "
+    "200Gbps --intra-latency 5us --inter-latency 20us --save plan.json":
+        "traces a 7B Llama on meta and plans it on 16 devices (20 s; a small Llama on a "
+        "cluster in test_planner_cli)",
 }
 _NOT_RUN = {"conveyor train --resume": "needs another conveyor train training in "
                                        "runs/default at the same time (its lock)"}

@@ -162,6 +162,12 @@ def _plan_parser(commands: _Commands) -> None:
     sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
+    _cluster_arguments(sub)
+    sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
+
+
+def _cluster_arguments(sub: argparse.ArgumentParser) -> None:
+    """``conveyor plan``'s flags of a cluster (``conveyor.cli.clusterplan``)."""
     cluster = sub.add_argument_group(
         "a cluster (PipeDream's planner: cut, replicas per stage, schedule, micro-batches "
         "and recomputation per stage, weighing links and memory)")
@@ -182,7 +188,6 @@ def _plan_parser(commands: _Commands) -> None:
                          help="keep your model's timed profile here and reuse it")
     cluster.add_argument("--save", metavar="PLAN.json",
                          help="write the best plan, for Pipeline(plan=PipelinePlan.load(...))")
-    sub.set_defaults(run=_lazy("conveyor.cli.commands", "plan_command"))
 
 
 def _check_parser(commands: _Commands) -> None:

@@ -93,10 +93,13 @@ def measure(model: nn.Sequential, sample: Any) -> list[LayerFigures]:
     samples = batch_size(sample)
     figures = []
     x = sample
+    # Storages a layer saved (kept alive, so that no new storage takes their address): a
+    # later layer saving one adds nothing.
+    counted: dict[int, Any] = {}
     for name, layer in sequential_layers(model):
         x = pytree.tree_map_only(
             torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
-        figure, out = _figures(name, layer, list(layer.parameters()), x, samples)
+        figure, out = _figures(name, layer, list(layer.parameters()), x, samples, counted)
         figures.append(figure)
         x = out
     return figures
@@ -147,10 +150,13 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
 
 
 def _figures(name: str, module: Any, params: Sequence[torch.Tensor], live: Any,
-             samples: int) -> tuple[LayerFigures, Any]:
+             samples: int, counted: dict[int, Any] | None = None
+             ) -> tuple[LayerFigures, Any]:
     """The figures of a layer or traced stage reading ``params``, from one forward on
-    ``live``, and its output."""
-    held = {p.untyped_storage()._cdata for p in params}
+    ``live``, and its output. A storage in ``counted`` (an earlier layer saved it: a
+    ReLU its output, which the next layer saves as its input) is not counted again;
+    what this layer saves is added to it."""
+    held = {p.untyped_storage()._cdata for p in params} | set(counted or ())
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -158,6 +164,8 @@ def _figures(name: str, module: Any, params: Sequence[torch.Tensor], live: Any,
         if storage._cdata not in held:
             saved[storage._cdata] = max(saved.get(storage._cdata, 0),
                                         t.numel() * t.element_size())
+            if counted is not None:
+                counted[storage._cdata] = storage
         return t
 
     with torch.enable_grad(), FlopCounterMode(display=False) as flops, \

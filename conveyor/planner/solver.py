@@ -10,8 +10,10 @@ on) and the stages still to make (s), it keeps the smallest *bottleneck*: the bu
 - a stage's compute per step: the micro-batches each replica runs (M/r, rounded up)
   times forward, backward and recomputation of one, plus the all-reduce of its
   gradients among its r replicas at their level;
-- a cut's link per step: M messages each way of the activation that crosses it,
-  shared by the links between the two stages' replicas.
+- a cut's link per step: M messages of the activation that crosses it and M of its
+  gradient back (counted together: a schedule that flushes sends the ones in its
+  forward phase and the others in its backward), shared by the links between the two
+  stages' replicas.
 
 Memory decides recomputation stage by stage: a stage keeps its activations if its
 parameters, optimizer state and the activations of the micro-batches it holds at once
@@ -194,9 +196,11 @@ class _Search:
                    for stage, after in zip(cut, [*cut[1:], None]))
 
     def load(self, stage: StageChoice, next_replicas: int) -> tuple[float, float]:
-        """The stage's busy seconds per step, and its outgoing link's."""
+        """The stage's busy seconds per step, and its outgoing link's: every micro-batch's
+        activation one way and its gradient back, counted together (a schedule that
+        flushes sends the ones in its forward phase and the others in its backward)."""
         each = math.ceil(self.chunks / stage.replicas)
-        link = self.chunks * stage.send / max(1, min(stage.replicas, next_replicas))
+        link = 2 * self.chunks * stage.send / max(1, min(stage.replicas, next_replicas))
         return each * stage.compute + (each if self.sync_each else 1) * stage.sync, link
 
     def best(self, stages: int) -> list[StageChoice] | None:
@@ -301,7 +305,7 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
         if k + 1 < len(cut):
             level = cluster.levels[cluster.level_of(stage.devices[-1], stage.devices[-1] + 1)]
             loads.append((link, f"the link from stage {k} to {k + 1} ({level.name}): "
-                                f"{ms(link)} of transfers per step each way"))
+                                f"{ms(link)} of transfers per step, both ways"))
     worst = max(loads)
     busy = worst[0] / step if step else 1.0
     return PipelinePlan(profile.name, search.batch, schedule, search.chunks,
