@@ -148,7 +148,11 @@ def test_a_heavy_first_layer_gets_replicas_and_a_plan_says_why() -> None:
         plan.pipeline_options()
     uniform = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",),
                     uniform_replicas=True)
-    assert all(len(set(p.replicas)) == 1 for p in uniform)
+    assert all(len(set(p.replicas)) == 1 and 12 % p.replicas[0] == 0 for p in uniform)
+    # D replicas of the pipeline, each running its share of the micro-batches.
+    replicated = next(p for p in uniform if p.replicas[0] > 1)
+    options = replicated.pipeline_options()
+    assert options["data_parallel"] * options["chunks"] == 12
 
 
 def test_a_plan_is_saved_and_read_back(tmp_path) -> None:

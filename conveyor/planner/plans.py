@@ -87,7 +87,8 @@ class PipelinePlan:
 
     def pipeline_options(self) -> dict[str, Any]:
         """What ``Pipeline(plan=self)`` passes on: the cut, schedule, micro-batches,
-        recomputation and data-parallel replicas.
+        recomputation and data-parallel replicas (D replicas of the pipeline, each
+        running M / D of the plan's M micro-batches on its share of the batch).
 
         Raises:
             ConveyorError: the stages have different numbers of replicas, which the
@@ -98,8 +99,9 @@ class PipelinePlan:
                 f"the plan gives its stages {self.replicas} replicas; pipelines run the same "
                 "number of replicas on every stage so far. Plan with uniform_replicas=True "
                 "(conveyor plan --uniform-replicas)")
-        return {**self.cut(), "schedule": self.schedule, "chunks": self.chunks,
-                "recompute": self.recompute, "data_parallel": self.replicas[0]}
+        replicas = self.replicas[0]  # each replica of the pipeline runs its share
+        return {**self.cut(), "schedule": self.schedule, "chunks": self.chunks // replicas,
+                "recompute": self.recompute, "data_parallel": replicas}
 
     @property
     def recompute(self) -> str | list[str]:

@@ -158,8 +158,13 @@ class _Search:
 
     def replica_counts(self, free: int) -> list[int]:
         """The replica counts a stage may take: any, up to ``free`` devices and the
-        micro-batches to deal among them (PipeDream's VGG-16 runs 15 and 1)."""
-        return list(range(1, min(free, self.chunks) + 1)) if self.replicate else [1]
+        micro-batches to deal among them (PipeDream's VGG-16 runs 15 and 1); with
+        uniform replicas, those that deal them evenly (each replica of the pipeline
+        takes as many)."""
+        if not self.replicate:
+            return [1]
+        return [r for r in range(1, min(free, self.chunks) + 1)
+                if not self.uniform or self.chunks % r == 0]
 
     def stage(self, i: int, j: int, replicas: int, device: int, remaining: int
               ) -> StageChoice | None:
