@@ -154,6 +154,10 @@ def test_clipping_by_the_global_norm_and_nan_check(tmp_path: Path) -> None:
         timeline = Timeline.from_dict(result["timeline"])  # type: ignore[arg-type]
         assert {e.rank for e in timeline.events} == {0, 1}
         assert len(timeline.events) == 2 * 2 * 4  # F and B of 4 micro-batches on 2 ranks
+        # That step ran over emulated links of 0.1 s: rank 1 waited for the first
+        # activation, rank 0 for it and then the last gradient.
+        assert float(result["slowed"]) >= 0.1
+    assert float(results[0]["slowed"]) >= 0.2
     # float16: rank 0's gradients overflow, and both ranks drop the step (autocast
     # reached each rank's stage: their Linear layers computed in float16).
     for result in results:

@@ -48,7 +48,9 @@ __all__: list[str] = []
 #   8 ndim         number of dims         |  a dtype in _DTYPES; anything else goes
 #   9-20 shape     one size per dim      /   with a skeleton)
 #   21 origin      in an abort: the rank whose failure it reports (kept if the body is
-#                  lost, when that rank exits before its receiver takes the body)
+#                  lost, when that rank exits before its receiver takes the body);
+#      / arrives   in a message sent inside ``emulated_links``: when it arrives, in
+#                  nanoseconds of time.monotonic (one machine's clock); else 0
 #   22 source      the sending stage (a neighbour, or the other end of an edge)
 #   23 step        the sender's step: a message of an earlier, failed step is drained
 _INTS = 24
@@ -64,6 +66,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 # header fields
 _CODE, _STAGE, _MICROBATCH, _BODY, _SKELETON, _INLINE, _DTYPE, _GRAD, _NDIM, _SHAPE = range(10)
 _ORIGIN = 21
+_ARRIVES = 21  # the same field, in a message rather than an abort
 _SOURCE = 22
 _STEP = 23
 

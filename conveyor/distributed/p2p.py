@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.distributed.envelope import (
+    _ARRIVES,
     _BODY,
     _CODES,
     _HEADER_BYTES,
@@ -42,7 +43,8 @@ from conveyor.distributed.faults.peerfailure import lost_peer
 from conveyor.distributed.receiving import Incoming, Receiving
 from conveyor.distributed.topology import Topology
 from conveyor.distributed.watch import Watcher
-from conveyor.engine.transport import LocalTransport, MessageKind, Traffic, neighbour
+from conveyor.engine.transport import (LocalTransport, MessageKind, Traffic, emulated,
+                                       neighbour)
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError
 from conveyor.schedules import Action, Schedule
@@ -102,6 +104,8 @@ class P2PTransport(Receiving):
         self._capacity_out: dict[int, int] = {}
         self._peers: set[int] = set()
         self._stash: dict[tuple[str, int, int, int], Any] = {}
+        self._arrives: dict[tuple[str, int, int, int], float] = {}  # emulated links
+        self._link_free: dict[int, float] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self._reports: list[Any] = []  # the sends of this rank's abort reports
         self._aborted = False
@@ -151,6 +155,8 @@ class P2PTransport(Receiving):
     def reset(self) -> None:
         self.local.reset()
         self._stash.clear()
+        self._arrives.clear()
+        self._link_free.clear()
         self._aborted, self._reports = False, []
 
     # ------------------------------------------------------------ sending
@@ -163,6 +169,12 @@ class P2PTransport(Receiving):
             self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return
         header, pieces = _encode(_CODES[kind], stage, microbatch, value, source)
+        links = emulated()
+        if links is not None:  # a testing aid: the receiver takes it no earlier
+            leaves = max(time.monotonic(), self._link_free.get(destination, 0.0)) \
+                + (_HEADER_BYTES + header[_BODY]) / links.bandwidth
+            self._link_free[destination] = leaves
+            header[_ARRIVES] = int((leaves + links.latency) * 1e9)
         wire = self._send_message(destination, header, pieces)
         self.traffic.note(kind, source, stage, value, wire)
 

@@ -14,6 +14,7 @@ a peer's abort report, and otherwise kept until the action that needs it::
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.distributed.envelope import (
+    _ARRIVES,
     _ABORT,
     _BODY,
     _CODE,
@@ -78,6 +80,7 @@ class Receiving:
     _incoming: dict[int, Incoming]
     _capacity_in: dict[int, int]
     _stash: dict[tuple[str, int, int, int], Any]
+    _arrives: dict[tuple[str, int, int, int], float]  # on emulated links: when, by key
     _aborted: bool
 
     def _post(self, peer: int, *, drain: bool = False) -> None:
@@ -131,15 +134,17 @@ class Receiving:
             return self.local.recv(kind, stage, microbatch, source=source_stage)
         key = (kind, source_stage, stage, microbatch)
         what = f"the {kind} of micro-batch {microbatch} from stage {source_stage} (rank {source})"
-        if key in self._stash:
-            return self._stash.pop(key)
-        while key not in self._stash:
-            if source not in self._incoming:
-                raise ConveyorError(f"rank {source} never sends {what} in this table")
-            self._advance(source, wait=True, what=what)
-        # While this rank waited for ``source``, another peer may have failed: stop now
-        # rather than compute and send to a rank that is gone.
-        self._poll_after(what)
+        if key not in self._stash:
+            while key not in self._stash:
+                if source not in self._incoming:
+                    raise ConveyorError(f"rank {source} never sends {what} in this table")
+                self._advance(source, wait=True, what=what)
+            # While this rank waited for ``source``, another peer may have failed: stop
+            # now rather than compute and send to a rank that is gone.
+            self._poll_after(what)
+        arrives = self._arrives.pop(key, 0.0)  # on an emulated link: not before then
+        if arrives > time.monotonic():
+            time.sleep(arrives - time.monotonic())
         return self._stash.pop(key)
 
     def _advance(self, peer: int, *, wait: bool, what: str = "a message",
@@ -195,6 +200,8 @@ class Receiving:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "
                                     f"{arrived}: the ranks run different tables")
             self._stash[message.key] = _decode(header, body)
+            if header[_ARRIVES]:  # sent over an emulated link (a testing aid)
+                self._arrives[message.key] = header[_ARRIVES] / 1e9
             self._heard.add(peer)
             self._position[peer] += 1
             self._post(peer)

@@ -13,7 +13,9 @@ A testing aid: inside ``with emulated_links(bandwidth=1e8, latency=1e-4):`` the 
 transport holds every message between two stages as a wire would: it leaves once the
 messages sent before it on that link (source to destination) have, takes its bytes over
 the bandwidth, and arrives a latency later. A pipeline of CPU threads then shows what a
-slow interconnect does to a plan (``benchmarks/pipedream.py``); processes are not slowed.
+slow interconnect does to a plan (``benchmarks/pipedream.py``). Between processes on
+one machine (each in the block) the sender stamps each message with when it would
+arrive, and the receiver takes it no earlier (:mod:`conveyor.distributed.p2p`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def emulated_links(*, bandwidth: float, latency: float = 0.0) -> Iterator[Emulat
         yield links
     finally:
         _emulated.remove(links)
+
+
+def emulated() -> EmulatedLinks | None:
+    """The emulated links in force in this process (None: real ones)."""
+    return _emulated[-1] if _emulated else None
 
 
 class Aborted(Exception):
@@ -253,8 +260,8 @@ class LocalTransport:
         self.traffic.note(kind, source, stage, value)
         key = (kind, source, stage, microbatch)
         with self._ready:
-            if _emulated and source != stage:
-                links = _emulated[-1]
+            links = emulated()
+            if links is not None and source != stage:
                 link = (source, stage)
                 leaves = max(time.monotonic(), self._link_free.get(link, 0.0)) \
                     + _tensor_bytes(value) / links.bandwidth

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conveyor
+from conveyor.engine.transport import emulated_links
 from tests.support.cases import (
     MIXED,
     case_batch,
@@ -95,11 +96,15 @@ def clip_and_check(rank: int, world: int, out_dir: Path) -> None:
     pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", loss_fn=loss_fn,
                              check_finite=True, timeout=30)
     x, y = case_batch("lm")
-    with conveyor.record(pipe) as timeline:
+    # Over emulated links of 0.1 s latency (a testing aid): the same gradients, later.
+    with conveyor.record(pipe) as timeline, emulated_links(bandwidth=1e9, latency=0.1):
+        start = time.monotonic()
         pipe.step(x, y)
+        slowed = time.monotonic() - start
     norm = pipe.clip_grad_norm_(0.05)
     torch.save({"norm": norm, "grads": _grads(pipe), "timeline": timeline.to_dict(),
-                "fp16": fp16_overflow_on_rank_0(x.shape[0])}, out_dir / f"rank{rank}.pt")
+                "slowed": slowed, "fp16": fp16_overflow_on_rank_0(x.shape[0])},
+               out_dir / f"rank{rank}.pt")
     pipe.zero_grad()
     bad = y.clone()
     bad[3, 0] = -1  # micro-batch 1 (samples 3-5) gets a NaN loss
