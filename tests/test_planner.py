@@ -250,3 +250,18 @@ def test_a_tensor_two_layers_save_counts_once() -> None:
     # The first Linear saves its input (8 floats a sample), the ReLU its output (16),
     # which the second Linear saves as its input: held once, counted once.
     assert [f.activation_bytes for f in figures] == [32.0, 64.0, 0.0]
+
+
+def test_a_plans_memory_is_its_simulated_peak() -> None:
+    # Two layers saving 1 MB a sample, recomputed on stage 0: zero-bubble keeps the
+    # graphs it rebuilt from an I to its W, two micro-batches' worth at its peak (4 MB),
+    # where 1F1B rebuilds one at a time (2 MB).
+    heavy = profile_of(layer("a", saved=1e6), layer("b", saved=1e6), layer("c"), layer("d"))
+
+    def schedules(memory: float) -> set[str]:
+        return {p.schedule for p in solve(heavy, two_devices(memory=memory), batch=8,
+                                          replicate=False, chunk_options=[4], max_stages=2,
+                                          keep=20) if len(p.stages) == 2}
+
+    assert schedules(3e6) == {"gpipe", "1f1b"}
+    assert schedules(5e6) == {"gpipe", "1f1b", "zero-bubble"}

@@ -24,7 +24,9 @@ known, so 1F1B's bound is exact for it.
 
 For every schedule, micro-batch count and number of stages the best cut is then run
 through the schedule's simulation (a replicated stage as one rank r times as fast, its
-cuts as serial links) to predict the step with its bubble; plans come out fastest first.
+cuts as serial links) to predict the step with its bubble, and each device's memory at
+the peak the simulation shows (zero-bubble's rebuilt graphs held from an ``I`` to its
+``W`` included; a plan whose peak does not fit is dropped); plans come out fastest first.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conveyor.errors import ConveyorError
 from conveyor.observe.plan import OPTIMIZER_BYTES
@@ -129,8 +131,10 @@ def solve(profile: ModelProfile, cluster: Cluster, *, batch: int, optimizer: str
     for bottleneck, schedule, search, cut in sorted(cuts, key=lambda c: c[0]):
         if len(plans) >= keep and bottleneck > plans[keep - 1].step_time:
             break
-        plans.append(_plan(profile, cluster, search, cut, schedule))
-        plans.sort(key=lambda p: p.step_time)
+        plan = _plan(profile, cluster, search, cut, schedule)
+        if plan is not None:
+            plans.append(plan)
+            plans.sort(key=lambda p: p.step_time)
     return plans
 
 
@@ -175,10 +179,7 @@ class _Search:
         backward = micro * (c.backward[j] - c.backward[i])
         each = math.ceil(self.chunks / replicas)
         held = each if self.holds_all else min(each, remaining)
-        weights = (c.parameters[j] - c.parameters[i]) * OPTIMIZER_BYTES[self.optimizer]
-        saved, boundary = c.saved[j] - c.saved[i], c.output[i] + c.output[j]
-        kept = weights + micro * held * (saved + c.output[j])
-        rebuilt = weights + micro * (held * boundary + saved)
+        kept, rebuilt = self.memory(i, j, held, 1)
         if kept <= self.cluster.memory:
             recompute, memory = False, kept
         elif rebuilt <= self.cluster.memory:
@@ -194,6 +195,16 @@ class _Search:
         return StageChoice((i, j - 1), devices, recompute, forward,
                            forward * (2 if recompute else 1) + backward,
                            sync if self.communication else 0.0, send, float(memory))
+
+    def memory(self, i: int, j: int, held: int, rebuilt: int) -> tuple[float, float]:
+        """Bytes a device of layers [i, j) needs holding ``held`` micro-batches at once:
+        keeping their activations, and recomputing them (keeping each one's input and
+        output, and ``rebuilt`` micro-batches' activations rebuilt at once)."""
+        c, micro = self.costs, self.micro
+        weights = (c.parameters[j] - c.parameters[i]) * OPTIMIZER_BYTES[self.optimizer]
+        saved, boundary = c.saved[j] - c.saved[i], c.output[i] + c.output[j]
+        return (weights + micro * held * (saved + c.output[j]),
+                weights + micro * (held * boundary + rebuilt * saved))
 
     def bottleneck(self, cut: Sequence[StageChoice]) -> float:
         """The busiest stage's or link's seconds per step."""
@@ -289,13 +300,30 @@ def evaluate(profile: ModelProfile, cluster: Cluster, *, batch: int, balance: Se
                                 f"fit in {cluster.memory / 1e9:.3g} GB even recomputing")
         cut.append(stage)
         first, device = first + layers, device + count
-    return _plan(profile, cluster, search, cut, schedule)
+    plan = _plan(profile, cluster, search, cut, schedule)
+    if plan is None:
+        raise ConveyorError(f"under {schedule} with {chunks} micro-batches a stage of "
+                            f"{list(balance)} holds more than {cluster.memory / 1e9:.3g} GB "
+                            "at its peak")
+    return plan
 
 
 def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[StageChoice],
-          schedule: str) -> PipelinePlan:
-    """The plan of a cut: its step simulated under ``schedule``, and its bottleneck."""
-    simulation = simulate_cut(cut, schedule, search.chunks, sync_each=search.sync_each)
+          schedule: str) -> PipelinePlan | None:
+    """The plan of a cut: its step simulated under ``schedule``, each device's memory at
+    the peak the simulation shows, and its bottleneck. A stage that keeps its
+    activations but holds more at that peak than fits recomputes instead (simulated
+    again); None if a device still does not fit."""
+    while True:
+        simulation = simulate_cut(cut, schedule, search.chunks, sync_each=search.sync_each)
+        cut = _simulated_memory(search, cut, simulation)
+        over = [k for k, stage in enumerate(cut) if stage.memory > cluster.memory]
+        if not over:
+            break
+        if any(cut[k].recompute for k in over):
+            return None
+        cut = [replace(stage, recompute=True, compute=stage.compute + stage.forward)
+               if k in over else stage for k, stage in enumerate(cut)]
     finish = [0.0] * len(cut)
     for event in simulation.timeline.events:
         finish[event.rank] = max(finish[event.rank], event.end)
@@ -318,6 +346,21 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
                         f"{worst[1]}, busy {100 * busy:.0f}% of the step (the rest: "
                         "waiting on the others, as the schedule fills and drains)",
                         cluster.memory, profile.split_at)
+
+
+def _simulated_memory(search: _Search, cut: list[StageChoice],
+                      simulation: Simulation) -> list[StageChoice]:
+    """The cut with each stage's memory at the simulation's peak: the micro-batches it
+    held at once, and under a split backward with recomputation, those rebuilt between
+    an ``I`` and its ``W`` (each replica its share)."""
+    found = []
+    for k, stage in enumerate(cut):
+        replicas = stage.replicas
+        held = max(1, math.ceil(simulation.peak_inflight[k] / replicas))
+        rebuilt = max(1, math.ceil(simulation.peak_split[k] / replicas))
+        kept, recomputing = search.memory(stage.layers[0], stage.layers[1] + 1, held, rebuilt)
+        found.append(replace(stage, memory=float(recomputing if stage.recompute else kept)))
+    return found
 
 
 def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
