@@ -11,7 +11,8 @@ The package is layered; each part imports only those listed above it::
                   re-balancing
     gpipe.py, pipeline.py, decoding.py   the faces: ``GPipe``, ``Pipeline``, ``generate``
     balance.py, skip.py                  the sub-faces ``conveyor.balance`` and ``conveyor.skip``
-    observe/      what sees a run: recording, where, the planner
+    observe/      what sees a run: recording, where, the per-device planner
+    planner/      PipeDream's planner: cluster, profile, solver, plans
     checking/     conveyor.check: the pipeline against the plain model
     train/        conveyor train: options, data, reference models, saving
     cli/          the conveyor command
