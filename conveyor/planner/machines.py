@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,7 +172,7 @@ class Cluster:
         path = Path(path)
         try:
             text = path.read_text()
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            data = _toml(text) if path.suffix == ".toml" else json.loads(text)
         except OSError as exc:
             raise ConveyorError(f"cannot read the cluster {path}: {exc.strerror or exc}") \
                 from None
@@ -221,6 +220,15 @@ class Cluster:
         if nodes > 1:
             levels.append(Level("network", nodes, *_GUESSES["network"]))
         return cls(tuple(levels), memory, flops, tuple(guessed))
+
+
+def _toml(text: str) -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise ConveyorError("reading a TOML cluster needs Python 3.11 (tomllib); give it "
+                            "as JSON, with the same keys") from None
+    return tomllib.loads(text)
 
 
 def _bytes(value: float | str) -> float:
