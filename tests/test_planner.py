@@ -137,8 +137,8 @@ def test_memory_decides_recomputation_stage_by_stage_and_nothing_fits_below_the_
 
 def test_a_heavy_first_layer_gets_replicas_and_a_plan_says_why() -> None:
     # VGG's shape: a compute-heavy start with few parameters, a light end with many.
-    vgg_like = profile_of(layer("conv", time=12.0, params=10), layer("fc", params=10_000))
-    # The head's 40 kB of gradients take a minute to all-reduce among four; the
+    vgg_like = profile_of(layer("conv", time=12.0, params=10), layer("fc", params=100_000))
+    # The head's 400 kB of gradients take ten minutes to all-reduce among four; the
     # convolutions' 40 bytes, no time.
     cluster = Cluster((Level("node", 4, 1e3, 0.0),), memory=1e9)
     plan = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",))[0]
@@ -265,3 +265,19 @@ def test_a_plans_memory_is_its_simulated_peak() -> None:
 
     assert schedules(3e6) == {"gpipe", "1f1b"}
     assert schedules(5e6) == {"gpipe", "1f1b", "zero-bubble"}
+
+
+def test_replicas_are_dealt_micro_batches_in_turn_in_the_simulation() -> None:
+    from conveyor.schedules.simulate import simulate_replicas
+
+    table = build("1f1b", 2, 4)
+    # Stage 0 twice as slow as stage 1: two replicas of it keep stage 1 busy.
+    costs = CostModel((2.0, 1.0), (4.0, 2.0), (0.0, 0.0), (0.0, 0.0), (0.5,),
+                      serial_links=True)
+    alone = simulate_replicas(table, costs, [1, 1])
+    assert list(alone.events) == list(simulate(table, costs).timeline.events)
+    dealt = simulate_replicas(table, costs, [2, 1])
+    assert dealt.num_ranks == 3
+    assert {(e.rank, e.microbatch) for e in dealt.events if e.stage == 0} == \
+        {(0, 0), (1, 1), (0, 2), (1, 3)}
+    assert dealt.makespan < alone.makespan

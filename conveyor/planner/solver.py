@@ -23,10 +23,11 @@ layers there. Working from the last stage backwards makes the stages after each 
 known, so 1F1B's bound is exact for it.
 
 For every schedule, micro-batch count and number of stages the best cut is then run
-through the schedule's simulation (a replicated stage as one rank r times as fast, its
-cuts as serial links) to predict the step with its bubble, and each device's memory at
-the peak the simulation shows (zero-bubble's rebuilt graphs held from an ``I`` to its
-``W`` included; a plan whose peak does not fit is dropped); plans come out fastest first.
+through the schedule's simulation (each replica of a stage dealt its micro-batches in
+turn, every message on a serial link) to predict the step with its bubble, and each
+device's memory at the peak the simulation shows (zero-bubble's rebuilt graphs held
+from an ``I`` to its ``W`` included; a stage that would hold too much recomputes, or
+the plan is dropped); plans come out fastest first.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, ScheduleError
 from conveyor.observe.plan import OPTIMIZER_BYTES
 from conveyor.planner.machines import Cluster
 from conveyor.planner.plans import PipelinePlan, StageChoice, ms
 from conveyor.planner.profiles import ModelProfile
-from conveyor.schedules import build
-from conveyor.schedules.simulate import CostModel, Simulation, simulate
+from conveyor.schedules import Action, Kind, build
+from conveyor.schedules.simulate import CostModel, simulate_replicas
+from conveyor.schedules.timeline import Timeline
 
 __all__ = ["evaluate", "simulate_cut", "solve"]
 
@@ -315,8 +317,10 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
     activations but holds more at that peak than fits recomputes instead (simulated
     again); None if a device still does not fit."""
     while True:
-        simulation = simulate_cut(cut, schedule, search.chunks, sync_each=search.sync_each)
-        cut = _simulated_memory(search, cut, simulation)
+        simulated = simulate_cut(cut, schedule, search.chunks, sync_each=search.sync_each)
+        cut = [replace(stage, memory=float(search.memory(
+                   stage.layers[0], stage.layers[1] + 1, held, rebuilt)[stage.recompute]))
+               for stage, held, rebuilt in zip(cut, simulated.held, simulated.rebuilt)]
         over = [k for k, stage in enumerate(cut) if stage.memory > cluster.memory]
         if not over:
             break
@@ -324,11 +328,8 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
             return None
         cut = [replace(stage, recompute=True, compute=stage.compute + stage.forward)
                if k in over else stage for k, stage in enumerate(cut)]
-    finish = [0.0] * len(cut)
-    for event in simulation.timeline.events:
-        finish[event.rank] = max(finish[event.rank], event.end)
     step = max(end + (0.0 if search.sync_each else stage.sync)
-               for end, stage in zip(finish, cut))
+               for end, stage in zip(simulated.finish, cut))
     loads = []
     for k, stage in enumerate(cut):
         own, link = search.load(stage, cut[k + 1].replicas if k + 1 < len(cut) else 1)
@@ -348,39 +349,92 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
                         cluster.memory, profile.split_at)
 
 
-def _simulated_memory(search: _Search, cut: list[StageChoice],
-                      simulation: Simulation) -> list[StageChoice]:
-    """The cut with each stage's memory at the simulation's peak: the micro-batches it
-    held at once, and under a split backward with recomputation, those rebuilt between
-    an ``I`` and its ``W`` (each replica its share)."""
-    found = []
-    for k, stage in enumerate(cut):
-        replicas = stage.replicas
-        held = max(1, math.ceil(simulation.peak_inflight[k] / replicas))
-        rebuilt = max(1, math.ceil(simulation.peak_split[k] / replicas))
-        kept, recomputing = search.memory(stage.layers[0], stage.layers[1] + 1, held, rebuilt)
-        found.append(replace(stage, memory=float(recomputing if stage.recompute else kept)))
-    return found
+@dataclass(frozen=True)
+class CutSimulation:
+    """A cut's simulated step, per stage: when its last replica finished, and the most
+    micro-batches one of its replicas held at once (from a forward to the end of its
+    backward), and held rebuilt between an ``I`` and its ``W``."""
+
+    timeline: Timeline
+    finish: list[float]
+    held: list[int]
+    rebuilt: list[int]
 
 
 def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
-                 sync_each: bool = False) -> Simulation:
-    """The schedule's simulation for a cut: one rank per stage, a stage of r replicas r
-    times as fast, each cut a serial link shared by the replicas on both sides (with
-    ``sync_each``, each backward followed by its replica's gradient all-reduce)."""
+                 sync_each: bool = False) -> CutSimulation:
+    """The schedule's simulation for a cut, its stages' replicas dealt the micro-batches
+    in turn (:func:`conveyor.schedules.simulate.simulate_replicas`), each message on a
+    serial link between its two devices (with ``sync_each``, each backward followed by
+    its replica's gradient all-reduce)."""
     table = build(schedule, len(cut), chunks)
     split = schedule == "zero-bubble"
     forward, backward, weight = [], [], []
     for stage in cut:
-        share = 1 / stage.replicas
-        f = stage.forward * share
         # The backward, with the recomputed forward (and a synchronisation, if each).
-        b = (stage.compute + (stage.sync if sync_each else 0.0)) * share - f
-        forward.append(f)
+        b = stage.compute + (stage.sync if sync_each else 0.0) - stage.forward
+        forward.append(stage.forward)
         backward.append(b / 2 if split else b)
         weight.append(b / 2 if split else 0.0)
-    links = tuple(stage.send / min(stage.replicas, after.replicas)
-                  for stage, after in zip(cut, cut[1:]))
     costs = CostModel(tuple(forward), tuple(backward), tuple(weight),
-                      tuple(0.0 for _ in cut), links, serial_links=True)
-    return simulate(table, costs)
+                      tuple(0.0 for _ in cut), tuple(stage.send for stage in cut[:-1]),
+                      serial_links=True)
+    replicas = [stage.replicas for stage in cut]
+    timeline = simulate_replicas(table, costs, replicas)
+    if schedule == "1f1b" and max(replicas) > 1:
+        try:  # each replica warming up as deep as its stage: often faster
+            deeper = simulate_replicas(table, costs, replicas, _replica_1f1b(replicas, chunks))
+            if deeper.makespan < timeline.makespan:
+                timeline = deeper
+        except ScheduleError:  # that order deadlocks here: keep the stage's own order
+            pass
+    stage_of = [k for k, count in enumerate(replicas) for _ in range(count)]
+    finish, held, rebuilt = [0.0] * len(cut), [1] * len(cut), [1] * len(cut)
+    for worker, (kept, split_held) in enumerate(_peaks(timeline)):
+        k = stage_of[worker]
+        held[k], rebuilt[k] = max(held[k], kept), max(rebuilt[k], split_held)
+    for event in timeline.events:
+        finish[stage_of[event.rank]] = max(finish[stage_of[event.rank]], event.end)
+    return CutSimulation(timeline, finish, held, rebuilt)
+
+
+def _replica_1f1b(replicas: Sequence[int], chunks: int) -> list[list[Action]]:
+    """Each replica's 1F1B over its own micro-batches (m % r == j), warming up with as
+    many forwards as its stage does in 1F1B, rather than the stage's column filtered
+    (which leaves a replica 1/r of them)."""
+    columns = []
+    for stage, count in enumerate(replicas):
+        warmup = len(replicas) - 1 - stage
+        for j in range(count):
+            mine = list(range(j, chunks, count))
+            w = min(warmup, len(mine))
+            column = [Action(stage, Kind.FORWARD, m) for m in mine[:w]]
+            for i, m in enumerate(mine[w:]):
+                column += [Action(stage, Kind.FORWARD, m), Action(stage, Kind.BACKWARD, mine[i])]
+            column += [Action(stage, Kind.BACKWARD, m) for m in mine[len(mine) - w:]]
+            columns.append(column)
+    return columns
+
+
+def _peaks(timeline: Timeline) -> list[tuple[int, int]]:
+    """Per worker, the most micro-batches held at once from a forward to the end of
+    their backward (a ``B``, or the ``W`` after an ``I``), and between an ``I`` and
+    its ``W``."""
+    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in range(timeline.num_ranks)]
+    for e in timeline.events:  # (time, releases first, which count, +1/-1)
+        if e.kind == "F":
+            changes[e.rank].append((e.start, 1, 0, 1))
+        elif e.kind in ("B", "W"):
+            changes[e.rank].append((e.end, 0, 0, -1))
+        if e.kind == "I":
+            changes[e.rank].append((e.start, 1, 1, 1))
+        elif e.kind == "W":
+            changes[e.rank].append((e.end, 0, 1, -1))
+    found = []
+    for worker in changes:
+        now, peak = [0, 0], [0, 0]
+        for _, _, which, delta in sorted(worker):
+            now[which] += delta
+            peak[which] = max(peak[which], now[which])
+        found.append((peak[0], peak[1]))
+    return found
