@@ -268,7 +268,7 @@ def test_a_plans_memory_is_its_simulated_peak() -> None:
 
 
 def test_replicas_are_dealt_micro_batches_in_turn_in_the_simulation() -> None:
-    from conveyor.schedules.simulate import simulate_replicas
+    from conveyor.schedules.replicas import simulate_replicas
 
     table = build("1f1b", 2, 4)
     # Stage 0 twice as slow as stage 1: two replicas of it keep stage 1 busy.

@@ -127,11 +127,11 @@ class PipelinePlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelinePlan:
         try:
-            stages = tuple(StageChoice(tuple(s["layers"]), tuple(s["devices"]),  # type: ignore[arg-type]
-                                       bool(s["recompute"]), float(s["forward"]),
-                                       float(s["compute"]),
-                                       float(s["sync"]), float(s["send"]), float(s["memory"]))
-                           for s in data["stages"])
+            stages = tuple(
+                StageChoice((int(s["layers"][0]), int(s["layers"][1])), tuple(s["devices"]),
+                            bool(s["recompute"]), float(s["forward"]), float(s["compute"]),
+                            float(s["sync"]), float(s["send"]), float(s["memory"]))
+                for s in data["stages"])
             return cls(str(data["model"]), int(data["batch"]), str(data["schedule"]),
                        int(data["chunks"]), str(data["optimizer"]), stages,
                        float(data["step_time"]), str(data["bottleneck"]),
@@ -154,20 +154,21 @@ class PipelinePlan:
         """The plan as ``conveyor plan`` prints it."""
         lines = [f"{self.model}: {len(self.stages)} stages on {self.devices} devices, "
                  f"{self.schedule}, {self.chunks} micro-batches of {self.batch // self.chunks}"
-                 f"; step {ms(self.step_time)} ({self.throughput:.4g} samples/s), peak "
-                 f"{self.peak_memory / 1e9:.2f} GB per device of {self.memory_cap / 1e9:.2f}",
+                 f"; step {readable_time(self.step_time)} ({self.throughput:.4g} samples/s), "
+                 f"peak {self.peak_memory / 1e9:.2f} GB per device of "
+                 f"{self.memory_cap / 1e9:.2f}",
                  f"  bottleneck: {self.bottleneck}"]
         for k, s in enumerate(self.stages):
             lines.append(
                 f"  stage {k}: layers {s.layers[0]}-{s.layers[1]} on devices "
                 f"{_devices(s.devices)} ({s.replicas} replica{'s' * (s.replicas > 1)}), "
                 f"{'recompute' if s.recompute else 'keeps activations'}, "
-                f"{ms(s.compute)} per micro-batch, sync {ms(s.sync)}, send {ms(s.send)}, "
-                f"{s.memory / 1e9:.2f} GB")
+                f"{readable_time(s.compute)} per micro-batch, sync {readable_time(s.sync)}, "
+                f"send {readable_time(s.send)}, {s.memory / 1e9:.2f} GB")
         return "\n".join(lines)
 
 
-def ms(seconds: float) -> str:
+def readable_time(seconds: float) -> str:
     """Seconds as people read them: ``"12.3 ms"``, ``"2.08 s"``."""
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 

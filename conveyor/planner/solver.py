@@ -37,16 +37,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from conveyor.errors import ConveyorError, ScheduleError
+from conveyor.errors import ConveyorError
 from conveyor.observe.plan import OPTIMIZER_BYTES
 from conveyor.planner.machines import Cluster
-from conveyor.planner.plans import PipelinePlan, StageChoice, ms
+from conveyor.planner.plans import PipelinePlan, StageChoice, readable_time
 from conveyor.planner.profiles import ModelProfile
-from conveyor.schedules import Action, Kind, build
-from conveyor.schedules.simulate import CostModel, simulate_replicas
-from conveyor.schedules.timeline import Timeline
+from conveyor.planner.simulation import simulate_cut
 
-__all__ = ["evaluate", "simulate_cut", "solve"]
+__all__ = ["evaluate", "solve"]
 
 #: The schedules the solver weighs (one stage per rank).
 SOLVED_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
@@ -335,11 +333,11 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
         own, link = search.load(stage, cut[k + 1].replicas if k + 1 < len(cut) else 1)
         loads.append((own, f"stage {k} (layers {stage.layers[0]}-{stage.layers[1]}, "
                            f"{stage.replicas} replica{'s' * (stage.replicas > 1)}): "
-                           f"{ms(own)} of compute and gradient sync per step"))
+                           f"{readable_time(own)} of compute and gradient sync per step"))
         if k + 1 < len(cut):
             level = cluster.levels[cluster.level_of(stage.devices[-1], stage.devices[-1] + 1)]
             loads.append((link, f"the link from stage {k} to {k + 1} ({level.name}): "
-                                f"{ms(link)} of transfers per step, both ways"))
+                                f"{readable_time(link)} of transfers per step, both ways"))
     worst = max(loads)
     busy = worst[0] / step if step else 1.0
     return PipelinePlan(profile.name, search.batch, schedule, search.chunks,
@@ -347,94 +345,3 @@ def _plan(profile: ModelProfile, cluster: Cluster, search: _Search, cut: list[St
                         f"{worst[1]}, busy {100 * busy:.0f}% of the step (the rest: "
                         "waiting on the others, as the schedule fills and drains)",
                         cluster.memory, profile.split_at)
-
-
-@dataclass(frozen=True)
-class CutSimulation:
-    """A cut's simulated step, per stage: when its last replica finished, and the most
-    micro-batches one of its replicas held at once (from a forward to the end of its
-    backward), and held rebuilt between an ``I`` and its ``W``."""
-
-    timeline: Timeline
-    finish: list[float]
-    held: list[int]
-    rebuilt: list[int]
-
-
-def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
-                 sync_each: bool = False) -> CutSimulation:
-    """The schedule's simulation for a cut, its stages' replicas dealt the micro-batches
-    in turn (:func:`conveyor.schedules.simulate.simulate_replicas`), each message on a
-    serial link between its two devices (with ``sync_each``, each backward followed by
-    its replica's gradient all-reduce)."""
-    table = build(schedule, len(cut), chunks)
-    split = schedule == "zero-bubble"
-    forward, backward, weight = [], [], []
-    for stage in cut:
-        # The backward, with the recomputed forward (and a synchronisation, if each).
-        b = stage.compute + (stage.sync if sync_each else 0.0) - stage.forward
-        forward.append(stage.forward)
-        backward.append(b / 2 if split else b)
-        weight.append(b / 2 if split else 0.0)
-    costs = CostModel(tuple(forward), tuple(backward), tuple(weight),
-                      tuple(0.0 for _ in cut), tuple(stage.send for stage in cut[:-1]),
-                      serial_links=True)
-    replicas = [stage.replicas for stage in cut]
-    timeline = simulate_replicas(table, costs, replicas)
-    if schedule == "1f1b" and max(replicas) > 1:
-        try:  # each replica warming up as deep as its stage: often faster
-            deeper = simulate_replicas(table, costs, replicas, _replica_1f1b(replicas, chunks))
-            if deeper.makespan < timeline.makespan:
-                timeline = deeper
-        except ScheduleError:  # that order deadlocks here: keep the stage's own order
-            pass
-    stage_of = [k for k, count in enumerate(replicas) for _ in range(count)]
-    finish, held, rebuilt = [0.0] * len(cut), [1] * len(cut), [1] * len(cut)
-    for worker, (kept, split_held) in enumerate(_peaks(timeline)):
-        k = stage_of[worker]
-        held[k], rebuilt[k] = max(held[k], kept), max(rebuilt[k], split_held)
-    for event in timeline.events:
-        finish[stage_of[event.rank]] = max(finish[stage_of[event.rank]], event.end)
-    return CutSimulation(timeline, finish, held, rebuilt)
-
-
-def _replica_1f1b(replicas: Sequence[int], chunks: int) -> list[list[Action]]:
-    """Each replica's 1F1B over its own micro-batches (m % r == j), warming up with as
-    many forwards as its stage does in 1F1B, rather than the stage's column filtered
-    (which leaves a replica 1/r of them)."""
-    columns = []
-    for stage, count in enumerate(replicas):
-        warmup = len(replicas) - 1 - stage
-        for j in range(count):
-            mine = list(range(j, chunks, count))
-            w = min(warmup, len(mine))
-            column = [Action(stage, Kind.FORWARD, m) for m in mine[:w]]
-            for i, m in enumerate(mine[w:]):
-                column += [Action(stage, Kind.FORWARD, m), Action(stage, Kind.BACKWARD, mine[i])]
-            column += [Action(stage, Kind.BACKWARD, m) for m in mine[len(mine) - w:]]
-            columns.append(column)
-    return columns
-
-
-def _peaks(timeline: Timeline) -> list[tuple[int, int]]:
-    """Per worker, the most micro-batches held at once from a forward to the end of
-    their backward (a ``B``, or the ``W`` after an ``I``), and between an ``I`` and
-    its ``W``."""
-    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in range(timeline.num_ranks)]
-    for e in timeline.events:  # (time, releases first, which count, +1/-1)
-        if e.kind == "F":
-            changes[e.rank].append((e.start, 1, 0, 1))
-        elif e.kind in ("B", "W"):
-            changes[e.rank].append((e.end, 0, 0, -1))
-        if e.kind == "I":
-            changes[e.rank].append((e.start, 1, 1, 1))
-        elif e.kind == "W":
-            changes[e.rank].append((e.end, 0, 1, -1))
-    found = []
-    for worker in changes:
-        now, peak = [0, 0], [0, 0]
-        for _, _, which, delta in sorted(worker):
-            now[which] += delta
-            peak[which] = max(peak[which], now[which])
-        found.append((peak[0], peak[1]))
-    return found

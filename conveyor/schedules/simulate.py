@@ -33,7 +33,7 @@ from conveyor.schedules.timeline import Event, Timeline
 from conveyor.schedules.clock import layout_clock
 from conveyor.schedules.table import Action, Kind, Schedule, dependencies
 
-__all__ = ["CostModel", "Simulation", "simulate", "simulate_replicas"]
+__all__ = ["CostModel", "Simulation", "run_columns", "simulate"]
 
 
 _LISTS = ("forward", "backward", "weight", "activation_bytes", "communication")
@@ -285,7 +285,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
     costs.check(schedule.num_stages)
     layout_clock(schedule)  # a deadlock does not depend on durations: report it first
     ranks = schedule.stage_ranks
-    events = _run(schedule, costs, schedule.columns, lambda action: ranks[action.stage],
+    events = run_columns(schedule, costs, schedule.columns, lambda action: ranks[action.stage],
                   lambda done, later: (ranks[done.stage], ranks[later.stage]))
     timeline = Timeline(schedule.num_ranks, events, source="simulated", name=schedule.name,
                         unit=costs.unit,
@@ -294,50 +294,9 @@ def simulate(schedule: Schedule, costs: CostModel) -> Simulation:
     return Simulation(timeline, inflight, peak_bytes, _split_windows(events, schedule))
 
 
-def simulate_replicas(schedule: Schedule, costs: CostModel, replicas: Sequence[int],
-                      columns: Sequence[Sequence[Action]] | None = None) -> Timeline:
-    """Runs ``schedule`` with stage s dealt among ``replicas[s]`` workers, as PipeDream
-    replicates a stage: its replica j runs the micro-batches m with m % replicas[s] ==
-    j; each takes the stage's whole cost. Workers are numbered stage by stage (stage
-    0's replicas first). Between two stages of r and r' replicas lie min(r, r') links
-    each way (serial if the cost model says so): micro-batch m's message takes link
-    m % min(r, r'). By default a replica runs its
-    micro-batches in the order of the stage's column (filtering a column keeps its
-    order, so a table that cannot deadlock still cannot); ``columns`` gives each
-    worker's order instead.
-
-    Raises:
-        ScheduleError: as :func:`simulate`, a stage with fewer than one replica, a
-            table with more than one stage per rank, or ``columns`` that deadlock.
-    """
-    costs.check(schedule.num_stages)
-    layout_clock(schedule)
-    if len(replicas) != schedule.num_stages or min(replicas) < 1 or \
-            schedule.num_ranks != schedule.num_stages:
-        raise ScheduleError(f"replicas {list(replicas)} must give each of the "
-                            f"{schedule.num_stages} stages of a table with one stage per "
-                            "rank at least one replica")
-    first = [sum(replicas[:s]) for s in range(len(replicas))]
-
-    def worker(action: Action) -> int:
-        return first[action.stage] + action.microbatch % replicas[action.stage]
-
-    if columns is None:
-        columns = [[action for action in schedule.columns[stage]
-                    if action.microbatch % replicas[stage] == j]
-                   for stage in range(schedule.num_stages) for j in range(replicas[stage])]
-    def link(done: Action, later: Action) -> tuple[int, int, int]:
-        lanes = min(replicas[done.stage], replicas[later.stage])
-        return done.stage, later.stage, done.microbatch % lanes
-
-    events = _run(schedule, costs, columns, worker, link)
-    return Timeline(sum(replicas), events, source="simulated", name=schedule.name,
-                    unit=costs.unit)
-
-
-def _run(schedule: Schedule, costs: CostModel, columns: Sequence[Sequence[Action]],
-         rank_of: Callable[[Action], int],
-         link_of: Callable[[Action, Action], Hashable]) -> list[Event]:
+def run_columns(schedule: Schedule, costs: CostModel, columns: Sequence[Sequence[Action]],
+                rank_of: Callable[[Action], int],
+                link_of: Callable[[Action, Action], Hashable]) -> list[Event]:
     """Every action of ``columns`` (rank r runs ``columns[r]`` in order; ``rank_of``
     says where an action runs, ``link_of`` which link a result takes to an action on
     another rank) with its start and end."""
