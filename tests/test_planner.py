@@ -281,3 +281,26 @@ def test_replicas_are_dealt_micro_batches_in_turn_in_the_simulation() -> None:
     assert {(e.rank, e.microbatch) for e in dealt.events if e.stage == 0} == \
         {(0, 0), (1, 1), (0, 2), (1, 3)}
     assert dealt.makespan < alone.makespan
+
+
+@pytest.mark.parametrize("name, mode", [("gpt2", "train"), ("llama", "eval")])
+def test_a_plan_of_a_hugging_face_model_runs_exactly(name: str, mode: str) -> None:
+    """Profiled by its blocks (timed), cut by name where the plan says, tied head and
+    all: the plain model's gradients."""
+    from tests.support.any_models import build, loss_of, plain_step, sample_of
+    from tests.support.extras import require
+
+    require("transformers")
+    model, reference, _, inputs, targets = build(name)
+    model.train(mode == "train")
+    reference.train(mode == "train")
+    profile = profile_model(model, sample_of(inputs), repeat=1)
+    assert profile.split_at[-1] == "lm_head"
+    plan = next(p for p in solve(profile, two_devices(), batch=10, replicate=False,
+                                 chunk_options=[2, 5]) if len(p.stages) == 2)
+    plain_step(name, reference, inputs, targets)
+    pipe = conveyor.Pipeline(model, plan=plan, loss_fn=loss_of(name), devices=["cpu", "cpu"],
+                             sample=sample_of(inputs))
+    pipe.step(inputs, targets)
+    # Llama's RMSNorm computes in float32 even in a float64 model.
+    assert_model_grads(pipe, reference, 1e-6 if name == "llama" else 1e-10)

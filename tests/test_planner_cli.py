@@ -67,8 +67,7 @@ def test_train_runs_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[s
     plan = PipelinePlan.load(saved)
     out = tmp_path / "run"
     assert main(["train", *TINY, "--steps", "3", "--plan", str(saved), "--out", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    config = summary.get("config", summary)
+    config = json.loads((out / "summary.json").read_text())["config"]
     assert (config["stages"], config["chunks"], config["schedule"]) == \
         (len(plan.stages), plan.chunks, plan.schedule)
     assert main(["train", *TINY, "--layers", "3", "--plan", str(saved),

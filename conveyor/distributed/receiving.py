@@ -142,9 +142,8 @@ class Receiving:
             # While this rank waited for ``source``, another peer may have failed: stop
             # now rather than compute and send to a rank that is gone.
             self._poll_after(what)
-        arrives = self._arrives.pop(key, 0.0)  # on an emulated link: not before then
-        if arrives > time.monotonic():
-            time.sleep(arrives - time.monotonic())
+        if self._arrives:  # sent over an emulated link: taken no earlier than it arrives
+            time.sleep(max(0.0, self._arrives.pop(key, 0.0) - time.monotonic()))
         return self._stash.pop(key)
 
     def _advance(self, peer: int, *, wait: bool, what: str = "a message",

@@ -71,6 +71,11 @@ def emulated() -> EmulatedLinks | None:
     return _emulated[-1] if _emulated else None
 
 
+def _on_its_way(arrives: Mapping[Any, float], key: Any) -> bool:
+    """Whether the message ``key``, on an emulated link, has yet to arrive."""
+    return arrives.get(key, 0.0) > time.monotonic()
+
+
 class Aborted(Exception):
     """Raised in a waiting rank when another rank failed and the step is abandoned."""
 
@@ -279,7 +284,7 @@ class LocalTransport:
         deadline = start + timeout
         seen: dict[int, int] | None = None  # actions done by each rank at the last look
         with self._ready:
-            while key not in self._boxes or self._arrives.get(key, 0.0) > time.monotonic():
+            while key not in self._boxes or (self._arrives and _on_its_way(self._arrives, key)):
                 if key in self._boxes:  # on an emulated link, still on its way
                     self._ready.wait(self._arrives[key] - time.monotonic())
                     continue
@@ -300,7 +305,8 @@ class LocalTransport:
                         "timeout=)", stage=stage, microbatch=microbatch, action="recv")
                 self._ready.wait(left)
             value = self._boxes.pop(key)
-            self._arrives.pop(key, None)
+            if self._arrives:
+                self._arrives.pop(key, None)
         return deliver(value, self.devices[stage], self._copy_streams)
 
     def abort(self, error: BaseException | None) -> None:

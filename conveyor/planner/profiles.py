@@ -106,15 +106,22 @@ class ModelProfile:
         return cls.from_dict(data)
 
     @classmethod
+    def of(cls, name: str, figures: Sequence[LayerFigures],
+           seconds: Sequence[tuple[float, float]], source: str) -> ModelProfile:
+        """The profile of layers measured as ``figures``, each taking ``seconds`` (its
+        forward and backward, per sample)."""
+        layers = tuple(LayerCost(f.name, forward, backward, f.parameters,
+                                 float(f.parameter_bytes), f.activation_bytes, f.output_bytes)
+                       for f, (forward, backward) in zip(figures, seconds, strict=True))
+        return cls(name, layers, figures[0].input_bytes if figures else 0.0, source)
+
+    @classmethod
     def from_figures(cls, figures: Sequence[LayerFigures], *, flops: float,
                      name: str = "model") -> ModelProfile:
         """A profile from FLOP counts (:func:`conveyor.observe.plan.measure`, meta works):
         forward at ``flops`` FLOP/s, backward twice the forward."""
-        layers = tuple(LayerCost(f.name, f.flops / flops, 2 * f.flops / flops, f.parameters,
-                                 float(f.parameter_bytes), f.activation_bytes, f.output_bytes)
-                       for f in figures)
-        return cls(name, layers, figures[0].input_bytes if figures else 0.0,
-                   f"FLOPs at {flops:.3g} FLOP/s, backward twice forward")
+        return cls.of(name, figures, [(f.flops / flops, 2 * f.flops / flops) for f in figures],
+                      f"FLOPs at {flops:.3g} FLOP/s, backward twice forward")
 
 
 def _key(name: str, sample: Any, device: torch.device) -> str:
@@ -152,6 +159,7 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
     if path is not None and path.exists():
         return ModelProfile.load(path)
     samples = batch_size(sample)
+    source = f"timed on {device.type}, batch {samples}"
     names: tuple[str, ...] = ()
     if isinstance(model, nn.Sequential):
         figures = measure(model, sample)
@@ -162,16 +170,17 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
         profile = ModelProfile.from_figures(figures, flops=flops, name=name)
     elif isinstance(model, nn.Sequential):
         timed = profile_layers(model, sample, repeat=repeat)
-        profile = _timed(name, figures, [(t.forward_seconds, t.backward_seconds)
-                                         for t in timed], samples, device)
+        profile = ModelProfile.of(name, figures, [(t.forward_seconds / samples,
+                                                   t.backward_seconds / samples)
+                                                  for t in timed], source)
     else:
         ran, seconds = block_times(model, names, sample, repeat=repeat)
         if list(ran) != list(names):
             raise ConveyorError(f"{name}: the forward runs the blocks {ran}, not {list(names)}"
                                 "; give split_at= in the order the forward runs them")
         # block_times gives forward and backward together: a third forward, as FLOPs.
-        profile = _timed(name, figures, [(0.0, 0.0)] + [(t / 3, 2 * t / 3) for t in seconds],
-                         samples, device)
+        profile = ModelProfile.of(name, figures, [(0.0, 0.0)] + [
+            (t / 3 / samples, 2 * t / 3 / samples) for t in seconds], source)
     profile = replace(profile, key=key, split_at=names)
     if path is not None:
         profile.save(path)
@@ -186,12 +195,3 @@ def _blocks_and_head(model: nn.Module) -> list[str]:
     if isinstance(head, nn.Module):
         names += [name for name, module in model.named_modules() if module is head][:1]
     return names
-
-
-def _timed(name: str, figures: Sequence[LayerFigures], seconds: Sequence[tuple[float, float]],
-           samples: int, device: torch.device) -> ModelProfile:
-    layers = tuple(LayerCost(f.name, forward / samples, backward / samples, f.parameters,
-                             float(f.parameter_bytes), f.activation_bytes, f.output_bytes)
-                   for f, (forward, backward) in zip(figures, seconds))
-    return ModelProfile(name, layers, figures[0].input_bytes if figures else 0.0,
-                        f"timed on {device.type}, batch {samples}")

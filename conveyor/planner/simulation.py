@@ -11,7 +11,7 @@ from conveyor.planner.plans import StageChoice
 from conveyor.schedules import Action, Kind, build
 from conveyor.schedules.replicas import simulate_replicas
 from conveyor.schedules.simulate import CostModel
-from conveyor.schedules.timeline import Timeline
+from conveyor.schedules.timeline import Timeline, peak_open
 
 __all__ = ["CutSimulation", "simulate_cut"]
 
@@ -31,9 +31,9 @@ class CutSimulation:
 def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
                  sync_each: bool = False) -> CutSimulation:
     """The schedule's simulation for a cut, its stages' replicas dealt the micro-batches
-    in turn (:func:`conveyor.schedules.replicas.simulate_replicas`), each message on a
-    serial link between its two devices (with ``sync_each``, each backward followed by
-    its replica's gradient all-reduce)."""
+    in turn (:func:`conveyor.schedules.replicas.simulate_replicas`), each message on one
+    of the min(r, r') serial links between two stages of r and r' replicas (with
+    ``sync_each``, each backward followed by its replica's gradient all-reduce)."""
     table = build(schedule, len(cut), chunks)
     split = schedule == "zero-bubble"
     forward, backward, weight = [], [], []
@@ -57,9 +57,11 @@ def simulate_cut(cut: Sequence[StageChoice], schedule: str, chunks: int, *,
             pass
     stage_of = [k for k, count in enumerate(replicas) for _ in range(count)]
     finish, held, rebuilt = [0.0] * len(cut), [1] * len(cut), [1] * len(cut)
-    for worker, (kept, split_held) in enumerate(_peaks(timeline)):
-        k = stage_of[worker]
-        held[k], rebuilt[k] = max(held[k], kept), max(rebuilt[k], split_held)
+    workers, rank = timeline.num_ranks, (lambda e: e.rank)
+    kept = peak_open(timeline.events, "F", {"B", "W"}, rank, workers)  # to its backward's end
+    rebuilt_open = peak_open(timeline.events, "I", {"W"}, rank, workers)  # kept from I to W
+    for worker, k in enumerate(stage_of):
+        held[k], rebuilt[k] = max(held[k], kept[worker]), max(rebuilt[k], rebuilt_open[worker])
     for event in timeline.events:
         finish[stage_of[event.rank]] = max(finish[stage_of[event.rank]], event.end)
     return CutSimulation(timeline, finish, held, rebuilt)
@@ -81,27 +83,3 @@ def _replica_1f1b(replicas: Sequence[int], chunks: int) -> list[list[Action]]:
             column += [Action(stage, Kind.BACKWARD, m) for m in mine[len(mine) - w:]]
             columns.append(column)
     return columns
-
-
-def _peaks(timeline: Timeline) -> list[tuple[int, int]]:
-    """Per worker, the most micro-batches held at once from a forward to the end of
-    their backward (a ``B``, or the ``W`` after an ``I``), and between an ``I`` and
-    its ``W``."""
-    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in range(timeline.num_ranks)]
-    for e in timeline.events:  # (time, releases first, which count, +1/-1)
-        if e.kind == "F":
-            changes[e.rank].append((e.start, 1, 0, 1))
-        elif e.kind in ("B", "W"):
-            changes[e.rank].append((e.end, 0, 0, -1))
-        if e.kind == "I":
-            changes[e.rank].append((e.start, 1, 1, 1))
-        elif e.kind == "W":
-            changes[e.rank].append((e.end, 0, 1, -1))
-    found = []
-    for worker in changes:
-        now, peak = [0, 0], [0, 0]
-        for _, _, which, delta in sorted(worker):
-            now[which] += delta
-            peak[which] = max(peak[which], now[which])
-        found.append((peak[0], peak[1]))
-    return found

@@ -48,19 +48,17 @@ def _planned(given: dict[str, Any]) -> dict[str, Any]:
     planned = given["plan"].pipeline_options()
     defaults = {f.name: f.default for f in fields(PipelineOptions)}
     for name, value in planned.items():
-        if given[name] != defaults[name] and _plain(given[name]) != _plain(value):
+        if given[name] != defaults[name] and _listed(given[name]) != _listed(value):
             raise ConveyorError(f"plan= sets {name}={value!r}, but {name}={given[name]!r} "
                                 "was given too; leave it to the plan, or plan again")
     return planned
 
 
-def _plain(value: Any) -> Any:
-    """Sequences as lists, anything else as it is: what two options compare by."""
-    return list(value) if isinstance(value, (list, tuple)) else value
-
-
 def _listed(value: Any) -> Any:
-    return value if value is None or isinstance(value, str) else list(value)
+    """A sequence (not a string) as a list, anything else as it is: how options are
+    shown to the other ranks and compared with a plan's."""
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) \
+        else value
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.timeline import Event, Timeline
+from conveyor.schedules.timeline import Event, Timeline, peak_open
 from conveyor.schedules.clock import layout_clock
 from conveyor.schedules.table import Action, Kind, Schedule, dependencies
 
@@ -382,16 +382,8 @@ def _memory(events: list[Event], schedule: Schedule,
     return peak, peak_bytes
 
 
-def _split_windows(events: list[Event], schedule: Schedule) -> list[int]:
+def _split_windows(events: Sequence[Event], schedule: Schedule) -> list[int]:
     """Per stage, the most micro-batches between the start of an ``I`` and the end of
     its ``W`` at once."""
-    changes = sorted((e.start, 1, e.stage, 1) if e.kind == Kind.INPUT.value
-                     else (e.end, 0, e.stage, -1)
-                     for e in events if e.kind in (Kind.INPUT.value, Kind.WEIGHT.value))
-    open_now = [0] * schedule.num_stages
-    peak = [0] * schedule.num_stages
-    for _, _, stage, delta in changes:
-        open_now[stage] += delta
-        peak[stage] = max(peak[stage], open_now[stage])
-    return peak
-
+    return peak_open(events, Kind.INPUT.value, {Kind.WEIGHT.value}, lambda e: e.stage,
+                     schedule.num_stages)

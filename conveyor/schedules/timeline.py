@@ -14,12 +14,12 @@ matplotlib is needed only to draw.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Event", "Timeline", "plot_timelines"]
+__all__ = ["Event", "Timeline", "peak_open", "plot_timelines"]
 
 _COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#8172B3", "W": "#DD8452"}
 #: What each kind of action computes, in the legend and in Chrome traces.
@@ -345,3 +345,17 @@ def _draw_arrows(axis: Any, timeline: Timeline, scale: float) -> None:
             arrowprops={"arrowstyle": "->", "color": _EDGE_COLOUR, "linewidth": 0.8,
                         "linestyle": "--" if kind == "gradient" else "-",
                         "shrinkA": 0, "shrinkB": 0})
+
+
+def peak_open(events: Sequence[Event], opens: str, closes: Collection[str],
+              key: Callable[[Event], int], size: int) -> list[int]:
+    """Per ``key`` (0 .. size-1: a stage, a rank), the most micro-batches open at once,
+    from the start of an ``opens`` action to the end of a ``closes`` one (an end and a
+    start at the same time: the end first)."""
+    changes = sorted((e.start, 1, key(e), 1) if e.kind == opens else (e.end, 0, key(e), -1)
+                     for e in events if e.kind == opens or e.kind in closes)
+    open_now, peak = [0] * size, [0] * size
+    for _, _, which, delta in changes:
+        open_now[which] += delta
+        peak[which] = max(peak[which], open_now[which])
+    return peak
