@@ -96,12 +96,17 @@ class Pipeline(RunsRuntime):
             whose gradients overflow on any rank is dropped on every rank and
             ``pipe.scaler.step(optimizer)`` skips it). None: as called (a caller's own
             ``torch.autocast`` reaches every stage too).
-        compile: compile each layer of this process's stages with ``torch.compile``
-            (a traced stage: each of its graphs); dropout modules stay eager, so the
-            random streams, recomputation and the ``I``/``W`` split stay exact (a
-            traced graph that draws random numbers stays eager; torch's donated
-            buffers are turned off for the process, see ``engine.layers``); outputs
-            are handed on laid out in memory as eager would.
+        compile: compile this process's stages with ``torch.compile``: a stage of
+            layers as one graph in each mode in which none of them draws random
+            numbers, else each layer (dropout modules stay eager); a traced stage each
+            of its graphs (one that draws random numbers stays eager). The random
+            streams, recomputation and the ``I``/``W`` split stay exact; torch's
+            donated buffers are turned off for the process; outputs are handed on laid
+            out in memory as eager would (see ``conveyor.engine.compiling``).
+        cuda_graphs: compile in torch's ``reduce-overhead`` mode (implies ``compile``):
+            each stage's graph is captured as a CUDA graph once per input shape and
+            replayed, which takes the host's launches off the step. Every stage must
+            be on a CUDA device.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
@@ -147,6 +152,7 @@ class Pipeline(RunsRuntime):
         check_finite: bool = False,
         precision: str | None = None,
         compile: bool = False,
+        cuda_graphs: bool = False,
         timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,

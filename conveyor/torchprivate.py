@@ -60,6 +60,11 @@ flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 
 
+# The name of the autograd node of a torch.compile'd graph: one node whose backward
+# computes the gradients of all the graph's inputs at once.
+COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Lets torch.compile treat ``dim`` of ``tensor`` as dynamic from its first graph
     (``maybe_``: without failing where the graph makes it static)."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.compiling import compile_layers, is_compiled
+from conveyor.engine.compiling import CompiledCall, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
@@ -47,8 +47,12 @@ def test_compiled_stages_with_split_backward_recomputation_and_dropout_are_exact
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), reference.named_parameters())
-    compiled = [layer for stage in pipe.runtime.stages.values() for layer in stage.layers]
-    assert all(is_compiled(layer) for layer in compiled)
+    for stage in pipe.runtime.stages.values():
+        # A stage whose layers draw random numbers runs those eagerly and each other
+        # one compiled; a stage whose layers draw none runs them as one graph.
+        drawing = {offset for offset, layer in enumerate(stage.layers)
+                   if any(isinstance(m, nn.Dropout) for m in layer.modules())}
+        assert stage.compiled.eager == {True: frozenset(drawing)}
 
 
 def test_a_traced_model_compiles_stage_by_stage_and_stays_exact() -> None:
@@ -157,9 +161,9 @@ def test_a_compiled_layer_hands_on_the_eager_layout_and_updates_its_buffers_once
     torch.manual_seed(0)
     layer, plain = Transposing().double(), Transposing().double()
     plain.load_state_dict(layer.state_dict())
-    compile_layers([layer])
+    compiled = CompiledCall(layer, "transposing", None)
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
-    out, expected = layer(x), plain(x)
+    out, expected = compiled(x), plain(x)
     assert out.stride() == expected.stride()
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     # The eager run that found the layout put the running statistics back.
@@ -198,7 +202,8 @@ def test_compiled_layers_run_compiled_from_their_first_call(traced: bool) -> Non
     first call under a dispatch mode, which torch.compile leaves eager (torch 2.13 and
     older: that layer for good, so compile=True compiled nothing on threads or one
     GPU). A compiled layer is now probed by an eager call aside: every call of a
-    compiled layer in the step, the first included, runs the compiled graph."""
+    compiled graph in the step (a stage of layers: one graph of them all), the first
+    included, runs compiled."""
     model, _ = build("transformer")
     ids = sample("transformer", batch=8)
     y = torch.randn(8, ids.shape[1], VOCAB, dtype=torch.float64)
@@ -213,8 +218,9 @@ def test_compiled_layers_run_compiled_from_their_first_call(traced: bool) -> Non
         leaves = torch.utils._pytree.tree_leaves(output)
         made.append(type(next(t for t in leaves if isinstance(t, torch.Tensor)).grad_fn).__name__)
 
-    compiled = [module for stage in pipe.runtime.stages.values() for layer in stage.layers
-                for module in ([layer] if not traced else [layer.graph()]) if is_compiled(module)]
+    stages = pipe.runtime.stages.values()
+    compiled = [stage.compiled.graph.module for stage in stages] if not traced else [
+        layer.graph() for stage in stages for layer in stage.layers if is_compiled(layer.graph())]
     assert compiled
     for module in compiled:
         module.register_forward_hook(note)

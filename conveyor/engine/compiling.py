@@ -1,10 +1,26 @@
-"""``compile=True``: a stage's layers compiled one by one, as the plain model's eager
-forward would run them.
+"""``compile=True``: a stage's layers compiled as one graph where none of them draws
+random numbers, else each layer that draws none, as the plain model's eager forward
+would run them.
 
-Compiling keeps what the pipeline promises: the same random draws as the plain model
-(dropout stays eager, a traced graph that draws random numbers stays eager whole), the
-same memory layout of each output (:class:`EagerLayout`), no recompilation in the middle
-of a step, and buffers a split backward can read twice (both by
+A stage of layers (an ``nn.Sequential`` cut) runs as one compiled graph, its
+:class:`StageGraph`, in every mode (training, eval) in which a first call aside finds
+that no layer draws random numbers or updates a buffer: one dynamo guard check, one
+autograd node and one launch of the host's work per micro-batch instead of one per
+layer. In a mode in which some layers do (dropout, batch norm in training), each other
+layer is compiled on its own and those run eagerly: a layer that draws, drawing from
+its own stream as the plain model's does (compiled, a random op would draw other
+numbers); one that updates a buffer, as torch.compile may save the buffer itself for
+backward and then write into it (backward then refuses it). A traced stage compiles
+each of its graphs, but for one that draws. ``cuda_graphs=True`` compiles in torch's
+``reduce-overhead`` mode: each graph is captured once per input shape as a CUDA graph
+and replayed.
+
+The model's modules are left as they were: a compiled layer is called through a
+:class:`CompiledCall` of conveyor's own, never by replacing its ``forward`` or adding
+hooks, so that a copy of the model (``copy.deepcopy``, ``torch.save``) is the plain
+model. Compiling keeps what the pipeline promises: the same random draws as the plain
+model, the same memory layout of each output (:class:`EagerLayout`), no recompilation
+in the middle of a step, and buffers a split backward can read twice (both by
 :func:`before_compiled_call`).
 """
 
@@ -12,14 +28,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from conveyor.engine.layers import Partition, WholeStage
+from conveyor.errors import ConfigError
 from conveyor.torchprivate import keep_compiled_buffers, mark_dynamic, pytree
 
 __all__: list[str] = []
@@ -29,35 +47,134 @@ _COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _thread = threading.local()
 
 
-def compile_layers(layers: Partition) -> None:
-    """Compiles each layer with ``torch.compile`` (a traced stage: each of its graphs):
-    parameters, names, hooks and state dict stay as they are, and so do the stage's
+class CompiledCall:
+    """Calls of ``module`` (its hooks included), compiled by torch.compile from a
+    function of conveyor's own whose code object is this call's alone (named ``name``),
+    with outputs handed on in eager's layout (:class:`EagerLayout`).
+
+    Not ``nn.Module.compile``: torch.compile does not start tracing in torch's own
+    files, so that of an ``nn.Linear`` or an ``nn.Sequential`` of torch's layers runs
+    eagerly (torch 2.13); it keeps its graphs, and its limit of recompilations (8), per
+    code object, which every module would otherwise share (from the ninth stage or
+    input shape on, torch would run them eagerly); and it changes the module."""
+
+    def __init__(self, module: nn.Module, name: str, mode: str | None) -> None:
+        self.module = module
+        self._layout = EagerLayout()
+
+        def call(x: Any) -> Any:
+            return module(x)
+
+        own = types.FunctionType(call.__code__.replace(co_name=name, co_qualname=name),
+                                 call.__globals__, name, None, call.__closure__)
+        self._compiled = torch.compile(own, mode=mode)
+
+    def __call__(self, x: Any) -> Any:
+        before_compiled_call(x)
+        output = self._compiled(x)
+        laid_out = self._layout(self.module, (x,), output)
+        return output if laid_out is None else laid_out
+
+
+class StageGraph(nn.Module):
+    """A stage's layers as one module: its forward runs them in turn (the plain
+    ``nn.Sequential``'s forward, hooks on the layers included, not the Partition's:
+    the stage's call ran those). It holds the stage's :class:`Partition` but is no part
+    of the model: parameters, names and state dict stay the model's."""
+
+    def __init__(self, layers: Partition) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: Any) -> Any:
+        return self.layers.forward(x)
+
+
+class CompiledStage:
+    """``compile=True`` for one stage of layers: per training mode, whether its layers
+    run as one compiled graph or one by one, and then which of them draw random numbers
+    (decided at the mode's first call by :meth:`~conveyor.engine.stage.Stage`'s probe).
+
+    Args:
+        layers: the stage's layers (not a traced stage, which compiles its graphs).
+        index: the stage's number (the compiled function's name).
+        first_layer: the global index of its first layer.
+        mode: torch.compile's mode (None: default; "reduce-overhead": CUDA graphs).
+    """
+
+    def __init__(self, layers: Partition, *, index: int, first_layer: int,
+                 mode: str | None) -> None:
+        keep_compiled_buffers()
+        self.layers = layers
+        self.first_layer = first_layer
+        self.mode = mode
+        self.graph = CompiledCall(StageGraph(layers), f"conveyor_stage_{index}", mode)
+        #: training mode -> the offsets of the layers that run eagerly in it, those
+        #: that draw random numbers or update buffers (none: the layers run as
+        #: :attr:`graph`)
+        self.eager: dict[bool, frozenset[int]] = {}
+        self._calls: dict[int, CompiledCall] = {}
+
+    def call_of(self, offset: int, training: bool) -> CompiledCall | nn.Module:
+        """How layer ``offset`` runs on its own in ``training`` mode: compiled, or the
+        layer itself (eagerly), as one that draws random numbers or updates a buffer
+        does."""
+        layer = self.layers[offset]
+        if offset in self.eager[training]:
+            return layer
+        call = self._calls.get(offset)
+        if call is None:
+            call = self._calls[offset] = CompiledCall(
+                layer, f"conveyor_layer_{self.first_layer + offset}", self.mode)
+        return call
+
+
+def check_cuda_graphs(devices: Sequence[torch.device]) -> None:
+    """Refuses ``cuda_graphs=True`` unless every stage's device is a CUDA device.
+
+    Raises:
+        ConfigError: a stage on another device.
+    """
+    for rank, device in enumerate(devices):
+        if device.type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs=True captures each stage's work as a CUDA graph, but pipeline "
+                f"rank {rank} runs on {device}; put every stage on a CUDA device, or use "
+                "compile=True alone")
+
+
+def compile_stage(layers: Partition, *, index: int, first_layer: int,
+                  cuda_graphs: bool = False) -> CompiledStage | None:
+    """Compiles a stage (``compile=True``): a stage of layers gets a
+    :class:`CompiledStage` to run them by; a traced stage compiles its graphs (None)."""
+    mode = "reduce-overhead" if cuda_graphs else None
+    if any(isinstance(layer, WholeStage) for layer in layers):
+        compile_graphs(layers, mode)
+        return None
+    return CompiledStage(layers, index=index, first_layer=first_layer, mode=mode)
+
+
+def compile_graphs(layers: Partition, mode: str | None = None) -> None:
+    """Compiles each graph of a traced stage (its :class:`WholeStage`, conveyor's own
+    modules) with ``torch.compile``, but for a graph that draws random numbers, which
+    stays eager (compiled, its random ops would draw other numbers than the plain
+    model's): parameters, names and state dict stay as they are, and so do the stage's
     loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
-    through the compiled graph; see :func:`before_compiled_call`). Dropout modules stay
-    eager, each call a graph break, so that they draw from the pipeline's streams as
-    the plain model's do; a traced graph that draws random numbers stays eager whole
-    (compiled, its random ops would draw other numbers than the plain model's)."""
+    through the compiled graph; see :func:`before_compiled_call`)."""
     keep_compiled_buffers()
     for layer in layers:
-        if isinstance(layer, WholeStage):
-            for graph in layer.graphs():
-                if graph in _COMPILED:
-                    continue
-                if _draws_random(graph):
-                    _log.info("compile=True: a graph of %s draws random numbers; it runs "
-                              "eagerly, to draw the plain model's numbers", layer)
-                    continue
-                _COMPILED.add(graph)
-                _COMPILED.add(layer)  # the stage's loop marks what enters it
-                graph.compile()
-                graph.register_forward_hook(EagerLayout())
-        elif layer not in _COMPILED:
-            _COMPILED.add(layer)
-            for module in layer.modules():
-                if isinstance(module, _DropoutNd):
-                    module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
-            layer.compile()
-            layer.register_forward_hook(EagerLayout())
+        assert isinstance(layer, WholeStage)
+        for graph in layer.graphs():
+            if graph in _COMPILED:
+                continue
+            if _draws_random(graph):
+                _log.info("compile=True: a graph of %s draws random numbers; it runs "
+                          "eagerly, to draw the plain model's numbers", layer)
+                continue
+            _COMPILED.add(graph)
+            _COMPILED.add(layer)  # the stage's loop marks what enters it
+            graph.compile(mode=mode)
+            graph.register_forward_hook(EagerLayout())
 
 
 class EagerLayout:
@@ -96,9 +213,11 @@ def _eager_strides(module: nn.Module, args: tuple[Any, ...]) -> list[tuple[int, 
             for t in pytree.tree_leaves(run_aside(module, args))]
 
 
-def run_aside(module: nn.Module, args: tuple[Any, ...]) -> Any:
+def run_aside(module: nn.Module, args: tuple[Any, ...],
+              updated: list[torch.Tensor] | None = None) -> Any:
     """The output of ``module``'s eager forward on ``args``, without gradient, run aside
-    of the step: the random numbers it draws and the buffers it updates are put back."""
+    of the step: the random numbers it draws and the buffers it updates are put back
+    (and, given ``updated``, listed there)."""
     tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
     kept = [t for t in (*tensors, *module.buffers()) if not t.requires_grad]
     saved = [t.clone() for t in kept]
@@ -108,6 +227,8 @@ def run_aside(module: nn.Module, args: tuple[Any, ...]) -> Any:
         for tensor, before in zip(kept, saved):
             if not torch.equal(tensor, before):  # a buffer it updated (batch norm's)
                 tensor.data.copy_(before)  # .data: saved for backward, its version stays
+                if updated is not None:
+                    updated.append(tensor)
     return output
 
 
@@ -118,7 +239,8 @@ def _laid_out(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether :func:`compile_layers` compiled ``module`` (a layer, or a traced graph)."""
+    """Whether :func:`compile_graphs` compiled ``module`` (a traced graph, or a stage
+    of them)."""
     return module in _COMPILED
 
 

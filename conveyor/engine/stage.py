@@ -21,7 +21,14 @@ from torch import nn
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.compiling import before_compiled_call, is_compiled, run_aside
+from conveyor.engine.compiling import (
+    CompiledCall,
+    CompiledStage,
+    before_compiled_call,
+    compile_stage,
+    is_compiled,
+    run_aside,
+)
 from conveyor.engine.layers import Partition, WholeStage, batch_rows, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
@@ -80,6 +87,8 @@ class Stage(StageActions):
         self.copies_input = False
         #: fused weight gradients in ``B`` (:meth:`fuse_accumulation`), or None.
         self.accumulator: FusedAccumulation | None = None
+        #: the stage's layers compiled as one graph (:meth:`compile`), or None.
+        self.compiled: CompiledStage | None = None
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -99,6 +108,12 @@ class Stage(StageActions):
              for module in layer.modules()),
             (graph for layer in self.layers if isinstance(layer, WholeStage)
              for graph in layer.graphs()))
+
+    def compile(self, *, cuda_graphs: bool = False) -> None:
+        """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiling`):
+        its layers run as one graph in each mode in which none draws random numbers."""
+        self.compiled = compile_stage(self.layers, index=self.index,
+                                      first_layer=self.first_layer, cuda_graphs=cuda_graphs)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (
@@ -170,6 +185,9 @@ class Stage(StageActions):
         rows = batch_rows(x)
         if self.copies_input:
             x = _copied_leaves(x)
+        graph = self._stage_graph(x, rows) if self.compiled is not None else None
+        if graph is not None:
+            return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
         for offset, layer in enumerate(self.layers):
             try:
@@ -196,6 +214,53 @@ class Stage(StageActions):
                 self._check_output(x, rows, offset, microbatch)
         return x
 
+    def _stage_graph(self, x: Any, rows: tuple[int, torch.Size] | None) -> CompiledCall | None:
+        """The stage's compiled graph if its layers run as one in the current mode,
+        decided at the mode's first call (:meth:`_eager_aside`)."""
+        assert self.compiled is not None
+        training = self.layers.training
+        if training not in self.compiled.eager:
+            self.compiled.eager[training] = self._eager_aside(x, rows)
+        return self.compiled.graph if not self.compiled.eager[training] else None
+
+    def _eager_aside(self, x: Any, rows: tuple[int, torch.Size] | None) -> frozenset[int]:
+        """The offsets of the layers that must run eagerly in the current mode: those
+        that draw random numbers or update a buffer (see
+        :mod:`conveyor.engine.compiling`), found by running the layers eagerly aside on
+        ``x`` (each under the probe that routes its draws where workers share the
+        device; random numbers and buffers put back). A layer that fails here, or
+        changes the batch dimension, makes them all eager: their own calls raise the
+        error, naming the layer."""
+        eager = set()
+        try:
+            for offset, layer in enumerate(self.layers):
+                index = self.first_layer + offset
+                updated: list[torch.Tensor] = []
+                with self.randomness.probing(index, layer):
+                    x = run_aside(layer, (x,), updated)
+                self._check_output(x, rows, offset, 0)
+                if updated or self.randomness.draws(index, layer):
+                    eager.add(offset)
+        except Exception as exc:  # noqa: BLE001 - the layer's own call raises it, named
+            _log.debug("stage %d: a layer failed aside (%s); its layers run eagerly",
+                       self.index, exc)
+            return frozenset(range(len(self.layers)))
+        return frozenset(eager)
+
+    def _run_graph(self, graph: CompiledCall, x: Any, rows: tuple[int, torch.Size] | None,
+                   microbatch: int) -> Any:
+        try:
+            output = graph(x)
+        except STOP_RECOMPUTATION:
+            raise
+        except Exception as exc:
+            error = self._layer_error(exc, None, microbatch)
+            if error is exc:
+                raise
+            raise error from exc
+        self._check_output(output, rows, None, microbatch)
+        return output
+
     def _call_layer(self, layer: nn.Module, offset: int, x: Any, microbatch: int,
                     step_seed: int | None) -> Any:
         seeded = (
@@ -203,39 +268,38 @@ class Stage(StageActions):
             if step_seed is not None
             else contextlib.nullcontext()
         )
-        if is_compiled(layer):
+        call = self.compiled.call_of(offset, self.layers.training) if self.compiled else layer
+        index = self.first_layer + offset
+        if is_compiled(layer):  # a traced stage, whose graph may be compiled
             before_compiled_call(x)
-            index = self.first_layer + offset
-            if step_seed is not None and not self.randomness.knows(index, layer):
-                self._probe_aside(layer, index, x)
+            graph = layer.graph()
+            if graph is not None and is_compiled(graph) and step_seed is not None \
+                    and not self.randomness.knows(index, layer):
+                # A compiled graph draws nothing (one that draws stays eager); its
+                # first call must not run under the probe's dispatch mode, which
+                # torch.compile leaves eager (and its recomputation would not: the two
+                # would save different tensors for backward).
+                self.randomness.draws_nothing(index, layer)
         with seeded:
-            return layer(x)
+            return call(x)
 
-    def _probe_aside(self, layer: nn.Module, index: int, x: Any) -> None:
-        """Learns which parts of compiled ``layer`` draw random numbers before its first
-        call in this mode, so that the call itself runs compiled, not under the probe's
-        dispatch mode (which torch.compile leaves eager, and its recomputation would
-        not: the two would save different tensors for backward)."""
-        if not isinstance(layer, WholeStage):
-            with self.randomness.probing(index, layer):
-                run_aside(layer, (x,))
-            return
-        graph = layer.graph()
-        if graph is not None and is_compiled(graph):
-            self.randomness.draws_nothing(index, layer)  # graphs that draw stay eager
-        # else an eager graph: its own call probes it
-
-    def _describe_layer(self, offset: int) -> str:
+    def _describe_layer(self, offset: int | None) -> str:
+        """Layer ``offset`` of the stage; None: its layers, compiled as one graph."""
+        if offset is None:
+            last = self.first_layer + len(self.layers) - 1
+            return f"layers {self.first_layer}-{last} (compiled as one graph)"
         layer = self.layers[offset]
         return f"layer {self.first_layer + offset} ({type(layer).__name__})"
 
-    def _layer_error(self, exc: Exception, offset: int, microbatch: int) -> Exception:
+    def _layer_error(self, exc: Exception, offset: int | None, microbatch: int) -> Exception:
         recomputing = is_recomputing()
         # Recomputation runs inside B or I: the executor names which
         during = (" while recomputing for backward" if recomputing
                   else f" ({self.index}F{microbatch})")
         hint = ""
-        if _writes_into_leaf(exc):
+        if offset is None:
+            hint = "\nhint: compile=False runs the layers one by one and names the one that fails"
+        elif _writes_into_leaf(exc):
             hint = (
                 f"\nhint: the stage receives its input as a leaf tensor that requires grad; "
                 f"a layer may write into that input (the stage then works on a copy), but "
@@ -250,11 +314,11 @@ class Stage(StageActions):
             stage=self.index,
             microbatch=microbatch,
             action=f"{self.index}{'B' if recomputing else 'F'}{microbatch}",
-            layer=self.first_layer + offset,
+            layer=None if offset is None else self.first_layer + offset,
         )
 
-    def _check_output(self, output: Any, rows: tuple[int, torch.Size] | None, offset: int,
-                      microbatch: int) -> None:
+    def _check_output(self, output: Any, rows: tuple[int, torch.Size] | None,
+                      offset: int | None, microbatch: int) -> None:
         """Refuses an output that is not tensors, or whose batch dimension differs from
         the stage input's (``rows``; None: the input has none): micro-batches are
         concatenated along dim 0, so the pipeline's result would be wrong."""

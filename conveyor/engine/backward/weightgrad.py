@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from conveyor.torchprivate import COMPILED_BACKWARD
+
 __all__: list[str] = []
 
 
@@ -143,9 +145,17 @@ def backward_input(
     input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
     param_of = {_node(p): p for p in params}
     capture = {node: _capture_nodes(node, parents, input_path) for node in param_of}
+    # A compiled graph's one backward node computes every gradient of the graph at
+    # once: W from it would run that whole backward again. Its parameters' gradients
+    # come with I's run of it instead (W has nothing left to do for them).
+    joint = [node for node, found in capture.items()
+             if any(n.name() == COMPILED_BACKWARD for n in found)]
+    for node in joint:
+        del capture[node]
     groups, direct = _groups(capture)
     input_grads, captured = _input_pass(outputs, grads, inputs,
-                                        [node for nodes, _ in groups for node in nodes])
+                                        [node for nodes, _ in groups for node in nodes],
+                                        [param_of[node] for node in joint])
 
     work = [([(node, captured.get(node, ())) for node in nodes],
              [param_of[node] for node in members]) for nodes, members in groups]
@@ -209,9 +219,11 @@ def _input_pass(
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     capture: Sequence[Node],
+    joint: Sequence[torch.Tensor] = (),
 ) -> tuple[list[torch.Tensor | None], dict[Node, tuple[Any, ...]]]:
     """I itself: the gradients of ``inputs`` (None where none is wanted), and the
-    gradient that flowed into each of the ``capture`` nodes on the way."""
+    gradient that flowed into each of the ``capture`` nodes on the way. The gradients
+    of the ``joint`` parameters are computed too and added to their ``.grad``."""
     captured: dict[Node, tuple[Any, ...]] = {}
 
     def note(node: Node) -> Any:
@@ -223,10 +235,11 @@ def _input_pass(
     try:
         wanted = [t for t in inputs if t.requires_grad]
         input_grads: list[torch.Tensor | None] = [None] * len(inputs)
-        if wanted and outputs:
-            results = iter(torch.autograd.grad(list(outputs), wanted, list(grads),
+        if (wanted or joint) and outputs:
+            results = iter(torch.autograd.grad(list(outputs), [*wanted, *joint], list(grads),
                                                retain_graph=True, allow_unused=True))
             input_grads = [next(results) if t.requires_grad else None for t in inputs]
+            _accumulate(joint, list(results))
     finally:
         for handle in handles:
             handle.remove()

@@ -122,6 +122,10 @@ class LayerRandomness:
         for part in parts:
             _route_random_ops(part)
 
+    def draws(self, index: int, layer: nn.Module) -> bool:
+        """Whether a probe found layer ``index`` drawing random numbers in its mode."""
+        return bool(self._random_parts.get((index, layer.training)))
+
     def draws_nothing(self, index: int, layer: nn.Module) -> None:
         """Notes that layer ``index`` draws no random numbers in its current mode."""
         self._random_parts[(index, layer.training)] = []
