@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import itertools
 import os
 import subprocess
@@ -226,55 +225,89 @@ def part_schedules(sizes: Sizes, device: torch.device) -> dict[str, Any]:
 
 
 def part_precision(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    """Each precision eager and compiled; the compiled variants: stages as whole graphs
+    (what ``compile=True`` does), without the copies into eager's layout (their
+    cost), under zero-bubble (weight gradients in ``I``); and the plain
+    model compiled whole, the most torch.compile gives this model. The GPU's busy share
+    of a step tells host-bound from GPU-bound."""
     x, y = sizes.batch_on(device)
     steps, held = {}, {}
     torch.manual_seed(0)
     plain = sizes.model().to(device)
-    for label, dtype in (("plain float32", None), ("plain bf16 autocast", torch.bfloat16)):
-        step = plain_step(plain, x, y, 8)
+    whole = torch.compile(plain)
+    for label, model, dtype in (("plain float32", plain, None),
+                                ("plain bf16 autocast", plain, torch.bfloat16),
+                                ("plain bf16 autocast, compiled", whole, torch.bfloat16)):
+        step = plain_step(model, x, y, 8)
         steps[label] = step if dtype is None else autocast(step, device, dtype)
         held[label] = activation_bytes(steps[label], device)
-    compiles = "compile" in inspect.signature(conveyor.Pipeline).parameters
+    bf16: dict[str, Any] = {"precision": "bf16"}
     variants: list[tuple[str, torch.dtype | None, dict[str, Any]]] = [
         ("float32", None, {}), ("bf16 autocast", torch.bfloat16, {}),
-        ("precision='bf16'", None, {"precision": "bf16"}),
-        ("precision='fp16'", None, {"precision": "fp16"})]
-    if compiles:
-        variants += [("float32 compiled", None, {"compile": True}),
-                     ("bf16 compiled", None, {"compile": True, "precision": "bf16"}),
-                     ("fp16 compiled", None, {"compile": True, "precision": "fp16"}),
-                     ("bf16 compiled, no EagerLayout", None,
-                      {"compile": True, "precision": "bf16"})]
+        ("precision='bf16'", None, bf16), ("precision='fp16'", None, {"precision": "fp16"}),
+        ("float32 compiled", None, {"compile": True}),
+        ("bf16 compiled", None, {"compile": True, **bf16}),
+        ("fp16 compiled", None, {"compile": True, "precision": "fp16"}),
+        ("bf16 compiled, no EagerLayout", None, {"compile": True, **bf16}),
+        ("precision='bf16', zero-bubble", None, {"schedule": "zero-bubble", **bf16}),
+        ("bf16 compiled, zero-bubble", None, {"schedule": "zero-bubble", "compile": True,
+                                              **bf16})]
+    errors = {}
     for label, dtype, options in variants:
         torch.manual_seed(0)
         model = sizes.model().to(device)
-        pipe = conveyor.Pipeline(model, loss_fn=lm_loss, chunks=8, schedule="1f1b",
-                                 recompute="never", balance=balanced(sizes, 2),
-                                 devices=[device] * 2, **options)
+        pipe = conveyor.Pipeline(model, loss_fn=lm_loss, chunks=8, recompute="never",
+                                 balance=balanced(sizes, 2), devices=[device] * 2,
+                                 **{"schedule": "1f1b", **options})
         step = pipe_step(pipe, x, y, device)
         if label.endswith("no EagerLayout"):
-            step = without_eager_layout(model, step)
+            step = without_eager_layout(pipe, step)
         if dtype is not None:
             step = autocast(step, device, dtype)
-        steps[label], held[label] = step, activation_bytes(step, device)
+        try:  # its first steps; a variant that fails is reported, the others measured
+            held[label] = activation_bytes(step, device)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            errors[label] = f"{type(exc).__name__}: {exc}"[:500]
+            continue
+        steps[label] = step
     measured = time_configs(steps, sizes.rounds)
-    return {"step_ms": measured, "activation_bytes": held,
-            "compile": "measured" if compiles else "Pipeline has no compile= yet"}
+    busy = {label: gpu_busy(steps[label], device) for label in (
+        "plain bf16 autocast", "plain bf16 autocast, compiled", "precision='bf16'",
+        "bf16 compiled")}
+    return {"step_ms": measured, "activation_bytes": held, "gpu_busy": busy, "errors": errors}
 
 
-def without_eager_layout(model: nn.Module, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with the hooks that copy compiled outputs into eager's layout taken off
-    (registered as the first step compiles): their cost is the difference in time. Not
-    exact where dropout follows a compiled layer; this model has no dropout."""
-    from conveyor.engine.compiling import EagerLayout
+def gpu_busy(step: Callable[[], None], device: torch.device) -> float | None:
+    """The share of one step's time in which the GPU runs a kernel (from torch's
+    profiler; kernels of several streams counted once): well under 1, the step waits
+    on the host."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
 
-    def bare() -> None:
-        for module in model.modules():
-            for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, EagerLayout):
-                    del module._forward_hooks[key]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         step()
-    return bare
+        wall_us = (time.perf_counter() - start) * 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    covered, reach = 0.0, float("-inf")
+    for begin, end in spans:
+        if end > reach:
+            covered += end - max(begin, reach)
+            reach = end
+    return covered / wall_us if wall_us else None
+
+
+def without_eager_layout(pipe: conveyor.Pipeline, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the copies of compiled outputs into eager's layout taken off: their
+    cost is the difference in time. Not exact where dropout follows a compiled layer;
+    this model has no dropout."""
+    for stage in pipe.runtime.stages.values():
+        if stage.compiled is not None:
+            stage.compiled.graph._layout = lambda *args: None
+    return step
 
 
 def autocast(step: Callable[[], None], device: torch.device,

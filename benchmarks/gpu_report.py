@@ -69,9 +69,13 @@ def _precision(r: dict[str, Any]) -> str:
     base = r["step_ms"]["float32"]  # the pipeline's; plain rows: accumulated over M=8
     rows = [[name, f"{ms:.1f}", f"{base / ms:.2f}", _gib(r["activation_bytes"][name])]
             for name, ms in r["step_ms"].items()]
+    busy = ", ".join(f"{name} {share:.0%}" for name, share in r.get("gpu_busy", {}).items()
+                     if share is not None)
     return (_common.markdown_table(["2 stages, M=8", "step (ms)", "speed x float32",
                                     "activations (GiB)"], rows)
-            + f"\n\ncompile: {r['compile']}")
+            + (f"\n\nGPU busy (share of a step running kernels): {busy}" if busy else "")
+            + "".join(f"\n\n{name} failed: `{error}`"
+                      for name, error in r.get("errors", {}).items()))
 
 
 def _table1(r: dict[str, Any]) -> str:

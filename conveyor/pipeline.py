@@ -103,10 +103,6 @@ class Pipeline(RunsRuntime):
             streams, recomputation and the ``I``/``W`` split stay exact; torch's
             donated buffers are turned off for the process; outputs are handed on laid
             out in memory as eager would (see ``conveyor.engine.compiling``).
-        cuda_graphs: compile in torch's ``reduce-overhead`` mode (implies ``compile``):
-            each stage's graph is captured as a CUDA graph once per input shape and
-            replayed, which takes the host's launches off the step. Every stage must
-            be on a CUDA device.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
@@ -152,7 +148,6 @@ class Pipeline(RunsRuntime):
         check_finite: bool = False,
         precision: str | None = None,
         compile: bool = False,
-        cuda_graphs: bool = False,
         timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.compiling import CompiledCall, is_compiled
+from conveyor.engine.compiling import CompiledCall, EagerLayout, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
@@ -52,7 +52,7 @@ def test_compiled_stages_with_split_backward_recomputation_and_dropout_are_exact
         # one compiled; a stage whose layers draw none runs them as one graph.
         drawing = {offset for offset, layer in enumerate(stage.layers)
                    if any(isinstance(m, nn.Dropout) for m in layer.modules())}
-        assert stage.compiled.eager == {True: frozenset(drawing)}
+        assert stage.compiled.eager == {(True,) * len(stage.layers): frozenset(drawing)}
 
 
 def test_a_traced_model_compiles_stage_by_stage_and_stays_exact() -> None:
@@ -161,7 +161,7 @@ def test_a_compiled_layer_hands_on_the_eager_layout_and_updates_its_buffers_once
     torch.manual_seed(0)
     layer, plain = Transposing().double(), Transposing().double()
     plain.load_state_dict(layer.state_dict())
-    compiled = CompiledCall(layer, "transposing", None)
+    compiled = CompiledCall(layer, "transposing")
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     out, expected = compiled(x), plain(x)
     assert out.stride() == expected.stride()
@@ -242,3 +242,92 @@ def test_uneven_micro_batches_recomputed_through_a_compiled_graph_are_exact() ->
     assert (case.batch, case.chunks, case.recompute, case.train) == (12, 5, "except_last", False)
     result = run_case(case)
     assert result.error <= 1e-10, result
+
+
+SCHEDULE_OPTIONS = {
+    "gpipe": {"devices": ["cpu", "cpu"], "balance": [4, 3]},
+    "1f1b": {"devices": ["cpu", "cpu"], "balance": [4, 3]},
+    "zero-bubble": {"devices": ["cpu", "cpu"], "balance": [4, 3]},
+    "interleaved-1f1b": {"devices": ["cpu", "cpu"], "balance": [2, 2, 2, 1],
+                         "virtual_stages": 2},
+    "zb-v": {"devices": ["cpu"], "balance": [4, 3]},
+    "dualpipe-v": {"devices": ["cpu"], "balance": [4, 3]},
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULE_OPTIONS))
+def test_every_schedule_runs_whole_compiled_stages_exactly(schedule: str) -> None:
+    """Each stage of torch's own layers is one compiled graph (one autograd node: the
+    split backward's I computes its weight gradients, W has none left), and the step
+    is the plain model's in float64, in training and then in eval mode."""
+    model, reference = build("mlp")
+    x, y = sample("mlp", batch=8), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, schedule=schedule,
+                             compile=True, **SCHEDULE_OPTIONS[schedule])
+    for training in (True, False):
+        pipe.train(training)
+        reference.train(training)
+        pipe.zero_grad()
+        reference.zero_grad()
+        loss = pipe.step(x, y)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+        assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    for stage in pipe.runtime.stages.values():
+        modes = {(training,) * len(stage.layers) for training in (True, False)}
+        assert stage.compiled.eager == dict.fromkeys(modes, frozenset())
+
+
+class Counting(nn.Module):
+    """Counts its calls in a buffer and reads the count (the generator's "cache" and
+    "counter" blocks): compiled, torch saved the buffer itself for backward and then
+    wrote into it, and backward refused it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("count", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.linear(x) * torch.tanh(self.count.clone())
+        with torch.no_grad():
+            self.count.add_(1)
+        return out
+
+
+def test_a_layer_updating_a_buffer_runs_eagerly_and_the_others_compiled() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), Counting(), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, balance=[3, 1],
+                             devices=["cpu", "cpu"], recompute="never", compile=True)
+    loss = pipe.step(x, y)
+    expected = sum(loss_fn(reference(part), target) * len(part) / len(x)
+                   for part, target in zip(x.chunk(4), y.chunk(4)))
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    torch.testing.assert_close(model[1].count, reference[1].count)
+    first, last = pipe.runtime.stages[0].compiled, pipe.runtime.stages[1].compiled
+    assert first.eager == {(True,) * 3: frozenset({1})}
+    assert last.eager == {(True,): frozenset()}
+
+
+def test_compiling_leaves_the_models_modules_as_they_were() -> None:
+    """A copy of the model after a compiled step is the plain model: no module's
+    forward is replaced, no layout hook added (a replaced forward had held the
+    original module, so a deepcopy computed with the pipeline's parameters)."""
+    model, _ = build("mlp", dropout=0.3)
+    x, y = sample("mlp", batch=8), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=2, balance=[4, 4],
+                             devices=["cpu", "cpu"], compile=True)
+    pipe.step(x, y)
+    for module in model.modules():
+        assert "forward" not in vars(module)
+        assert not any(isinstance(hook, EagerLayout) for hook in module._forward_hooks.values())
+    copied = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        copied[0].weight.add_(1.0)
+        assert not torch.equal(copied(x), model.eval()(x))

@@ -114,3 +114,24 @@ def test_stages_on_one_gpu_reseed_its_generator_without_the_dispatch_mode() -> N
     x = sample("transformer").cuda()
     pipe.step(x, x)
     assert not any(stage.randomness.shared for stage in pipe.runtime.stages.values())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_compiled_stages_on_cuda_are_exact(schedule: str) -> None:
+    """Each stage one compiled graph, in float64 over two steps: the plain model's
+    gradients."""
+    model, reference = build("mlp")
+    reference.cuda()
+    x = sample("mlp", batch=12).cuda()
+    y = torch.randn(12, 3, dtype=torch.float64, device="cuda")
+    pipe = conveyor.Pipeline(model, loss_fn=torch.nn.functional.mse_loss, chunks=4,
+                             schedule=schedule, balance=[4, 3], devices=cuda_devices(2),
+                             compile=True)
+    for _ in range(2):
+        loss = pipe.step(x, y)
+        expected = torch.nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    assert all(not stage.compiled.eager[(True,) * len(stage.layers)]
+               for stage in pipe.runtime.stages.values())

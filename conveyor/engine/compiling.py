@@ -11,9 +11,12 @@ layer is compiled on its own and those run eagerly: a layer that draws, drawing 
 its own stream as the plain model's does (compiled, a random op would draw other
 numbers); one that updates a buffer, as torch.compile may save the buffer itself for
 backward and then write into it (backward then refuses it). A traced stage compiles
-each of its graphs, but for one that draws. ``cuda_graphs=True`` compiles in torch's
-``reduce-overhead`` mode: each graph is captured once per input shape as a CUDA graph
-and replayed.
+each of its graphs, but for one that draws.
+
+Not CUDA graphs: torch's (``mode="reduce-overhead"``) replay a graph into the same
+memory, where a pipeline keeps several micro-batches' outputs and saved tensors at
+once; on an H200 the second micro-batch's replay overwrote the first's, and its
+backward refused them.
 
 The model's modules are left as they were: a compiled layer is called through a
 :class:`CompiledCall` of conveyor's own, never by replacing its ``forward`` or adding
@@ -30,14 +33,12 @@ import logging
 import threading
 import types
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from conveyor.engine.layers import Partition, WholeStage
-from conveyor.errors import ConfigError
 from conveyor.torchprivate import keep_compiled_buffers, mark_dynamic, pytree
 
 __all__: list[str] = []
@@ -58,16 +59,16 @@ class CompiledCall:
     code object, which every module would otherwise share (from the ninth stage or
     input shape on, torch would run them eagerly); and it changes the module."""
 
-    def __init__(self, module: nn.Module, name: str, mode: str | None) -> None:
+    def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
         self._layout = EagerLayout()
 
         def call(x: Any) -> Any:
             return module(x)
 
-        own = types.FunctionType(call.__code__.replace(co_name=name, co_qualname=name),
+        own = types.FunctionType(call.__code__.replace(co_name=name),
                                  call.__globals__, name, None, call.__closure__)
-        self._compiled = torch.compile(own, mode=mode)
+        self._compiled = torch.compile(own)
 
     def __call__(self, x: Any) -> Any:
         before_compiled_call(x)
@@ -91,70 +92,56 @@ class StageGraph(nn.Module):
 
 
 class CompiledStage:
-    """``compile=True`` for one stage of layers: per training mode, whether its layers
-    run as one compiled graph or one by one, and then which of them draw random numbers
-    (decided at the mode's first call by :meth:`~conveyor.engine.stage.Stage`'s probe).
+    """``compile=True`` for one stage of layers: per mode (its layers' training flags),
+    whether its layers run as one compiled graph or one by one, and then which of them
+    run eagerly (decided at the mode's first call by
+    :meth:`~conveyor.engine.stage.Stage`'s probe aside).
 
     Args:
         layers: the stage's layers (not a traced stage, which compiles its graphs).
         index: the stage's number (the compiled function's name).
         first_layer: the global index of its first layer.
-        mode: torch.compile's mode (None: default; "reduce-overhead": CUDA graphs).
     """
 
-    def __init__(self, layers: Partition, *, index: int, first_layer: int,
-                 mode: str | None) -> None:
+    def __init__(self, layers: Partition, *, index: int, first_layer: int) -> None:
         keep_compiled_buffers()
         self.layers = layers
         self.first_layer = first_layer
-        self.mode = mode
-        self.graph = CompiledCall(StageGraph(layers), f"conveyor_stage_{index}", mode)
-        #: training mode -> the offsets of the layers that run eagerly in it, those
-        #: that draw random numbers or update buffers (none: the layers run as
-        #: :attr:`graph`)
-        self.eager: dict[bool, frozenset[int]] = {}
+        self.graph = CompiledCall(StageGraph(layers), f"conveyor_stage_{index}")
+        #: the layers' training flags -> the offsets of the layers that run eagerly
+        #: then, those that draw random numbers or update buffers (none: the layers
+        #: run as :attr:`graph`)
+        self.eager: dict[tuple[bool, ...], frozenset[int]] = {}
         self._calls: dict[int, CompiledCall] = {}
 
-    def call_of(self, offset: int, training: bool) -> CompiledCall | nn.Module:
-        """How layer ``offset`` runs on its own in ``training`` mode: compiled, or the
-        layer itself (eagerly), as one that draws random numbers or updates a buffer
-        does."""
+    def modes(self) -> tuple[bool, ...]:
+        """The layers' training flags (the Partition's own may differ: ``pipe.eval()``
+        reaches the layers)."""
+        return tuple(layer.training for layer in self.layers)
+
+    def call_of(self, offset: int, modes: tuple[bool, ...]) -> CompiledCall | nn.Module:
+        """How layer ``offset`` runs on its own in ``modes``: compiled, or the layer
+        itself (eagerly), as one that draws random numbers or updates a buffer does."""
         layer = self.layers[offset]
-        if offset in self.eager[training]:
+        if offset in self.eager[modes]:
             return layer
         call = self._calls.get(offset)
         if call is None:
             call = self._calls[offset] = CompiledCall(
-                layer, f"conveyor_layer_{self.first_layer + offset}", self.mode)
+                layer, f"conveyor_layer_{self.first_layer + offset}")
         return call
 
 
-def check_cuda_graphs(devices: Sequence[torch.device]) -> None:
-    """Refuses ``cuda_graphs=True`` unless every stage's device is a CUDA device.
-
-    Raises:
-        ConfigError: a stage on another device.
-    """
-    for rank, device in enumerate(devices):
-        if device.type != "cuda":
-            raise ConfigError(
-                f"cuda_graphs=True captures each stage's work as a CUDA graph, but pipeline "
-                f"rank {rank} runs on {device}; put every stage on a CUDA device, or use "
-                "compile=True alone")
-
-
-def compile_stage(layers: Partition, *, index: int, first_layer: int,
-                  cuda_graphs: bool = False) -> CompiledStage | None:
+def compile_stage(layers: Partition, *, index: int, first_layer: int) -> CompiledStage | None:
     """Compiles a stage (``compile=True``): a stage of layers gets a
     :class:`CompiledStage` to run them by; a traced stage compiles its graphs (None)."""
-    mode = "reduce-overhead" if cuda_graphs else None
     if any(isinstance(layer, WholeStage) for layer in layers):
-        compile_graphs(layers, mode)
+        compile_graphs(layers)
         return None
-    return CompiledStage(layers, index=index, first_layer=first_layer, mode=mode)
+    return CompiledStage(layers, index=index, first_layer=first_layer)
 
 
-def compile_graphs(layers: Partition, mode: str | None = None) -> None:
+def compile_graphs(layers: Partition) -> None:
     """Compiles each graph of a traced stage (its :class:`WholeStage`, conveyor's own
     modules) with ``torch.compile``, but for a graph that draws random numbers, which
     stays eager (compiled, its random ops would draw other numbers than the plain
@@ -173,7 +160,7 @@ def compile_graphs(layers: Partition, mode: str | None = None) -> None:
                 continue
             _COMPILED.add(graph)
             _COMPILED.add(layer)  # the stage's loop marks what enters it
-            graph.compile(mode=mode)
+            graph.compile()
             graph.register_forward_hook(EagerLayout())
 
 

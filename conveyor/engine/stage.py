@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,11 +109,10 @@ class Stage(StageActions):
             (graph for layer in self.layers if isinstance(layer, WholeStage)
              for graph in layer.graphs()))
 
-    def compile(self, *, cuda_graphs: bool = False) -> None:
+    def compile(self) -> None:
         """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiling`):
         its layers run as one graph in each mode in which none draws random numbers."""
-        self.compiled = compile_stage(self.layers, index=self.index,
-                                      first_layer=self.first_layer, cuda_graphs=cuda_graphs)
+        self.compiled = compile_stage(self.layers, index=self.index, first_layer=self.first_layer)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (
@@ -185,13 +184,14 @@ class Stage(StageActions):
         rows = batch_rows(x)
         if self.copies_input:
             x = _copied_leaves(x)
-        graph = self._stage_graph(x, rows) if self.compiled is not None else None
+        modes = self.compiled.modes() if self.compiled is not None else ()
+        graph = self._stage_graph(x, rows, modes) if self.compiled is not None else None
         if graph is not None:
             return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
         for offset, layer in enumerate(self.layers):
             try:
-                x = self._call_layer(layer, offset, x, microbatch, step_seed)
+                x = self._call_layer(layer, offset, x, microbatch, step_seed, modes)
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
@@ -209,19 +209,20 @@ class Stage(StageActions):
                 _log.debug("stage %d, layer %d writes into the stage's input in place; the "
                            "stage copies its input from now on", self.index,
                            self.first_layer + offset)
-                x = self._call_layer(layer, offset, _copied_leaves(x), microbatch, step_seed)
+                x = self._call_layer(layer, offset, _copied_leaves(x), microbatch, step_seed,
+                                     modes)
             if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
                 self._check_output(x, rows, offset, microbatch)
         return x
 
-    def _stage_graph(self, x: Any, rows: tuple[int, torch.Size] | None) -> CompiledCall | None:
-        """The stage's compiled graph if its layers run as one in the current mode,
-        decided at the mode's first call (:meth:`_eager_aside`)."""
+    def _stage_graph(self, x: Any, rows: tuple[int, torch.Size] | None,
+                     modes: tuple[bool, ...]) -> CompiledCall | None:
+        """The stage's compiled graph if its layers run as one in ``modes`` (their
+        training flags), decided at the first call in them (:meth:`_eager_aside`)."""
         assert self.compiled is not None
-        training = self.layers.training
-        if training not in self.compiled.eager:
-            self.compiled.eager[training] = self._eager_aside(x, rows)
-        return self.compiled.graph if not self.compiled.eager[training] else None
+        if modes not in self.compiled.eager:
+            self.compiled.eager[modes] = self._eager_aside(x, rows)
+        return self.compiled.graph if not self.compiled.eager[modes] else None
 
     def _eager_aside(self, x: Any, rows: tuple[int, torch.Size] | None) -> frozenset[int]:
         """The offsets of the layers that must run eagerly in the current mode: those
@@ -262,15 +263,16 @@ class Stage(StageActions):
         return output
 
     def _call_layer(self, layer: nn.Module, offset: int, x: Any, microbatch: int,
-                    step_seed: int | None) -> Any:
+                    step_seed: int | None, modes: tuple[bool, ...]) -> Any:
         seeded = (
             self.randomness.layer_call(step_seed, self.first_layer + offset, microbatch, layer)
             if step_seed is not None
             else contextlib.nullcontext()
         )
-        call = self.compiled.call_of(offset, self.layers.training) if self.compiled else layer
+        call: Callable[[Any], Any] = \
+            self.compiled.call_of(offset, modes) if self.compiled else layer
         index = self.first_layer + offset
-        if is_compiled(layer):  # a traced stage, whose graph may be compiled
+        if isinstance(layer, WholeStage) and is_compiled(layer):  # its graph may be compiled
             before_compiled_call(x)
             graph = layer.graph()
             if graph is not None and is_compiled(graph) and step_seed is not None \

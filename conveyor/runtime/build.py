@@ -24,7 +24,6 @@ from conveyor.distributed.topology import Topology
 from conveyor.engine.backward.accumulation import fusing_allowed
 from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
-from conveyor.engine.compiling import check_cuda_graphs
 from conveyor.engine.loss import LossScaler, compute_dtype
 from conveyor.engine.recompute.replay import check_stage_modes
 from conveyor.engine.watchdog.deadline import Deadlines
@@ -136,9 +135,6 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         scaler: float16's loss scaler (None: no loss scaling).
     """
     check_stage_modes(options.mode, schedule.num_stages)
-    compiled = options.compile or options.cuda_graphs
-    if options.cuda_graphs:
-        check_cuda_graphs(devices)
     distributed = topology.distributed
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
@@ -158,12 +154,12 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         if pending.sharded else None
     wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()
     runtime = Runtime(layout, schedule, topology, devices, pending.deadlines, wiring,
-                      fuse_accumulation=fusing_allowed() and not compiled
+                      fuse_accumulation=fusing_allowed() and not options.compile
                       and not sharding)
     if pending.at_first_call:  # the optimizer holds the adopted weights
         keep_copies_equal(owner, layout.ties)
-    for stage in layout.stages.values() if compiled else ():
-        stage.compile(cuda_graphs=options.cuda_graphs)
+    for stage in layout.stages.values() if options.compile else ():
+        stage.compile()
     rebalancing = None
     if options.rebalance is not None:
         check_rebalance(runtime, options.rebalance, sharded=pending.sharded)

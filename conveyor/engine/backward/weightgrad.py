@@ -147,9 +147,13 @@ def backward_input(
     capture = {node: _capture_nodes(node, parents, input_path) for node in param_of}
     # A compiled graph's one backward node computes every gradient of the graph at
     # once: W from it would run that whole backward again. Its parameters' gradients
-    # come with I's run of it instead (W has nothing left to do for them).
+    # come with I's run of it instead (W has nothing left to do for them); so do those
+    # W would reach from the outputs where one leaves a compiled graph (torch 2.11
+    # cannot start autograd at such a node's edge either).
+    compiled_roots = any(root.name() == COMPILED_BACKWARD for root in roots)
     joint = [node for node, found in capture.items()
-             if any(n.name() == COMPILED_BACKWARD for n in found)]
+             if any(n.name() == COMPILED_BACKWARD for n in found)
+             or (not found and compiled_roots)]
     for node in joint:
         del capture[node]
     groups, direct = _groups(capture)
