@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz zoo clean
+.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz fuzz-compile zoo clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -82,3 +82,9 @@ FUZZ_JOBS ?= 2
 fuzz: $(VENV)/.installed
 	$(BIN)/python -m tests.generated --start $(FUZZ_START) --count $(FUZZ_COUNT) \
 		--jobs $(FUZZ_JOBS) --json benchmarks/results/fuzz.json
+
+# The same, each case with compile=True (CI runs seeds 0-1): FUZZ_COMPILE_COUNT seeds.
+FUZZ_COMPILE_COUNT ?= 100
+fuzz-compile: $(VENV)/.installed
+	$(BIN)/python -m tests.generated --start $(FUZZ_START) --count $(FUZZ_COMPILE_COUNT) \
+		--jobs $(FUZZ_JOBS) --compile --json benchmarks/results/fuzz-compile.json

@@ -331,3 +331,48 @@ def test_compiling_leaves_the_models_modules_as_they_were() -> None:
     with torch.no_grad():
         copied[0].weight.add_(1.0)
         assert not torch.equal(copied(x), model.eval()(x))
+
+
+class Caching(nn.Module):
+    """Reads what its previous call left in a buffer, then writes its input's mean there
+    under ``no_grad`` (the generator's "cache" block, seed 7.0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("state", torch.zeros(6))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = h + self.linear(h) * torch.tanh(self.state.clone())
+        with torch.no_grad():
+            self.state.copy_(h.mean(0))
+        return out
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.cache, self.head = nn.Linear(6, 6), Caching(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.cache(self.first(x)))
+
+
+def test_a_traced_graph_writing_into_a_buffer_stays_eager_and_exact() -> None:
+    """Compiled, torch saved the buffer itself for backward and then wrote into it, and
+    backward refused it; the graph that writes stays eager, the other compiles."""
+    torch.manual_seed(0)
+    model = WithCache().double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=2, schedule="dualpipe-v",
+                             split_at=["head"], sample=x[:4], devices=["cpu"],
+                             recompute="never", compile=True)
+    loss = pipe.step(x, y)
+    expected = sum(loss_fn(plain(part), target) / 2
+                   for part, target in zip(x.chunk(2), y.chunk(2)))
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), plain.named_parameters())
+    first, last = (stage.layers[0].graphs() for stage in pipe.runtime.stages.values())
+    assert not any(map(is_compiled, first)) and all(map(is_compiled, last))

@@ -17,6 +17,9 @@ from tests.support.launch import launch
 
 #: The CI sample: 40 seeds on threads, each a model and four ways to run it.
 THREAD_SEEDS = range(40)
+#: Seeds run compiled (``compile=True``; a first compile takes seconds): the CI sample of
+#: ``make fuzz-compile``.
+COMPILED_SEEDS = [0, 1]
 #: Seeds run again on two processes, two cases each, as two ranks.
 PROCESS_SEEDS = [1000 + i for i in range(5)]
 
@@ -28,6 +31,16 @@ def test_generated_cases_match_the_plain_model(seed: int) -> None:
               if not result.ok]
     assert not failed, ("\n".join(failed) + "\nreproduce (and shrink): "
                         f"python -m tests.generated --seed {seed}")
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("seed", COMPILED_SEEDS)
+def test_generated_cases_compiled_match_the_plain_model(seed: int) -> None:
+    cases = draw_cases(seed, compiled=True)
+    failed = [f"{case}\n  {result}" for case, result in zip(cases, run_cases(cases))
+              if not result.ok]
+    assert not failed, ("\n".join(failed) + "\nreproduce (and shrink): "
+                        f"python -m tests.generated --seed {seed} --compile")
 
 
 def test_generated_cases_on_two_processes(tmp_path: Path) -> None:

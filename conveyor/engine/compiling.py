@@ -143,9 +143,9 @@ def compile_stage(layers: Partition, *, index: int, first_layer: int) -> Compile
 
 def compile_graphs(layers: Partition) -> None:
     """Compiles each graph of a traced stage (its :class:`WholeStage`, conveyor's own
-    modules) with ``torch.compile``, but for a graph that draws random numbers, which
-    stays eager (compiled, its random ops would draw other numbers than the plain
-    model's): parameters, names and state dict stay as they are, and so do the stage's
+    modules) with ``torch.compile``, but for a graph that draws random numbers or
+    writes into one of its inputs (a buffer), which stays eager, as such a layer does
+    (see the module's notes): parameters, names and state dict stay as they are, and so do the stage's
     loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
     through the compiled graph; see :func:`before_compiled_call`)."""
     keep_compiled_buffers()
@@ -154,9 +154,9 @@ def compile_graphs(layers: Partition) -> None:
         for graph in layer.graphs():
             if graph in _COMPILED:
                 continue
-            if _draws_random(graph):
-                _log.info("compile=True: a graph of %s draws random numbers; it runs "
-                          "eagerly, to draw the plain model's numbers", layer)
+            if _draws_random(graph) or _writes_inputs(graph):
+                _log.info("compile=True: a graph of %s draws random numbers or writes "
+                          "into a buffer; it runs eagerly", layer)
                 continue
             _COMPILED.add(graph)
             _COMPILED.add(layer)  # the stage's loop marks what enters it
@@ -260,6 +260,24 @@ def _draws_random(graph: torch.fx.GraphModule) -> bool:
                and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
                and not _draws_nothing(node)
                for node in graph.graph.nodes)
+
+
+def _writes_inputs(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph``, or a graph it calls (a region under ``no_grad``), calls an op
+    that writes into one of that graph's inputs (a buffer's update, ``count.add_(1)``);
+    in-place ops on values made inside are left alone."""
+    for module in graph.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        inputs = {node for node in module.graph.nodes if node.op == "placeholder"}
+        for node in module.graph.nodes:
+            schema = getattr(node.target, "_schema", None)
+            if node.op != "call_function" or schema is None:
+                continue
+            if any(argument.alias_info is not None and argument.alias_info.is_write
+                   and value in inputs for argument, value in zip(schema.arguments, node.args)):
+                return True
+    return False
 
 
 def _draws_nothing(node: torch.fx.Node) -> bool:

@@ -12,7 +12,8 @@ inputs (for ``y = x @ w.T``, the matmul's backward node):
 Together they do the work of one backward, and W accumulates into ``.grad`` exactly
 what the full backward would. Parameters whose subgraph never meets the input path
 (every parameter of a stage whose input needs no gradient) are reached from the stage
-outputs in W. Built on public autograd APIs (GradientEdge, node pre-hooks); the same
+outputs in W. A compiled graph is one node whose backward computes all its gradients
+at once: its parameters get theirs in I (W from that node would run it again). Built on public autograd APIs (GradientEdge, node pre-hooks); the same
 idea as torch.distributed.pipelining's stage_backward_input/weight.
 """
 
