@@ -65,6 +65,18 @@ unflatten_dense_tensors = _unflatten_dense_tensors
 COMPILED_BACKWARD = "CompiledFunctionBackward"
 
 
+# What torch.compile raises when it cannot trace or compile a function (dynamo's and
+# inductor's errors, a fake-tensor run that failed), before the graph runs.
+COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException,)
+
+
+def compiled_graph_count() -> int:
+    """How many graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Lets torch.compile treat ``dim`` of ``tensor`` as dynamic from its first graph
     (``maybe_``: without failing where the graph makes it static)."""

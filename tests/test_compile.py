@@ -376,3 +376,71 @@ def test_a_traced_graph_writing_into_a_buffer_stays_eager_and_exact() -> None:
     assert_same_grads(pipe.named_parameters(), plain.named_parameters())
     first, last = (stage.layers[0].graphs() for stage in pipe.runtime.stages.values())
     assert not any(map(is_compiled, first)) and all(map(is_compiled, last))
+
+
+def test_a_recording_counts_the_graphs_compiled_meanwhile() -> None:
+    """The first step compiles each stage's graph; later steps compile nothing, other
+    and uneven micro-batch sizes included (dim 0 is dynamic), but for a micro-batch of
+    one row: torch specializes sizes 0 and 1, so that compiles once more, and shows."""
+    model, _ = build("mlp")
+    x, y = sample("mlp", batch=10), torch.randn(10, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, balance=[4, 3],
+                             devices=["cpu", "cpu"], compile=True)
+    with conveyor.record(pipe) as first:
+        pipe.step(x, y)
+    with conveyor.record(pipe) as later:
+        pipe.step(x, y)
+        pipe.step(x[:9], y[:9])  # micro-batches of 3, 2, 2, 2 rows
+    with conveyor.record(pipe) as single:
+        pipe.step(x[:7], y[:7])  # 2, 2, 2, 1
+    assert first.compiled_graphs == 2 and later.compiled_graphs == 0
+    assert single.compiled_graphs == 2
+    assert conveyor.Timeline.from_dict(first.to_dict()).compiled_graphs == first.compiled_graphs
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_a_stage_whose_first_layer_writes_into_its_input_compiles_on_a_copy(
+        recompute: str) -> None:
+    """Generator seed 16.3, shrunk: the stage's input arrives as a leaf that requires
+    grad, and its first layer is an in-place ReLU. Eager, the stage learns it from the
+    error and copies its input; compiled as one graph, the probe aside finds it first
+    (on a copy of the input, which it had written into before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.ReLU(inplace=True),
+                          nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=2, balance=[2, 2],
+                             devices=["cpu", "cpu"], recompute=recompute, compile=True)
+    loss = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    last = pipe.runtime.stages[1]
+    assert last.copies_input and last.compiled.eager == {(True, True): frozenset()}
+
+
+def test_a_layer_torch_cannot_compile_runs_eagerly_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Inductor refused a conv2d block's dynamic batch size inside the generator's run
+    (seed 35.1: "cannot determine truth value of Relational"): torch's error comes
+    before the graph runs, so the layer runs eagerly from then on, said once."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4).double()
+    call = CompiledCall(layer, "conveyor_layer_7")
+    calls = []
+
+    def refuse(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x)
+        raise torch._dynamo.exc.TorchRuntimeError("cannot determine truth value")
+
+    call._compiled = refuse
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="conveyor.engine.compiling"):
+        torch.testing.assert_close(call(x), layer(x), rtol=0, atol=0)
+        torch.testing.assert_close(call(x), layer(x), rtol=0, atol=0)
+    assert len(calls) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "compile=True: torch could not compile conveyor_layer_7, which runs eagerly: "
+        "cannot determine truth value"]

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.layers import Partition, WholeStage
-from conveyor.torchprivate import keep_compiled_buffers, mark_dynamic, pytree
+from conveyor.torchprivate import COMPILER_ERRORS, keep_compiled_buffers, mark_dynamic, pytree
 
 __all__: list[str] = []
 
@@ -61,6 +61,7 @@ class CompiledCall:
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
+        self.name = name
         self._layout = EagerLayout()
 
         def call(x: Any) -> Any:
@@ -68,11 +69,23 @@ class CompiledCall:
 
         own = types.FunctionType(call.__code__.replace(co_name=name),
                                  call.__globals__, name, None, call.__closure__)
-        self._compiled = torch.compile(own)
+        self._compiled: Any = torch.compile(own)
 
     def __call__(self, x: Any) -> Any:
+        if self._compiled is None:
+            return self.module(x)
         before_compiled_call(x)
-        output = self._compiled(x)
+        try:
+            output = self._compiled(x)
+        except COMPILER_ERRORS as exc:
+            # torch could not compile it (inductor's dynamic shapes refused a conv2d
+            # block, generator seed 35.1): it runs eagerly from now on. The error came
+            # before the graph ran; a layer that draws or updates a buffer runs eagerly
+            # anyway, so running it again repeats no side effect.
+            _log.warning("compile=True: torch could not compile %s, which runs eagerly: "
+                         "%s", self.name, str(exc).splitlines()[0][:300])
+            self._compiled = None
+            return self.module(x)
         laid_out = self._layout(self.module, (x,), output)
         return output if laid_out is None else laid_out
 

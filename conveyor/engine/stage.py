@@ -111,7 +111,8 @@ class Stage(StageActions):
 
     def compile(self) -> None:
         """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiling`):
-        its layers run as one graph in each mode in which none draws random numbers."""
+        its layers run as one graph in each mode in which none draws random numbers or
+        updates a buffer."""
         self.compiled = compile_stage(self.layers, index=self.index, first_layer=self.first_layer)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -182,10 +183,10 @@ class Stage(StageActions):
 
     def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
         rows = batch_rows(x)
-        if self.copies_input:
-            x = _copied_leaves(x)
         modes = self.compiled.modes() if self.compiled is not None else ()
         graph = self._stage_graph(x, rows, modes) if self.compiled is not None else None
+        if self.copies_input:  # (the compiled stage's probe may have found it just now)
+            x = _copied_leaves(x)
         if graph is not None:
             return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
@@ -228,11 +229,14 @@ class Stage(StageActions):
         """The offsets of the layers that must run eagerly in the current mode: those
         that draw random numbers or update a buffer (see
         :mod:`conveyor.engine.compiling`), found by running the layers eagerly aside on
-        ``x`` (each under the probe that routes its draws where workers share the
-        device; random numbers and buffers put back). A layer that fails here, or
-        changes the batch dimension, makes them all eager: their own calls raise the
-        error, naming the layer."""
+        a copy of ``x`` (each under the probe that routes its draws where workers share
+        the device; random numbers and buffers put back). A first layer that writes into
+        the stage's input makes the stage copy its input from now on, as the eager
+        stage does. A layer that fails here, or changes the batch dimension, makes them
+        all eager: their own calls raise the error, naming the layer."""
         eager = set()
+        received = x = pytree.tree_map_only(  # what a layer writes into, put back
+            torch.Tensor, lambda t: t.detach().clone() if t.requires_grad else t, x)
         try:
             for offset, layer in enumerate(self.layers):
                 index = self.first_layer + offset
@@ -240,7 +244,10 @@ class Stage(StageActions):
                 with self.randomness.probing(index, layer):
                     x = run_aside(layer, (x,), updated)
                 self._check_output(x, rows, offset, 0)
-                if updated or self.randomness.draws(index, layer):
+                if offset == 0 and self.index > 0 and _shares_a_tensor(updated, received):
+                    self.copies_input = True
+                buffers = {id(b) for b in layer.buffers()}
+                if any(id(t) in buffers for t in updated) or self.randomness.draws(index, layer):
                     eager.add(offset)
         except Exception as exc:  # noqa: BLE001 - the layer's own call raises it, named
             _log.debug("stage %d: a layer failed aside (%s); its layers run eagerly",
@@ -369,6 +376,12 @@ def _shares_a_leaf(value: Any, received: Any) -> bool:
     leaves = {id(t) for t in pytree.tree_leaves(received)
               if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
     return any(id(t) in leaves for t in pytree.tree_leaves(value))
+
+
+def _shares_a_tensor(tensors: Sequence[torch.Tensor], value: Any) -> bool:
+    """Whether one of ``tensors`` is a tensor leaf of ``value``."""
+    leaves = {id(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
+    return any(id(t) in leaves for t in tensors)
 
 
 def _copied_leaves(inputs: Any) -> Any:

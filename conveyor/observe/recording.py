@@ -9,7 +9,9 @@
 
 Off by default and free when off; see :mod:`conveyor.engine.recorder` for its cost.
 The timeline carries the schedule's edges, so that pictures show their messages.
-Under torchrun every rank records its own actions; when the block ends, every rank gets
+It counts the graphs torch.compile made in the process meanwhile
+(``timeline.compiled_graphs``: a recompilation shows there). Under torchrun every rank
+records its own actions; when the block ends, every rank gets
 all the ranks' events, on clocks aligned by a barrier taken when recording began (both
 bounded by the pipeline's opening deadline; the events cross as JSON).
 """
@@ -26,6 +28,7 @@ import torch
 from conveyor.distributed.faults import collective
 from conveyor.engine.recorder import Recorder
 from conveyor.schedules.timeline import Event, Timeline
+from conveyor.torchprivate import compiled_graph_count
 
 __all__ = ["record"]
 
@@ -51,11 +54,13 @@ def record(pipe: Any) -> Iterator[Timeline]:
                         name=schedule.name,
                         edges=[(e.source, e.destination, e.gradient) for e in schedule.edges])
     executor.recorder = recorder
+    compiled_before = compiled_graph_count()
     failed = True
     try:
         yield timeline
         failed = False
     finally:
+        timeline.compiled_graphs = compiled_graph_count() - compiled_before
         executor.recorder = None
         if pipe.runtime.executor.recorder is recorder:  # a re-balance gave the pipe a new executor
             pipe.runtime.executor.recorder = None

@@ -65,6 +65,9 @@ class Timeline:
         edges: the schedule's edges as ``(source, destination, gradient)``: stage
             ``source``'s forward sends values straight to stage ``destination``'s (and,
             with ``gradient``, the destination's backward sends their gradient back).
+        compiled_graphs: how many graphs torch.compile made in this process while the
+            steps ran (``compile=True``): after the first steps, any is a
+            recompilation in the middle of training.
     """
 
     num_ranks: int
@@ -73,6 +76,7 @@ class Timeline:
     name: str = ""
     unit: str = "s"
     edges: list[tuple[int, int, bool]] = field(default_factory=list)
+    compiled_graphs: int = 0
 
     @property
     def origin(self) -> float:
@@ -147,6 +151,8 @@ class Timeline:
                 "unit": self.unit, "events": [asdict(e) for e in self.events]}
         if self.edges:
             data["edges"] = [list(edge) for edge in self.edges]
+        if self.compiled_graphs:
+            data["compiled_graphs"] = self.compiled_graphs
         return data
 
     @classmethod
@@ -154,7 +160,8 @@ class Timeline:
         return cls(num_ranks=data["num_ranks"], source=data.get("source", "measured"),
                    name=data.get("name", ""), unit=data.get("unit", "s"),
                    events=[Event(**e) for e in data["events"]],
-                   edges=[(int(i), int(j), bool(g)) for i, j, g in data.get("edges", ())])
+                   edges=[(int(i), int(j), bool(g)) for i, j, g in data.get("edges", ())],
+                   compiled_graphs=int(data.get("compiled_graphs", 0)))
 
     def save(self, path: str | Path) -> None:
         """Writes the timeline as JSON (``Timeline.load`` reads it back)."""
