@@ -1,6 +1,6 @@
 """``compile=True``: a stage's layers compiled as one graph where none of them draws
-random numbers, else each layer that draws none, as the plain model's eager forward
-would run them.
+random numbers or updates a buffer, else each layer that does neither, as the plain
+model's eager forward would run them.
 
 A stage of layers (an ``nn.Sequential`` cut) runs as one compiled graph, its
 :class:`StageGraph`, in every mode (training, eval) in which a first call aside finds
@@ -158,9 +158,9 @@ def compile_graphs(layers: Partition) -> None:
     """Compiles each graph of a traced stage (its :class:`WholeStage`, conveyor's own
     modules) with ``torch.compile``, but for a graph that draws random numbers or
     writes into one of its inputs (a buffer), which stays eager, as such a layer does
-    (see the module's notes): parameters, names and state dict stay as they are, and so do the stage's
-    loop and its checks around it, recomputation and the ``I``/``W`` split (autograd
-    through the compiled graph; see :func:`before_compiled_call`)."""
+    (see the module's notes). The stage's loop and its checks stay around the graphs,
+    and so do recomputation and the ``I``/``W`` split (autograd through the compiled
+    graph; see :func:`before_compiled_call`)."""
     keep_compiled_buffers()
     for layer in layers:
         assert isinstance(layer, WholeStage)
