@@ -83,7 +83,7 @@ fuzz: $(VENV)/.installed
 	$(BIN)/python -m tests.generated --start $(FUZZ_START) --count $(FUZZ_COUNT) \
 		--jobs $(FUZZ_JOBS) --json benchmarks/results/fuzz.json
 
-# The same, each case with compile=True (CI runs seeds 0-1): FUZZ_COMPILE_COUNT seeds.
+# The same, each case with compile=True (CI runs seed 1): FUZZ_COMPILE_COUNT seeds.
 FUZZ_COMPILE_COUNT ?= 100
 fuzz-compile: $(VENV)/.installed
 	$(BIN)/python -m tests.generated --start $(FUZZ_START) --count $(FUZZ_COMPILE_COUNT) \

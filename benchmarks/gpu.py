@@ -18,9 +18,10 @@ The parts, in order:
   autograd's accumulation of weight gradients instead of conveyor's fused one;
 * ``schedules``: every schedule on 4 stages of one GPU: step time and the activation
   memory it holds, against the planner's simulation (time calibrated on 1F1B);
-* ``precision``: the plain model and 2 stages (M=8) in float32, under the caller's bf16
-  autocast, with ``precision="bf16"`` and ``"fp16"``, and with ``compile=True``
-  (time, memory);
+* ``precision``: the plain model (eager, and compiled whole) and 2 stages (M=8) in
+  float32, under the caller's bf16 autocast, with ``precision="bf16"`` and ``"fp16"``,
+  and with ``compile=True`` (each stage one graph; also without ``EagerLayout``, and
+  under zero-bubble): time, memory, and the GPU's busy share of a step;
 * ``table1``: the paper's Table 1 on one GPU capped at 16 GiB: the largest
   Transformer that trains naively and with Pipeline-1 (re-materialization and
   micro-batches), and the activation memory of each at one size;

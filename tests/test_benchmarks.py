@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def test_gpu_script_runs_every_part_at_toy_sizes_and_writes_its_report(tmp_path:
     report = json.loads((tmp_path / "gpu-smoke.json").read_text())["results"]
     assert not [name for name, part in report.items() if "error" in part], report
     assert report["equivalence"]["cases"] == 4 and not report["equivalence"]["failures"]
-    assert report["tests"]["summary"].startswith("14 tests collected")
+    assert re.match(r"\d+ tests collected", report["tests"]["summary"]), report["tests"]
     overhead = report["overhead"]["over_accumulated"]
     pipelines = {"K=1, M=4", "K=2, M=8", "K=4, M=16"}
     assert set(overhead) == pipelines | {f"{p}, autograd's accumulation" for p in pipelines}

@@ -18,8 +18,8 @@ from tests.support.launch import launch
 #: The CI sample: 40 seeds on threads, each a model and four ways to run it.
 THREAD_SEEDS = range(40)
 #: Seeds run compiled (``compile=True``; a first compile takes seconds): the CI sample of
-#: ``make fuzz-compile``.
-COMPILED_SEEDS = [0, 1]
+#: ``make fuzz-compile`` (seed 1: four cases, 14 s with inductor's cache cold).
+COMPILED_SEEDS = [1]
 #: Seeds run again on two processes, two cases each, as two ranks.
 PROCESS_SEEDS = [1000 + i for i in range(5)]
 
