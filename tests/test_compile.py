@@ -279,26 +279,27 @@ def test_every_schedule_runs_whole_compiled_stages_exactly(schedule: str) -> Non
         assert stage.compiled.eager == dict.fromkeys(modes, frozenset())
 
 
-class Counting(nn.Module):
-    """Counts its calls in a buffer and reads the count (the generator's "cache" and
-    "counter" blocks): compiled, torch saved the buffer itself for backward and then
-    wrote into it, and backward refused it."""
+class Caching(nn.Module):
+    """Reads what its previous call left in a buffer, then writes its input's mean there
+    under ``no_grad`` (the generator's "cache" block, seeds 0.3 and 7.0): compiled,
+    torch saved the buffer itself for backward and then wrote into it, and backward
+    refused it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(6, 6)
-        self.register_buffer("count", torch.zeros(6))
+        self.register_buffer("state", torch.zeros(6))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x + self.linear(x) * torch.tanh(self.count.clone())
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = h + self.linear(h) * torch.tanh(self.state.clone())
         with torch.no_grad():
-            self.count.add_(1)
+            self.state.copy_(h.mean(0))
         return out
 
 
 def test_a_layer_updating_a_buffer_runs_eagerly_and_the_others_compiled() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), Counting(), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(nn.Linear(6, 6), Caching(), nn.Tanh(), nn.Linear(6, 3)).double()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, balance=[3, 1],
@@ -309,7 +310,7 @@ def test_a_layer_updating_a_buffer_runs_eagerly_and_the_others_compiled() -> Non
     expected.backward()
     assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
     assert_same_grads(pipe.named_parameters(), reference.named_parameters())
-    torch.testing.assert_close(model[1].count, reference[1].count)
+    torch.testing.assert_close(model[1].state, reference[1].state)
     first, last = pipe.runtime.stages[0].compiled, pipe.runtime.stages[1].compiled
     assert first.eager == {(True,) * 3: frozenset({1})}
     assert last.eager == {(True,): frozenset()}
@@ -331,22 +332,6 @@ def test_compiling_leaves_the_models_modules_as_they_were() -> None:
     with torch.no_grad():
         copied[0].weight.add_(1.0)
         assert not torch.equal(copied(x), model.eval()(x))
-
-
-class Caching(nn.Module):
-    """Reads what its previous call left in a buffer, then writes its input's mean there
-    under ``no_grad`` (the generator's "cache" block, seed 7.0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-        self.register_buffer("state", torch.zeros(6))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = h + self.linear(h) * torch.tanh(self.state.clone())
-        with torch.no_grad():
-            self.state.copy_(h.mean(0))
-        return out
 
 
 class WithCache(nn.Module):
