@@ -77,7 +77,11 @@ class Pipeline(RunsRuntime):
             "always", "except_last" (default) or "never"; or a list of one per stage
             (``["never", "always"]``: the first stage keeps its activations).
         checkpoint: another name for ``recompute`` (torchgpipe's).
-        data_parallel: D replicas of the pipeline (under torchrun, world = K·D).
+        data_parallel: D replicas of the pipeline (under torchrun, world = K·D; each
+            replica steps on its own batch); or replicas per stage, ``[2, 1]``:
+            PipeDream's replicated stages, one pipeline of 2 + 1 processes in which
+            stage 0's two replicas take turns at the micro-batches (every rank steps
+            on the same batch, as without replicas).
         sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
             gradients all-reduced) or "fsdp" (torch's FSDP2: 1/D of the parameters,
             gradients and optimizer state each; see ``conveyor.distributed.sharding``).
@@ -142,7 +146,7 @@ class Pipeline(RunsRuntime):
         devices: Sequence[Device] | None = None,
         recompute: str | Sequence[str] | None = None,
         checkpoint: str | Sequence[str] | None = None,
-        data_parallel: int = 1,
+        data_parallel: int | Sequence[int] = 1,
         sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,

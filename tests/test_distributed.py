@@ -263,3 +263,47 @@ def test_ranks_started_with_different_pipelines_refuse_naming_each_value(tmp_pat
         assert ("the model differs: parameter 6 is 5.weight [3, 12] float64 on rank 0 but "
                 "5.weight [12, 12] float64 on rank 1") in found["model"], found["model"]
         assert float(found["loss"]) > 0  # and a pipeline built alike runs after all that
+
+
+def test_replicated_stages_equal_the_plain_model(tmp_path: Path) -> None:
+    """data_parallel=[2, 1] and [1, 2]: each replica of a stage runs its share of the
+    micro-batches and ends with the stage's whole gradient, tied weights included."""
+    import conveyor.schedules.replicas
+    from tests.support.scenarios.pipeline import REPLICATED
+
+    outcome = launch("replicated_stages", 3, tmp_path, timeout=240)
+    assert outcome.returncodes == [0] * 3, "\n".join(outcome.outputs)
+    for model_name, schedule, replicas, chunks in REPLICATED:
+        label = f"{model_name} {schedule} {list(replicas)}"
+        losses, _, results = collect(tmp_path, f"{model_name}-{schedule}-rank{{rank}}.pt", 3)
+        expected_loss, expected = plain_gradients(model_name)
+        assert all(abs(loss - expected_loss) <= 1e-12 * abs(expected_loss)
+                   for loss in losses), label
+        for rank, result in enumerate(results):  # every replica holds the whole gradient
+            for name, grad in result["grads"].items():  # type: ignore[attr-defined]
+                assert relative_error(grad, expected[name]) <= 1e-10, f"{label} {rank} {name}"
+        held: set[str] = set().union(*(r["grads"] for r in results))  # type: ignore[arg-type]
+        assert held == set(expected), label
+        # replica j of stage s ran the micro-batches m with m % replicas[s] == j, and
+        # the recording has a row per process
+        dealt = conveyor.schedules.replicas.StageReplicas(replicas)
+        for rank, stage, _, microbatch in results[0]["ran"]:  # type: ignore[attr-defined]
+            assert rank == dealt.worker(stage, microbatch), f"{label}: {rank} {stage}"
+        assert {e[3] for e in results[0]["ran"]} == set(range(chunks)), label  # type: ignore[attr-defined]
+        # a forward alone runs on each stage's first replica: the output on one rank
+        last = sum(replicas) - replicas[-1]
+        outputs = [r["eval"] for r in results]
+        assert [o is None for o in outputs] == [r != last for r in range(3)], label
+        model, _ = case_model(model_name)
+        with torch.no_grad():
+            assert relative_error(outputs[last], model(case_batch(model_name)[0])) <= 1e-12
+        if model_name == "lm":
+            x, y = padded_batch()
+            token_expected = plain_token_loss(model(x), y)
+            token_expected.backward()
+            for result in results:
+                assert abs(float(result["token_loss"]) - token_expected.item()) <= (  # type: ignore[arg-type]
+                    1e-10 * token_expected.item()), label
+                for name, grad in result["token_grads"].items():  # type: ignore[attr-defined]
+                    p = dict(model.named_parameters(remove_duplicate=False))[name]
+                    assert relative_error(grad, p.grad) <= 1e-10, f"{label} token {name}"

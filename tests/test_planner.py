@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, ScheduleError
 from conveyor.planner import (Cluster, LayerCost, Level, ModelProfile, PipelinePlan, evaluate,
                               profile_model, solve)
 from conveyor.planner.machines import parse_bandwidth, parse_seconds
@@ -144,8 +144,9 @@ def test_a_heavy_first_layer_gets_replicas_and_a_plan_says_why() -> None:
     plan = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",))[0]
     assert plan.replicas == [3, 1] and plan.balance == [1, 1]
     assert plan.bottleneck.startswith("stage 0 (layers 0-0, 3 replicas)")
-    with pytest.raises(ConveyorError, match=r"\[3, 1\] replicas"):
-        plan.pipeline_options()
+    # one pipeline of 3 + 1 processes, stage 0's replicas taking turns at the 12
+    options = plan.pipeline_options()
+    assert options["data_parallel"] == [3, 1] and options["chunks"] == 12
     uniform = solve(vgg_like, cluster, batch=48, chunk_options=[12], schedules=("1f1b",),
                     uniform_replicas=True)
     assert all(len(set(p.replicas)) == 1 and 12 % p.replicas[0] == 0 for p in uniform)
@@ -304,3 +305,20 @@ def test_a_plan_of_a_hugging_face_model_runs_exactly(name: str, mode: str) -> No
     pipe.step(inputs, targets)
     # Llama's RMSNorm computes in float32 even in a float64 model.
     assert_model_grads(pipe, reference, 1e-6 if name == "llama" else 1e-10)
+
+
+def test_replicated_stages_need_processes_and_a_table_of_one_stage_per_rank() -> None:
+
+    from conveyor.schedules import build as build_schedule
+    from conveyor.schedules.replicas import StageReplicas
+
+    with pytest.raises(ConveyorError, match=r"launch 3 of them under torchrun"):
+        conveyor.Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=4,
+                          data_parallel=[2, 1], loss_fn=nn.functional.mse_loss)
+    dealt = StageReplicas((2, 1))
+    table = build_schedule("1f1b", 2, 5)
+    columns = dealt.columns(dict(enumerate(table.columns)))
+    assert [[str(a) for a in columns[w] if a.kind.value == "F"] for w in range(3)] == [
+        ["0F0", "0F2", "0F4"], ["0F1", "0F3"], ["1F0", "1F1", "1F2", "1F3", "1F4"]]
+    with pytest.raises(ScheduleError, match="not an interleaved or V schedule"):
+        dealt.check(build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2))

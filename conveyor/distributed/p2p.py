@@ -76,6 +76,7 @@ class P2PTransport(Receiving):
         self.topology = topology
         self.schedule = schedule
         self.stage_ranks = list(schedule.stage_ranks)
+        self.replicas = topology.replicas
         self.deadlines = deadlines
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
@@ -149,7 +150,7 @@ class P2PTransport(Receiving):
     def _messages_of(self, action: Action) -> list[tuple[tuple[str, int, int, int], int]]:
         """What ``action`` sends, in order, each with the pipeline rank it goes to."""
         return [((message.kind, message.source, message.destination, message.microbatch),
-                 self.stage_ranks[message.destination])
+                 self._rank_of(message.destination, message.microbatch))
                 for message in self.schedule.messages(action)]
 
     def reset(self) -> None:
@@ -164,7 +165,7 @@ class P2PTransport(Receiving):
     def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
              source: int | None = None) -> None:
         source = neighbour(kind, stage) if source is None else source
-        destination = self.stage_ranks[stage]
+        destination = self._rank_of(stage, microbatch)
         if destination == self.topology.pipeline_rank:
             self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return

@@ -45,6 +45,7 @@ from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, neig
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.liveness import keep_waiting
 from conveyor.errors import ConveyorError, PeerFailure
+from conveyor.schedules.replicas import StageReplicas
 
 __all__: list[str] = []
 
@@ -66,6 +67,8 @@ class Receiving:
 
     topology: Topology
     stage_ranks: list[int]
+    #: replicated stages: who runs what this step (None: the table's ranks)
+    replicas: StageReplicas | None
     deadlines: Deadlines
     step: int
     broken: str | None
@@ -82,6 +85,12 @@ class Receiving:
     _stash: dict[tuple[str, int, int, int], Any]
     _arrives: dict[tuple[str, int, int, int], float]  # on emulated links: when, by key
     _aborted: bool
+
+    def _rank_of(self, stage: int, microbatch: int) -> int:
+        """The pipeline rank that runs ``stage`` on ``microbatch``."""
+        if self.replicas is None:
+            return self.stage_ranks[stage]
+        return self.replicas.worker(stage, microbatch)
 
     def _post(self, peer: int, *, drain: bool = False) -> None:
         """Posts the receive of ``peer``'s next expected message, if any (``drain``:
@@ -129,7 +138,7 @@ class Receiving:
     def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
              source: int | None = None) -> Any:
         source_stage = neighbour(kind, stage) if source is None else source
-        source = self.stage_ranks[source_stage]
+        source = self._rank_of(source_stage, microbatch)
         if source == self.topology.pipeline_rank:
             return self.local.recv(kind, stage, microbatch, source=source_stage)
         key = (kind, source_stage, stage, microbatch)

@@ -28,7 +28,9 @@ def connect_ties(ties: Sequence[TiedParameter], topology: Topology,
     for tie in ties:
         tie.group = _tie_group(tie.stages, stage_ranks, topology)
         if tie.group is not None and tie.copies:
-            source = topology.global_rank(stage_ranks[tie.stages[0]])
+            first = tie.stages[0]
+            source = topology.global_rank(stage_ranks[first] if topology.replicas is None
+                                          else topology.replicas.first(first))
             collective.broadcast(tie.copies[0].data, src=source, group=tie.group,
                                  what="the broadcast of a tied weight's first value",
                                  seconds=seconds)
@@ -36,7 +38,8 @@ def connect_ties(ties: Sequence[TiedParameter], topology: Topology,
 
 
 def _tie_group(stages: Sequence[int], stage_ranks: Sequence[int], topology: Topology) -> Any:
-    """The process group of the ranks holding copies, for this data replica.
+    """The process group of the ranks holding copies, for this data replica (with
+    replicated stages: of every process holding one).
 
     Every process must create every group, in the same order (a torch.distributed rule),
     so this loops over all replicas and returns the one this process belongs to.
@@ -44,6 +47,11 @@ def _tie_group(stages: Sequence[int], stage_ranks: Sequence[int], topology: Topo
     pipeline_ranks = sorted({stage_ranks[s] for s in stages})
     if len(pipeline_ranks) < 2:
         return None
+    if topology.replicas is not None:  # every replica of every stage holding a copy
+        holders = [topology.replicas.first(s) + j for s in stages
+                   for j in range(topology.replicas.counts[s])]
+        group = topology.new_group(holders)
+        return group if topology.pipeline_rank in holders else None
     mine = None
     for replica in range(topology.data_size):
         members = [k * topology.data_size + replica for k in pipeline_ranks]

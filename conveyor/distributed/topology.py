@@ -6,10 +6,17 @@ DeviceMesh of shape (pipeline K, data D); global rank g is pipeline rank g // D 
 data replica g % D, so the replicas of a stage are neighbours (on one node when D
 divides the GPUs per node) and pipeline hops cross nodes. Messages between the ranks
 travel by :mod:`conveyor.distributed.p2p`.
+
+With ``data_parallel=[r0, r1, ...]`` (PipeDream's replicated stages) the world of
+r0 + r1 + ... processes is one pipeline in which stage s is held by r_s processes, the
+global ranks numbered stage by stage; replica j of stage s runs the micro-batches m with
+m % r_s == j (:class:`~conveyor.schedules.replicas.StageReplicas`), and the replicas of a
+stage sum their gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
@@ -20,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.errors import ConveyorError
+from conveyor.schedules.replicas import StageReplicas
 
 __all__: list[str] = []
 
@@ -42,6 +50,11 @@ class Topology:
         timeout: the seconds a collective of the groups made for the pipeline's
             replicas and ties may wait inside the backend (the pipeline's opening
             timeout), rather than torch's default of 30 minutes.
+        replicas: replicated stages (None: none): the processes of the pipeline
+            (``pipeline_size`` of them) hold its stages so, and stage s's
+            ``replica_group`` sums their gradients.
+        replica_group: the process group of this stage's replicas (None: not
+            replicated, or only one).
     """
 
     pipeline_size: int
@@ -54,6 +67,16 @@ class Topology:
     device: torch.device | None = None
     mesh: Any = None
     timeout: float | None = None
+    replicas: StageReplicas | None = None
+    replica_group: Any = None
+
+    @property
+    def table_rank(self) -> int:
+        """The rank of the schedule's table whose column (some of it, if the stages
+        are replicated) this process runs."""
+        if self.replicas is None:
+            return self.pipeline_rank
+        return self.replicas.place(self.pipeline_rank)[0]
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         """``dist.new_group(ranks)`` bounded by the pipeline's timeout."""
@@ -68,21 +91,29 @@ class Topology:
         return self.pipeline_ranks[pipeline_rank]
 
     @classmethod
-    def from_environment(cls, *, data_parallel: int, stages: int | None,
+    def from_environment(cls, *, data_parallel: int | Sequence[int], stages: int | None,
                          timeout: float) -> Topology | None:
         """The layout of an initialised (or torchrun-launched) world; None in one process.
 
         Raises:
-            ConveyorError: the world size is not a multiple of ``data_parallel``, or
-                disagrees with ``stages``.
+            ConveyorError: the world size is not a multiple of ``data_parallel`` (or
+                not the sum of its replicas per stage), or disagrees with ``stages``.
         """
         if not dist.is_available():
             return None
         if not dist.is_initialized():
-            if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and data_parallel == 1:
-                return None
+            if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                if data_parallel == 1:
+                    return None
+                if not isinstance(data_parallel, int):
+                    raise ConveyorError(
+                        f"data_parallel={list(data_parallel)} replicates stages over "
+                        f"processes: launch {sum(data_parallel)} of them under torchrun "
+                        "(in one process, give one replica per stage)")
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        if not isinstance(data_parallel, int):
+            return cls._replicated(StageReplicas(tuple(data_parallel)), stages, timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % data_parallel:
             raise ConveyorError(f"{world} processes cannot hold data_parallel={data_parallel} "
@@ -108,6 +139,32 @@ class Topology:
             mesh=mesh,
             timeout=timeout,
         )
+
+    @classmethod
+    def _replicated(cls, replicas: StageReplicas, stages: int | None,
+                    timeout: float) -> Topology:
+        """One pipeline of the whole world, its stages replicated as ``replicas`` says."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        counts = list(replicas.counts)
+        if world != replicas.workers or stages not in (None, len(counts)):
+            raise ConveyorError(
+                f"data_parallel={counts} places {replicas.workers} processes on "
+                f"{len(counts)} stages, but the world has {world} processes"
+                f"{'' if stages in (None, len(counts)) else f' and stages={stages}'}; "
+                f"launch {replicas.workers} processes (torchrun --nproc-per-node "
+                f"{replicas.workers})")
+        device = _process_device()
+        topology = cls(pipeline_size=world, pipeline_ranks=tuple(range(world)),
+                       pipeline_rank=rank, device=device, timeout=timeout, replicas=replicas)
+        pipeline_group = topology.new_group(range(world))
+        mine = None
+        for stage, count in enumerate(counts):  # every process makes every group
+            first = replicas.first(stage)
+            group = topology.new_group(range(first, first + count)) if count > 1 else None
+            if first <= rank < first + count:
+                mine = group
+        return dataclasses.replace(topology, pipeline_group=pipeline_group,
+                                   replica_group=mine)
 
 
 def _process_device() -> torch.device:

@@ -50,7 +50,9 @@ def record(pipe: Any) -> Iterator[Timeline]:
                               seconds=pipe.timeouts.opening)
     recorder = Recorder()
     schedule = executor.schedule
-    timeline = Timeline(num_ranks=len(set(executor.stage_ranks)), source="measured",
+    replicas = topology.replicas if topology is not None else None
+    timeline = Timeline(num_ranks=len(set(executor.stage_ranks)) if replicas is None
+                        else replicas.workers, source="measured",
                         name=schedule.name,
                         edges=[(e.source, e.destination, e.gradient) for e in schedule.edges])
     executor.recorder = recorder
@@ -64,7 +66,9 @@ def record(pipe: Any) -> Iterator[Timeline]:
         executor.recorder = None
         if pipe.runtime.executor.recorder is recorder:  # a re-balance gave the pipe a new executor
             pipe.runtime.executor.recorder = None
-        events = [Event(r.rank, r.action.stage, r.action.kind.value, r.action.microbatch,
+        # replicated stages: a row per process, numbered as simulate_replicas does
+        events = [Event(r.rank if replicas is None else topology.pipeline_rank,
+                        r.action.stage, r.action.kind.value, r.action.microbatch,
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]
         if group is not None and not failed:  # after a failure a peer may be gone

@@ -87,21 +87,16 @@ class PipelinePlan:
 
     def pipeline_options(self) -> dict[str, Any]:
         """What ``Pipeline(plan=self)`` passes on: the cut, schedule, micro-batches,
-        recomputation and data-parallel replicas (D replicas of the pipeline, each
-        running M / D of the plan's M micro-batches on its share of the batch).
-
-        Raises:
-            ConveyorError: the stages have different numbers of replicas, which the
-                runtime does not run yet.
+        recomputation and replicas. Uniform replicas make D replicas of the pipeline,
+        each running M / D of the plan's M micro-batches on its share of the batch;
+        uneven ones make one pipeline whose stage s has ``replicas[s]`` processes
+        taking turns at the M micro-batches (``data_parallel=[...]``).
         """
+        shared = {**self.cut(), "schedule": self.schedule, "recompute": self.recompute}
         if len(set(self.replicas)) > 1:
-            raise ConveyorError(
-                f"the plan gives its stages {self.replicas} replicas; pipelines run the same "
-                "number of replicas on every stage so far. Plan with uniform_replicas=True "
-                "(conveyor plan --uniform-replicas)")
+            return {**shared, "chunks": self.chunks, "data_parallel": self.replicas}
         replicas = self.replicas[0]  # each replica of the pipeline runs its share
-        return {**self.cut(), "schedule": self.schedule, "chunks": self.chunks // replicas,
-                "recompute": self.recompute, "data_parallel": replicas}
+        return {**shared, "chunks": self.chunks // replicas, "data_parallel": replicas}
 
     @property
     def recompute(self) -> str | list[str]:

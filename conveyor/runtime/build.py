@@ -35,7 +35,13 @@ from conveyor.graph.firstcall import (
 from conveyor.graph.layout import adopt, cut, refuse_edges
 from conveyor.graph.source import LayerBuilder
 from conveyor.runtime.options import PipelineOptions
-from conveyor.runtime.planning import local_ranks, make_schedule, with_model_edges
+from conveyor.runtime.planning import (
+    local_ranks,
+    make_schedule,
+    refuse_replicated,
+    table_ranks,
+    with_model_edges,
+)
 from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.steps import TrainingStep
@@ -88,12 +94,15 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
     if topology is not None and topology.distributed:
         agree({"ranks": topology.pipeline_size, **options.agreed(),
                "model": model_shapes(module)}, seconds=deadlines.opening)
-    ranks = (topology.pipeline_size if topology and (given or topology.distributed)
+    ranks = (table_ranks(topology) if topology and (given or topology.distributed)
              else local_ranks(options.stages, options.devices, options.balance,
                               options.virtual_stages, options.schedule))
     if topology is None or not topology.distributed:
         topology = Topology(pipeline_size=ranks)
     schedule = make_schedule(options.schedule, ranks, options.chunks, options.virtual_stages)
+    if topology.replicas is not None:
+        refuse_replicated(topology.replicas, schedule, sharding=options.sharding,
+                          rebalance=options.rebalance)
     devices = (resolve_devices(options.devices, ranks, what=f"the pipeline has {ranks} ranks",
                                per="pipeline rank")
                if not topology.distributed
@@ -143,7 +152,7 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         owner, pending.module, stages=schedule.num_stages,
         devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},
         local=[s for s in range(schedule.num_stages)
-               if not distributed or schedule.stage_ranks[s] == topology.pipeline_rank],
+               if not distributed or schedule.stage_ranks[s] == topology.table_rank],
         concurrent=thread_devices(devices if not distributed else devices[:1]),
         sample=sample, decide=_from_rank_zero(topology, pending.deadlines), **options.cut())
     if layout.edges:

@@ -77,7 +77,7 @@ class PipelineOptions:
     devices: Sequence[Device] | None = _option(None)
     recompute: str | Sequence[str] | None = _option(None)
     checkpoint: str | Sequence[str] | None = _option(None)
-    data_parallel: int = _option(1, agreed=True)
+    data_parallel: int | Sequence[int] = _option(1, agreed=_listed)
     sharding: str = _option("replicate", agreed=True)
     tie_weights: Sequence[Sequence[str]] = _option(
         (), agreed=lambda groups: [list(group) for group in groups], cut=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from conveyor.distributed.topology import Topology
 from conveyor.engine.devices import Device
 from conveyor.errors import BalanceError, ConveyorError, ScheduleError
 from conveyor.schedules import V_SHAPES, Edge, Schedule, validate
 from conveyor.schedules import build as build_schedule
+from conveyor.schedules.replicas import StageReplicas
 
 __all__: list[str] = []
 
@@ -73,3 +75,29 @@ def with_model_edges(schedule: Schedule, edges: tuple[Edge, ...]) -> Schedule:
     table = schedule.with_edges(edges)
     validate(table)
     return table
+
+
+def table_ranks(topology: Topology) -> int:
+    """The ranks of the table a pipeline of processes runs: one per process, or with
+    replicated stages one per stage."""
+    return topology.pipeline_size if topology.replicas is None else len(topology.replicas.counts)
+
+
+def refuse_replicated(replicas: StageReplicas, schedule: Schedule, *, sharding: str,
+                      rebalance: object) -> None:
+    """Raises unless replicated stages can run ``schedule`` with these options.
+
+    Raises:
+        ScheduleError: the table has more than one stage on a rank.
+        ConveyorError: sharded stages or re-balancing (both assume equal replicas).
+    """
+    replicas.check(schedule)
+    counts = list(replicas.counts)
+    if sharding != "replicate":
+        raise ConveyorError(f"data_parallel={counts} replicates stages unevenly, which "
+                            f"sharding={sharding!r} cannot shard; give a number of "
+                            "replicas for every stage, or sharding='replicate'")
+    if rebalance is not None:
+        raise ConveyorError(f"data_parallel={counts} replicates stages unevenly, and "
+                            "re-balancing moves layers between stages of one replica "
+                            "each; drop rebalance= or plan with uniform replicas")

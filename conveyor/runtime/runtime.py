@@ -131,7 +131,7 @@ class Runtime:
 
     def snapshot(self) -> dict[str, Any] | None:
         """This rank's place in the current (or last) step, as plain data."""
-        position = self.executor.positions.get(self.topology.pipeline_rank)
+        position = self.executor.positions.get(self.topology.table_rank)
         return None if position is None else position.snapshot()
 
     # ------------------------------------------------------------ collectives
@@ -146,7 +146,7 @@ class Runtime:
 
     def joining(self, what: str) -> None:
         """Notes in this rank's position that it is in the collective ``what``."""
-        position = self.executor.positions.get(self.topology.pipeline_rank)
+        position = self.executor.positions.get(self.topology.table_rank)
         if position is not None:
             position.joining(what)
 
@@ -156,11 +156,12 @@ class Runtime:
         topology = self.topology
         if not topology.distributed:
             return value
-        last = self.schedule.stage_ranks[-1] == topology.pipeline_rank
+        last = self.schedule.stage_ranks[-1] == topology.table_rank
         shared = value.to(self.device) if last else torch.zeros_like(value, device=self.device)
         # A sum to which the other ranks add zeros, not a broadcast: a rank may leave a
         # broadcast once the data has reached it, whether or not every rank joined, and
         # would end a step that another rank failed (its last backward, say) as done.
+        # (Replicas of the last stage each add their micro-batches' share.)
         self.all_reduce(shared, topology.pipeline_group,
                         "the all-reduce of the step's loss from the last stage")
         return shared.to(value.device)

@@ -133,12 +133,21 @@ def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
         how.sharding.reduce(divisor, lambda total, group: runtime.all_reduce(total, group,
                                                                              _TIES))
     else:
-        sum_tied_gradients(runtime.layout.ties,
-                           lambda total, group: runtime.all_reduce(total, group, _TIES))
+        ties = runtime.layout.ties
+        sum_tied_gradients(ties, lambda total, group: runtime.all_reduce(total, group, _TIES))
+        group, replicas = topology.data_group, topology.data_size
+        if topology.replicas is not None:  # a replicated stage: each ran a share
+            group = topology.replica_group
+            replicas = topology.replicas.counts[topology.table_rank]
+            tied = {id(p) for tie in ties if tie.group is not None  # summed over every
+                    for p in tie.copies}                            # replica already
+            for p in params:
+                if id(p) in tied and p.grad is not None:
+                    p.grad.div_(divisor)
+            params = [p for p in params if id(p) not in tied]
         reduce_across_replicas(
-            params, topology.data_group, topology.data_size, divisor,
-            lambda flat, op: runtime.all_reduce(flat, topology.data_group,
-                                              "the replicas' gradient averaging", op))
+            params, group, replicas, divisor,
+            lambda flat, op: runtime.all_reduce(flat, group, "the replicas' gradient sum", op))
     overflowed = how.scaler is not None and overflowed_on_any_rank(how.scaler, params,
                                                                    runtime)
     return loss, overflowed
@@ -158,12 +167,14 @@ def step_loss(state: StepState, runtime: Runtime, chunks: int) -> tuple[torch.Te
     """
     totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
     if runtime.schedule.num_stages - 1 in runtime.stages:
-        losses = torch.stack([state.losses[m] for m in range(chunks)]).to(totals)
+        # (a replicated last stage has its micro-batches' alone; the sum adds them up)
+        ran = sorted(state.losses)
+        losses = torch.stack([state.losses[m] for m in ran]).to(totals)
         if state.counts:
-            counts = torch.stack([state.counts[m] for m in range(chunks)]).to(totals)
+            counts = torch.stack([state.counts[m] for m in ran]).to(totals)
             totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
         else:
-            totals[0] = (losses * losses.new_tensor(state.loss_scale)).sum()
+            totals[0] = (losses * losses.new_tensor([state.loss_scale[m] for m in ran])).sum()
     totals = runtime.from_last_stage(totals)
     replicas = runtime.topology.data_size
     if replicas > 1:
@@ -213,8 +224,8 @@ def infer(runtime: Runtime, how: TrainingStep, inputs: Any, *, training: bool) -
         runtime.run([Kind.FORWARD], state, microbatches=count)
     if how.sharding is not None:
         how.sharding.reshard()
-    if runtime.schedule.num_stages - 1 not in runtime.stages:
-        return None
+    if runtime.schedule.num_stages - 1 not in runtime.stages or not state.outputs:
+        return None  # (a replica of the last stage other than the first: None too)
     return gather([state.outputs[m] for m in range(count)])
 
 

@@ -17,6 +17,7 @@ a collective's notice  none                          the failure a rank announce
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from conveyor.distributed.topology import Topology
 from conveyor.engine.executor import Executor
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.schedules import Action, Schedule
+from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
 
@@ -107,8 +108,14 @@ class Ranks:
     def columns(self, transport: Transport, columns: Columns) -> Columns:
         assert isinstance(transport, P2PTransport)
         self.whereabouts.start()
-        transport.prepare(columns)
-        return {self.topology.pipeline_rank: columns[self.topology.pipeline_rank]}
+        topology, replicas = self.topology, self.topology.replicas
+        if replicas is not None:  # each replica its share; without backward, the first all
+            backward = any(a.kind is not Kind.FORWARD for c in columns.values() for a in c)
+            replicas = dataclasses.replace(replicas, dealt=backward)
+            transport.replicas = replicas
+        ranks = columns if replicas is None else replicas.columns(columns)
+        transport.prepare(ranks)
+        return {topology.table_rank: ranks[topology.pipeline_rank]}
 
     def explain(self, error: BaseException, executor: Executor, transport: Transport) -> None:
         assert isinstance(transport, P2PTransport)

@@ -1,9 +1,11 @@
-"""Simulating a table whose stages have replicas, as PipeDream replicates a stage: each
-replica dealt the stage's micro-batches in turn (see :func:`simulate_replicas`)."""
+"""Tables whose stages have replicas, as PipeDream replicates a stage: each replica
+dealt the stage's micro-batches in turn. :class:`StageReplicas` says which worker runs
+what (the runtime's ranks follow it), :func:`simulate_replicas` predicts the run."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.clock import layout_clock
@@ -11,7 +13,65 @@ from conveyor.schedules.simulate import CostModel, run_columns
 from conveyor.schedules.table import Action, Schedule
 from conveyor.schedules.timeline import Timeline
 
-__all__ = ["simulate_replicas"]
+__all__ = ["StageReplicas", "simulate_replicas"]
+
+
+@dataclass(frozen=True)
+class StageReplicas:
+    """Stage s held by ``counts[s]`` workers, numbered stage by stage (stage 0's
+    replicas first): replica j of stage s runs the micro-batches m with
+    m % counts[s] == j, in the order of the stage's column; with ``dealt`` False,
+    replica 0 runs them all (a pass without backward: its outputs in one place).
+
+    Raises:
+        ScheduleError: a stage with fewer than one replica.
+    """
+
+    counts: tuple[int, ...]
+    dealt: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.counts or min(self.counts) < 1:
+            raise ScheduleError(f"replicas {list(self.counts)} must give each stage at "
+                                "least one replica")
+
+    @property
+    def workers(self) -> int:
+        return sum(self.counts)
+
+    def first(self, stage: int) -> int:
+        """The worker of stage ``stage``'s replica 0."""
+        return sum(self.counts[:stage])
+
+    def worker(self, stage: int, microbatch: int) -> int:
+        """The worker that runs ``stage`` on ``microbatch``."""
+        return self.first(stage) + (microbatch % self.counts[stage] if self.dealt else 0)
+
+    def place(self, worker: int) -> tuple[int, int]:
+        """The stage and replica of ``worker``."""
+        for stage, count in enumerate(self.counts):
+            if worker < count:
+                return stage, worker
+            worker -= count
+        raise ScheduleError(f"worker {worker} is past the {self.workers} workers")
+
+    def check(self, schedule: Schedule) -> None:
+        """Raises ScheduleError unless ``schedule`` has one stage per rank, stage s on
+        rank s, and a count for each stage."""
+        if len(self.counts) != schedule.num_stages or \
+                schedule.stage_ranks != tuple(range(schedule.num_stages)):
+            raise ScheduleError(
+                f"replicas {list(self.counts)} need a table of {len(self.counts)} stages "
+                f"with stage s on rank s; {schedule.name or 'this table'} has "
+                f"{schedule.num_stages} stages on {schedule.num_ranks} ranks (take "
+                "gpipe, 1f1b or zero-bubble, not an interleaved or V schedule)")
+
+    def columns(self, columns: Mapping[int, Sequence[Action]]) -> dict[int, list[Action]]:
+        """Each worker's column, from the table's columns (rank s: stage s's)."""
+        return {self.first(stage) + j: [a for a in columns.get(stage, ())
+                                        if self.worker(stage, a.microbatch) ==
+                                        self.first(stage) + j]
+                for stage, count in enumerate(self.counts) for j in range(count)}
 
 
 def simulate_replicas(schedule: Schedule, costs: CostModel, replicas: Sequence[int],
@@ -32,20 +92,16 @@ def simulate_replicas(schedule: Schedule, costs: CostModel, replicas: Sequence[i
     """
     costs.check(schedule.num_stages)
     layout_clock(schedule)
-    if len(replicas) != schedule.num_stages or min(replicas) < 1 or \
-            schedule.num_ranks != schedule.num_stages:
-        raise ScheduleError(f"replicas {list(replicas)} must give each of the "
-                            f"{schedule.num_stages} stages of a table with one stage per "
-                            "rank at least one replica")
-    first = [sum(replicas[:s]) for s in range(len(replicas))]
+    dealt = StageReplicas(tuple(replicas))
+    dealt.check(schedule)
 
     def worker(action: Action) -> int:
-        return first[action.stage] + action.microbatch % replicas[action.stage]
+        return dealt.worker(action.stage, action.microbatch)
 
     if columns is None:
-        columns = [[action for action in schedule.columns[stage]
-                    if action.microbatch % replicas[stage] == j]
-                   for stage in range(schedule.num_stages) for j in range(replicas[stage])]
+        everyone = dealt.columns(dict(enumerate(schedule.columns)))
+        columns = [everyone[w] for w in range(dealt.workers)]
+
     def link(done: Action, later: Action) -> tuple[int, int, int]:
         lanes = min(replicas[done.stage], replicas[later.stage])
         return done.stage, later.stage, done.microbatch % lanes

@@ -435,3 +435,33 @@ def pipeline_after_failure(rank: int, world: int, out_dir: Path) -> None:
                     outcome[how][f"{attempt}.{step}"] = \
                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+#: (model, schedule, replicas per stage, chunks) of the ``replicated_stages`` scenario:
+#: a replicated first stage holding the LM's tied embedding, a replicated last stage
+#: dealt an odd number of micro-batches, and zero-bubble's split backward.
+REPLICATED = [("lm", "1f1b", (2, 1), 4), ("lm", "zero-bubble", (2, 1), 4),
+              ("mlp", "gpipe", (1, 2), 5), ("mlp", "zero-bubble", (1, 2), 3)]
+
+
+@scenario("replicated_stages")
+def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
+    """PipeDream's replicated stages: one pipeline of 3 processes, every rank stepping
+    on the same batch; the token loss too, and a forward without backward."""
+    for model_name, schedule, replicas, chunks in REPLICATED:
+        model, loss_fn = case_model(model_name)
+        pipe = conveyor.Pipeline(model, chunks=chunks, schedule=schedule, loss_fn=loss_fn,
+                                 data_parallel=list(replicas), timeout=30)
+        x, y = case_batch(model_name)
+        with conveyor.record(pipe) as timeline:
+            loss = pipe.step(x, y)
+        result: dict[str, Any] = {
+            "loss": loss, "grads": _grads(pipe), "eval": pipe.eval_step(x),
+            "ran": sorted((e.rank, e.stage, e.kind, e.microbatch) for e in timeline.events)}
+        if model_name == "lm":  # padding differs between the replicas' micro-batches
+            pipe.zero_grad(set_to_none=True)
+            pipe.loss_fn = token_loss
+            x, y = padded_batch()
+            result["token_loss"] = pipe.step(x, y)
+            result["token_grads"] = _grads(pipe)
+        torch.save(result, out_dir / f"{model_name}-{schedule}-rank{rank}.pt")
