@@ -308,7 +308,6 @@ def test_a_plan_of_a_hugging_face_model_runs_exactly(name: str, mode: str) -> No
 
 
 def test_replicated_stages_need_processes_and_a_table_of_one_stage_per_rank() -> None:
-
     from conveyor.schedules import build as build_schedule
     from conveyor.schedules.replicas import StageReplicas
 

@@ -51,6 +51,7 @@ def record(pipe: Any) -> Iterator[Timeline]:
     recorder = Recorder()
     schedule = executor.schedule
     replicas = topology.replicas if topology is not None else None
+    row = topology.pipeline_rank if replicas is not None else None  # this process's
     timeline = Timeline(num_ranks=len(set(executor.stage_ranks)) if replicas is None
                         else replicas.workers, source="measured",
                         name=schedule.name,
@@ -67,7 +68,7 @@ def record(pipe: Any) -> Iterator[Timeline]:
         if pipe.runtime.executor.recorder is recorder:  # a re-balance gave the pipe a new executor
             pipe.runtime.executor.recorder = None
         # replicated stages: a row per process, numbered as simulate_replicas does
-        events = [Event(r.rank if replicas is None else topology.pipeline_rank,
+        events = [Event(r.rank if row is None else row,
                         r.action.stage, r.action.kind.value, r.action.microbatch,
                         r.start, r.end, wait=r.wait, transfer=r.transfer)
                   for r in recorder.records]
