@@ -51,7 +51,7 @@ def record(pipe: Any) -> Iterator[Timeline]:
     recorder = Recorder()
     schedule = executor.schedule
     replicas = topology.replicas if topology is not None else None
-    row = topology.pipeline_rank if replicas is not None else None  # this process's
+    row = None if topology is None or replicas is None else topology.pipeline_rank
     timeline = Timeline(num_ranks=len(set(executor.stage_ranks)) if replicas is None
                         else replicas.workers, source="measured",
                         name=schedule.name,
