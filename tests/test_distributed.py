@@ -307,3 +307,37 @@ def test_replicated_stages_equal_the_plain_model(tmp_path: Path) -> None:
                 for name, grad in result["token_grads"].items():  # type: ignore[attr-defined]
                     p = dict(model.named_parameters(remove_duplicate=False))[name]
                     assert relative_error(grad, p.grad) <= 1e-10, f"{label} token {name}"
+
+
+def test_a_replicated_stage_pools_deferred_batch_norm_and_refuses_other_state(
+        tmp_path: Path) -> None:
+    import torch.nn.functional as F
+
+    import conveyor
+    from tests.support.scenarios.pipeline import batch_norm_mlp
+
+    outcome = launch("replicated_state", 3, tmp_path, timeout=240)
+    assert outcome.returncodes == [0] * 3, "\n".join(outcome.outputs)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    x, y = case_batch("mlp")
+    reference = conveyor.Pipeline(batch_norm_mlp(), chunks=4, balance=[2, 1],
+                                  loss_fn=F.mse_loss, deferred_batch_norm=True)
+    loss = reference.step(x, y)
+    for rank, result in enumerate(results):  # both replicas of stage 0, and stage 1
+        assert abs(float(result["lossTrue"]) - float(loss)) <= 1e-12, rank
+        expected = reference.state_dict()
+        for name, value in result["stateTrue"].items():
+            if value.is_floating_point():
+                assert relative_error(value, expected[name]) <= 1e-10, f"{rank} {name}"
+            else:  # the batches tracked
+                assert torch.equal(value, expected[name]), f"{rank} {name}"
+        for name, grad in result["gradsTrue"].items():
+            assert relative_error(grad, dict(reference.named_parameters())[name].grad) <= 1e-10
+        # plain batch norm: every rank stops, naming the layer; nothing changed
+        assert "lossFalse" not in result, rank
+        assert "changed 1.running_mean (BatchNorm1d)" in result["errorFalse"], result
+        assert "deferred_batch_norm=True" in result["errorFalse"]
+        assert not result["gradsFalse"], rank
+        start = batch_norm_mlp().state_dict()
+        if rank < 2:
+            assert torch.equal(result["stateFalse"]["1.running_mean"], start["1.running_mean"])

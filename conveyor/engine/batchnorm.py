@@ -11,6 +11,8 @@ they equal those of the unpartitioned model on the whole mini-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,6 +91,32 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         unbiased = m2 / max(count - 1, 1)
         self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean)
         self.running_var.copy_(factor * unbiased + (1 - factor) * self.running_var)
+
+    @torch.no_grad()
+    def merge_pooled(self, reduce: Callable[[torch.Tensor], None]) -> None:
+        """Pools the statistics other processes pooled for this layer with this one's
+        (replicas of a stage, each given some of the micro-batches): ``reduce`` sums a
+        float64 tensor over them, in place. Sums of n, n·mean and m2 + n·mean², which
+        give the pooled mean and m2 of all their rows."""
+        if self.running_mean is None:
+            return
+        features = self.running_mean.numel()
+        packed = torch.zeros(1 + 2 * features, dtype=torch.float64,
+                             device=self.running_mean.device)
+        if self._pending_mean is not None and self._pending_m2 is not None:
+            count, mean = self._pending_count, self._pending_mean.to(torch.float64)
+            packed[0] = count
+            packed[1:1 + features] = count * mean
+            packed[1 + features:] = self._pending_m2.to(torch.float64) + count * mean.square()
+        reduce(packed)
+        count = int(packed[0].item())
+        if count == 0:
+            return
+        mean = packed[1:1 + features] / count
+        m2 = packed[1 + features:] - count * mean.square()
+        dtype = self.running_mean.dtype
+        self._pending_count, self._pending_mean, self._pending_m2 = \
+            count, mean.to(dtype), m2.to(dtype)
 
     def discard(self) -> None:
         """Forgets statistics pooled since the last commit (after a failed step)."""

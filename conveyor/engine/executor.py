@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +97,15 @@ class Executor:
         (``absent``: what the others are said to be)."""
         return render_report(self.schedule, self.kinds, self.snapshots(), notes, absent)
 
-    def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState) -> None:
+    def run_committed(self, columns: Mapping[int, Sequence[Action]], state: StepState, *,
+                      pool: Callable[[], None] | None = None) -> None:
         """Runs the columns like :meth:`run`, then commits the local stages' deferred
-        batch-norm statistics, or discards them if any rank failed."""
+        batch-norm statistics (once ``pool`` has pooled them with other processes'),
+        or discards them if any rank failed."""
         try:
             self.run(columns, state)
+            if pool is not None:
+                pool()
         except BaseException:
             for stage in self.stages.values():
                 stage.end_step(commit=False)

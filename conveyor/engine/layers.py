@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.errors import ConveyorError, StageError, add_note
+from conveyor.errors import ConveyorError, LayerOutputError, StageError, add_note
 from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
@@ -96,3 +96,38 @@ def failure(
         return exc
     return StageError(f"{context}: {type(exc).__name__}: {exc}{hint}", stage=stage,
                       microbatch=microbatch, action=action, layer=layer)
+
+
+def check_output(output: Any, rows: tuple[int, torch.Size] | None,
+                 where: Callable[[], str], microbatch: int) -> None:
+    """Refuses an output that is not tensors, or whose batch dimension differs from
+    the stage input's (``rows``; None: the input has none): micro-batches are
+    concatenated along dim 0, so the pipeline's result would be wrong. ``where()``
+    names the stage and layer that made it.
+
+    Raises:
+        LayerOutputError: saying so.
+    """
+    if isinstance(output, torch.Tensor):  # the common case, without flattening
+        got = (output.shape[0], output.shape) if output.dim() else None
+    else:
+        got = None
+        for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+            if isinstance(leaf, torch.Tensor):
+                if got is None and leaf.dim():
+                    got = leaf.shape[0], leaf.shape
+            elif leaf is not None:
+                at = "" if not path else f" (at output{pytree.keystr(path)})"
+                raise LayerOutputError(
+                    f"{where()} returned "
+                    f"{type(leaf).__name__}{at} on micro-batch {microbatch}; a layer "
+                    "must return a tensor or a tuple/list/dict of tensors"
+                )
+    if rows is None or (got is not None and got[0] == rows[0]):
+        return
+    found = f"{got[0]} rows (shape {list(got[1])})" if got is not None else "no batched tensor"
+    raise LayerOutputError(
+        f"{where()} returned {found} on "
+        f"micro-batch {microbatch}, which has {rows[0]} rows; a layer must keep dim 0, "
+        "the batch, along which the pipeline splits and concatenates micro-batches"
+    )

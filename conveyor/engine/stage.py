@@ -29,14 +29,15 @@ from conveyor.engine.compiling import (
     is_compiled,
     run_aside,
 )
-from conveyor.engine.layers import Partition, WholeStage, batch_rows, failure
+from conveyor.engine.layers import Partition, WholeStage, batch_rows, check_output, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
-from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects
-from conveyor.engine.recompute.rng import LayerRandomness
-from conveyor.errors import (
-    LayerOutputError,
-    ModelError,
+from conveyor.engine.recompute.sideeffects import (
+    ModuleState,
+    SideEffects,
+    refuse_on_replicas,
 )
+from conveyor.engine.recompute.rng import LayerRandomness
+from conveyor.errors import ModelError
 from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
 
 __all__: list[str] = []
@@ -89,6 +90,9 @@ class Stage(StageActions):
         self.accumulator: FusedAccumulation | None = None
         #: the stage's layers compiled as one graph (:meth:`compile`), or None.
         self.compiled: CompiledStage | None = None
+        #: whether other processes hold replicas of the stage (its forwards must not
+        #: change its modules' state, but for deferred batch norm's)
+        self.replicated = False
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -167,8 +171,17 @@ class Stage(StageActions):
             return self.layers(x, loop)  # through the module, so that its hooks run
 
         if recompute and torch.is_grad_enabled():
-            return checkpointed(run, inputs, self.module_state)
-        return run(inputs), None
+            outputs, effects = checkpointed(run, inputs, self.module_state)
+            watched = effects
+        elif self.replicated:
+            watched, effects = SideEffects(), None
+            outputs = self.module_state.run(run, inputs, watched)
+        else:
+            return run(inputs), None
+        if self.replicated:  # what its forward changes would differ between replicas
+            refuse_on_replicas(watched, self.layers.named_modules(), self.index, microbatch,
+                               pooled=(DeferredBatchNorm,))
+        return outputs, effects
 
     def recompute(self, inputs: Any, microbatch: int, effects: SideEffects, *,
                   step_seed: int | None) -> Any:
@@ -328,32 +341,13 @@ class Stage(StageActions):
 
     def _check_output(self, output: Any, rows: tuple[int, torch.Size] | None,
                       offset: int | None, microbatch: int) -> None:
-        """Refuses an output that is not tensors, or whose batch dimension differs from
-        the stage input's (``rows``; None: the input has none): micro-batches are
-        concatenated along dim 0, so the pipeline's result would be wrong."""
-        if isinstance(output, torch.Tensor):  # the common case, without flattening
-            got = (output.shape[0], output.shape) if output.dim() else None
-        else:
-            got = None
-            for path, leaf in pytree.tree_flatten_with_path(output)[0]:
-                if isinstance(leaf, torch.Tensor):
-                    if got is None and leaf.dim():
-                        got = leaf.shape[0], leaf.shape
-                elif leaf is not None:
-                    where = "" if not path else f" (at output{pytree.keystr(path)})"
-                    raise LayerOutputError(
-                        f"stage {self.index}, {self._describe_layer(offset)} returned "
-                        f"{type(leaf).__name__}{where} on micro-batch {microbatch}; a layer "
-                        "must return a tensor or a tuple/list/dict of tensors"
-                    )
-        if rows is None or (got is not None and got[0] == rows[0]):
-            return
-        found = f"{got[0]} rows (shape {list(got[1])})" if got is not None else "no batched tensor"
-        raise LayerOutputError(
-            f"stage {self.index}, {self._describe_layer(offset)} returned {found} on "
-            f"micro-batch {microbatch}, which has {rows[0]} rows; a layer must keep dim 0, "
-            "the batch, along which the pipeline splits and concatenates micro-batches"
-        )
+        check_output(output, rows, lambda: f"stage {self.index}, "
+                     f"{self._describe_layer(offset)}", microbatch)
+
+    @property
+    def deferred_batch_norms(self) -> list[DeferredBatchNorm]:
+        """The stage's batch norms whose statistics are pooled until the step ends."""
+        return self._deferred
 
     def end_step(self, *, commit: bool) -> None:
         """Commits (or, after a failure, discards) deferred batch-norm statistics."""

@@ -159,6 +159,9 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         schedule = with_model_edges(schedule, layout.edges)
     if distributed:
         connect_ties(layout.ties, topology, schedule.stage_ranks, pending.deadlines.opening)
+    if topology.replicas is not None:
+        for number, stage in layout.stages.items():
+            stage.replicated = topology.replicas.counts[number] > 1
     sharding = Sharding(layout.stages, topology, schedule, layout.ties) \
         if pending.sharded else None
     wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()

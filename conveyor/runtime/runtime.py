@@ -15,7 +15,7 @@ is in them, so that a hang report says where each rank stood.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,12 +117,26 @@ class Runtime:
         columns = self.wiring.columns(self.transport, everyone)
         try:
             if commit:
-                self.executor.run_committed(columns, state)
+                self.executor.run_committed(columns, state, pool=self._pooling())
             else:
                 self.executor.run(columns, state)
         except BaseException as exc:
             self.explain(exc)
             raise
+
+    def _pooling(self) -> Callable[[], None] | None:
+        """With replicated stages, what pools the deferred batch norms' statistics over
+        this stage's replicas before they are committed (None: nothing to pool)."""
+        group = self.topology.replica_group
+        norms = [m for stage in self.stages.values() for m in stage.deferred_batch_norms]
+        if group is None or not norms:
+            return None
+        what = "the pooling of batch-norm statistics over the stage's replicas"
+
+        def pool() -> None:
+            for norm in norms:
+                norm.merge_pooled(lambda packed: self.all_reduce(packed, group, what))
+        return pool
 
     def explain(self, error: BaseException) -> None:
         """Under torchrun, gives a failed step's ``error`` the report of where every rank

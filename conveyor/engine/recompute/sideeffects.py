@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.errors import ConveyorError
+
 __all__: list[str] = []
 
 _MISSING: Any = object()  # an attribute that did not exist
@@ -77,6 +79,34 @@ class SideEffects:
                 holder.pop(key, None)
             else:
                 holder[key] = value
+
+
+def refuse_on_replicas(effects: SideEffects, modules: Iterable[tuple[str, nn.Module]],
+                       stage: int, microbatch: int, *, pooled: tuple[type, ...]) -> None:
+    """Raises if a forward of a replicated stage changed its modules' state: each
+    replica runs only some of the micro-batches, so that state would differ between
+    them, and from the plain model's (``pooled``: module types whose changes are pooled
+    over the replicas at the end of the step, such as deferred batch norm).
+
+    Raises:
+        ConveyorError: naming the layer and what changed, once the forward's changes
+            are undone.
+    """
+    if not effects.changed:
+        return
+    owners = {id(holder): (name, module) for name, module in modules
+              for holder in _holders(module)}
+    for holder, key, _ in effects.changed:
+        name, module = owners.get(id(holder), ("?", None))
+        if not isinstance(module, pooled):
+            effects.put_before()  # the step fails: the state stays as it was
+            raise ConveyorError(
+                f"stage {stage}'s forward of micro-batch {microbatch} changed "
+                f"{name or 'the stage'}.{key} ({type(module).__name__}): the stage has "
+                "several replicas, each running only some micro-batches, so that state "
+                "would differ between them and from the plain model's. Give this stage "
+                "one replica (data_parallel=[...]), or for batch norm pass "
+                "deferred_batch_norm=True (its statistics are pooled over the replicas)")
 
 
 def _version(tensor: torch.Tensor) -> int | None:

@@ -465,3 +465,28 @@ def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
             result["token_loss"] = pipe.step(x, y)
             result["token_grads"] = _grads(pipe)
         torch.save(result, out_dir / f"{model_name}-{schedule}-rank{rank}.pt")
+
+
+def batch_norm_mlp() -> nn.Sequential:
+    """A batch norm in the first stage of two (a layer each but the norm's)."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+
+
+@scenario("replicated_state")
+def replicated_state(rank: int, world: int, out_dir: Path) -> None:
+    """A replicated stage's batch norm: deferred, its statistics pooled over the
+    replicas; plain, refused on every rank (its running statistics would differ)."""
+    x, y = case_batch("mlp")
+    result: dict[str, Any] = {}
+    for deferred in (True, False):
+        pipe = conveyor.Pipeline(batch_norm_mlp(), chunks=4, balance=[2, 1],
+                                 loss_fn=F.mse_loss, data_parallel=[2, 1],
+                                 deferred_batch_norm=deferred, timeout=30)
+        try:
+            result[f"loss{deferred}"] = pipe.step(x, y)
+        except conveyor.ConveyorError as exc:
+            result[f"error{deferred}"] = str(exc)
+        result[f"state{deferred}"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        result[f"grads{deferred}"] = _grads(pipe)
+    torch.save(result, out_dir / f"rank{rank}.pt")
