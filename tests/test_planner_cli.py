@@ -73,3 +73,47 @@ def test_train_runs_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["train", *TINY, "--layers", "3", "--plan", str(saved),
                  "--out", str(tmp_path / "other")]) == 2
     assert "this run's model has 6" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_train_runs_a_plan_with_uneven_replicas_under_torchrun(tmp_path: Path) -> None:
+    """A plan whose first stage has two replicas: three processes, one pipeline, each
+    step's loss that of the plan without replicas in one process (the same batches)."""
+    import sys
+
+    import torch
+
+    from conveyor.train import saving
+    from tests.support.launch import run_command
+
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--layers", "2", "--d-model", "16", "--d-ff", "32", "--heads", "2",
+                 "--vocab", "256", "--length", "16", "--batch", "4", *CLUSTER,
+                 "--no-replicas", "--save", str(saved)]) == 0
+    data = json.loads(saved.read_text())  # recut: 2 stages, the first replicated
+    stage = data["stages"][0]
+    data.update(schedule="1f1b", chunks=4, stages=[{**stage, "layers": [0, 1], "devices": [0]},
+                                                   {**stage, "layers": [2, 4], "devices": [2]}])
+    saved.write_text(json.dumps(data))
+    data["stages"][0]["devices"] = [0, 1]
+    uneven = tmp_path / "uneven.json"
+    uneven.write_text(json.dumps(data))
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "3", "-m", "conveyor", "train", *TINY,
+                          "--steps", "3", "--sample-bytes", "0", "--plan", str(uneven),
+                          "--out", str(tmp_path / "uneven")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 stages of [2, 1] replicas" in result.stdout
+    assert main(["train", *TINY, "--steps", "3", "--sample-bytes", "0", "--plan", str(saved),
+                 "--out", str(tmp_path / "one")]) == 0
+    runs = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("uneven", "one")]
+    assert [e["loss"] for e in runs[0]["history"]] == pytest.approx(
+        [e["loss"] for e in runs[1]["history"]], rel=1e-5)
+    # the checkpoint the three processes saved: every weight, as the one process's, to
+    # float32's rounding of the replicas' sum (which AdamW's m / sqrt(v) turns into
+    # differences of up to its learning rate on gradients that are rounding noise)
+    weights = [saving.load_weights(tmp_path / name) for name in ("uneven", "one")]
+    assert sorted(weights[0]) == sorted(weights[1])
+    for name, value in weights[0].items():
+        assert torch.linalg.vector_norm(value - weights[1][name]) <= \
+            1e-2 * torch.linalg.vector_norm(weights[1][name]), name

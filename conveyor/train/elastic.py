@@ -121,21 +121,21 @@ def _fitting_chunks(values: dict[str, Any], stages: int, replicas: int) -> int |
     return None
 
 
-def join_world(*, stages: int, data_parallel: int, timeout: float) -> None:
+def join_world(*, processes: int, timeout: float) -> None:
     """Opens the process group of a run of several processes (under torchrun, or
     launched by hand with env://), before anything else, so that the processes can
     compare their options first; under torchrun even for a world of one process, so
     that the run saves the same kind of checkpoint at every size it shrinks or grows
-    to. Does nothing where the group is open already, or where the layout is not one
-    rank per process (which :func:`plan_layout` refuses under torchrun, and the
-    pipeline itself otherwise).
+    to. Does nothing where the group is open already, or where the layout's
+    ``processes`` are not the world's (which :func:`plan_layout` refuses under torchrun,
+    and the pipeline itself otherwise).
     """
     import torch
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if (not (under_torchrun() or world > 1) or not dist.is_available()
-            or dist.is_initialized() or stages * data_parallel != world):
+            or dist.is_initialized() or processes != world):
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

@@ -106,16 +106,18 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     """
     config.check()
     check_usable(Path(config.out))
-    join_world(stages=config.stages, data_parallel=config.data_parallel, timeout=Deadlines.first)
+    join_world(processes=config.processes(), timeout=Deadlines.first)
     if dist.is_initialized():  # every option that shapes the run, before any work
         agree_options({**asdict(config), "resume": resume, "check": check}, seconds=Deadlines.first,
                       what="options")
     if resume == RESUME_AUTO:
         resume = saving.exists(config.out)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    if config.data_parallel > 1 and one_process:
-        raise ConfigError(f"--data-parallel {config.data_parallel} needs processes: launch "
-                          f"{config.stages * config.data_parallel} with torchrun")
+    if config.processes() > config.stages and one_process:
+        needs = (f"--data-parallel {config.data_parallel}" if config.data_parallel > 1
+                 else f"--plan {config.plan} (replicas {config.replicas()})")
+        raise ConfigError(f"{needs} needs processes: launch {config.processes()} with "
+                          "torchrun")
     if config.shard and one_process:
         raise ConfigError("--shard shards each stage over its data-parallel processes: "
                           f"launch {config.stages * config.data_parallel} with torchrun, or "
@@ -219,7 +221,9 @@ class _Training:
         parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
         replicas = config.data_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
-        layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (f" x {replicas} {kind}" if replicas > 1 else "")
+        layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (
+            f" x {replicas} {kind}" if replicas > 1 else
+            f" of {config.replicas()} replicas" if config.replicas() else "")
         print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
               f"{config.width} ({parameters / 1e6:.2f}M parameters) on "
               f"{len(self.corpus.train)} bytes of Python; {config.schedule}, {layout}, "

@@ -149,6 +149,21 @@ class TrainConfig:
 
         return PipelinePlan.load(self.plan).balance
 
+    def replicas(self) -> list[int] | None:
+        """The replicas per stage of a ``--plan`` that replicates its stages unevenly
+        (one pipeline of their sum of processes); None: none, or ``--data-parallel``."""
+        if not self.plan:
+            return None
+        from conveyor.planner import PipelinePlan
+
+        replicas = PipelinePlan.load(self.plan).replicas
+        return replicas if len(set(replicas)) > 1 else None
+
+    def processes(self) -> int:
+        """The processes the run needs."""
+        replicas = self.replicas()
+        return sum(replicas) if replicas else self.stages * self.data_parallel
+
     def recompute(self) -> str | list[str]:
         """``--checkpoint-mode`` as the pipeline takes it: one mode, or one per stage."""
         modes = self.checkpoint_mode.split(",")
@@ -174,7 +189,8 @@ class TrainConfig:
         recompute = options["recompute"]
         self.stages, self.virtual_stages = len(options["balance"]), 1
         self.chunks, self.schedule = options["chunks"], options["schedule"]
-        self.data_parallel = options["data_parallel"]
+        uneven = not isinstance(options["data_parallel"], int)  # one pipeline: see replicas()
+        self.data_parallel = 1 if uneven else options["data_parallel"]
         self.checkpoint_mode = recompute if isinstance(recompute, str) else ",".join(recompute)
 
     def _check_memory(self) -> None:

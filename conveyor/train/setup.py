@@ -30,7 +30,7 @@ def build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimiz
     pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.recompute(),
                     balance=config.balance(),
-                    devices=stage_devices(config), data_parallel=config.data_parallel,
+                    devices=stage_devices(config), data_parallel=config.replicas() or config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_byte_loss, check_finite=True,
                     timeout=config.timeout or None,
