@@ -150,7 +150,7 @@ class P2PTransport(Receiving):
     def _messages_of(self, action: Action) -> list[tuple[tuple[str, int, int, int], int]]:
         """What ``action`` sends, in order, each with the pipeline rank it goes to."""
         return [((message.kind, message.source, message.destination, message.microbatch),
-                 self._rank_of(message.destination, message.microbatch))
+                 self.rank_of(message.destination, message.microbatch))
                 for message in self.schedule.messages(action)]
 
     def reset(self) -> None:
@@ -165,7 +165,7 @@ class P2PTransport(Receiving):
     def send(self, kind: MessageKind, stage: int, microbatch: int, value: Any, *,
              source: int | None = None) -> None:
         source = neighbour(kind, stage) if source is None else source
-        destination = self._rank_of(stage, microbatch)
+        destination = self.rank_of(stage, microbatch)
         if destination == self.topology.pipeline_rank:
             self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return

@@ -86,7 +86,7 @@ class Receiving:
     _arrives: dict[tuple[str, int, int, int], float]  # on emulated links: when, by key
     _aborted: bool
 
-    def _rank_of(self, stage: int, microbatch: int) -> int:
+    def rank_of(self, stage: int, microbatch: int) -> int:
         """The pipeline rank that runs ``stage`` on ``microbatch``."""
         if self.replicas is None:
             return self.stage_ranks[stage]
@@ -138,7 +138,7 @@ class Receiving:
     def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
              source: int | None = None) -> Any:
         source_stage = neighbour(kind, stage) if source is None else source
-        source = self._rank_of(source_stage, microbatch)
+        source = self.rank_of(source_stage, microbatch)
         if source == self.topology.pipeline_rank:
             return self.local.recv(kind, stage, microbatch, source=source_stage)
         key = (kind, source_stage, stage, microbatch)

@@ -84,6 +84,9 @@ class Executor:
         self._no_gradient = {(e.source, e.destination) for e in schedule.edges
                              if not e.gradient}
         self.recorder: Recorder | None = None  # set by conveyor.record()
+        #: the rank that runs a stage on a micro-batch, where the table's stage ranks do
+        #: not say it (replicated stages); None: they do
+        self.route: Callable[[int, int], int] | None = None
         local = getattr(transport, "local", transport)  # under torchrun: between own stages
         if isinstance(local, LocalTransport):
             local.liveness = self.snapshots
@@ -249,7 +252,8 @@ class Executor:
 
     def _recv(self, kind: MessageKind, stage: int, microbatch: int, source: int) -> Any:
         position = self.positions[self.stage_ranks[stage]]
-        position.awaiting(Awaited(kind, source, self.stage_ranks[source], stage, microbatch))
+        rank = self.stage_ranks[source] if self.route is None else self.route(source, microbatch)
+        position.awaiting(Awaited(kind, source, rank, stage, microbatch))
         if self.recorder is None:
             value = self.transport.recv(kind, stage, microbatch, source=source)
         else:

@@ -73,6 +73,7 @@ class Runtime:
             previous.transport if previous is not None else None)
         self.executor = Executor(layout.stages, schedule, self.transport, deadlines)
         self.executor.reports = wiring.reports
+        self.executor.route = wiring.route(self.transport)
         if previous is not None:
             old = previous.executor
             self.executor.runs, self.executor.recorder = old.runs, old.recorder

@@ -59,6 +59,10 @@ class Wiring(Protocol):
     def notice(self, transport: Transport) -> collective.Notice | None:
         """How a collective of the step looks for a rank's announced failure."""
 
+    def route(self, transport: Transport) -> Callable[[int, int], int] | None:
+        """The rank that runs a stage on a micro-batch, where the table does not say
+        (replicated stages); None where it does."""
+
 
 class Threads:
     """Every stage in this process, each rank a thread."""
@@ -76,6 +80,9 @@ class Threads:
         pass
 
     def notice(self, transport: Transport) -> collective.Notice | None:
+        return None
+
+    def route(self, transport: Transport) -> Callable[[int, int], int] | None:
         return None
 
 
@@ -125,3 +132,7 @@ class Ranks:
         assert isinstance(transport, P2PTransport)
         step, whereabouts = transport.step, self.whereabouts
         return lambda: whereabouts.notice(step)
+
+    def route(self, transport: Transport) -> Callable[[int, int], int] | None:
+        assert isinstance(transport, P2PTransport)
+        return transport.rank_of if self.topology.replicas is not None else None

@@ -66,6 +66,14 @@ class StageReplicas:
                 f"{schedule.num_stages} stages on {schedule.num_ranks} ranks (take "
                 "gpipe, 1f1b or zero-bubble, not an interleaved or V schedule)")
 
+    def table(self, schedule: Schedule) -> Schedule:
+        """``schedule`` with a column per worker, each its share of its stage's (what
+        a hang report draws: a row per process)."""
+        everyone = self.columns(dict(enumerate(schedule.columns)))
+        return Schedule(tuple(tuple(everyone[w]) for w in range(self.workers)),
+                        schedule.num_stages, schedule.num_microbatches,
+                        name=schedule.name, edges=schedule.edges)
+
     def columns(self, columns: Mapping[int, Sequence[Action]]) -> dict[int, list[Action]]:
         """Each worker's column, from the table's columns (rank s: stage s's)."""
         return {self.first(stage) + j: [a for a in columns.get(stage, ())

@@ -3,7 +3,8 @@ survivor must name the rank that failed.
 
 A case is one combination (:class:`Case`): how the job is launched (threads in one
 process; torchrun, whose agent hosts the store; env:// by hand with 2 or 3 processes,
-rank 0 hosting the store; two torchrun agents), what goes wrong (a raise in forward,
+rank 0 hosting the store; two torchrun agents; 3 processes holding 2 stages, the first
+replicated), what goes wrong (a raise in forward,
 backward, the loss or a collective; SIGKILL; SIGSTOP; an endless loop; a clean early
 exit; a rank started with another configuration), when (the first step, a later one,
 between two steps, during a checkpoint save) and on which rank (first, middle, last).
@@ -35,7 +36,15 @@ from tests.support.sampling import most_varied
 
 #: launcher name: (how tests.support.launch starts it, processes)
 LAUNCHERS = {"threads": ("threads", 3), "torchrun": ("torchrun", 3), "env2": ("env", 2),
-             "env3": ("env", 3), "agents": ("agents", 2)}
+             "env3": ("env", 3), "agents": ("agents", 2), "replicas": ("env", 3)}
+#: the launcher whose 3 processes hold 2 stages, the first replicated (data_parallel=[2, 1])
+REPLICATED = "replicas"
+REPLICAS = (2, 1)
+
+
+def stage_of(launcher: str, rank: int) -> int:
+    """The stage process ``rank`` runs under ``launcher``."""
+    return (0 if rank < REPLICAS[0] else 1) if launcher == REPLICATED else rank
 FAULTS = ("raise", "kill", "freeze", "loop", "exit", "config")
 PLACES = ("forward", "backward", "loss", "collective")
 PHASES = ("first", "later", "between", "save")
@@ -99,7 +108,8 @@ def _places(launcher: str, fault: str, phase: str, rank: int, world: int) -> lis
         places = list(PLACES)
     if fault == "exit":
         places = ["forward"]
-    return [p for p in places if p != "loss" or rank == world - 1]
+    last = stage_of(launcher, rank) == stage_of(launcher, world - 1)
+    return [p for p in places if p != "loss" or last]
 
 
 def pick(seed: int) -> Case:
@@ -233,6 +243,7 @@ def _rank_problems(case: Case, out: Path, outcome: Outcome, rank: int,
     if error["type"] not in wanted:
         found.append(f"rank {rank} raised {error['type']}, not {' or '.join(wanted)}: {first}")
     named = case.rank  # on threads, the stage of that rank
+    stage = stage_of(case.launcher, case.rank)
     if rank == case.rank and case.fault == "raise":  # its own error: the exception
         if f"planted failure in {case.where}" not in error["text"]:
             found.append(f"rank {rank} ended with another error than its own: {first}")
@@ -248,7 +259,7 @@ def _rank_problems(case: Case, out: Path, outcome: Outcome, rank: int,
         found.append(f"rank {rank}'s error does not carry the exception: {first}")
     if case.fault == "raise" and (
             case.where in ("forward", "backward") and not any(
-                f"{named}{kind}" in first for kind in "FB")
+                f"{stage}{kind}" in first for kind in "FB")
             or case.where == "loss" and rank != case.rank
             and "loss_fn failed on micro-batch" not in first):
         found.append(f"rank {rank}'s error does not name the action: {first}")

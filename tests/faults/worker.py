@@ -35,6 +35,7 @@ from conveyor.train import saving
 from conveyor.train.checkpoints import dcpfiles
 from conveyor.train.language import summed_next_byte_loss
 from conveyor.train.models import transformer_lm
+from tests.faults import REPLICAS, REPLICATED, stage_of
 
 STEPS = 3
 
@@ -43,14 +44,17 @@ class Plant:
     """Where and when the fault fires: ``at(where, stage)`` is called at each place a
     fault may be planted; it fires once, on the case's rank, in the case's step."""
 
-    def __init__(self, case: dict[str, Any], out: Path) -> None:
+    def __init__(self, case: dict[str, Any], out: Path, rank: int) -> None:
         self.case, self.out = case, out
+        self.rank = rank  # this process's (on threads, 0: every stage is here)
+        self.stage = stage_of(case["launcher"], case["rank"])  # the faulty rank's
         self.step = 0  # the step running now, counted from 1
         self.fired = False
         self.fault_step = 1 if case["phase"] == "first" else 3
 
     def at(self, where: str, stage: int) -> None:
-        if (not self.fired and where == self.case["where"] and stage == self.case["rank"]
+        here = self.case["launcher"] == "threads" or self.rank == self.case["rank"]
+        if (not self.fired and where == self.case["where"] and stage == self.stage and here
                 and self.step == self.fault_step):
             self.fire(where)
 
@@ -77,14 +81,17 @@ class Plant:
             os._exit(0)
 
 
-def balance(world: int) -> list[int]:
-    """Embedding and block 1 | a block per middle stage | the last block, norm and head."""
+def balance(world: int, launcher: str = "") -> list[int]:
+    """Embedding and block 1 | a block per middle stage | the last block, norm and head;
+    replicated: the first half of the layers | the second."""
+    if launcher == REPLICATED:
+        return [world, 3]
     return [2] + [1] * (world - 2) + [3]
 
 
-def plant_layers(model: nn.Sequential, world: int, plant: Plant) -> None:
+def plant_layers(model: nn.Sequential, layout: list[int], plant: Plant) -> None:
     """Forward and backward fault points on each layer, knowing its stage."""
-    stages = [s for s, n in enumerate(balance(world)) for _ in range(n)]
+    stages = [s for s, n in enumerate(layout) for _ in range(n)]
     for index, layer in enumerate(model):
         stage = stages[index]
 
@@ -106,7 +113,7 @@ def plant_collectives(rank: int, plant: Plant) -> None:
         original = getattr(collective, name)
 
         def join(*args: Any, original: Any = original, **options: Any) -> None:
-            plant.at("collective", rank)
+            plant.at("collective", stage_of(plant.case["launcher"], rank))
             original(*args, **options)
 
         setattr(collective, name, join)
@@ -114,27 +121,29 @@ def plant_collectives(rank: int, plant: Plant) -> None:
 
 def run_pipeline(case: dict[str, Any], rank: int, world: int, out: Path,
                  record: dict[str, Any]) -> None:
-    plant = Plant(case, out)
+    plant = Plant(case, out, rank)
     threads = case["launcher"] == "threads"
     torch.manual_seed(0)
     model = transformer_lm(world, 16, 32, 2, max_length=8, tie=True)
-    plant_layers(model, world, plant)
+    layout = balance(world, case["launcher"])
+    replicated = {"data_parallel": list(REPLICAS)} if case["launcher"] == REPLICATED else {}
+    plant_layers(model, layout, plant)
     plant_collectives(rank, plant)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        plant.at("loss", world - 1)
+        plant.at("loss", len(layout) - 1)
         return summed_next_byte_loss(logits, targets)
 
     if case.get("prelude") == "config":  # refused by every rank; then the case itself
         try:
             conveyor.Pipeline(copy.deepcopy(model), chunks=4 if rank == case["rank"] else 2,
-                              schedule="1f1b", balance=balance(world), loss_fn=loss_fn,
-                              timeout=case["timeout"])
+                              schedule="1f1b", balance=layout, loss_fn=loss_fn,
+                              timeout=case["timeout"], **replicated)
         except conveyor.ConfigError as exc:
             record["prelude"] = {"type": type(exc).__name__, "text": str(exc)}
     chunks = 4 if case["fault"] == "config" and rank == case["rank"] else 2
-    pipe = conveyor.Pipeline(model, chunks=chunks, schedule="1f1b", balance=balance(world),
-                             loss_fn=loss_fn, timeout=case["timeout"],
+    pipe = conveyor.Pipeline(model, chunks=chunks, schedule="1f1b", balance=layout,
+                             loss_fn=loss_fn, timeout=case["timeout"], **replicated,
                              **({"stages": world} if threads else {}))
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
     for plant.step in range(1, STEPS + 1):
@@ -168,7 +177,7 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
     from conveyor.train import setup
     from tests.support.training import TINY
 
-    plant = Plant(case, out)
+    plant = Plant(case, out, rank)
     Deadlines.floor = case["timeout"]  # the fitted timeout of later steps, at least
     Deadlines.first = 2 * case["timeout"]  # start-up, steps 1-2
     stepping = Pipeline.step

@@ -43,7 +43,7 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         return
     if not isinstance(error, PeerFailure):  # this rank's own failure: say so first
         whereabouts.announce(transport.step, own_report(error, rank))
-    position = executor.positions.get(rank)
+    position = executor.positions.get(transport.topology.table_rank)
     if position is not None and position.state == COLLECTIVE:  # it failed in one
         position.failed(elsewhere=isinstance(error, PeerFailure))
     report = getattr(error, "report", None) or {}
@@ -74,7 +74,9 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         _name_the_silent(error, snapshots, hosting, whereabouts.store_trouble)
         _name_the_absent(error, snapshots, transport, rank)
         _follow_the_waits(error, snapshots, rank)
-    attach_report(error, render_report(executor.schedule, executor.kinds, snapshots, notes))
+    replicas = transport.replicas  # replicated stages: a row per process
+    table = executor.schedule if replicas is None else replicas.table(executor.schedule)
+    attach_report(error, render_report(table, executor.kinds, snapshots, notes))
     if hosting == rank:
         outlive_peers_at_exit(GATHER + 1.0)
 
