@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -321,3 +324,43 @@ def test_replicated_stages_need_processes_and_a_table_of_one_stage_per_rank() ->
         ["0F0", "0F2", "0F4"], ["0F1", "0F3"], ["1F0", "1F1", "1F2", "1F3", "1F4"]]
     with pytest.raises(ScheduleError, match="not an interleaved or V schedule"):
         dealt.check(build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2))
+
+
+def _every_cut(profile: ModelProfile, cluster: Cluster, chunks: int,
+               schedule: str) -> list[PipelinePlan]:
+    """Every cut into stages and replicas per stage that fits, each as evaluate() costs
+    it: what the solver must come close to the best of."""
+    layers, plans = len(profile.layers), []
+    for stages in range(1, min(layers, cluster.devices) + 1):
+        for ends in itertools.combinations(range(1, layers), stages - 1):
+            balance = [b - a for a, b in zip((0, *ends), (*ends, layers))]
+            for replicas in itertools.product(range(1, cluster.devices + 1), repeat=stages):
+                if sum(replicas) <= cluster.devices:
+                    with contextlib.suppress(ConveyorError):
+                        plans.append(evaluate(profile, cluster, batch=8, balance=balance,
+                                              schedule=schedule, chunks=chunks,
+                                              replicas=replicas))
+    return plans
+
+
+def test_the_solver_comes_close_to_the_best_of_every_cut_and_replicas() -> None:
+    """On small random profiles (2-5 layers of random time, parameters and output on 2-4
+    devices), the solver's plan against the fastest of every cut and replica count
+    (each simulated): within 2% on average, 25% at worst. Its dynamic program minimises
+    a bottleneck, then the fill under a little more; zero-bubble at M <= 4 is where it
+    misses most (120 seeds: mean 0.4%, worst 18%, 6 more than 1% off)."""
+    ratios = []
+    for seed in range(24):
+        rng = random.Random(seed)
+        profile = profile_of(*(layer(f"l{i}", time=rng.uniform(0.6, 9),
+                                     params=rng.choice([10, 1000, 100000]),
+                                     out=rng.choice([1, 100, 10000]))
+                               for i in range(rng.randint(2, 5))))
+        cluster = Cluster((Level("node", rng.randint(2, 4), rng.choice([1e3, 1e5, 1e7]),
+                                 0.0),), memory=1e9)
+        chunks, schedule = rng.choice([2, 4, 8]), rng.choice(["1f1b", "gpipe", "zero-bubble"])
+        best = min(p.step_time for p in _every_cut(profile, cluster, chunks, schedule))
+        plan = solve(profile, cluster, batch=8, chunk_options=[chunks], schedules=(schedule,))[0]
+        ratios.append(plan.step_time / best)
+    assert min(ratios) >= 1 - 1e-9  # the solver's plans are among those cuts
+    assert sum(ratios) / len(ratios) <= 1.02 and max(ratios) <= 1.25, ratios
