@@ -139,6 +139,9 @@ def _print(args: argparse.Namespace, cluster: Cluster, profile: ModelProfile,
     if args.save:
         print(f"\nsaved to {args.save}: conveyor.Pipeline(model, plan=conveyor.planner."
               f"PipelinePlan.load({args.save!r}), loss_fn=...)")
+    if len(set(plans[0].replicas)) > 1:
+        print(f"run it under torchrun with {plans[0].devices} processes: stage s on "
+              "replicas[s] of them, numbered stage by stage")
     print("\nthe fastest plans (simulated; replicas per stage, peak memory per device):")
     print(tables.table(["schedule", "M", "stages", "replicas", "step", "samples/s", "peak"],
                        [[p.schedule, str(p.chunks), str(len(p.stages)),

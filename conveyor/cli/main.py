@@ -181,7 +181,8 @@ def _cluster_arguments(sub: argparse.ArgumentParser) -> None:
     cluster.add_argument("--intra-latency", default="0", help="e.g. 5us")
     cluster.add_argument("--inter-latency", default="0", help="e.g. 20us")
     cluster.add_argument("--uniform-replicas", action="store_true",
-                         help="every stage as many replicas (what Pipeline runs today)")
+                         help="every stage as many replicas: D replicas of the whole "
+                              "pipeline, each on its share of the batch")
     cluster.add_argument("--no-replicas", action="store_true",
                          help="one device per stage")
     cluster.add_argument("--profile-cache", metavar="DIR",

@@ -96,8 +96,8 @@ def solve(profile: ModelProfile, cluster: Cluster, *, batch: int, optimizer: str
     Args:
         batch: the mini-batch N; micro-batch counts are its divisors.
         replicate: whether stages may have several replicas (False: one device each).
-        uniform_replicas: every stage the same number of replicas (what the runtime runs
-            today: ``data_parallel``).
+        uniform_replicas: every stage the same number of replicas (``data_parallel=D``,
+            D replicas of the whole pipeline; else ``data_parallel=[r0, r1, ...]``).
         communication: False plans as if links were free (compute and memory only).
         max_stages: at most this many stages.
         keep: at least this many plans are simulated and returned.
