@@ -265,17 +265,23 @@ def test_ranks_started_with_different_pipelines_refuse_naming_each_value(tmp_pat
         assert float(found["loss"]) > 0  # and a pipeline built alike runs after all that
 
 
-def test_replicated_stages_equal_the_plain_model(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("replicated")
+    outcome = launch("replicated_stages", 3, out, timeout=240)
+    assert outcome.returncodes == [0] * 3, "\n".join(outcome.outputs)
+    return out
+
+
+def test_replicated_stages_equal_the_plain_model(replicated: Path) -> None:
     """data_parallel=[2, 1] and [1, 2]: each replica of a stage runs its share of the
     micro-batches and ends with the stage's whole gradient, tied weights included."""
     import conveyor.schedules.replicas
     from tests.support.scenarios.pipeline import REPLICATED
 
-    outcome = launch("replicated_stages", 3, tmp_path, timeout=240)
-    assert outcome.returncodes == [0] * 3, "\n".join(outcome.outputs)
     for model_name, schedule, replicas, chunks in REPLICATED:
         label = f"{model_name} {schedule} {list(replicas)}"
-        losses, _, results = collect(tmp_path, f"{model_name}-{schedule}-rank{{rank}}.pt", 3)
+        losses, _, results = collect(replicated, f"{model_name}-{schedule}-rank{{rank}}.pt", 3)
         expected_loss, expected = plain_gradients(model_name)
         assert all(abs(loss - expected_loss) <= 1e-12 * abs(expected_loss)
                    for loss in losses), label
@@ -310,15 +316,13 @@ def test_replicated_stages_equal_the_plain_model(tmp_path: Path) -> None:
 
 
 def test_a_replicated_stage_pools_deferred_batch_norm_and_refuses_other_state(
-        tmp_path: Path) -> None:
+        replicated: Path) -> None:
     import torch.nn.functional as F
 
     import conveyor
     from tests.support.scenarios.pipeline import batch_norm_mlp
 
-    outcome = launch("replicated_state", 3, tmp_path, timeout=240)
-    assert outcome.returncodes == [0] * 3, "\n".join(outcome.outputs)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    results = [torch.load(replicated / f"state-rank{r}.pt") for r in range(3)]
     x, y = case_batch("mlp")
     reference = conveyor.Pipeline(batch_norm_mlp(), chunks=4, balance=[2, 1],
                                   loss_fn=F.mse_loss, deferred_batch_norm=True)

@@ -72,7 +72,7 @@ def data_parallel(rank: int, world: int, out_dir: Path) -> None:
     x, y = padded_batch(batch=12)
     result["token_loss"] = pipe.step(x[replica::2], y[replica::2])
     result["accumulated"] = _grads(pipe)
-    torch.save(result, out_dir / f"rank{rank}.pt")
+    torch.save(result, out_dir / f"state-rank{rank}.pt")
 
 
 @scenario("initialisation")
@@ -447,7 +447,8 @@ REPLICATED = [("lm", "1f1b", (2, 1), 4), ("lm", "zero-bubble", (2, 1), 4),
 @scenario("replicated_stages")
 def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
     """PipeDream's replicated stages: one pipeline of 3 processes, every rank stepping
-    on the same batch; the token loss too, and a forward without backward."""
+    on the same batch; the token loss too, and a forward without backward. Then a
+    replicated stage's batch norm (:func:`replicated_state`)."""
     for model_name, schedule, replicas, chunks in REPLICATED:
         model, loss_fn = case_model(model_name)
         pipe = conveyor.Pipeline(model, chunks=chunks, schedule=schedule, loss_fn=loss_fn,
@@ -465,6 +466,7 @@ def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
             result["token_loss"] = pipe.step(x, y)
             result["token_grads"] = _grads(pipe)
         torch.save(result, out_dir / f"{model_name}-{schedule}-rank{rank}.pt")
+    replicated_state(rank, out_dir)
 
 
 def batch_norm_mlp() -> nn.Sequential:
@@ -473,8 +475,7 @@ def batch_norm_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
 
 
-@scenario("replicated_state")
-def replicated_state(rank: int, world: int, out_dir: Path) -> None:
+def replicated_state(rank: int, out_dir: Path) -> None:
     """A replicated stage's batch norm: deferred, its statistics pooled over the
     replicas; plain, refused on every rank (its running statistics would differ)."""
     x, y = case_batch("mlp")
@@ -489,4 +490,4 @@ def replicated_state(rank: int, world: int, out_dir: Path) -> None:
             result[f"error{deferred}"] = str(exc)
         result[f"state{deferred}"] = {k: v.clone() for k, v in pipe.state_dict().items()}
         result[f"grads{deferred}"] = _grads(pipe)
-    torch.save(result, out_dir / f"rank{rank}.pt")
+    torch.save(result, out_dir / f"state-rank{rank}.pt")
