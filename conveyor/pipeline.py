@@ -69,7 +69,8 @@ class Pipeline(RunsRuntime):
             :meth:`step` is then the sample (until then ``parameters()`` are the model's).
             Under torchrun each rank keeps only its stages: every rank passes it, alike.
         schedule: "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-v",
-            "dualpipe-v" (``conveyor.schedules.SCHEDULES``), or a Schedule table.
+            "dualpipe-v", "v-half", "v-min" (``conveyor.schedules.SCHEDULES``), or a
+            Schedule table.
         virtual_stages: stages per rank (V) for "interleaved-1f1b".
         devices: in one process, one device per rank (default: the CUDA devices, else
             the CPU for every rank).

@@ -37,7 +37,8 @@ REPORTED = [Case("env2", "freeze", "backward", "later", 0),
 SAMPLE = [Case("agents", "freeze", "forward", "first", 1),
           Case("env3", "kill", "between", "between", 1, prelude="config"),
           Case("torchrun", "freeze", "collective", "later", 1),
-          Case("env2", "exit", "forward", "first", 1)]
+          Case("env2", "exit", "forward", "first", 1),
+          Case("replicas", "kill", "forward", "later", 1)]  # stage 0's second replica
 #: What the first whole run of ``make faults`` found: a middle rank ending the last
 #: step as done while the first failed in its last backward; a rank looping before a
 #: collective, which the others must name though every rank answers the gather; on
@@ -72,7 +73,7 @@ def test_the_sample_covers_every_launcher_fault_phase_and_rank() -> None:
 
 def test_the_generator_is_seeded_and_keeps_to_cases_that_make_sense() -> None:
     cases = every_case()
-    assert len(cases) == len(set(cases)) == 429
+    assert len(cases) == len(set(cases)) == 545
     assert pick(7) == pick(7) and pick(7) in cases
     assert sample(6) == sample(6) and len(set(sample(6))) == 6  # seeded, no repeats
     assert {replace(c, prelude="") for c in CASES} <= set(cases)  # generated cases

@@ -56,8 +56,10 @@ def test_a_forward_only_call_counts_one_micro_batch_per_sample_at_most() -> None
 def test_eval_step_runs_a_batch_smaller_than_chunks_by_every_schedule(schedule: str) -> None:
     model, reference = build("mlp")
     two_per_rank = schedule in V_SHAPES or schedule == "interleaved-1f1b"
-    pipe = conveyor.Pipeline(model, stages=2, balance=[2, 2, 2, 1] if two_per_rank else [3, 4],
-                             chunks=4, schedule=schedule, devices=["cpu"] * 2,
+    ranks = 3 if schedule == "v-min" else 2  # v-min holds its share from 3 ranks on
+    balance = ([2, 1, 1, 1, 1, 1] if ranks == 3 else [2, 2, 2, 1]) if two_per_rank else [3, 4]
+    pipe = conveyor.Pipeline(model, stages=ranks, balance=balance,
+                             chunks=4, schedule=schedule, devices=["cpu"] * ranks,
                              virtual_stages=2 if two_per_rank else 1, loss_fn=F.mse_loss)
     x = sample("mlp", batch=3)
     with torch.no_grad():

@@ -17,7 +17,8 @@ from tests.support.cases import MIXED, case_batch, case_model, deep_mlp, lm_loss
 from tests.support.models import one_costly_layer, one_cpu_thread, paired, relative_error
 
 SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
-             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2)]
+             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2), ("v-half", 1, 2),
+             ("v-min", 1, 3)]
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

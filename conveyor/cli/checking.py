@@ -51,8 +51,8 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
                      help="trace (or time) the model on the batch's first ROWS rows "
                           "(default: one micro-batch)")
     sub.add_argument("--schedule", metavar="NAME",
-                     help="gpipe (default), 1f1b, interleaved-1f1b, zero-bubble, zb-v or "
-                          "dualpipe-v")
+                     help="gpipe (default), 1f1b, interleaved-1f1b, zero-bubble, zb-v, "
+                          "dualpipe-v, v-half or v-min")
     sub.add_argument("--chunks", type=int, metavar="M", help="micro-batches M (default 4)")
     sub.add_argument("--virtual-stages", type=int, metavar="V",
                      help="stages per rank, for interleaved-1f1b")

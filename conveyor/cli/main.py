@@ -76,7 +76,7 @@ def _simulate_parser(commands: _Commands) -> None:
     sub = commands.add_parser("simulate", help="simulate a schedule: bubble, memory, timeline")
     sub.add_argument("--schedule", default="1f1b",
                      help="gpipe, 1f1b, interleaved-1f1b, zero-bubble, or a V shape "
-                          "(zb-v, dualpipe-v: 2K stages, two per rank)")
+                          "(zb-v, dualpipe-v, v-half, v-min: 2K stages, two per rank)")
     sub.add_argument("--stages", type=int, required=True, help="pipeline ranks K")
     sub.add_argument("--chunks", type=int, required=True, help="micro-batches M")
     sub.add_argument("--virtual-stages", type=int, default=1,

@@ -28,6 +28,7 @@ from conveyor.schedules.table import (
     parse,
 )
 from conveyor.schedules.validator import validate
+from conveyor.schedules.vmemory import v_half, v_min
 from conveyor.schedules.vshape import dualpipe_v, v_stages, zero_bubble_v
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "one_f_one_b",
     "parse",
     "render_clock",
+    "v_half",
+    "v_min",
     "v_stages",
     "validate",
     "zero_bubble_h1",

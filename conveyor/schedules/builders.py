@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.table import Action, Kind, Schedule, check_size
+from conveyor.schedules.vmemory import v_half, v_min
 from conveyor.schedules.vshape import dualpipe_v, zero_bubble_v
 
 __all__ = [
@@ -171,18 +172,20 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zero-bubble": zero_bubble_h1,
     "zb-v": zero_bubble_v,
     "dualpipe-v": dualpipe_v,
+    "v-half": v_half,
+    "v-min": v_min,
 }
 
 #: Schedules with two stages per rank in a V (:mod:`.vshape`): 2K stages on K ranks.
-V_SHAPES = ("zb-v", "dualpipe-v")
+V_SHAPES = ("zb-v", "dualpipe-v", "v-half", "v-min")
 
 
 def build(name: str, ranks: int, microbatches: int, *, virtual_stages: int = 1) -> Schedule:
     """The table of schedule ``name`` for ``ranks`` ranks and ``microbatches``.
 
     ``virtual_stages`` (V) is the number of stages per rank; only interleaved-1f1b
-    takes more than one. The V shapes (zb-v, dualpipe-v) always run two, so they take
-    the default 1 or 2, with the same table.
+    takes more than one. The V shapes (zb-v, dualpipe-v, v-half, v-min) always run two,
+    so they take the default 1 or 2, with the same table.
 
     Raises:
         ScheduleError: an unknown name (the message lists the known ones),

@@ -133,8 +133,15 @@ def _draw_variant(rng: random.Random, seed: int, variant: int, spec: Spec, seque
     virtual = 2 if schedule in V_SHAPES or (schedule == "interleaved-1f1b"
                                              and rng.random() < 0.7) else 1
     layers = len(spec.blocks) + (3 if sequential else 0)
+    drawn = ranks is None
     if ranks is None:
         ranks = rng.randint(1, max(1, min(4, layers // virtual)))
+    least = {"v-half": 2, "v-min": 3}.get(schedule, 1)  # ranks to hold their share
+    if ranks < least:
+        if drawn and least * virtual <= layers:
+            ranks = least
+        else:  # a launch's ranks, or too few layers
+            schedule = "zb-v"
     stages = ranks * virtual
     holding = sum(kind not in PARAMETERLESS for kind in spec.blocks)
     cut = "sequential" if sequential else rng.choice(("split_at", "auto"))

@@ -72,7 +72,7 @@ def data_parallel(rank: int, world: int, out_dir: Path) -> None:
     x, y = padded_batch(batch=12)
     result["token_loss"] = pipe.step(x[replica::2], y[replica::2])
     result["accumulated"] = _grads(pipe)
-    torch.save(result, out_dir / f"state-rank{rank}.pt")
+    torch.save(result, out_dir / f"rank{rank}.pt")
 
 
 @scenario("initialisation")
