@@ -18,6 +18,13 @@ N * b + (L/K) * (N/M) * a. Here a (activation bytes per sample per block) is mea
 on the naive M=1 run and b (boundary bytes per sample: input and output) is 2 * 512 * 4.
 
     python benchmarks/memory.py               # about 30 seconds
+    python benchmarks/memory.py --schedules   # V-Half and V-Min against 1F1B, a minute
+
+``--schedules``: one step of config P on K=4 CPU threads with M=16 micro-batches and no
+recomputation under 1F1B, ZB-V, V-Half and V-Min (the V shapes in 2K stages of one
+block), each rank's peak of the bytes its forwards save for backward (a pack hook
+around each stage's forward counts each storage from when it is saved until it is
+freed), as a share of 1F1B's.
 """
 
 from __future__ import annotations
@@ -37,10 +44,14 @@ import torch.utils._pytree as pytree  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import conveyor  # noqa: E402
 from conveyor import GPipe  # noqa: E402
+from conveyor.schedules import V_SHAPES, build  # noqa: E402
+from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 from conveyor.train.models import feed_forward_stack  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 8, 512, 256
+SCHEDULES_COMPARED = ("1f1b", "zb-v", "v-half", "v-min")
 
 
 class ActivationMemory(TorchDispatchMode):
@@ -104,11 +115,118 @@ def stage_peak(blocks: int, chunks: int, mode: str) -> int:
     return tracker.peak + x.numel() * x.element_size()
 
 
+class SavedBytes:
+    """Per pipeline rank, the live and peak bytes of the tensors its stages' forwards
+    save for backward: a pack hook, entered around each stage's forward in the thread
+    that runs it, counts each storage once, from when it is saved until it is freed
+    (with zero-bubble's split backward, at the W). Storages that exist before the step
+    (the parameters, which a split backward may save as plain tensors, and the batch
+    whose views are the micro-batches) are not counted."""
+
+    def __init__(self, pipe: conveyor.Pipeline, batch: torch.Tensor) -> None:
+        ranks = pipe.schedule.stage_ranks
+        self.before = {t.untyped_storage().data_ptr() for t in (*pipe.parameters(), batch)}
+        self.current = [0] * pipe.schedule.num_ranks
+        self.peak = [0] * pipe.schedule.num_ranks
+        self.live: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._open = threading.local()
+        self._hooks = []
+        for number, stage in pipe.runtime.stages.items():
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t, rank=ranks[number]: self._pack(t, rank), lambda t: t)
+            self._hooks.append(stage.layers.register_forward_pre_hook(
+                lambda *_, hooks=hooks: self._enter(hooks)))
+            self._hooks.append(stage.layers.register_forward_hook(
+                lambda *_: self._leave(), always_call=True))
+
+    def _enter(self, hooks: Any) -> None:
+        hooks.__enter__()
+        self._open.stack = [*getattr(self._open, "stack", []), hooks]
+
+    def _leave(self) -> None:
+        self._open.stack.pop().__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            if key in self.live or key in self.before or storage.nbytes() == 0:
+                return t
+            self.live[key] = (rank, storage.nbytes())
+            self.current[rank] += storage.nbytes()
+            self.peak[rank] = max(self.peak[rank], self.current[rank])
+        weakref.finalize(storage, self._free, key)
+        return t
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            rank, size = self.live.pop(key)
+            self.current[rank] -= size
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def schedule_peaks(schedule: str, ranks: int, chunks: int) -> list[int]:
+    """Each rank's peak bytes saved for backward in one step of config P on ``ranks``
+    CPU threads (no recomputation): L/K blocks a rank, in one stage or two (a V)."""
+    torch.manual_seed(0)
+    layers = feed_forward_stack(BLOCKS, WIDTH, 4 * WIDTH)
+    stages = 2 * ranks if schedule in V_SHAPES else ranks
+    pipe = conveyor.Pipeline(layers, balance=[BLOCKS // stages] * stages, chunks=chunks,
+                             schedule=schedule, devices=["cpu"] * ranks, recompute="never",
+                             loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    tracker = SavedBytes(pipe, x)
+    pipe.step(x, y)
+    tracker.remove_hooks()
+    return tracker.peak
+
+
+def schedules_part(ranks: int, chunks: int) -> None:
+    """Peak activation memory per rank of 1F1B, ZB-V, V-Half and V-Min, measured and as
+    a share of 1F1B's (its first rank's), beside the simulator's share."""
+    measured = {name: schedule_peaks(name, ranks, chunks) for name in SCHEDULES_COMPARED}
+    base = max(measured["1f1b"])
+    rows, results = [], []
+    for name, peaks in measured.items():
+        table = build(name, ranks, chunks)
+        simulated = simulate(table, CostModel.per_rank(table)).peak_bytes
+        one_f_one_b = simulate(build("1f1b", ranks, chunks),
+                               CostModel.uniform(ranks)).peak_bytes[0]
+        results.append({"schedule": name, "peak_bytes_per_rank": peaks,
+                        "share_of_1f1b": max(peaks) / base,
+                        "simulated_share": max(simulated) / one_f_one_b})
+        mib = 1 << 20
+        rows.append([name, " ".join(f"{p / mib:.2f}" for p in peaks),
+                     f"{max(peaks) / base:.2f}", f"{max(simulated) / one_f_one_b:.2f}"])
+        print(f"  {name} done", file=sys.stderr, flush=True)
+    table = _common.markdown_table(
+        ["schedule", "peak per rank (MiB)", "share of 1F1B's", "simulated share"], rows)
+    print(f"\nconfig P on K={ranks} CPU threads, M={chunks}, no recomputation: bytes "
+          "saved for backward\n")
+    print(table)
+    path = _common.write("memory-schedules", {
+        "config": {"blocks": BLOCKS, "width": WIDTH, "batch": BATCH, "ranks": ranks,
+                   "chunks": chunks}, "results": results, "table": table})
+    print(f"\nwrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--schedules", action="store_true",
+                        help="peak activations per rank of 1F1B, ZB-V, V-Half and V-Min "
+                             "(K=4, M=16) instead")
     args = parser.parse_args()
+    if args.schedules:
+        schedules_part(4, 16)
+        return 0
 
     boundary = 2 * WIDTH * 4  # bytes per sample: a stage's input and its output
     naive_one = stage_peak(1, 1, "never")
