@@ -141,7 +141,9 @@ def test_ranking_puts_fitting_plans_first_then_the_fastest() -> None:
         throughputs = [p.throughput for p in group]
         assert throughputs == sorted(throughputs, reverse=True)
     assert all(p.throughput == pytest.approx(32 / p.step_time, rel=1e-12) for p in plans)
-    assert {p.schedule for p in plans} == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
+    # (V-Min needs 3 ranks: refused on 2, so not ranked)
+    assert {p.schedule for p in plans} == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
+                                           "v-half"}
     # More micro-batches shrink the bubble; interleaving shrinks it again.
     order = [plans.index(find(plans, "1f1b", m)) for m in (32, 16, 8, 4, 2, 1)]
     assert order == sorted(order)
@@ -174,3 +176,20 @@ def test_bad_input() -> None:
     assert parse_bytes("16GiB") == 16 * GIB and parse_bytes("80 GB") == 80e9
     with pytest.raises(ValueError, match=r"cannot read '16 gigs' as a memory size"):
         parse_bytes("16 gigs")
+
+
+def test_under_a_tight_cap_the_planner_takes_v_half_or_v_min() -> None:
+    """Without recomputation, a cap between what V-Half's ranks and 1F1B's need: only the
+    V shapes that hold a share of 1F1B's activations fit (their ranks' peaks as the
+    simulation shows them, the two stages of a rank together)."""
+    figures = convnet_figures(12, 32, image=64, classes=10)
+    schedules = (("1f1b", 1), ("v-half", 2), ("v-min", 2))
+    unbounded = rank_plans(figures, devices=4, memory=float("inf"), batch=32,
+                           rematerialize=False, schedules=schedules, chunk_options=[16])
+    need = {p.schedule: max(p.rank_bytes) for p in unbounded}
+    assert need["v-min"] < need["v-half"] < need["1f1b"]
+    cap = (need["v-half"] + need["1f1b"]) / 2
+    plans = rank_plans(figures, devices=4, memory=cap, batch=32, rematerialize=False,
+                       schedules=schedules, chunk_options=[16])
+    assert {p.schedule for p in plans if p.fits} == {"v-half", "v-min"}
+    assert plans[0].schedule in ("v-half", "v-min") and plans[0].fits

@@ -21,6 +21,7 @@ schedule's simulation gives the step time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.engine.microbatch import batch_size
-from conveyor.errors import BalanceError
+from conveyor.errors import BalanceError, ScheduleError
 from conveyor.graph.balance import solve_balance
 from conveyor.graph.source import sequential_layers
 from conveyor.schedules.simulate import CostModel, simulate
@@ -255,26 +256,30 @@ def plan(figures: Sequence[LayerFigures], *, devices: int, memory: float, batch:
 
     forward = [micro * sum(f.flops for f in g) / flops_per_second for g in groups]
     recompute = forward if rematerialize else [0.0] * stages
+    saved = [sum(f.activation_bytes for f in g) for g in groups]
+    # What a micro-batch in flight holds on each stage: its activations, or with
+    # recomputation its boundary tensors (what is rebuilt comes on top, below).
+    kept = [micro * (g[0].input_bytes + g[-1].output_bytes if rematerialize
+                     else saved[s] + g[-1].output_bytes) for s, g in enumerate(groups)]
     cost_model = CostModel(tuple(forward), tuple(f + r for f, r in zip(forward, recompute)),
-                           tuple(forward), (1.0,) * stages, (0.0,) * (stages - 1))
+                           tuple(forward), tuple(kept), (0.0,) * (stages - 1))
     simulation = simulate(table, cost_model)
 
-    plans = []
+    plans, rebuilt = [], []
     for s, group in enumerate(groups):
-        held = simulation.peak_inflight[s]
-        saved = sum(f.activation_bytes for f in group)
-        boundary = group[0].input_bytes + group[-1].output_bytes
-        if rematerialize:
-            # One micro-batch rebuilt at a time for B; a split backward keeps what its I
-            # rebuilt until its W, so zero-bubble holds several.
-            rebuilt = max(1, simulation.peak_split[s])
-            activations = micro * (held * boundary + rebuilt * saved)
-        else:
-            activations = micro * held * (saved + group[-1].output_bytes)
+        # One micro-batch rebuilt at a time for B; a split backward keeps what its I
+        # rebuilt until its W, so zero-bubble holds several.
+        rebuilt.append(micro * max(1, simulation.peak_split[s]) * saved[s]
+                       if rematerialize else 0.0)
         parameters = sum(f.parameters for f in group)
         plans.append(StagePlan((bounds[s], bounds[s + 1] - 1), parameters,
-                               float(parameters * per_parameter), activations))
-    rank_bytes = [sum(plans[s].total_bytes for s in table.stages_of(r)) for r in range(devices)]
+                               float(parameters * per_parameter),
+                               simulation.peak_inflight[s] * kept[s] + rebuilt[s]))
+    # A rank's stages (two in a V, or V interleaved) peak together only as the simulation
+    # shows: their held micro-batches at once, then each one's rebuilt graphs.
+    rank_bytes = [simulation.peak_bytes[r] + sum(rebuilt[s] + plans[s].parameter_bytes
+                                                 for s in table.stages_of(r))
+                  for r in range(devices)]
     return Plan(schedule, chunks, virtual_stages, rematerialize, balance, plans, rank_bytes,
                 memory, simulation.makespan, batch / simulation.makespan)
 
@@ -290,7 +295,8 @@ def rank_plans(figures: Sequence[LayerFigures], *, devices: int, memory: float, 
                optimizer: str = "adam", rematerialize: bool = True,
                schedules: Sequence[tuple[str, int]] = (("gpipe", 1), ("1f1b", 1),
                                                        ("interleaved-1f1b", 2),
-                                                       ("zero-bubble", 1)),
+                                                       ("zero-bubble", 1), ("v-half", 2),
+                                                       ("v-min", 2)),
                chunk_options: Sequence[int] | None = None,
                flops_per_second: float = 1e14) -> list[Plan]:
     """Every (schedule, chunks) that the sizes allow, fitting plans first, fastest first."""
@@ -298,13 +304,14 @@ def rank_plans(figures: Sequence[LayerFigures], *, devices: int, memory: float, 
     found = []
     for name, virtual in schedules:
         for chunks in options:
-            if batch % chunks or (virtual > 1 and chunks % devices) or \
+            if batch % chunks or (name == "interleaved-1f1b" and chunks % devices) or \
                     devices * virtual > len(figures):
                 continue
-            found.append(plan(figures, devices=devices, memory=memory, batch=batch,
-                              chunks=chunks, schedule=name, virtual_stages=virtual,
-                              optimizer=optimizer, rematerialize=rematerialize,
-                              flops_per_second=flops_per_second))
+            with contextlib.suppress(ScheduleError):  # sizes the schedule does not take
+                found.append(plan(figures, devices=devices, memory=memory, batch=batch,
+                                  chunks=chunks, schedule=name, virtual_stages=virtual,
+                                  optimizer=optimizer, rematerialize=rematerialize,
+                                  flops_per_second=flops_per_second))
     return sorted(found, key=lambda p: (not p.fits, -p.throughput))
 
 
