@@ -192,7 +192,8 @@ class Pipeline(RunsRuntime):
 
     # ----------------------------------------------------------------- the user API
 
-    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def step(self, inputs: Any = None, targets: Any = None, *,
+             microbatches: Sequence[tuple[Any, Any]] | None = None) -> torch.Tensor:
         """Forward and backward of one batch by the schedule; gradients accumulate.
 
         Every rank calls it with the batch (ranks that do not hold the first or last
@@ -202,6 +203,12 @@ class Pipeline(RunsRuntime):
         batch's loss is the sum of ``loss_sum`` over all micro-batches (and data-parallel
         replicas) divided by the sum of ``count``, exactly as for the plain model on the
         whole batch (a token loss with padding: ``count`` is the number of real tokens).
+
+        ``microbatches=[(inputs, targets), ...]`` takes micro-batches already made, in
+        place of the batch: each may have its own shape (its own sequence length, or
+        packed sequences with their ``position_ids`` in a dict of inputs), at most
+        ``chunks`` of them (the table's first actions run for fewer). Every rank passes
+        the same list.
 
         Returns:
             The batch's loss, detached, as float64, on every rank.
@@ -217,14 +224,19 @@ class Pipeline(RunsRuntime):
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() trains and needs grad enabled; use "
                                "eval_step() for inference")
-        self._cut_at_first_call(inputs)
+        if microbatches is not None and (inputs is not None or targets is not None):
+            raise ConveyorError("step() takes a batch (inputs, targets) or microbatches=, "
+                                "not both")
+        first = next(iter(microbatches), (None, None))[0] if microbatches is not None \
+            else inputs
+        self._cut_at_first_call(first)
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
         completed = False
         try:
             loss = train_step(self._runtime, self._training, inputs, targets,
                               loss_fn=self.loss_fn, params=list(self.parameters()),
-                              training=self.training)
+                              training=self.training, microbatches=microbatches)
             completed = True
         finally:
             if self._rebalancing is not None:

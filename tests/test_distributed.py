@@ -345,3 +345,21 @@ def test_a_replicated_stage_pools_deferred_batch_norm_and_refuses_other_state(
         start = batch_norm_mlp().state_dict()
         if rank < 2:
             assert torch.equal(result["stateFalse"]["1.running_mean"], start["1.running_mean"])
+
+
+def test_given_micro_batches_of_their_own_lengths_run_across_processes(
+        replicated: Path) -> None:
+    from tests.support.cases import lm_loss
+    from tests.support.cases import lengths_batch
+
+    model, _ = case_model("lm")
+    pairs = lengths_batch()
+    rows = sum(len(x) for x, _ in pairs)
+    expected = sum(lm_loss(model(x), y) * len(x) / rows for x, y in pairs)
+    expected.backward()
+    plain = dict(model.named_parameters(remove_duplicate=False))
+    for rank in range(3):
+        result = torch.load(replicated / f"given-rank{rank}.pt")
+        assert abs(float(result["loss"]) - expected.item()) <= 1e-12 * expected.item()
+        for name, grad in result["grads"].items():
+            assert relative_error(grad, plain[name].grad) <= 1e-10, f"{rank} {name}"

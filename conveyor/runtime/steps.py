@@ -68,22 +68,28 @@ class TrainingStep:
 
 
 def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *,
-               loss_fn: LossFn | None, params: Sequence[nn.Parameter],
-               training: bool) -> torch.Tensor:
-    """One training step of ``runtime``'s stages on a batch, under ``loss_fn``; returns
-    its loss.
+               loss_fn: LossFn | None, params: Sequence[nn.Parameter], training: bool,
+               microbatches: Sequence[tuple[Any, Any]] | None = None) -> torch.Tensor:
+    """One training step of ``runtime``'s stages on a batch, under ``loss_fn``, or on
+    the ``microbatches`` given, each its own ``(inputs, targets)`` of any shape (at most
+    the table's M: its first actions run); returns its loss.
 
     Raises:
-        MicroBatchError: the targets' rows differ from the inputs'.
+        MicroBatchError: the targets' rows differ from the inputs', or more micro-batches
+            than the table's M (or, under torchrun, another count than stage 0's).
         StageError, PeerFailure, StepTimeout: the step failed (on every rank).
         NonFiniteLossError: with ``check_finite``, a loss was not finite (every rank).
         ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
     """
-    state = _new_state(runtime, how, inputs, targets, loss_fn, training)
+    if microbatches is None:
+        state, count = _new_state(runtime, how, inputs, targets, loss_fn, training), None
+    else:
+        state, count = _given_state(runtime, how, microbatches, loss_fn, training)
     earlier = SetAside(params)  # this step's gradients alone, until they are reduced
     try:
         with autocast(runtime.devices, how.dtype):
-            runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state)
+            runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state,
+                        microbatches=count)
         loss, overflowed = finish_step(runtime, how, state, params)
     except BaseException as exc:
         if how.sharding is not None:
@@ -121,13 +127,51 @@ def _new_state(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any,
     return state
 
 
+def _given_state(runtime: Runtime, how: TrainingStep, given: Sequence[tuple[Any, Any]],
+                 loss_fn: LossFn | None, training: bool) -> tuple[StepState, int]:
+    """The state of a step on micro-batches the caller made (packed sequences, or each
+    its own length), and their count: each one's share of a scalar loss is its rows'
+    share of all their rows, as if they were one batch.
+
+    Raises:
+        MicroBatchError: not (inputs, targets) pairs, none, more than the table's M,
+            rows that differ within a pair, or another count than stage 0's rank's.
+    """
+    pairs = list(given)
+    if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise MicroBatchError("microbatches= takes a non-empty list of (inputs, targets) "
+                              "pairs, one per micro-batch")
+    if len(pairs) > how.chunks:
+        raise MicroBatchError(
+            f"{len(pairs)} micro-batches given, but the pipeline's table runs at most "
+            f"chunks={how.chunks}; make the pipeline with chunks={len(pairs)} (fewer are "
+            "fine: the table's first actions run)")
+    count = runtime.from_first_stage(len(pairs))
+    if count != len(pairs):
+        raise MicroBatchError(f"this rank was given {len(pairs)} micro-batches, stage 0's "
+                              f"rank {count}: every rank passes the same micro-batches")
+    state = new_step([x for x, _ in pairs] if 0 in runtime.stages else [], chunks=count,
+                     recompute=how.recompute, grad_enabled=True, training=training,
+                     loss_fn=loss_fn, check_finite=how.check_finite,
+                     grad_scale=how.scaler.scale if how.scaler else 1.0)
+    if runtime.schedule.num_stages - 1 in runtime.stages:
+        rows = [batch_size(y) for _, y in pairs]
+        for m, ((x, _), n) in enumerate(zip(pairs, rows)):
+            if 0 in runtime.stages and batch_size(x) != n:
+                raise MicroBatchError(f"micro-batch {m}: the targets have {n} rows but the "
+                                      f"inputs {batch_size(x)}; give one target per sample")
+        state.targets = [y for _, y in pairs]
+        state.loss_scale = [n / sum(rows) for n in rows]
+    return state, count
+
+
 def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
                 params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
     """The work after a step's actions (collectives: every rank calls it): the step's
     loss, the gradients reduced (sharded: reduce-scattered once, after the last
     backward; else the tied copies summed and the replicas averaged), and with loss
     scaling whether they overflowed on any rank."""
-    loss, divisor = step_loss(state, runtime, how.chunks)
+    loss, divisor = step_loss(state, runtime)
     topology = runtime.topology
     if how.sharding is not None:
         how.sharding.reduce(divisor, lambda total, group: runtime.all_reduce(total, group,
@@ -153,7 +197,7 @@ def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
     return loss, overflowed
 
 
-def step_loss(state: StepState, runtime: Runtime, chunks: int) -> tuple[torch.Tensor, float]:
+def step_loss(state: StepState, runtime: Runtime) -> tuple[torch.Tensor, float]:
     """The step's loss on every rank, and what its gradients are to be divided by
     once summed over the data-parallel replicas (collectives: every rank calls it).
 

@@ -105,3 +105,17 @@ def nan_on_marker(loss_fn: Any) -> Any:
             return torch.tensor(float("nan"), dtype=out.dtype)
         return loss_fn(out, targets)
     return loss
+
+
+def lengths_batch(seed: int = 3, pad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four micro-batches of 3, 1, 2 and 2 sequences of lengths 5, 11, 7 and 3 (with
+    ``pad``: the ends of some rows are padding, ignored by the token loss)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for rows, length in ((3, 5), (1, 11), (2, 7), (2, 3)):
+        x = torch.randint(0, VOCAB, (rows, length), generator=generator)
+        y = torch.randint(0, VOCAB, (rows, length), generator=generator)
+        if pad:
+            y[0, length // 2:] = PAD
+        pairs.append((x, y))
+    return pairs

@@ -466,7 +466,20 @@ def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
             result["token_loss"] = pipe.step(x, y)
             result["token_grads"] = _grads(pipe)
         torch.save(result, out_dir / f"{model_name}-{schedule}-rank{rank}.pt")
+    given_microbatches(rank, out_dir)
     replicated_state(rank, out_dir)
+
+
+def given_microbatches(rank: int, out_dir: Path) -> None:
+    """Micro-batches of their own lengths, given by the caller, through the replicated
+    pipeline (stage 0's rank tells the others how many)."""
+    from tests.support.cases import lengths_batch
+
+    model, loss_fn = case_model("lm")
+    pipe = conveyor.Pipeline(model, chunks=4, schedule="1f1b", loss_fn=loss_fn,
+                             data_parallel=[2, 1], timeout=30)
+    loss = pipe.step(microbatches=lengths_batch())
+    torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"given-rank{rank}.pt")
 
 
 def batch_norm_mlp() -> nn.Sequential:

@@ -1,0 +1,122 @@
+"""``Pipeline.step(microbatches=[...])``: micro-batches the caller made, each its own
+shape (its own sequence length), against the plain model run on the same micro-batches
+in float64, under every schedule."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.errors import ConveyorError, MicroBatchError
+from tests.support.any_models import gpt2, loss_of
+from tests.support.cases import case_model, lengths_batch, lm_loss, plain_token_loss, token_loss
+from tests.support.extras import require
+from tests.support.models import relative_error
+
+#: (schedule, stages per rank, ranks): every kind of table, V shapes included
+SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
+             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2),
+             ("v-half", 1, 2), ("v-min", 1, 3)]
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+@pytest.mark.parametrize(("schedule", "virtual", "ranks"), SCHEDULES)
+def test_micro_batches_of_their_own_lengths_equal_the_plain_model(
+        schedule: str, virtual: int, ranks: int, checkpoint: str) -> None:
+    model, _ = case_model("lm")  # tied embedding and head
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, stages=ranks, devices=["cpu"] * ranks, chunks=4,
+                             schedule=schedule, virtual_stages=virtual,
+                             checkpoint=checkpoint, loss_fn=lm_loss)
+    pairs = lengths_batch()
+    loss = pipe.step(microbatches=pairs)
+    rows = sum(len(x) for x, _ in pairs)  # a scalar loss: each its rows' share
+    expected = sum(lm_loss(reference(x), y) * len(x) / rows for x, y in pairs)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+    # A token loss over all micro-batches, and fewer micro-batches than the table's M.
+    pipe.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    pipe.loss_fn = token_loss
+    padded = lengths_batch(seed=4, pad=True)[:3]
+    loss = pipe.step(microbatches=padded)
+    counts = sum(int((y != -100).sum()) for _, y in padded)
+    expected = sum(plain_token_loss(reference(x), y) * int((y != -100).sum()) / counts
+                   for x, y in padded)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    for name, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[name].grad) <= 1e-10, f"token: {name}"
+
+
+def test_given_micro_batches_say_what_is_wrong() -> None:
+    model, _ = case_model("lm")
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=2, loss_fn=lm_loss)
+    pairs = lengths_batch()
+    with pytest.raises(MicroBatchError, match=r"4 micro-batches given, but the pipeline's "
+                                              r"table runs at most chunks=2; make the "
+                                              r"pipeline with chunks=4"):
+        pipe.step(microbatches=pairs)
+    with pytest.raises(MicroBatchError, match=r"a non-empty list of \(inputs, targets\)"):
+        pipe.step(microbatches=[pairs[0][0]])
+    with pytest.raises(MicroBatchError, match=r"micro-batch 1: the targets have 2 rows but "
+                                              r"the inputs 1"):
+        pipe.step(microbatches=[pairs[0], (pairs[1][0], pairs[2][1])])
+    with pytest.raises(ConveyorError, match=r"a batch \(inputs, targets\) or microbatches=, "
+                                            r"not both"):
+        pipe.step(*pairs[0], microbatches=pairs[:1])
+    assert all(p.grad is None for p in pipe.parameters())  # nothing ran
+
+
+def packed(docs_per_row: tuple[tuple[int, ...], ...], seed: int
+           ) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """Micro-batches of packed documents: each row of a micro-batch holds its documents
+    one after the other, ``position_ids`` restarting at each; one micro-batch per entry
+    of ``docs_per_row`` (2 rows each), so each has its own length."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for docs in docs_per_row:
+        length = sum(docs)
+        ids = torch.randint(0, 100, (2, length), generator=generator)
+        positions = torch.cat([torch.arange(d) for d in docs]).expand(2, length).contiguous()
+        pairs.append(({"input_ids": ids, "position_ids": positions, "use_cache": False},
+                      torch.randint(0, 100, (2, length), generator=generator)))
+    return pairs
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_packed_sequences_through_a_traced_gpt2_are_exact_and_trace_once(schedule: str) -> None:
+    """GPT-2 from a tiny config, traced and cut at a block: micro-batches of packed
+    documents of three lengths, then of two more, against the plain model on each; the
+    stages are traced once (on the first micro-batch), not per length."""
+    require("transformers")
+    model, split_at, _, _ = gpt2()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    loss_fn = loss_of("gpt2")
+    pipe = conveyor.Pipeline(model, split_at=split_at, chunks=3, schedule=schedule,
+                             loss_fn=loss_fn, devices=["cpu"] * 2)
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    traced = []
+    for seed, docs in ((1, ((3, 4), (5, 2, 6), (2,))), (2, ((9,), (1, 1, 4)))):
+        pipe.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        pairs = packed(docs, seed)
+        loss = pipe.step(microbatches=pairs)
+        tokens = sum(y.numel() for _, y in pairs)
+        expected = sum(loss_fn(reference(**x), y)[0] for x, y in pairs) / tokens
+        expected.backward()
+        assert abs(loss.item() - expected.item()) <= 1e-12 * expected.item()
+        for name, p in pipe.named_parameters():
+            assert relative_error(p.grad, plain[name].grad) <= 1e-10, f"{seed}: {name}"
+        traced.append([graph for stage in pipe.runtime.stages.values()
+                       for graph in stage.layers[0].graphs()])
+    assert len(traced[0]) == len(traced[1]) and all(map(operator.is_, *traced))  # traced once
