@@ -288,6 +288,13 @@ def test_replicated_stages_equal_the_plain_model(replicated: Path) -> None:
         for rank, result in enumerate(results):  # every replica holds the whole gradient
             for name, grad in result["grads"].items():  # type: ignore[attr-defined]
                 assert relative_error(grad, expected[name]) <= 1e-10, f"{label} {rank} {name}"
+        # the gradients' norm over every stage, a replicated one's counted once (the
+        # max-norm under GPipe, the 2-norm else; tied weights once)
+        model, _ = case_model(model_name)
+        grads = {n: expected[n] for n, _ in model.named_parameters()}
+        norm = (max(float(g.abs().max()) for g in grads.values()) if schedule == "gpipe"
+                else float(torch.sqrt(sum((g ** 2).sum() for g in grads.values()))))
+        assert all(abs(float(r["norm"]) - norm) <= 1e-6 * norm for r in results), label
         held: set[str] = set().union(*(r["grads"] for r in results))  # type: ignore[arg-type]
         assert held == set(expected), label
         # replica j of stage s ran the micro-batches m with m % replicas[s] == j, and

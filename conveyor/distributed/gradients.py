@@ -72,7 +72,7 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
                    max_norm: float, norm_type: float, group: Any,
-                   reduce: Reduce) -> torch.Tensor:
+                   reduce: Reduce, share: float = 1.0) -> torch.Tensor:
     """Scales ``params``' gradients so that their global norm is at most ``max_norm``.
 
     Args:
@@ -85,6 +85,8 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
             gradients, ``reduce`` also combines the shards of each stage.
         reduce: ``reduce(norm, op)`` combines the norms over ``group`` (with a bounded
             wait).
+        share: the part of this process's ``norm ** p`` the sum over ``group`` counts:
+            1 / r where r processes hold the same gradients (a replicated stage).
 
     Returns:
         The global norm before clipping.
@@ -98,6 +100,8 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
     else:
         local = torch.zeros((), device=device)
     local = local.to(torch.float64)
+    if not inf:
+        local = local * share
     if group is not None:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         reduce(local, op)

@@ -101,6 +101,8 @@ class Topology:
         """
         if not dist.is_available():
             return None
+        if not isinstance(data_parallel, int) and set(data_parallel) == {1}:
+            data_parallel = 1  # one replica per stage: no replicas
         if not dist.is_initialized():
             if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
                 if data_parallel == 1:

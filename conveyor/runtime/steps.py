@@ -288,5 +288,7 @@ def clip_gradients(runtime: Runtime, params: Sequence[nn.Parameter], max_norm: f
             runtime.all_reduce(norm, group, "the all-reduce of the gradients' norm", op,
                                seconds=runtime.deadlines.opening)
 
+    replicas = topology.replicas  # a replicated stage's gradients: counted once
+    share = 1.0 if replicas is None else 1 / replicas.counts[topology.table_rank]
     return clip_grad_norm(params, [p for p in params if id(p) not in duplicates], max_norm,
-                          norm_type, topology.pipeline_group, reduce)
+                          norm_type, topology.pipeline_group, reduce, share)

@@ -458,7 +458,8 @@ def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
             loss = pipe.step(x, y)
         result: dict[str, Any] = {
             "loss": loss, "grads": _grads(pipe), "eval": pipe.eval_step(x),
-            "ran": sorted((e.rank, e.stage, e.kind, e.microbatch) for e in timeline.events)}
+            "ran": sorted((e.rank, e.stage, e.kind, e.microbatch) for e in timeline.events),
+            "norm": pipe.clip_grad_norm_(1e9, float("inf") if schedule == "gpipe" else 2.0)}
         if model_name == "lm":  # padding differs between the replicas' micro-batches
             pipe.zero_grad(set_to_none=True)
             pipe.loss_fn = token_loss
