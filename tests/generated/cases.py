@@ -125,6 +125,20 @@ def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None,
             for v in range(variants)]
 
 
+#: Found by the generator on two processes (seed 1002.1 as drawn while V-Half and V-Min
+#: were among the names, shrunk by hand): a traced model in training mode whose batch
+#: norm is frozen (eval) and whose dropout follows, cut automatically into 2 stages under
+#: 1F1B, is exact on threads and wrong across processes (error 0.52). Open: see
+#: tests/test_generated.py.
+FOUND_ON_PROCESSES = [
+    Case(seed=1002, variant=1, spec=Spec(
+        blocks=("batchnorm", "dropout", "linear", "linear"), width=4, length=3, vocab=11,
+        dropout=0.3, weights_seed=278331870), cut="auto", boundaries=(), ranks=2,
+        virtual=1, schedule="1f1b", chunks=2, batch=6, recompute="except_last",
+        train=True, mixed_seed=332527823),
+]
+
+
 def draw_case(seed: int, variant: int = 0) -> Case:
     """Variant ``variant`` of :func:`draw_cases` (``seed``)."""
     return draw_cases(seed, variants=variant + 1)[variant]

@@ -21,3 +21,13 @@ def generated(rank: int, world: int, out_dir: Path) -> None:
             results[f"{seed}.{case.variant}"] = {"ok": result.ok, "result": str(result),
                                                  "case": str(case)}
     (out_dir / f"generated{rank}.json").write_text(json.dumps(results))
+
+
+@scenario("generated_found")
+def generated_found(rank: int, world: int, out_dir: Path) -> None:
+    """The cases the generator found failing only across processes (FOUND_ON_PROCESSES),
+    each its own fresh model."""
+    from tests.generated.cases import FOUND_ON_PROCESSES
+
+    results = {str(i): str(run_case(case)) for i, case in enumerate(FOUND_ON_PROCESSES)}
+    (out_dir / f"found{rank}.json").write_text(json.dumps(results))
