@@ -3,23 +3,25 @@
 Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024): with two
 stages per rank in a V (:mod:`.vshape`), how much a rank holds is decided by how soon
 micro-batches enter, not by the V alone. 1F1B's first rank holds K micro-batches of its
-layers at its peak; V-Half holds about half of that and V-Min about a third, near
-ZB-H1's bubble and at 1F1B's, respectively.
+layers at its peak; the paper's V-Half holds half of that near ZB-H1's bubble, and its
+V-Min a third at about 1F1B's. Here V-Half holds at most 1/2 and V-Min at most 2/5:
+below a third this builder stalls, where the paper's hand-made building blocks do not.
 
 This module builds both the same way, on a clock where F, I and W of a stage each take
 one tick (a stage is half a rank's layers, as in every V):
 
-- a micro-batch *enters* with the forward of stage 0 (on rank 0), and is *in flight*
-  until the weight gradient of its last stage; at most ``limit`` are in flight;
+- a micro-batch *enters* with the forward of stage 0 (on rank 0), at most one every
+  ``spacing`` ticks, and is *in flight* until the input gradient of stage 0; at most
+  ``limit`` are in flight;
 - each tick, every rank runs the first ready action of: the oldest ``I``, the oldest
   ``F`` of its stage on the way back, of its stage on the way down (on rank 0 a new
-  micro-batch, if fewer than ``limit`` are in flight), then the oldest ``W``;
-- ``limit`` is the largest for which no rank holds more than the share of 1F1B's peak
-  (a stage's activations counted from its ``F`` until its ``W``, in halves of a rank's
-  layers: 1F1B's first rank holds 2K of them).
+  micro-batch, if it may enter), then the oldest ``W`` (or the ``W`` before any ``F``);
+- of these orders, the shortest step is kept whose ranks never hold more than the
+  share of 1F1B's peak (a stage's activations counted from its ``F`` until its ``W``,
+  in halves of a rank's layers: 1F1B's first rank holds 2K of them).
 
 The result is a table like any other, read by every runtime, the validator and the
-simulator; its memory and bubble are measured in ``benchmarks/memory.py``.
+simulator; its memory is measured in ``benchmarks/memory.py --schedules``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def v_half(ranks: int, microbatches: int) -> Schedule:
 
 
 def v_min(ranks: int, microbatches: int) -> Schedule:
-    """V-Min: a V that holds at most a third of 1F1B's peak activations (see the module)."""
+    """V-Min: a V that holds at most 2/5 of 1F1B's peak activations (see the module)."""
     return v_memory(ranks, microbatches, SHARES["v-min"], name="v-min")
 
 
