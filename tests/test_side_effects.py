@@ -118,7 +118,7 @@ def assert_same_state(pipe_model: nn.Module, reference: nn.Module) -> None:
 def schedule_options(schedule: str) -> tuple[int, dict[str, int]]:
     """Ranks and options for ``schedule`` on six layers."""
     if schedule in V_SHAPES:
-        return 2, {}
+        return 3 if schedule == "v-min" else 2, {}  # v-min holds its share from 3 on
     if schedule == "interleaved-1f1b":
         return 2, {"virtual_stages": 2}
     return 3, {}
@@ -133,7 +133,7 @@ def test_state_changed_in_forward_is_seen_by_recomputation_as_the_forward_saw_it
     reference = copy.deepcopy(model)
     ranks, options = schedule_options(schedule)
     stages = ranks * options.get("virtual_stages", 2 if schedule in V_SHAPES else 1)
-    balance = {2: [3, 3], 3: [2, 2, 2], 4: [2, 1, 2, 1]}[stages]
+    balance = {2: [3, 3], 3: [2, 2, 2], 4: [2, 1, 2, 1], 6: [1] * 6}[stages]
     pipe = conveyor.Pipeline(model, balance=balance, devices=["cpu"] * ranks, chunks=4,
                              schedule=schedule, recompute=recompute, loss_fn=loss_fn,
                              **options)
