@@ -54,9 +54,6 @@ def test_generated_cases_on_two_processes(tmp_path: Path) -> None:
         assert not failed, f"rank {rank}: {failed}"
 
 
-@pytest.mark.xfail(strict=True, reason="open: a frozen batch norm before a dropout in a "
-                                        "traced model, exact on threads, wrong across "
-                                        "processes (FOUND_ON_PROCESSES)")
 def test_cases_found_on_processes(tmp_path: Path) -> None:
     from tests.generated.cases import FOUND_ON_PROCESSES, run_case
 

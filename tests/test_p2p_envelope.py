@@ -7,6 +7,7 @@ between processes for real.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -159,10 +160,13 @@ def test_non_contiguous_tensors_arrive_with_their_values(send: Send,
                                                          make: Callable[[], torch.Tensor]) -> None:
     tensor = make()
     assert not tensor.is_contiguous()
+    dense = any(tensor.permute(order).is_contiguous()  # a transposed or permuted one
+                for order in itertools.permutations(range(tensor.dim())))
     for value in (tensor, {"v": tensor, "w": tensor}):
         got = send(value)
         assert_same(got, value)
-        assert all(t.is_contiguous() for t in pytree.tree_leaves(got))
+        for arrived in pytree.tree_leaves(got):  # a permuted dense layout is kept
+            assert arrived.stride() == tensor.stride() if dense else arrived.is_contiguous()
 
 
 @SENDS
@@ -328,3 +332,18 @@ def test_random_bytes_behind_a_valid_kind_are_refused_by_name() -> None:
         with pytest.raises(ConveyorError, match=r"the activation of micro-batch -?\d+ for "
                                                 r"stage -?\d+"):
             _decode(header, torch.zeros(4096, dtype=torch.uint8))
+
+
+def test_a_transposed_tensor_keeps_its_layout_through_a_message() -> None:
+    """A stage's output handed on transposed (a batch norm over transposed features)
+    arrives with the sender's strides: a dropout on it fills its mask in memory order,
+    as it would have in one process (the generator's case found on processes). A
+    tensor that is no permutation of a dense layout arrives contiguous, as before."""
+    transposed = torch.randn(3, 4, 5).transpose(1, 2)
+    for value in (transposed, {"h": transposed, "mask": torch.ones(3, 2).t()}):
+        got = through_envelope(value)
+        for sent, arrived in zip(pytree.tree_leaves(value), pytree.tree_leaves(got)):
+            assert torch.equal(sent, arrived) and arrived.stride() == sent.stride()
+    sliced = torch.randn(6, 4)[:, :2]
+    arrived = through_envelope(sliced)
+    assert torch.equal(arrived, sliced) and arrived.is_contiguous()

@@ -94,12 +94,28 @@ _STEP = 23
 
 @dataclass(frozen=True)
 class _Slot:
-    """A tensor's place in a message's skeleton: where its bytes start, and what it is."""
+    """A tensor's place in a message's skeleton: where its bytes start, and what it is.
+    ``order``: a tensor whose dimensions lie in memory in another order than its shape's
+    (a transposed one) travels in memory order, ``shape`` that order's, and is permuted
+    back by ``order`` on arrival, so that it keeps its sender's layout (a dropout fills
+    its mask in memory order)."""
 
     offset: int
     dtype: str
     shape: tuple[int, ...]
     requires_grad: bool
+    order: tuple[int, ...] | None = None
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``t``'s dimensions that lists them in memory order, if ``t`` is
+    dense in that order and not in its own (None: contiguous, or not a permutation of
+    a dense layout)."""
+    if t.is_contiguous() or t.dim() < 2:
+        return None
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
+    return order if t.permute(order).is_contiguous() else None
 
 
 def _padded(size: int) -> int:
@@ -121,7 +137,7 @@ def _encode(code: int, stage: int, microbatch: int, value: Any,
         header[_SKELETON] = header[_BODY] = len(value)
         return header, [value]
     if (isinstance(value, torch.Tensor) and value.dtype in _DTYPES
-            and value.dim() <= _MAX_DIMS):
+            and value.dim() <= _MAX_DIMS and _memory_order(value) is None):
         header[_DTYPE], header[_GRAD] = _DTYPES.index(value.dtype), int(value.requires_grad)
         header[_NDIM] = value.dim()
         header[_SHAPE:_SHAPE + value.dim()] = list(value.shape)
@@ -131,10 +147,13 @@ def _encode(code: int, stage: int, microbatch: int, value: Any,
     offsets = [0]
 
     def slot(t: torch.Tensor) -> _Slot:
-        tensors.append(_bytes(t))
+        order = _memory_order(t)
+        laid = t if order is None else t.permute(order)  # contiguous: no copy
+        tensors.append(_bytes(laid))
         offsets.append(offsets[-1] + _padded(tensors[-1].numel()))
-        return _Slot(offsets[-2], str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                     t.requires_grad)
+        back = None if order is None else tuple(order.index(d) for d in range(t.dim()))
+        return _Slot(offsets[-2], str(t.dtype).removeprefix("torch."), tuple(laid.shape),
+                     t.requires_grad, back)
 
     skeleton = pickle.dumps(pytree.tree_map_only(torch.Tensor, slot, value))
     header[_SKELETON] = _padded(len(skeleton))
@@ -232,6 +251,8 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
             raise ConveyorError(f"{what} places a tensor of {size} bytes at byte {start} of "
                                 f"a body of {header[_BODY]}: the message is corrupt")
         tensor = body[start:start + size].view(dtype).view(slot.shape)
+        if slot.order is not None:  # the sender's layout
+            tensor = tensor.permute(slot.order)
         return tensor.requires_grad_() if slot.requires_grad else tensor
 
     return pytree.tree_map_only(_Slot, fill, skeleton)

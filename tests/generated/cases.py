@@ -126,10 +126,11 @@ def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None,
 
 
 #: Found by the generator on two processes (seed 1002.1 as drawn while V-Half and V-Min
-#: were among the names, shrunk by hand): a traced model in training mode whose batch
-#: norm is frozen (eval) and whose dropout follows, cut automatically into 2 stages under
-#: 1F1B, is exact on threads and wrong across processes (error 0.52). Open: see
-#: tests/test_generated.py.
+#: were among the names, shrunk by hand): a traced model in training mode whose frozen
+#: batch norm hands on a transposed output to the next stage's dropout, cut into 2
+#: stages under 1F1B, was exact on threads and wrong across processes (error 0.52): a
+#: message arrived contiguous, and the dropout, filling its mask in memory order,
+#: dropped other elements. Messages now keep a transposed tensor's layout.
 FOUND_ON_PROCESSES = [
     Case(seed=1002, variant=1, spec=Spec(
         blocks=("batchnorm", "dropout", "linear", "linear"), width=4, length=3, vocab=11,

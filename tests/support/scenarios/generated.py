@@ -26,7 +26,7 @@ def generated(rank: int, world: int, out_dir: Path) -> None:
 @scenario("generated_found")
 def generated_found(rank: int, world: int, out_dir: Path) -> None:
     """The cases the generator found failing only across processes (FOUND_ON_PROCESSES),
-    each its own fresh model."""
+    each on its own fresh model."""
     from tests.generated.cases import FOUND_ON_PROCESSES
 
     results = {str(i): str(run_case(case)) for i, case in enumerate(FOUND_ON_PROCESSES)}
