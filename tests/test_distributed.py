@@ -277,7 +277,7 @@ def test_replicated_stages_equal_the_plain_model(replicated: Path) -> None:
     """data_parallel=[2, 1] and [1, 2]: each replica of a stage runs its share of the
     micro-batches and ends with the stage's whole gradient, tied weights included."""
     import conveyor.schedules.replicas
-    from tests.support.scenarios.pipeline import REPLICATED
+    from tests.support.scenarios.replicated import REPLICATED
 
     for model_name, schedule, replicas, chunks in REPLICATED:
         label = f"{model_name} {schedule} {list(replicas)}"
@@ -327,7 +327,7 @@ def test_a_replicated_stage_pools_deferred_batch_norm_and_refuses_other_state(
     import torch.nn.functional as F
 
     import conveyor
-    from tests.support.scenarios.pipeline import batch_norm_mlp
+    from tests.support.scenarios.replicated import batch_norm_mlp
 
     results = [torch.load(replicated / f"state-rank{r}.pt") for r in range(3)]
     x, y = case_batch("mlp")

@@ -78,6 +78,12 @@ class Topology:
             return self.pipeline_rank
         return self.replicas.place(self.pipeline_rank)[0]
 
+    @property
+    def stage_replicas(self) -> int:
+        """How many processes of this pipeline hold this process's stage: its replicas
+        under ``replicas``, else 1."""
+        return 1 if self.replicas is None else self.replicas.counts[self.table_rank]
+
     def new_group(self, ranks: Sequence[int]) -> Any:
         """``dist.new_group(ranks)`` bounded by the pipeline's timeout."""
         timeout = None if self.timeout is None else datetime.timedelta(seconds=self.timeout)

@@ -179,18 +179,17 @@ def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
     else:
         ties = runtime.layout.ties
         sum_tied_gradients(ties, lambda total, group: runtime.all_reduce(total, group, _TIES))
-        group, replicas = topology.data_group, topology.data_size
+        group, replicas, reduced = topology.data_group, topology.data_size, params
         if topology.replicas is not None:  # a replicated stage: each ran a share
-            group = topology.replica_group
-            replicas = topology.replicas.counts[topology.table_rank]
+            group, replicas = topology.replica_group, topology.stage_replicas
             tied = {id(p) for tie in ties if tie.group is not None  # summed over every
                     for p in tie.copies}                            # replica already
             for p in params:
                 if id(p) in tied and p.grad is not None:
                     p.grad.div_(divisor)
-            params = [p for p in params if id(p) not in tied]
+            reduced = [p for p in params if id(p) not in tied]
         reduce_across_replicas(
-            params, group, replicas, divisor,
+            reduced, group, replicas, divisor,
             lambda flat, op: runtime.all_reduce(flat, group, "the replicas' gradient sum", op))
     overflowed = how.scaler is not None and overflowed_on_any_rank(how.scaler, params,
                                                                    runtime)
@@ -288,7 +287,6 @@ def clip_gradients(runtime: Runtime, params: Sequence[nn.Parameter], max_norm: f
             runtime.all_reduce(norm, group, "the all-reduce of the gradients' norm", op,
                                seconds=runtime.deadlines.opening)
 
-    replicas = topology.replicas  # a replicated stage's gradients: counted once
-    share = 1.0 if replicas is None else 1 / replicas.counts[topology.table_rank]
+    share = 1 / topology.stage_replicas  # a replicated stage's gradients: counted once
     return clip_grad_norm(params, [p for p in params if id(p) not in duplicates], max_norm,
                           norm_type, topology.pipeline_group, reduce, share)

@@ -17,10 +17,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.support.scenarios import SCENARIOS, fsdp, generated, hang, pipeline, rebalance
+from tests.support.scenarios import (
+    SCENARIOS,
+    fsdp,
+    generated,
+    hang,
+    pipeline,
+    rebalance,
+    replicated,
+)
 
 #: Importing these modules registers their scenarios in SCENARIOS.
-MODULES = (pipeline, fsdp, hang, rebalance, generated)
+MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated)
 
 
 def main() -> None:
