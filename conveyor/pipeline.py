@@ -78,6 +78,12 @@ class Pipeline(RunsRuntime):
             "always", "except_last" (default) or "never"; or a list of one per stage
             (``["never", "always"]``: the first stage keeps its activations).
         checkpoint: another name for ``recompute`` (torchgpipe's).
+        offload: "activations" moves what each micro-batch's forward saves for its
+            backward to host memory until one action before that backward, on every
+            stage (micro-batches whose backward follows within two actions, and those
+            recomputed, stay); or one entry per stage, "activations" or None
+            (``[None, "activations"]``). On CUDA: pinned memory and a side stream,
+            overlapped with compute; see ``conveyor.engine.offload``.
         data_parallel: D replicas of the pipeline (under torchrun, world = K·D; each
             replica steps on its own batch); or replicas per stage, ``[2, 1]``:
             PipeDream's replicated stages, one pipeline of 2 + 1 processes in which
@@ -147,6 +153,7 @@ class Pipeline(RunsRuntime):
         devices: Sequence[Device] | None = None,
         recompute: str | Sequence[str] | None = None,
         checkpoint: str | Sequence[str] | None = None,
+        offload: str | Sequence[str | None] | None = None,
         data_parallel: int | Sequence[int] = 1,
         sharding: str = "replicate",
         tie_weights: Sequence[Sequence[str]] = (),

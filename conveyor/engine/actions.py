@@ -21,6 +21,7 @@ from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.loss import loss_and_count
+from conveyor.engine.offload import Offloader
 from conveyor.engine.recompute.sideeffects import SideEffects
 from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
@@ -40,6 +41,8 @@ class StageActions:
     last: bool
     device: torch.device
     accumulator: FusedAccumulation | None
+    layers: nn.Module
+    offloader: Offloader | None
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
                 recompute: bool) -> tuple[Any, SideEffects | None]:
@@ -67,22 +70,34 @@ class StageActions:
         inputs = (deliver(state.inputs[m], self.device) if self.index == 0
                   else self.join(received))
         recompute = state.grad_enabled and state.recompute(self.index, m)
-        outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
-                                        recompute=recompute)
-        loss = None
+        loss = read = None  # read: the output as loss_fn read it
+        with self._saving(m, inputs, state, recompute):  # the loss's saved tensors too
+            outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
+                                            recompute=recompute)
+            if self.last and state.loss_fn is not None:
+                read = _read_apart(outputs) if recompute else outputs
+                loss = self._loss(m, read, state)
         sent: dict[int, Any] = {}  # by receiving stage
-        read = None  # the output as loss_fn read it
-        if self.last and state.loss_fn is not None:
-            read = _read_apart(outputs) if recompute else outputs
-            loss = self._loss(m, read, state)
-        elif self.last:
+        if self.last and state.loss_fn is None:
             state.outputs[m] = outputs
-        else:
+        elif not self.last:
             sent = self.route(outputs, destinations)
         if state.grad_enabled:
             state.saved[(self.index, m)] = Saved(inputs, received, outputs, sent, loss,
                                                  effects, read)
         return sent
+
+    def _saving(self, m: int, inputs: Any, state: StepState,
+                recompute: bool) -> contextlib.AbstractContextManager[None]:
+        """Where the forward of micro-batch m saves for its backward: on an offloading
+        stage, a store that offloads it if the step's plan says so (a recomputed
+        micro-batch saves nothing there: torch.utils.checkpoint keeps its own)."""
+        if self.offloader is None or not state.grad_enabled or recompute:
+            return contextlib.nullcontext()
+        activations = self.offloader.activations(
+            self.layers, inputs, offload=(self.index, m) in state.offload.offloaded)
+        state.activations[(self.index, m)] = activations
+        return activations.saving()
 
     def backward_one(self, microbatch: int, came: Mapping[int, Any], state: StepState, *,
                      split: bool) -> dict[int, list[torch.Tensor | None]]:
@@ -97,6 +112,7 @@ class StageActions:
         """
         m = microbatch
         saved = state.saved.pop((self.index, m))
+        state.activations.pop((self.index, m), None)  # the graph holds them from here
         pairs: list[Pair]
         if saved.loss is not None:
             pairs = [(saved.loss, None)] if saved.loss.requires_grad else []

@@ -36,6 +36,7 @@ import torch
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.layers import failure
+from conveyor.engine.offload import offload_plan
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.backward.routing import check_no_gradient
 from conveyor.engine.stage import Stage
@@ -171,15 +172,21 @@ class Executor:
                 recorder.measure(rank, action, lambda: self._execute(action, state))
 
         lanes = device_lanes(columns, devices, self.schedule)
+        offloading = {s for s, stage in self.stages.items() if stage.offloader is not None}
+        if offloading and state.grad_enabled:
+            state.offload = offload_plan(lanes, offloading, state.recompute)
 
         def work(lead: int) -> None:
             position = self.positions[lead]
+            reloads = state.offload.reloads.get(lead, {})
             try:
                 with context.applied(devices[lead], cpu_threads), contextlib.ExitStack() as rng:
                     for rank in {rank for rank, _ in lanes[lead]}:
                         rng.enter_context(self._preserved_rng(rank))
-                    for rank, action in lanes[lead]:
+                    for at, (rank, action) in enumerate(lanes[lead]):
                         self.transport.poll()
+                        if at in reloads:  # one action ahead of its backward
+                            state.activations[reloads[at]].reload()
                         position = self.positions[rank]
                         position.begin(action)
                         if log is not None:

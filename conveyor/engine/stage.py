@@ -29,6 +29,7 @@ from conveyor.engine.compiling import (
     is_compiled,
     run_aside,
 )
+from conveyor.engine.offload import Offloader
 from conveyor.engine.layers import Partition, WholeStage, batch_rows, check_output, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import (
@@ -90,6 +91,9 @@ class Stage(StageActions):
         self.accumulator: FusedAccumulation | None = None
         #: the stage's layers compiled as one graph (:meth:`compile`), or None.
         self.compiled: CompiledStage | None = None
+        #: where the stage's saved activations wait for their backward
+        #: (``offload="activations"``), or None: on the device.
+        self.offloader: Offloader | None = None
         #: whether other processes hold replicas of the stage (its forwards must not
         #: change its modules' state, but for deferred batch norm's)
         self.replicated = False

@@ -14,6 +14,7 @@ import torch
 
 from conveyor.engine.loss import LossFn
 from conveyor.engine.microbatch import microbatch_sizes
+from conveyor.engine.offload import Activations, OffloadPlan
 from conveyor.engine.recompute.replay import recompute_mode, recomputes
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.engine.recompute.sideeffects import SideEffects
@@ -66,6 +67,12 @@ class StepState:
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     #: per (stage, micro-batch), the weight gradient an ``I`` left for its ``W``.
     weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
+    #: which micro-batches offload their activations, and when they come back (set by
+    #: the executor's run from its lanes).
+    offload: OffloadPlan = field(default_factory=OffloadPlan)
+    #: per (stage, micro-batch) of an offloading stage, until its backward: the store
+    #: of what its forward saved.
+    activations: dict[tuple[int, int], Activations] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

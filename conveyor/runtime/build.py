@@ -25,6 +25,8 @@ from conveyor.engine.backward.accumulation import fusing_allowed
 from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.loss import LossScaler, compute_dtype
+from conveyor.engine.offload import offloaded_stages
+from conveyor.errors import ConveyorError
 from conveyor.engine.recompute.replay import check_stage_modes
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import (
@@ -167,7 +169,8 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()
     runtime = Runtime(layout, schedule, topology, devices, pending.deadlines, wiring,
                       fuse_accumulation=fusing_allowed() and not options.compile
-                      and not sharding)
+                      and not sharding,
+                      offload=_offloaded(options, schedule.num_stages, sharded=bool(sharding)))
     if pending.at_first_call:  # the optimizer holds the adopted weights
         keep_copies_equal(owner, layout.ties)
     for stage in layout.stages.values() if options.compile else ():
@@ -180,6 +183,20 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     training = TrainingStep(options.chunks, options.mode, options.check_finite,
                             compute_dtype(options.precision), scaler, sharding)
     return Built(schedule, runtime, training, rebalancing)
+
+
+def _offloaded(options: PipelineOptions, stages: int, *, sharded: bool) -> frozenset[int]:
+    """The stages whose activations are offloaded.
+
+    Raises:
+        ValueError: one entry per stage expected.
+        ConveyorError: offload with FSDP (not supported yet).
+    """
+    offloaded = offloaded_stages(options.offload, stages)
+    if offloaded and sharded:
+        raise ConveyorError("offload= is not supported with sharding=\"fsdp\" yet; use "
+                            "one of them, or recompute= to save activation memory")
+    return offloaded
 
 
 def _from_rank_zero(topology: Topology, deadlines: Deadlines) -> Callable[[list[int]], list[int]]:

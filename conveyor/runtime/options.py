@@ -23,6 +23,7 @@ from conveyor.distributed.faults.agreement import schedule_of
 from conveyor.distributed.topology import Topology
 from conveyor.engine.devices import Device
 from conveyor.engine.loss import LossFn
+from conveyor.engine.offload import check_offload
 from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.engine.step import check_options
 from conveyor.errors import ConveyorError
@@ -77,6 +78,7 @@ class PipelineOptions:
     devices: Sequence[Device] | None = _option(None)
     recompute: str | Sequence[str] | None = _option(None)
     checkpoint: str | Sequence[str] | None = _option(None)
+    offload: str | Sequence[str | None] | None = _option(None, agreed=_listed)
     data_parallel: int | Sequence[int] = _option(1, agreed=_listed)
     sharding: str = _option("replicate", agreed=True)
     tie_weights: Sequence[Sequence[str]] = _option(
@@ -112,6 +114,7 @@ class PipelineOptions:
         options = cls(**given)
         check_options(chunks=options.chunks, recompute=options.recompute,
                       checkpoint=options.checkpoint)
+        check_offload(options.offload)
         return options
 
     @property

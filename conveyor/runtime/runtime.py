@@ -24,6 +24,7 @@ from conveyor.distributed.faults import collective
 from conveyor.distributed.topology import Topology
 from conveyor.engine.devices import KeepsPlacement
 from conveyor.engine.executor import Executor
+from conveyor.engine.offload import Offloader, OffloadMeter
 from conveyor.engine.stage import Stage
 from conveyor.engine.step import StepState
 from conveyor.engine.transport import Transport
@@ -52,11 +53,15 @@ class Runtime:
         fuse_accumulation: let each stage whose backward the schedule never splits add
             its linear layers' weight gradients into ``.grad`` as they are computed
             (:mod:`conveyor.engine.backward.accumulation`; not for compiled or sharded stages).
+        offload: the stages whose saved activations wait on the host
+            (:mod:`conveyor.engine.offload`), counted per pipeline rank in
+            ``offload_meters``.
     """
 
     def __init__(self, layout: Layout, schedule: Schedule, topology: Topology,
                  devices: Sequence[torch.device], deadlines: Deadlines, wiring: Wiring, *,
-                 previous: Runtime | None = None, fuse_accumulation: bool = False) -> None:
+                 previous: Runtime | None = None, fuse_accumulation: bool = False,
+                 offload: frozenset[int] = frozenset()) -> None:
         self.layout = layout
         self.schedule = schedule
         self.topology = topology
@@ -68,6 +73,13 @@ class Runtime:
         for number, stage in layout.stages.items():
             if fuse_accumulation and number not in split:
                 stage.fuse_accumulation()
+        self.offload = offload
+        self.offload_meters: dict[int, OffloadMeter] = (
+            previous.offload_meters if previous is not None else
+            {rank: OffloadMeter() for rank in {schedule.stage_ranks[s] for s in offload}})
+        for number in offload & layout.stages.keys():
+            layout.stages[number].offloader = Offloader(
+                layout.stages[number].device, self.offload_meters[schedule.stage_ranks[number]])
         self.transport: Transport = wiring.transport(
             schedule, [self.stage_device(s) for s in range(schedule.num_stages)], deadlines,
             previous.transport if previous is not None else None)
@@ -95,7 +107,8 @@ class Runtime:
     def replaced(self, layout: Layout) -> Runtime:
         """A runtime for ``layout`` (the same stages, other layers) in this one's place."""
         return Runtime(layout, self.schedule, self.topology, self.devices, self.deadlines,
-                       self.wiring, previous=self, fuse_accumulation=self.fuse_accumulation)
+                       self.wiring, previous=self, fuse_accumulation=self.fuse_accumulation,
+                       offload=self.offload)
 
     # ------------------------------------------------------------------ a step
 
