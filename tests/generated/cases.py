@@ -52,6 +52,8 @@ RECOMPUTE = ("always", "except_last", "never")
 #: V shapes drawn in ZB-V's place, by a generator of their own, so that every seed drawn
 #: before them (the fixed tests, the runs of ``make fuzz``) still draws what it did.
 MEMORY_V = ("v-half", "v-min")
+#: The share of cases that offload their activations.
+OFFLOADED = 0.3
 #: The schedule names, and "mixed": zero-bubble's table with some I+W pairs run as one B.
 SCHEDULE_NAMES = (*(name for name in SCHEDULES if name not in MEMORY_V), "mixed")
 
@@ -74,6 +76,7 @@ class Case:
     train: bool
     mixed_seed: int = 0
     compiled: bool = False      # compile=True (python -m tests.generated --compile)
+    offload: bool = False       # offload="activations"
 
     @property
     def stages(self) -> int:
@@ -83,7 +86,8 @@ class Case:
         cut = self.cut if self.cut == "auto" else f"{self.cut} at {list(self.boundaries)}"
         return (f"seed {self.seed}.{self.variant}: {self.schedule} K={self.ranks}x{self.virtual} "
                 f"M={self.chunks} N={self.batch} recompute={self.recompute} "
-                f"{'train' if self.train else 'eval'} {cut}{' compiled' if self.compiled else ''}; "
+                f"{'train' if self.train else 'eval'} {cut}{' compiled' if self.compiled else ''}"
+                f"{' offload' if self.offload else ''}; "
                 f"{self.spec}")
 
 
@@ -181,7 +185,9 @@ def _draw_variant(rng: random.Random, seed: int, variant: int, spec: Spec, seque
     return Case(seed=seed, variant=variant, spec=spec, cut=cut, boundaries=boundaries,
                 ranks=ranks, virtual=virtual, schedule=schedule, chunks=chunks,
                 batch=max(batch, 2), recompute=rng.choice(RECOMPUTE),
-                train=rng.random() < 0.7, mixed_seed=rng.randrange(1 << 30))
+                train=rng.random() < 0.7, mixed_seed=rng.randrange(1 << 30),
+                # drawn apart, as V-Half and V-Min are: every earlier seed draws as before
+                offload=random.Random(f"{seed}.{variant}.offload").random() < OFFLOADED)
 
 
 def mixed_table(ranks: int, chunks: int, seed: int) -> Schedule:
@@ -256,7 +262,7 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any,
         options["devices"] = [device] * case.ranks
     return conveyor.Pipeline(model, loss_fn=loss_fn, chunks=case.chunks, schedule=schedule,
                              recompute=case.recompute, timeout=60, compile=case.compiled,
-                             **options)
+                             offload="activations" if case.offload else None, **options)
 
 
 def _per_microbatch(model: nn.Module) -> bool:
