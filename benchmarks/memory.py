@@ -24,7 +24,9 @@ on the naive M=1 run and b (boundary bytes per sample: input and output) is 2 * 
 recomputation under 1F1B, ZB-V, V-Half and V-Min (the V shapes in 2K stages of one
 block), each rank's peak of the bytes its forwards save for backward (a pack hook
 around each stage's forward counts each storage from when it is saved until it is
-freed), as a share of 1F1B's.
+freed), as a share of 1F1B's; then each with ``offload="activations"``, whose own pack
+hook counts what stays on the device or comes back for a backward (checked against
+ours on a run that offloads nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import conveyor  # noqa: E402
 from conveyor import GPipe  # noqa: E402
+from conveyor.engine import offload as offloading  # noqa: E402
 from conveyor.schedules import V_SHAPES, build  # noqa: E402
 from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 from conveyor.train.models import feed_forward_stack  # noqa: E402
@@ -171,48 +174,74 @@ class SavedBytes:
             hook.remove()
 
 
-def schedule_peaks(schedule: str, ranks: int, chunks: int) -> list[int]:
+def schedule_peaks(schedule: str, ranks: int, chunks: int, *,
+                   offload: bool = False) -> list[int]:
     """Each rank's peak bytes saved for backward in one step of config P on ``ranks``
-    CPU threads (no recomputation): L/K blocks a rank, in one stage or two (a V)."""
+    CPU threads (no recomputation): L/K blocks a rank, in one stage or two (a V). With
+    ``offload``, the bytes that stay on the device or come back for a backward, as the
+    offload's own meter counts them (its pack hook takes the place of ours)."""
     torch.manual_seed(0)
     layers = feed_forward_stack(BLOCKS, WIDTH, 4 * WIDTH)
     stages = 2 * ranks if schedule in V_SHAPES else ranks
     pipe = conveyor.Pipeline(layers, balance=[BLOCKS // stages] * stages, chunks=chunks,
                              schedule=schedule, devices=["cpu"] * ranks, recompute="never",
-                             loss_fn=nn.functional.mse_loss)
+                             loss_fn=nn.functional.mse_loss,
+                             offload="activations" if offload else None)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    if offload:
+        pipe.step(x, y)
+        return [pipe.runtime.offload_meters[r].device_peak for r in range(ranks)]
     tracker = SavedBytes(pipe, x)
     pipe.step(x, y)
     tracker.remove_hooks()
     return tracker.peak
 
 
+def meters_agree(ranks: int, chunks: int) -> float:
+    """The offload meter's peak over SavedBytes's, 1F1B, with every micro-batch kept on
+    the device (the offload's rule made never to offload): both count the same bytes."""
+    kept_within = offloading.KEPT_WITHIN
+    offloading.KEPT_WITHIN = 1 << 30
+    try:
+        metered = schedule_peaks("1f1b", ranks, chunks, offload=True)
+    finally:
+        offloading.KEPT_WITHIN = kept_within
+    return max(metered) / max(schedule_peaks("1f1b", ranks, chunks))
+
+
 def schedules_part(ranks: int, chunks: int) -> None:
-    """Peak activation memory per rank of 1F1B, ZB-V, V-Half and V-Min, measured and as
-    a share of 1F1B's (its first rank's), beside the simulator's share."""
-    measured = {name: schedule_peaks(name, ranks, chunks) for name in SCHEDULES_COMPARED}
-    base = max(measured["1f1b"])
+    """Peak activation memory per rank of 1F1B, ZB-V, V-Half and V-Min, without and
+    with offload, measured and as a share of 1F1B's (its first rank's), beside the
+    simulator's share (without offload)."""
+    agreement = meters_agree(ranks, chunks)
+    measured = {(name, offload): schedule_peaks(name, ranks, chunks, offload=offload)
+                for offload in (False, True) for name in SCHEDULES_COMPARED}
+    base = max(measured[("1f1b", False)])
+    one_f_one_b = simulate(build("1f1b", ranks, chunks), CostModel.uniform(ranks)).peak_bytes[0]
     rows, results = [], []
-    for name, peaks in measured.items():
+    for (name, offload), peaks in measured.items():
         table = build(name, ranks, chunks)
-        simulated = simulate(table, CostModel.per_rank(table)).peak_bytes
-        one_f_one_b = simulate(build("1f1b", ranks, chunks),
-                               CostModel.uniform(ranks)).peak_bytes[0]
-        results.append({"schedule": name, "peak_bytes_per_rank": peaks,
-                        "share_of_1f1b": max(peaks) / base,
-                        "simulated_share": max(simulated) / one_f_one_b})
+        simulated = max(simulate(table, CostModel.per_rank(table)).peak_bytes) / one_f_one_b
+        results.append({"schedule": name, "offload": offload, "peak_bytes_per_rank": peaks,
+                         "share_of_1f1b": max(peaks) / base,
+                         "simulated_share": None if offload else simulated})
         mib = 1 << 20
-        rows.append([name, " ".join(f"{p / mib:.2f}" for p in peaks),
-                     f"{max(peaks) / base:.2f}", f"{max(simulated) / one_f_one_b:.2f}"])
-        print(f"  {name} done", file=sys.stderr, flush=True)
+        rows.append([name, "activations" if offload else "-",
+                     " ".join(f"{p / mib:.2f}" for p in peaks), f"{max(peaks) / base:.2f}",
+                     "" if offload else f"{simulated:.2f}"])
+        print(f"  {name}{' offload' if offload else ''} done", file=sys.stderr, flush=True)
     table = _common.markdown_table(
-        ["schedule", "peak per rank (MiB)", "share of 1F1B's", "simulated share"], rows)
+        ["schedule", "offload", "peak per rank (MiB)", "share of 1F1B's", "simulated share"],
+        rows)
     print(f"\nconfig P on K={ranks} CPU threads, M={chunks}, no recomputation: bytes "
-          "saved for backward\n")
+          "saved for backward (with offload: those on the device)\n")
     print(table)
+    print(f"\nthe offload meter against the pack hook's count, nothing offloaded: "
+          f"{agreement:.3f}")
     path = _common.write("memory-schedules", {
         "config": {"blocks": BLOCKS, "width": WIDTH, "batch": BATCH, "ranks": ranks,
-                   "chunks": chunks}, "results": results, "table": table})
+                   "chunks": chunks}, "results": results, "table": table,
+        "meters_agree": agreement})
     print(f"\nwrote {path}")
 
 

@@ -95,6 +95,22 @@ def test_the_plan_offloads_what_is_not_due_and_reloads_it_one_action_ahead() -> 
     assert offload_plan(lanes, {0, 1}, lambda stage, m: True).offloaded == frozenset()
 
 
+def test_a_split_backward_parks_what_its_weight_gradient_waits_for() -> None:
+    table = build("zero-bubble", 3, 6)
+    lanes = {rank: [(rank, a) for a in column] for rank, column in enumerate(table.columns)}
+    plan = offload_plan(lanes, {0, 1, 2}, lambda stage, m: False)
+    parked = 0
+    for lead, lane in lanes.items():
+        for at, key in plan.parks.get(lead, {}).items():
+            action = lane[at][1]
+            assert (action.kind.value, action.stage, action.microbatch) == ("I", *key)
+            weight = next(i for i, (_, a) in enumerate(lane)
+                          if a.kind.value == "W" and (a.stage, a.microbatch) == key)
+            assert weight - at > KEPT_WITHIN and plan.reloads[lead][weight - 1] == key
+            parked += 1
+    assert parked > 0
+
+
 def test_offload_on_a_traced_hugging_face_gpt2() -> None:
     require("transformers")
     model, reference, split_at, inputs, targets = build_model("gpt2")

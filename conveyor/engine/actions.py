@@ -112,7 +112,8 @@ class StageActions:
         """
         m = microbatch
         saved = state.saved.pop((self.index, m))
-        state.activations.pop((self.index, m), None)  # the graph holds them from here
+        if not split:  # the graph holds what the forward saved from here
+            state.activations.pop((self.index, m), None)
         pairs: list[Pair]
         if saved.loss is not None:
             pairs = [(saved.loss, None)] if saved.loss.requires_grad else []
@@ -148,6 +149,7 @@ class StageActions:
 
     def weight_one(self, microbatch: int, state: StepState) -> None:
         """``W``: the weight gradient that the micro-batch's ``I`` left."""
+        state.activations.pop((self.index, microbatch), None)
         state.weight_work.pop((self.index, microbatch)).run()
 
     def _loss(self, m: int, outputs: Any, state: StepState) -> torch.Tensor:

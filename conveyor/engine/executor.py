@@ -179,6 +179,7 @@ class Executor:
         def work(lead: int) -> None:
             position = self.positions[lead]
             reloads = state.offload.reloads.get(lead, {})
+            parks = state.offload.parks.get(lead, {})
             try:
                 with context.applied(devices[lead], cpu_threads), contextlib.ExitStack() as rng:
                     for rank in {rank for rank, _ in lanes[lead]}:
@@ -195,6 +196,8 @@ class Executor:
                             self._execute(action, state)
                         else:
                             execute(rank, action)
+                        if at in parks:  # after an I, until its W
+                            state.activations[parks[at]].park()
                         position.end()
             except Aborted:
                 pass

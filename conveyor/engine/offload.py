@@ -162,13 +162,18 @@ class Activations:
             return packed
         if self._on_host:
             self.reload()
-        if self._arrived is not None:
-            stream = torch.cuda.current_stream(self.offloader.device)
-            stream.wait_event(self._arrived)
-            for tensor in self._tensors:
-                tensor.record_stream(stream)
-            self._arrived = None
+        self._unpacked()
         return self._tensors[packed.index]
+
+    def _unpacked(self) -> None:
+        """The compute stream waits for a reload under way (CUDA), once."""
+        if self._arrived is None:
+            return
+        stream = torch.cuda.current_stream(self.offloader.device)
+        stream.wait_event(self._arrived)
+        for tensor in self._tensors:
+            tensor.record_stream(stream)
+        self._arrived = None
 
     def reload(self) -> None:
         """Starts bringing the offloaded tensors back to the device (on CUDA, on the
@@ -184,6 +189,16 @@ class Activations:
             if stream is not None:
                 self._arrived = stream.record_event()
         self._count(device=size, host=-size)
+
+    def park(self) -> None:
+        """Moves the tensors back to the host (after an ``I``, until its ``W``)."""
+        if self._on_host:
+            return
+        self._unpacked()
+        size = sum(t.numel() * t.element_size() for t in self._tensors)
+        self._tensors = [self._to_host(t) for t in self._tensors]
+        self._on_host = True
+        self._count(device=-size, host=size)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         stream = self.offloader.stream
@@ -225,35 +240,48 @@ def _uncount(meter: OffloadMeter, counted: list[int]) -> None:
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """Which micro-batches of a step offload, and when each comes back.
+    """Which micro-batches of a step offload, and when each moves.
 
     Attributes:
-        offloaded: (stage, micro-batch) pairs whose saved tensors go to the host.
+        offloaded: (stage, micro-batch) pairs whose forward saves to the host.
         reloads: per lane (by its lead rank), at the position of an action in the lane,
-            the pair to bring back before running it (one action ahead of its backward).
+            the pair to bring back before running it: one action ahead of the pair's
+            ``B`` or ``I``, or of its ``W``.
+        parks: per lane, at the position of an ``I``, the pair that goes back to the
+            host after it, to wait there for its ``W``.
     """
 
     offloaded: frozenset[tuple[int, int]] = frozenset()
     reloads: Mapping[int, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
+    parks: Mapping[int, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
 
 
 def offload_plan(lanes: Mapping[int, Sequence[tuple[int, Action]]],
                  offloading: set[int], recomputed: Any) -> OffloadPlan:
     """The offload of one run of ``lanes`` (each lane's actions in order) for the stages
     in ``offloading``: every micro-batch whose forward records a graph (``recomputed(s,
-    m)`` false) and whose ``B`` or ``I`` is more than :data:`KEPT_WITHIN` actions later."""
+    m)`` false) and whose ``B`` or ``I`` is more than :data:`KEPT_WITHIN` actions later
+    waits on the host in between, and so between an ``I`` and a ``W`` that far apart."""
     offloaded: set[tuple[int, int]] = set()
     reloads: dict[int, dict[int, tuple[int, int]]] = {}
+    parks: dict[int, dict[int, tuple[int, int]]] = {}
     for lead, lane in lanes.items():
-        forward_at: dict[tuple[int, int], int] = {}
+        last: dict[tuple[int, int], int] = {}  # the pair's latest action with its graph
         for position, (_, action) in enumerate(lane):
             key = (action.stage, action.microbatch)
             if action.stage not in offloading:
                 continue
-            if action.kind is Kind.FORWARD and not recomputed(*key):
-                forward_at[key] = position
-            elif action.kind in (Kind.BACKWARD, Kind.INPUT) and key in forward_at and \
-                    position - forward_at[key] > KEPT_WITHIN:
-                offloaded.add(key)
+            if action.kind is Kind.FORWARD:
+                if not recomputed(*key):  # a recomputed graph is rebuilt in backward
+                    last[key] = position
+                continue
+            if key not in last:
+                continue
+            if position - last[key] > KEPT_WITHIN:
+                if action.kind is Kind.WEIGHT:
+                    parks.setdefault(lead, {})[last[key]] = key
+                else:
+                    offloaded.add(key)
                 reloads.setdefault(lead, {})[position - 1] = key
-    return OffloadPlan(frozenset(offloaded), reloads)
+            last[key] = position
+    return OffloadPlan(frozenset(offloaded), reloads, parks)
