@@ -43,6 +43,7 @@ _PUBLIC = {
     "convert_deferred_batch_norm": "conveyor.engine.batchnorm",
     "is_recomputing": "conveyor.engine.recompute.replay",
     "token_loss": "conveyor.engine.loss",
+    "VocabParallelCrossEntropy": "conveyor.runtime.vocabulary",
     "tune_malloc": "conveyor.engine.allocator",
     "initialize": "conveyor.graph.weights",
     "record": "conveyor.observe.recording",

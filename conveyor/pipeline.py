@@ -51,6 +51,9 @@ class Pipeline(RunsRuntime):
         loss_fn: ``loss_fn(output, target)`` for one micro-batch: a scalar averaging
             over its samples (reduction="mean"), or a pair ``(loss_sum, count)`` for a
             loss averaged over a number of elements that varies (see :meth:`step`).
+            ``conveyor.VocabParallelCrossEntropy("lm_head")``: the model's head and its
+            cross-entropy split by vocabulary over every rank (the head is taken out of
+            ``module``; see ``conveyor.runtime.vocabulary``).
         chunks: the number of micro-batches M per batch.
         stages: the number of pipeline ranks K (default: the world size under
             torchrun, else the number of ``devices``).
@@ -176,6 +179,8 @@ class Pipeline(RunsRuntime):
         self.scaler = LossScaler() if precision == "fp16" else None
         placed = place(self, module, options)
         self.topology, self.devices = placed.topology, placed.devices
+        #: a vocabulary-parallel head's shards (``loss_fn=VocabParallelCrossEntropy``)
+        self.vocab_shards = placed.vocabulary
         self.schedule = placed.schedule  # before the layers: no layer takes the name
         self._rebalancing: Rebalancing | None = None
         self._pending: Pending | None = placed.pending
@@ -264,7 +269,10 @@ class Pipeline(RunsRuntime):
             None on the other ranks.
         """
         self._cut_at_first_call(inputs)
-        return infer(self._runtime, self._training, inputs, training=self.training)
+        output = infer(self._runtime, self._training, inputs, training=self.training)
+        if self.vocab_shards is not None and output is not None:
+            output = self.vocab_shards.with_logits(output)  # the head's, whole
+        return output
 
     def forward(self, inputs: Any) -> Any:
         """``pipe(inputs)``: inference, as :meth:`eval_step` (in eval mode, or with

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
+from conveyor.engine.layers import Partition
 from conveyor.engine.loss import loss_and_count
 from conveyor.engine.offload import Offloader
 from conveyor.engine.recompute.sideeffects import SideEffects
@@ -41,7 +42,7 @@ class StageActions:
     last: bool
     device: torch.device
     accumulator: FusedAccumulation | None
-    layers: nn.Module
+    layers: Partition
     offloader: Offloader | None
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,

@@ -36,7 +36,7 @@ import torch
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.layers import failure
-from conveyor.engine.offload import offload_plan
+from conveyor.engine.offload import LaneMoves, offload_plan
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.backward.routing import check_no_gradient
 from conveyor.engine.stage import Stage
@@ -172,32 +172,25 @@ class Executor:
                 recorder.measure(rank, action, lambda: self._execute(action, state))
 
         lanes = device_lanes(columns, devices, self.schedule)
-        offloading = {s for s, stage in self.stages.items() if stage.offloader is not None}
-        if offloading and state.grad_enabled:
-            state.offload = offload_plan(lanes, offloading, state.recompute)
+        self._plan_offload(lanes, state)
 
         def work(lead: int) -> None:
             position = self.positions[lead]
-            reloads = state.offload.reloads.get(lead, {})
-            parks = state.offload.parks.get(lead, {})
+            moves = LaneMoves(state, lead)
             try:
                 with context.applied(devices[lead], cpu_threads), contextlib.ExitStack() as rng:
                     for rank in {rank for rank, _ in lanes[lead]}:
                         rng.enter_context(self._preserved_rng(rank))
                     for at, (rank, action) in enumerate(lanes[lead]):
                         self.transport.poll()
-                        if at in reloads:  # one action ahead of its backward
-                            state.activations[reloads[at]].reload()
+                        moves.before(at)
                         position = self.positions[rank]
                         position.begin(action)
                         if log is not None:
                             log.action(rank, action, lambda: execute(rank, action))
-                        elif recorder is None:
-                            self._execute(action, state)
                         else:
                             execute(rank, action)
-                        if at in parks:  # after an I, until its W
-                            state.activations[parks[at]].park()
+                        moves.after(at)
                         position.end()
             except Aborted:
                 pass
@@ -218,6 +211,13 @@ class Executor:
                 attach_report(error, self.report(notes(self.positions, self.deadlines.within)))
             raise error
         self.transport.finish()
+
+    def _plan_offload(self, lanes: Mapping[int, Sequence[tuple[int, Action]]],
+                      state: StepState) -> None:
+        """Which micro-batches of offloading stages wait on the host in this run."""
+        offloading = {s for s, stage in self.stages.items() if stage.offloader is not None}
+        if offloading and state.grad_enabled:
+            state.offload = offload_plan(lanes, offloading, state.recompute)
 
     def _preserved_rng(self, rank: int) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

@@ -13,7 +13,8 @@ them; the executor asks for them back one action before the micro-batch's ``B`` 
 On CUDA the copies run on a side stream into pinned host memory, overlapped with the
 compute stream (events order the two); on the CPU the same path copies within host
 memory, exact, so that tests see what a GPU run does. Parameters and their views, the
-stage's inputs and buffers are never copied: they stay in memory anyway.
+stage's inputs and buffers are never copied: they stay in memory anyway; nor is what
+lies on another device (a vocabulary-parallel head's shards).
 
 Each offloading stage counts the bytes its saved tensors hold on the device and on the
 host, live and peak (:class:`OffloadMeter`, one per pipeline rank), what
@@ -140,7 +141,7 @@ class Activations:
             self._saved.clear()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if _stays(tensor, self._kept):
+        if _stays(tensor, self._kept) or tensor.device != self.offloader.device:
             return tensor
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor._version)
@@ -254,6 +255,27 @@ class OffloadPlan:
     offloaded: frozenset[tuple[int, int]] = frozenset()
     reloads: Mapping[int, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
     parks: Mapping[int, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
+
+
+class LaneMoves:
+    """What one lane moves between host and device around its actions, by the plan of
+    ``state`` (a :class:`~conveyor.engine.step.StepState`)."""
+
+    def __init__(self, state: Any, lead: int) -> None:
+        self._activations = state.activations
+        self._reloads = state.offload.reloads.get(lead, {})
+        self._parks = state.offload.parks.get(lead, {})
+
+    def before(self, at: int) -> None:
+        """Before the lane's action ``at``: one action ahead of a backward or ``W``,
+        its micro-batch's tensors start back."""
+        if at in self._reloads:
+            self._activations[self._reloads[at]].reload()
+
+    def after(self, at: int) -> None:
+        """After an ``I`` whose ``W`` comes later: its tensors go back to the host."""
+        if at in self._parks:
+            self._activations[self._parks[at]].park()
 
 
 def offload_plan(lanes: Mapping[int, Sequence[tuple[int, Action]]],

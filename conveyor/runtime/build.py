@@ -47,6 +47,12 @@ from conveyor.runtime.planning import (
 from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.steps import TrainingStep
+from conveyor.runtime.vocabulary import (
+    VocabParallelCrossEntropy,
+    VocabShards,
+    split_head,
+    take_head,
+)
 from conveyor.runtime.wiring import Ranks, Threads, Wiring
 from conveyor.schedules import Schedule
 
@@ -70,12 +76,14 @@ class Pending:
 
 @dataclass
 class Placed:
-    """Where a pipeline runs, decided when it is made."""
+    """Where a pipeline runs, decided when it is made (and a vocabulary-parallel
+    head's shards over its ranks' devices)."""
 
     topology: Topology
     devices: list[torch.device]
     schedule: Schedule
     pending: Pending
+    vocabulary: VocabShards | None = None
 
 
 def place(owner: nn.Module, module: nn.Module | LayerBuilder,
@@ -89,6 +97,7 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
         ConfigError: under torchrun, the ranks were given different options.
         ScheduleError, BalanceError, ConveyorError: the options do not fit.
     """
+    head = take_head(module, options.loss_fn)  # the cut never sees a split head
     deadlines = Deadlines(options.timeout)
     given = options.topology
     topology = given or Topology.from_environment(
@@ -117,8 +126,13 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
     if at_first_call:
         assert isinstance(module, nn.Module)
         adopt(owner, module)
+    vocabulary = None
+    if head is not None:
+        assert isinstance(options.loss_fn, VocabParallelCrossEntropy)
+        vocabulary = split_head(owner, options.loss_fn, head, devices,
+                                distributed=topology.distributed)
     return Placed(topology, devices, schedule,
-                  Pending(module, deadlines, sharded, at_first_call))
+                  Pending(module, deadlines, sharded, at_first_call), vocabulary)
 
 
 @dataclass
