@@ -19,6 +19,7 @@ on the naive M=1 run and b (boundary bytes per sample: input and output) is 2 * 
 
     python benchmarks/memory.py               # about 30 seconds
     python benchmarks/memory.py --schedules   # V-Half and V-Min against 1F1B, a minute
+    python benchmarks/memory.py --vocabulary  # the head whole or split over the ranks
 
 ``--schedules``: one step of config P on K=4 CPU threads with M=16 micro-batches and no
 recomputation under 1F1B, ZB-V, V-Half and V-Min (the V shapes in 2K stages of one
@@ -27,6 +28,11 @@ around each stage's forward counts each storage from when it is saved until it i
 freed), as a share of 1F1B's; then each with ``offload="activations"``, whose own pack
 hook counts what stays on the device or comes back for a backward (checked against
 ours on a run that offloads nothing).
+
+``--vocabulary``: one 1F1B step of a Transformer LM (8 blocks of width 256, a 32k
+vocabulary, untied head) on K=4 CPU threads, M=8, with its head and cross-entropy whole
+on the last stage or split over the ranks (``VocabParallelCrossEntropy``): per rank, the
+parameter bytes and the peak bytes saved for backward, the loss's included.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from conveyor import GPipe  # noqa: E402
 from conveyor.engine import offload as offloading  # noqa: E402
 from conveyor.schedules import V_SHAPES, build  # noqa: E402
 from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
-from conveyor.train.models import feed_forward_stack  # noqa: E402
+from conveyor.train.models import feed_forward_stack, transformer_lm  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 8, 512, 256
 SCHEDULES_COMPARED = ("1f1b", "zb-v", "v-half", "v-min")
@@ -174,6 +180,32 @@ class SavedBytes:
             hook.remove()
 
 
+class LossSavedBytes(SavedBytes):
+    """:class:`SavedBytes`, and also what the loss at the last stage saves: to the last
+    rank, but for a vocabulary-parallel head's logits, each shard's to the rank whose
+    device holds it (the loss saves them last, in shard order)."""
+
+    def __init__(self, pipe: conveyor.Pipeline, batch: torch.Tensor) -> None:
+        super().__init__(pipe, batch)
+        last = pipe.schedule.stage_ranks[-1]
+        loss_fn, shards = pipe.loss_fn, pipe.vocab_shards
+        ranks = pipe.schedule.num_ranks
+
+        def measured(output: Any, targets: Any) -> Any:
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                          lambda t: t):
+                result = loss_fn(output, targets)
+            owners = [last] * len(saved)
+            if shards is not None:  # the last K are the shards' logits
+                owners[-ranks:] = range(ranks)
+            for tensor, rank in zip(saved, owners):
+                self._pack(tensor, rank)
+            return result
+
+        pipe.loss_fn = measured
+
+
 def schedule_peaks(schedule: str, ranks: int, chunks: int, *,
                    offload: bool = False) -> list[int]:
     """Each rank's peak bytes saved for backward in one step of config P on ``ranks``
@@ -245,6 +277,67 @@ def schedules_part(ranks: int, chunks: int) -> None:
     print(f"\nwrote {path}")
 
 
+VOCABULARY, LM_WIDTH, LM_BLOCKS, TOKENS = 32768, 256, 8, 128
+
+
+def vocabulary_peaks(ranks: int, chunks: int, *, split: bool) -> dict[str, list[int]]:
+    """Per rank, the parameter bytes and the peak bytes saved for backward (the loss's
+    included) of one 1F1B step of a Transformer LM with a 32k vocabulary, its head
+    whole on the last stage (a stage of its own, with the final norm) or split over the
+    ranks."""
+    torch.manual_seed(0)
+    model = transformer_lm(LM_BLOCKS, LM_WIDTH, 4 * LM_WIDTH, 4, vocab=VOCABULARY,
+                           max_length=TOKENS)
+    head = str(len(model) - 1)
+
+    def whole_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    # One cut for both: the embedding and 2 blocks, 3, 3, then the final norm and the
+    # head (an Identity once the head is split).
+    balance = [3, 3, 3, 2] if ranks == 4 else None
+    pipe = conveyor.Pipeline(
+        model, balance=balance, devices=["cpu"] * ranks, chunks=chunks, schedule="1f1b",
+        recompute="never",
+        loss_fn=conveyor.VocabParallelCrossEntropy(head) if split else whole_loss)
+    x = torch.randint(0, VOCABULARY, (2 * chunks, TOKENS))
+    y = torch.randint(0, VOCABULARY, (2 * chunks, TOKENS))
+    tracker = LossSavedBytes(pipe, x)
+    pipe.step(x, y)
+    tracker.remove_hooks()
+    parameters = [0] * ranks
+    for number, stage in pipe.runtime.stages.items():
+        parameters[pipe.schedule.stage_ranks[number]] += sum(
+            p.numel() * p.element_size() for p in stage.layers.parameters())
+    for rank, shard in enumerate(pipe.vocab_shards.weights if split else ()):
+        parameters[rank] += shard.numel() * shard.element_size()
+    return {"parameter_bytes": parameters, "saved_bytes": tracker.peak}
+
+
+def vocabulary_part(ranks: int, chunks: int) -> None:
+    """Per rank, parameters and peak saved activations with the head whole on the last
+    stage and split over the ranks (VocabParallelCrossEntropy)."""
+    rows, results = [], []
+    mib = 1 << 20
+    for split in (False, True):
+        peaks = vocabulary_peaks(ranks, chunks, split=split)
+        results.append({"vocabulary_parallel": split, **peaks})
+        for what, values in peaks.items():
+            rows.append(["split over the ranks" if split else "whole on the last stage",
+                         what.replace("_", " "), " ".join(f"{v / mib:.1f}" for v in values),
+                         f"{max(values) / (sum(values) / len(values)):.2f}"])
+        print(f"  vocabulary_parallel={split} done", file=sys.stderr, flush=True)
+    table = _common.markdown_table(["head", "per rank", "MiB per rank", "max / mean"], rows)
+    print(f"\nTransformer LM L={LM_BLOCKS} H={LM_WIDTH} V={VOCABULARY}, {TOKENS} tokens a "
+          f"sequence, 1F1B on K={ranks} CPU threads, M={chunks}, no recomputation\n")
+    print(table)
+    path = _common.write("memory-vocabulary", {
+        "config": {"vocabulary": VOCABULARY, "width": LM_WIDTH, "blocks": LM_BLOCKS,
+                   "tokens": TOKENS, "ranks": ranks, "chunks": chunks},
+        "results": results, "table": table})
+    print(f"\nwrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -252,9 +345,15 @@ def main() -> int:
     parser.add_argument("--schedules", action="store_true",
                         help="peak activations per rank of 1F1B, ZB-V, V-Half and V-Min "
                              "(K=4, M=16) instead")
+    parser.add_argument("--vocabulary", action="store_true",
+                        help="per rank, parameters and saved activations of a 32k-vocabulary "
+                             "LM with its head whole or split over the ranks, instead")
     args = parser.parse_args()
     if args.schedules:
         schedules_part(4, 16)
+        return 0
+    if args.vocabulary:
+        vocabulary_part(4, 8)
         return 0
 
     boundary = 2 * WIDTH * 4  # bytes per sample: a stage's input and its output
