@@ -12,8 +12,15 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.offload import KEPT_WITHIN, offload_plan
-from conveyor.schedules import build
+from conveyor.engine.offload import (
+    KEPT_WITHIN,
+    Offloader,
+    OffloadMeter,
+    offload_plan,
+    offloaded_peaks,
+)
+from conveyor.schedules import V_SHAPES, build
+from conveyor.train.models import feed_forward_stack
 from tests.support.any_models import assert_model_grads, loss_of, plain_step, sample_of
 from tests.support.any_models import build as build_model
 from tests.support.cases import case_batch, case_model, lm_loss
@@ -145,3 +152,45 @@ def test_offload_says_what_it_takes() -> None:
     with pytest.raises(ValueError, match="3 entries for 2 stages"):
         conveyor.Pipeline(model, balance=[6, 6], devices=["cpu"] * 2, chunks=2,
                           offload=["activations", None, None], loss_fn=nn.functional.mse_loss)
+
+
+def test_what_stays_in_memory_anyway_is_not_copied() -> None:
+    """A stage's output saved by its last layer (tanh saves its result) is kept for the
+    backward anyway: offload leaves it, also when it was saved before it was known to
+    be the output; what only the graph holds goes to the host."""
+    meter = OffloadMeter()
+    offloader = Offloader(torch.device("cpu"), meter)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    store = offloader.activations(nn.Identity(), x, offload=True)
+    with store.saving():
+        hidden = torch.sigmoid(x * 2)  # saved (its result): only the graph holds it
+        y = torch.tanh(hidden * 3)  # saved (its result): the output
+        store.keep(y)
+    assert meter.device == 0 and meter.host == hidden.numel() * 8
+    y.sum().backward()
+    expected = (1 - y.detach() ** 2) * 3 * hidden.detach() * (1 - hidden.detach()) * 2
+    assert torch.equal(x.grad, expected) or relative_error(x.grad, expected) <= 1e-15
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-v", "v-half",
+                                      "v-min", "interleaved-1f1b"])
+def test_the_planner_predicts_what_offload_keeps_on_the_device(schedule: str) -> None:
+    """``offloaded_peaks`` (what the planner reckons with) against the meter: blocks of
+    Linear-GELU-Linear, whose saved bytes per sample are known (the block's input, the
+    hidden layer before and after GELU; the stage's input stays where it is)."""
+    width, ranks, chunks, batch = 8, 4, 8, 32
+    virtual = 2 if schedule in V_SHAPES or schedule == "interleaved-1f1b" else 1
+    stages = ranks * virtual
+    torch.manual_seed(0)
+    pipe = conveyor.Pipeline(feed_forward_stack(stages, width, 4 * width), balance=[1] * stages,
+                             chunks=chunks, schedule=schedule, devices=["cpu"] * ranks,
+                             virtual_stages=virtual if schedule == "interleaved-1f1b" else 1,
+                             recompute="never", offload="activations",
+                             loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(batch, width), torch.randn(batch, width))
+    micro = batch // chunks
+    moves = [micro * (4 * width + 4 * width) * 4.0] * stages  # the stage input stays
+    predicted = offloaded_peaks(pipe.schedule.columns, [0.0] * stages, moves,
+                                lambda stage, m: False)
+    measured = [pipe.runtime.offload_meters[r].device_peak for r in range(ranks)]
+    assert measured == predicted

@@ -22,7 +22,7 @@ from torch import nn
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.layers import Partition
 from conveyor.engine.loss import loss_and_count
-from conveyor.engine.offload import Offloader
+from conveyor.engine.offload import Activations, Offloader
 from conveyor.engine.recompute.sideeffects import SideEffects
 from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
@@ -72,10 +72,14 @@ class StageActions:
                   else self.join(received))
         recompute = state.grad_enabled and state.recompute(self.index, m)
         loss = read = None  # read: the output as loss_fn read it
-        with self._saving(m, inputs, state, recompute):  # the loss's saved tensors too
+        activations = self._activations(m, inputs, state, recompute)
+        with activations.saving() if activations else contextlib.nullcontext():
             outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
                                             recompute=recompute)
-            if self.last and state.loss_fn is not None:
+            if activations:  # kept for the backward anyway, and the loss's targets
+                activations.keep((outputs, state.targets[m] if self.last and state.targets
+                                  else None))
+            if self.last and state.loss_fn is not None:  # its saved tensors too
                 read = _read_apart(outputs) if recompute else outputs
                 loss = self._loss(m, read, state)
         sent: dict[int, Any] = {}  # by receiving stage
@@ -88,17 +92,18 @@ class StageActions:
                                                  effects, read)
         return sent
 
-    def _saving(self, m: int, inputs: Any, state: StepState,
-                recompute: bool) -> contextlib.AbstractContextManager[None]:
+    def _activations(self, m: int, inputs: Any, state: StepState,
+                     recompute: bool) -> Activations | None:
         """Where the forward of micro-batch m saves for its backward: on an offloading
-        stage, a store that offloads it if the step's plan says so (a recomputed
-        micro-batch saves nothing there: torch.utils.checkpoint keeps its own)."""
+        stage, a store that offloads it if the step's plan says so; else None (autograd
+        keeps it; a recomputed micro-batch saves nothing: torch.utils.checkpoint keeps
+        its own)."""
         if self.offloader is None or not state.grad_enabled or recompute:
-            return contextlib.nullcontext()
+            return None
         activations = self.offloader.activations(
             self.layers, inputs, offload=(self.index, m) in state.offload.offloaded)
         state.activations[(self.index, m)] = activations
-        return activations.saving()
+        return activations
 
     def backward_one(self, microbatch: int, came: Mapping[int, Any], state: StepState, *,
                      split: bool) -> dict[int, list[torch.Tensor | None]]:

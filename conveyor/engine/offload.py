@@ -126,6 +126,7 @@ class Activations:
         # held so that its memory is not reused by another tensor taken for it.
         self._saved: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
         self._tensors: list[torch.Tensor] = []  # on the host while offloaded
+        self._left: set[int] = set()  # what :meth:`keep` left where it is
         self._on_host = offload
         self._arrived: Any = None  # a CUDA event: the reload is done
         self._counted = [0, 0]  # device, host bytes
@@ -139,6 +140,19 @@ class Activations:
                 yield
         finally:
             self._saved.clear()
+
+    def keep(self, values: Any) -> None:
+        """``values`` (a stage's outputs, a loss's targets) stay in memory anyway: what
+        shares their memory is not offloaded, also what was saved before this call."""
+        storages = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(values)
+                    if isinstance(t, torch.Tensor)}
+        self._kept |= storages
+        for original, index in self._saved.values():
+            if original.untyped_storage().data_ptr() in storages:
+                size = original.numel() * original.element_size()
+                self._tensors[index] = original.detach()
+                self._left.add(index)
+                self._count(**{"host" if self.offload else "device": -size})
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if _stays(tensor, self._kept) or tensor.device != self.offloader.device:
@@ -183,10 +197,9 @@ class Activations:
             return
         self._on_host = False
         stream = self.offloader.stream
-        size = sum(t.numel() * t.element_size() for t in self._tensors)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._tensors = [t.to(self.offloader.device, non_blocking=True, copy=True)
-                             for t in self._tensors]
+            size = self._move(lambda t: t.to(self.offloader.device, non_blocking=True,
+                                             copy=True))
             if stream is not None:
                 self._arrived = stream.record_event()
         self._count(device=size, host=-size)
@@ -196,10 +209,19 @@ class Activations:
         if self._on_host:
             return
         self._unpacked()
-        size = sum(t.numel() * t.element_size() for t in self._tensors)
-        self._tensors = [self._to_host(t) for t in self._tensors]
+        size = self._move(self._to_host)
         self._on_host = True
         self._count(device=-size, host=size)
+
+    def _move(self, move: Any) -> int:
+        """Applies ``move`` to every tensor that moves (not those :meth:`keep` left);
+        returns their bytes."""
+        size = 0
+        for index, tensor in enumerate(self._tensors):
+            if index not in self._left:
+                self._tensors[index] = move(tensor)
+                size += tensor.numel() * tensor.element_size()
+        return size
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         stream = self.offloader.stream
@@ -307,3 +329,35 @@ def offload_plan(lanes: Mapping[int, Sequence[tuple[int, Action]]],
                 reloads.setdefault(lead, {})[position - 1] = key
             last[key] = position
     return OffloadPlan(frozenset(offloaded), reloads, parks)
+
+
+def offloaded_peaks(columns: Sequence[Sequence[Action]], stays: Sequence[float],
+                    moves: Sequence[float], recomputed: Any) -> list[float]:
+    """Per rank, the most bytes its stages hold on the device at once under offload,
+    walking each rank's column by :func:`offload_plan`'s rules: a micro-batch of stage
+    s holds ``stays[s]`` (what offload leaves: its input and output) from its ``F`` to
+    its last backward action, and ``moves[s]`` (the activations) only while on the
+    device (a recomputed one: none until its backward rebuilds them)."""
+    lanes = {r: [(r, a) for a in column] for r, column in enumerate(columns)}
+    plan = offload_plan(lanes, {a.stage for column in columns for a in column},
+                        recomputed)
+    peaks = []
+    for r, column in enumerate(columns):
+        held = peak = 0.0
+        for at, action in enumerate(column):
+            s, key = action.stage, (action.stage, action.microbatch)
+            if at in plan.reloads.get(r, {}):
+                held += moves[plan.reloads[r][at][0]]
+            if action.kind is Kind.FORWARD:
+                held += stays[s] + (0.0 if recomputed(*key) else moves[s])
+            elif recomputed(*key) and action.kind is not Kind.WEIGHT:
+                held += moves[s]  # rebuilt for its backward
+            peak = max(peak, held)
+            if action.kind is Kind.FORWARD and key in plan.offloaded:
+                held -= moves[s]
+            elif action.kind in (Kind.BACKWARD, Kind.WEIGHT):
+                held -= stays[s] + moves[s]
+            elif at in plan.parks.get(r, {}):
+                held -= moves[s]
+        peaks.append(peak)
+    return peaks
