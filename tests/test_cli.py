@@ -213,6 +213,13 @@ def test_plan_prints_a_table_and_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["best"]["fits"] and result["largest_layers"] >= 8
+    # --offload weighs each plan with its activations offloaded too, named so.
+    assert main([*args, "--no-rematerialize", "--offload", "--top", "100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    offloaded = [p for p in result["options"] if p["offload"]]
+    assert offloaded and len(offloaded) * 2 == len(result["options"])
+    assert main([*args, "--no-rematerialize", "--offload", "--top", "100"]) == 0
+    assert "1f1b + offload" in capsys.readouterr().out
 
 
 def test_the_command_runs_and_simulate_needs_no_torch() -> None:

@@ -14,14 +14,17 @@ import torch
 import conveyor
 from conveyor.errors import ConveyorError, MicroBatchError
 from tests.support.any_models import gpt2, loss_of
-from tests.support.cases import case_model, lengths_batch, lm_loss, plain_token_loss, token_loss
+from tests.support.cases import (
+    SCHEDULES,
+    case_model,
+    lengths_batch,
+    lm_loss,
+    plain_token_loss,
+    token_loss,
+)
 from tests.support.extras import require
 from tests.support.models import relative_error
 
-#: (schedule, stages per rank, ranks): every kind of table, V shapes included
-SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
-             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2),
-             ("v-half", 1, 2), ("v-min", 1, 3)]
 
 
 @pytest.mark.parametrize("checkpoint", ["except_last", "never"])

@@ -17,16 +17,15 @@ from conveyor.engine.offload import (
     Offloader,
     OffloadMeter,
     offload_plan,
-    offloaded_peaks,
 )
+from conveyor.observe.plan import rank_peaks
 from conveyor.schedules import V_SHAPES, build
 from conveyor.train.models import feed_forward_stack
 from tests.support.any_models import assert_model_grads, loss_of, plain_step, sample_of
 from tests.support.any_models import build as build_model
-from tests.support.cases import case_batch, case_model, lm_loss
+from tests.support.cases import SCHEDULES, case_batch, case_model, lm_loss
 from tests.support.extras import require
 from tests.support.models import relative_error
-from tests.test_given_microbatches import SCHEDULES
 
 
 def _gradients_match(pipe: nn.Module, reference: nn.Module) -> None:
@@ -175,7 +174,7 @@ def test_what_stays_in_memory_anyway_is_not_copied() -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-v", "v-half",
                                       "v-min", "interleaved-1f1b"])
 def test_the_planner_predicts_what_offload_keeps_on_the_device(schedule: str) -> None:
-    """``offloaded_peaks`` (what the planner reckons with) against the meter: blocks of
+    """``rank_peaks`` (what the planner reckons with) against the meter: blocks of
     Linear-GELU-Linear, whose saved bytes per sample are known (the block's input, the
     hidden layer before and after GELU; the stage's input stays where it is)."""
     width, ranks, chunks, batch = 8, 4, 8, 32
@@ -190,7 +189,7 @@ def test_the_planner_predicts_what_offload_keeps_on_the_device(schedule: str) ->
     pipe.step(torch.randn(batch, width), torch.randn(batch, width))
     micro = batch // chunks
     moves = [micro * (4 * width + 4 * width) * 4.0] * stages  # the stage input stays
-    predicted = offloaded_peaks(pipe.schedule.columns, [0.0] * stages, moves,
-                                lambda stage, m: False)
+    none = [0.0] * stages  # the meter counts what moves, nothing else
+    predicted = rank_peaks(pipe.schedule, moves, none, none, moves)
     measured = [pipe.runtime.offload_meters[r].device_peak for r in range(ranks)]
     assert measured == predicted

@@ -4,15 +4,19 @@ user's own model cut as a pipeline cuts it, its per-stage memory from the traced
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import conveyor
 import conveyor.observe.plan
 from conveyor.cli import main
+from conveyor.schedules import V_SHAPES
+from conveyor.train.models import feed_forward_stack
 from tests.support.extras import require
 from tests.support.user_models import LadderUNet, TiedLM, llama_on_meta
 
@@ -32,13 +36,20 @@ def test_a_model_on_meta_is_cut_where_pipeline_would_and_its_parameters_add_up(
             "--stages", "2", "--length", "16", "--batch", "8"]
     assert main(args) == 0
     out = capsys.readouterr().out
+    # ZB-V on 2 ranks is simulated fastest: the model cut in 4 stages, two per rank.
     assert out.startswith(f"tests.support.user_models:llama_on_meta (LlamaForCausalLM): "
-                          f"{total:,} parameters, 16 bytes each with adam; 2 stages, split "
-                          "at model.layers.2 (chosen by parameters)")
+                          f"{total:,} parameters, 16 bytes each with adam; 4 stages (two per "
+                          "rank on 2 ranks, in a V), split at model.layers.1, model.layers.2, "
+                          "model.layers.3 (chosen by parameters)")
     rows = [line.split() for line in out.splitlines() if line.startswith("stage ")]
-    assert [row[2] for row in rows] == ["(start)", "model.layers.2"]
+    assert [row[2] for row in rows] == ["(start)", "model.layers.1", "model.layers.2",
+                                        "model.layers.3"]
     assert sum(int(row[3].replace(",", "")) for row in rows) == total  # no tie: each once
     assert "memory per device not given (--memory)" in out
+    # The schedules of one stage per rank on the cut in 2; V-Min refuses 2 ranks.
+    options = plan_json(capsys, *args[1:])["options"]
+    assert {(o["schedule"], len(o["balance"])) for o in options} == {
+        ("gpipe", 2), ("1f1b", 2), ("zero-bubble", 2), ("zb-v", 4), ("v-half", 4)}
 
 
 def test_split_at_is_taken_as_given(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,6 +64,7 @@ def test_split_at_is_taken_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(s["activation_bytes"] > 0 for s in stages)
     assert result["best"]["fits"] and result["class"] == "LadderUNet"
     assert {p["schedule"] for p in result["options"]} == {"gpipe", "1f1b", "zero-bubble"}
+    assert result["v_shapes_unweighed"].endswith("give --stages K, not --split-at")
 
 
 def test_stage_figures_come_from_the_traced_stages() -> None:
@@ -139,3 +151,71 @@ def test_a_model_on_meta_is_planned_but_said_unverified(
                        "--stages", "2", "--length", "4", "--batch", "4")
     assert result["verified"] == {}
     assert result["unverified"].startswith("not verified: the model is on the meta device")
+
+
+class Stack(nn.Module):
+    """Eight equal feed-forward blocks, each of which saves more for backward than it
+    holds in parameters and Adam's state on a sample of 64 positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = feed_forward_stack(8, 16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def stack() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(), torch.zeros(2, 64, 16)
+
+
+def test_v_shapes_are_weighed_on_2k_stages_and_chosen_where_only_they_fit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With --stages K the V shapes are weighed on the model cut into 2K stages. Without
+    recomputation V-Half holds about half of what 1F1B holds: under a cap between the
+    two, a V shape is the best plan, checked exact on the model, with how to run it."""
+    args = ["--model", "tests.test_plan_model:stack", "--stages", "4", "--batch", "32",
+            "--no-rematerialize"]
+    weighed = plan_json(capsys, *args, "--no-verify")
+    need: dict[str, float] = {}  # per schedule, its smallest largest rank over M
+    for option in weighed["options"]:
+        need[option["schedule"]] = min(max(option["rank_bytes"]),
+                                       need.get(option["schedule"], math.inf))
+        assert len(option["balance"]) == (8 if option["schedule"] in V_SHAPES else 4)
+    assert set(need) == {"gpipe", "1f1b", "zero-bubble", "zb-v", "v-half", "v-min"}
+    assert need["v-min"] < need["v-half"] < 0.7 * need["1f1b"]
+    cap = (need["v-half"] + need["1f1b"]) / 2
+    assert all(need[s] > cap for s in ("gpipe", "1f1b", "zero-bubble", "zb-v"))
+
+    result = plan_json(capsys, *args, "--memory", str(cap))
+    assert result["best"]["schedule"] == "v-half" and result["best"]["fits"]
+    assert result["best"]["balance"] == [1] * 8
+    assert result["split_at"] == [f"blocks.{i}" for i in range(1, 8)]
+    assert result["pipeline"] == {"stages": 4, "split_at": result["split_at"],
+                                  "schedule": "v-half", "chunks": result["best"]["chunks"],
+                                  "recompute": "never"}
+    assert result["verified"]["v-half"]["exact"]
+    assert result["v_shapes_unweighed"] is None
+    assert main(["plan", *args, "--memory", str(cap)]) == 0
+    out = capsys.readouterr().out
+    assert "; 8 stages (two per rank on 4 ranks, in a V), split at blocks.1, " in out
+    assert re.search(r"\nbest: v-half, \d+ micro-batches; .* per device: fits\nrun: "
+                     r"conveyor\.Pipeline\(model, stages=4, split_at=\['blocks\.1', .*"
+                     r"'blocks\.7'\], schedule='v-half', chunks=\d+, recompute='never', "
+                     r"\.\.\.\)\nexact: yes, checked", out), out
+    assert len(re.findall(r"\nstage \d ", out)) == 8
+
+
+def test_v_shapes_are_not_weighed_where_the_model_has_too_few_blocks_for_2k_stages(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "tests.support.user_models:ladder", "--stages", "4",
+                       "--batch", "8", "--no-verify")
+    assert {p["schedule"] for p in result["options"]} == {"gpipe", "1f1b", "zero-bubble"}
+    why = ("cutting the model in 8 stages: 'blocks' holds 6 blocks, fewer than the 8 "
+           "stages asked of LadderUNet; use at most 6 stages")
+    assert result["v_shapes_unweighed"].startswith(why)
+    assert main(["plan", "--model", "tests.support.user_models:ladder", "--stages", "4",
+                 "--batch", "8", "--no-verify"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"not weighed: zb-v, v-half, v-min (two stages per rank): {why}")

@@ -15,9 +15,8 @@ import conveyor
 from conveyor.errors import ConveyorError
 from conveyor.runtime.vocabulary import SHARDED
 from tests.support.any_models import quiet_transformers, sample_of, tokens
-from tests.support.cases import case_batch, case_model
+from tests.support.cases import SCHEDULES, case_batch, case_model
 from tests.support.models import relative_error
-from tests.test_given_microbatches import SCHEDULES
 
 PAD = -100
 

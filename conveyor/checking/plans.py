@@ -22,7 +22,7 @@ __all__: list[str] = []
 
 def verify_plans(plans: Sequence[Plan | Any], model: nn.Module, sample: Any, *,
                  split_at: Sequence[str], recompute: str | Sequence[str] = "except_last",
-                 seed: int = 0) -> dict[str, Exactness]:
+                 seed: int = 0, ranks: int | None = None) -> dict[str, Exactness]:
     """Checks the schedules of ``plans`` in their order with :func:`conveyor.check`
     until one is exact (a plan is anything with a ``schedule``: the ranked plans of
     :func:`conveyor.observe.plan.rank_plans`, or :class:`conveyor.planner.PipelinePlan`):
@@ -31,6 +31,7 @@ def verify_plans(plans: Sequence[Plan | Any], model: nn.Module, sample: Any, *,
     under a loss that reads every floating output the model returns (a fixed random
     projection of each, averaged over samples), so a gradient that any output gets
     wrong shows. A plan whose schedule was found inexact is not one to recommend.
+    ``ranks``: the pipeline's ranks where each holds two stages of the cut (a V shape).
 
     Raises:
         ModelError: the model is on the meta device (there is nothing to run), or
@@ -46,7 +47,7 @@ def verify_plans(plans: Sequence[Plan | Any], model: nn.Module, sample: Any, *,
             continue
         report = check(model, inputs, targets, loss_fn=loss_fn, split_at=split_at,
                        sample=sample, chunks=chunks, schedule=candidate.schedule,
-                       recompute=recompute, seed=seed)
+                       recompute=recompute, seed=seed, stages=ranks)
         if report.ok:
             found[candidate.schedule] = Exactness(
                 candidate.schedule, True, f"{chunks} micro-batches of the sample, recompute "

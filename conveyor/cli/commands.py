@@ -308,7 +308,8 @@ def plan_command(args: argparse.Namespace) -> int:
     parameters = sum(f.parameters for f in figures)
     plans = planning.rank_plans(figures, devices=args.devices, memory=memory,
                                 batch=args.batch, optimizer=args.optimizer,
-                                rematerialize=remat, flops_per_second=args.flops)
+                                rematerialize=remat, flops_per_second=args.flops,
+                                offload=args.offload)
     if not plans:
         print(f"no schedule fits {len(figures)} layers on {args.devices} devices",
               file=sys.stderr)
@@ -316,8 +317,10 @@ def plan_command(args: argparse.Namespace) -> int:
     chosen = plans[0]
     depth, _ = planning.largest(figures_of, devices=args.devices, memory=memory,
                                 batch=args.batch, chunks=chosen.chunks,
-                                schedule=chosen.schedule, optimizer=args.optimizer,
-                                rematerialize=remat)
+                                schedule=chosen.schedule,
+                                virtual_stages=chosen.virtual_stages,
+                                optimizer=args.optimizer, rematerialize=chosen.rematerialize,
+                                offload=chosen.offload)
     if args.json:
         print(json.dumps({"parameters": parameters, "best": chosen.summary(),
                           "options": [p.summary() for p in plans],
@@ -340,7 +343,7 @@ def _print_plans(args: argparse.Namespace, plans: list[Plan], parameters: int, m
           f"{per} bytes each with {args.optimizer}; batch {args.batch}, {args.devices} "
           f"devices of {tables.size(memory)}, re-materialization {'on' if remat else 'off'}")
     status = "fits" if chosen.fits else "does NOT fit"
-    print(f"\nbest: {chosen.schedule}, {chosen.chunks} micro-batches, balance "
+    print(f"\nbest: {chosen.name}, {chosen.chunks} micro-batches, balance "
           f"{chosen.balance} - {status}")
     rows = [[f"stage {s}", f"{p.layers[0]}-{p.layers[1]}", f"{p.parameters / 1e6:.1f}M",
              tables.size(p.parameter_bytes), tables.size(p.activation_bytes),
@@ -348,7 +351,7 @@ def _print_plans(args: argparse.Namespace, plans: list[Plan], parameters: int, m
             for s, p in enumerate(chosen.stages)]
     print(tables.table(["", "layers", "params", "param+opt", "activations", "total"], rows))
     print("\nschedules and micro-batches (simulated, fitting first):")
-    rows = [[p.schedule, str(p.chunks), "yes" if p.fits else "no",
+    rows = [[p.name, str(p.chunks), "yes" if p.fits else "no",
              tables.size(max(p.rank_bytes)),
              f"{p.throughput:.1f}"] for p in plans[:args.top]]
     print(tables.table(["schedule", "M", "fits", "largest rank", "samples/s"], rows))

@@ -159,6 +159,9 @@ def _plan_parser(commands: _Commands) -> None:
     sub.add_argument("--optimizer", default="adam",
                      choices=["sgd", "momentum", "rmsprop", "adam", "adamw"])
     sub.add_argument("--no-rematerialize", action="store_true")
+    sub.add_argument("--offload", action="store_true",
+                     help="also weigh each plan with its activations offloaded to host "
+                          "memory (offload=\"activations\") instead of recomputed")
     sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")

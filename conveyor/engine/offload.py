@@ -330,34 +330,3 @@ def offload_plan(lanes: Mapping[int, Sequence[tuple[int, Action]]],
             last[key] = position
     return OffloadPlan(frozenset(offloaded), reloads, parks)
 
-
-def offloaded_peaks(columns: Sequence[Sequence[Action]], stays: Sequence[float],
-                    moves: Sequence[float], recomputed: Any) -> list[float]:
-    """Per rank, the most bytes its stages hold on the device at once under offload,
-    walking each rank's column by :func:`offload_plan`'s rules: a micro-batch of stage
-    s holds ``stays[s]`` (what offload leaves: its input and output) from its ``F`` to
-    its last backward action, and ``moves[s]`` (the activations) only while on the
-    device (a recomputed one: none until its backward rebuilds them)."""
-    lanes = {r: [(r, a) for a in column] for r, column in enumerate(columns)}
-    plan = offload_plan(lanes, {a.stage for column in columns for a in column},
-                        recomputed)
-    peaks = []
-    for r, column in enumerate(columns):
-        held = peak = 0.0
-        for at, action in enumerate(column):
-            s, key = action.stage, (action.stage, action.microbatch)
-            if at in plan.reloads.get(r, {}):
-                held += moves[plan.reloads[r][at][0]]
-            if action.kind is Kind.FORWARD:
-                held += stays[s] + (0.0 if recomputed(*key) else moves[s])
-            elif recomputed(*key) and action.kind is not Kind.WEIGHT:
-                held += moves[s]  # rebuilt for its backward
-            peak = max(peak, held)
-            if action.kind is Kind.FORWARD and key in plan.offloaded:
-                held -= moves[s]
-            elif action.kind in (Kind.BACKWARD, Kind.WEIGHT):
-                held -= stays[s] + moves[s]
-            elif at in plan.parks.get(r, {}):
-                held -= moves[s]
-        peaks.append(peak)
-    return peaks

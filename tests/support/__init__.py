@@ -9,6 +9,8 @@
 - ``check_cases``: models with one planted cause of divergence, for ``conveyor check``.
 - ``cases``: the deep MLP and tied-embedding LM, their batches and losses, run by the
   multi-process scenarios and compared with in one process.
+- ``saved_bytes``: what each rank holds for backward, counted as a step runs (the
+  planner's memory against it).
 - ``training``: ``conveyor train`` in a test (tiny flags, its checkpoint, its error line).
 - ``extras``: an optional dependency for a test (skip, or fail under ``make test``).
 - ``launch``: runs commands and multi-process scenarios from the repository root.

@@ -53,6 +53,11 @@ def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tu
 
 PAD = -100  # the target of a padded position
 
+#: (schedule, stages per rank, ranks): every kind of table, V shapes included
+SCHEDULES = [("gpipe", 1, 3), ("1f1b", 1, 3), ("zero-bubble", 1, 3),
+             ("interleaved-1f1b", 2, 2), ("zb-v", 1, 2), ("dualpipe-v", 1, 2),
+             ("v-half", 1, 2), ("v-min", 1, 3)]
+
 
 def padded_batch(seed: int = 1, batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and targets whose rows end in padding of very different lengths: the
