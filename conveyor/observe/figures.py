@@ -60,7 +60,7 @@ def measure(model: nn.Sequential, sample: Any) -> list[LayerFigures]:
     """
     samples = batch_size(sample)
     figures = []
-    x = sample
+    x = _own_memory(sample)
     # Storages a layer saved (kept alive, so that no new storage takes their address): a
     # later layer saving one adds nothing.
     counted: dict[int, Any] = {}
@@ -104,7 +104,7 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
     device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
     split = split_model(model, sample, split_at, dict.fromkeys(range(len(split_at) + 1), device))
     samples = batch_size(sample)
-    figures, live = [], sample
+    figures, live = [], _own_memory(sample)
     made: dict[str, Any] = {}  # every value the stages so far made for later ones
     for name, stage in zip(["(start)", *split_at], split.stages.values()):
         if stage.index > 0:
@@ -115,6 +115,12 @@ def measure_split(model: nn.Module, sample: Any, *, split_at: Sequence[str] | No
             made.update(pytree.tree_map_only(
                 torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), out))
     return figures
+
+
+def _own_memory(sample: Any) -> Any:
+    """``sample`` with each tensor in memory of its own: a view of a larger batch would
+    count the whole batch where a layer saves its input (a saved view holds all of it)."""
+    return pytree.tree_map_only(torch.Tensor, torch.clone, sample)
 
 
 def _figures(name: str, module: Any, params: Sequence[torch.Tensor], live: Any,
@@ -130,8 +136,7 @@ def _figures(name: str, module: Any, params: Sequence[torch.Tensor], live: Any,
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in held:
-            saved[storage._cdata] = max(saved.get(storage._cdata, 0),
-                                        t.numel() * t.element_size())
+            saved[storage._cdata] = storage.nbytes()  # a view holds all of it
             if counted is not None:
                 counted[storage._cdata] = storage
         return t

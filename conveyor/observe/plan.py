@@ -192,8 +192,11 @@ def rank_peaks(table: Schedule, kept: Sequence[float], output: Sequence[float],
             k, o, b = kept[action.stage], output[action.stage], rebuilt[action.stage]
             if at in reloads:
                 now += moves[reloads[at][0]] if moves is not None else 0.0
-            during, after = {Kind.FORWARD: (k + b, -b), Kind.BACKWARD: (b, -k - b),
-                             Kind.INPUT: (b, -o), Kind.WEIGHT: (0.0, o - k - b)}[action.kind]
+            again = o if b else 0.0  # a rebuilt graph makes the output again
+            during, after = {Kind.FORWARD: (k + b, -b),
+                             Kind.BACKWARD: (b + again, -k - b - again),
+                             Kind.INPUT: (b + again, -o - again),
+                             Kind.WEIGHT: (0.0, o - k - b)}[action.kind]
             peak, now = max(peak, now + during), now + during + after
             if moves is not None and ((action.kind is Kind.FORWARD and (
                     action.stage, action.microbatch) in offload.offloaded) or at in parks):
