@@ -309,7 +309,7 @@ def vocabulary_peaks(ranks: int, chunks: int, *, split: bool) -> dict[str, list[
     for number, stage in pipe.runtime.stages.items():
         parameters[pipe.schedule.stage_ranks[number]] += sum(
             p.numel() * p.element_size() for p in stage.layers.parameters())
-    for rank, shard in enumerate(pipe.vocab_shards.weights if split else ()):
+    for rank, shard in enumerate(pipe.vocab_shards.weights.values() if split else ()):
         parameters[rank] += shard.numel() * shard.element_size()
     return {"parameter_bytes": parameters, "saved_bytes": tracker.peak}
 

@@ -270,8 +270,8 @@ class Pipeline(RunsRuntime):
         """
         self._cut_at_first_call(inputs)
         output = infer(self._runtime, self._training, inputs, training=self.training)
-        if self.vocab_shards is not None and output is not None:
-            output = self.vocab_shards.with_logits(output)  # the head's, whole
+        if self.vocab_shards is not None:  # the head's logits, whole
+            output = self._runtime.head_logits(output, self.vocab_shards)
         return output
 
     def forward(self, inputs: Any) -> Any:

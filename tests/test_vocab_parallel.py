@@ -13,6 +13,8 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import ConveyorError
+from conveyor.distributed.topology import Topology
+from conveyor.runtime.vocabranks import refuse_across_processes
 from conveyor.runtime.vocabulary import SHARDED
 from tests.support.any_models import quiet_transformers, sample_of, tokens
 from tests.support.cases import SCHEDULES, case_batch, case_model
@@ -46,7 +48,7 @@ def _check(pipe: conveyor.Pipeline, reference: nn.Module, head: str, loss: torch
     for kind, sharded in SHARDED.items():
         shards = getattr(pipe.vocab_shards, sharded)
         if shards is not None:
-            whole = torch.cat([shard.grad for shard in shards])
+            whole = torch.cat([shard.grad for shard in shards.values()])
             assert relative_error(whole, plain[f"{head}.{kind}"].grad) <= 1e-10, kind
 
 
@@ -67,7 +69,7 @@ def test_the_split_head_gives_the_plain_model_loss_and_gradients(
     expected.backward()
     _check(pipe, reference, head, loss, expected)
     # Each rank's device holds one shard: V/K rows each.
-    rows = [w.shape[0] for w in pipe.vocab_shards.weights]
+    rows = [w.shape[0] for w in pipe.vocab_shards.weights.values()]
     assert len(rows) == ranks and max(rows) - min(rows) <= 1
 
 
@@ -112,9 +114,9 @@ def test_a_traced_hugging_face_model_keeps_its_head_whole_in_its_state_dict() ->
     assert not any(key.startswith("vocab_shards") for key in state)
     reference.load_state_dict(state)  # strict: every key, and no other
     with torch.no_grad():
-        pipe.vocab_shards.weights[0].zero_()
+        pipe.vocab_shards.weights["0"].zero_()
     pipe.load_state_dict(reference.state_dict())
-    assert torch.equal(torch.cat(list(pipe.vocab_shards.weights)), reference.lm_head.weight)
+    assert torch.equal(torch.cat(list(pipe.vocab_shards.weights.values())), reference.lm_head.weight)
     # Inference: the whole head's logits.
     pipe.eval()
     reference.eval()
@@ -137,3 +139,14 @@ def test_the_split_head_says_what_it_cannot_split() -> None:
                           loss_fn=conveyor.VocabParallelCrossEntropy("4"))
     with pytest.raises(ConveyorError, match="outside one"):
         conveyor.VocabParallelCrossEntropy()(torch.zeros(2, 3), torch.zeros(2))
+
+
+def test_across_processes_the_split_head_refuses_what_it_does_not_take() -> None:
+    """Under torchrun (tested exact across 2 and 4 processes in tests/test_distributed.py,
+    the equivalence scenario's "vlm" cases) a vocabulary-parallel head refuses FSDP,
+    float16 loss scaling and re-balancing, naming each."""
+    with pytest.raises(ConveyorError, match=r'sharding="fsdp", precision="fp16"'):
+        refuse_across_processes(Topology(pipeline_size=2), sharding="fsdp", precision="fp16",
+                                rebalance=None)
+    refuse_across_processes(Topology(pipeline_size=2), sharding="replicate",
+                            precision="bf16", rebalance=None)

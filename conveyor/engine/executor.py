@@ -36,11 +36,11 @@ import torch
 from conveyor.engine import actionlog
 from conveyor.engine.allocator import tune_malloc
 from conveyor.engine.layers import failure
-from conveyor.engine.offload import LaneMoves, offload_plan
+from conveyor.engine.offload import offload_plan
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.backward.routing import check_no_gradient
 from conveyor.engine.stage import Stage
-from conveyor.engine.step import StepState
+from conveyor.engine.step import LaneWork, StepState
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.hangreport import render_report
@@ -52,7 +52,7 @@ from conveyor.errors import (
     StageError,
 )
 from conveyor.schedules import Action, Kind, Schedule
-from conveyor.schedules.table import dependencies
+from conveyor.schedules.clock import clock_order
 
 __all__: list[str] = []
 
@@ -176,22 +176,23 @@ class Executor:
 
         def work(lead: int) -> None:
             position = self.positions[lead]
-            moves = LaneMoves(state, lead)
+            around = LaneWork(state, lead, lanes[lead])
             try:
                 with context.applied(devices[lead], cpu_threads), contextlib.ExitStack() as rng:
                     for rank in {rank for rank, _ in lanes[lead]}:
                         rng.enter_context(self._preserved_rng(rank))
                     for at, (rank, action) in enumerate(lanes[lead]):
                         self.transport.poll()
-                        moves.before(at)
+                        around.before(at)
                         position = self.positions[rank]
                         position.begin(action)
                         if log is not None:
                             log.action(rank, action, lambda: execute(rank, action))
                         else:
                             execute(rank, action)
-                        moves.after(at)
+                        around.after(at)
                         position.end()
+                    around.before(len(lanes[lead]))
             except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
@@ -366,29 +367,6 @@ def device_lanes(columns: Mapping[int, Sequence[Action]], devices: Mapping[int, 
         shares = [r for r in busy if devices[r] == device]
         lead[rank] = shares[0] if device.type in SHARE_A_THREAD else rank
     lanes: dict[int, list[tuple[int, Action]]] = {lead[rank]: [] for rank in busy}
-    for rank, action in _clock_order(columns, schedule):
+    for rank, action in clock_order(columns, schedule):
         lanes[lead[rank]].append((rank, action))
     return lanes
-
-
-def _clock_order(columns: Mapping[int, Sequence[Action]],
-                 schedule: Schedule) -> list[tuple[int, Action]]:
-    """Every column's actions by the tick they take on the table's clock, ranks in
-    order within a tick (a dependency outside ``columns`` counts as done)."""
-    present = {action for column in columns.values() for action in column}
-    done: set[Action] = set()
-    step = dict.fromkeys(columns, 0)
-    order: list[tuple[int, Action]] = []
-    while len(order) < len(present):
-        ready = [(rank, column[step[rank]]) for rank, column in columns.items()
-                 if step[rank] < len(column) and all(
-                     d in done or d not in present
-                     for d in dependencies(column[step[rank]], schedule))]
-        if not ready:  # a validated table never stalls; keep each column's order
-            return order + [(rank, a) for rank, column in columns.items()
-                            for a in column[step[rank]:]]
-        for rank, action in ready:
-            step[rank] += 1
-            done.add(action)
-        order += ready
-    return order

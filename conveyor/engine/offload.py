@@ -279,27 +279,6 @@ class OffloadPlan:
     parks: Mapping[int, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
 
 
-class LaneMoves:
-    """What one lane moves between host and device around its actions, by the plan of
-    ``state`` (a :class:`~conveyor.engine.step.StepState`)."""
-
-    def __init__(self, state: Any, lead: int) -> None:
-        self._activations = state.activations
-        self._reloads = state.offload.reloads.get(lead, {})
-        self._parks = state.offload.parks.get(lead, {})
-
-    def before(self, at: int) -> None:
-        """Before the lane's action ``at``: one action ahead of a backward or ``W``,
-        its micro-batch's tensors start back."""
-        if at in self._reloads:
-            self._activations[self._reloads[at]].reload()
-
-    def after(self, at: int) -> None:
-        """After an ``I`` whose ``W`` comes later: its tensors go back to the host."""
-        if at in self._parks:
-            self._activations[self._parks[at]].park()
-
-
 def offload_plan(lanes: Mapping[int, Sequence[tuple[int, Action]]],
                  offloading: set[int], recomputed: Any) -> OffloadPlan:
     """The offload of one run of ``lanes`` (each lane's actions in order) for the stages

@@ -73,6 +73,43 @@ class StepState:
     #: per (stage, micro-batch) of an offloading stage, until its backward: the store
     #: of what its forward saved.
     activations: dict[tuple[int, int], Activations] = field(default_factory=dict)
+    #: per rank, by position in its column (its length: after its last action), the
+    #: collectives it joins there (a vocabulary-parallel head's exchanges).
+    joins: Mapping[int, Mapping[int, Sequence[Callable[[], None]]]] = field(
+        default_factory=dict)
+
+
+class LaneWork:
+    """What one lane does around its actions, beside them: the offload's moves (by the
+    step's plan) and the collectives its ranks join."""
+
+    def __init__(self, state: StepState, lead: int, lane: Sequence[tuple[int, Any]]) -> None:
+        self._activations = state.activations
+        self._reloads = state.offload.reloads.get(lead, {})
+        self._parks = state.offload.parks.get(lead, {})
+        self._joins: dict[int, list[Callable[[], None]]] = {}
+        done: dict[int, int] = {}  # per rank, its actions before the lane's current one
+        for at, (rank, _) in enumerate(lane):
+            self._joins.setdefault(at, []).extend(
+                state.joins.get(rank, {}).get(done.get(rank, 0), ()))
+            done[rank] = done.get(rank, 0) + 1
+        for rank, count in done.items():  # after a rank's last action
+            self._joins.setdefault(len(lane), []).extend(
+                state.joins.get(rank, {}).get(count, ()))
+
+    def before(self, at: int) -> None:
+        """Before the lane's action ``at`` (its length: after the last): the
+        collectives joined there, and one action ahead of a backward or ``W``, its
+        micro-batch's tensors start back."""
+        for join in self._joins.get(at, ()):
+            join()
+        if at in self._reloads:
+            self._activations[self._reloads[at]].reload()
+
+    def after(self, at: int) -> None:
+        """After an ``I`` whose ``W`` comes later: its tensors go back to the host."""
+        if at in self._parks:
+            self._activations[self._parks[at]].park()
 
 
 @dataclass(frozen=True)

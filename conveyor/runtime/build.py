@@ -47,6 +47,11 @@ from conveyor.runtime.planning import (
 from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.steps import TrainingStep
+from conveyor.runtime.vocabranks import (
+    VocabRanks,
+    refuse_across_processes,
+    vocabulary_group,
+)
 from conveyor.runtime.vocabulary import (
     VocabParallelCrossEntropy,
     VocabShards,
@@ -72,6 +77,7 @@ class Pending:
     deadlines: Deadlines
     sharded: bool
     at_first_call: bool
+    vocabulary: VocabShards | None = None
 
 
 @dataclass
@@ -129,10 +135,14 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
     vocabulary = None
     if head is not None:
         assert isinstance(options.loss_fn, VocabParallelCrossEntropy)
-        vocabulary = split_head(owner, options.loss_fn, head, devices,
-                                distributed=topology.distributed)
+        mine = [topology.table_rank] if topology.distributed else range(ranks)
+        if topology.distributed:
+            refuse_across_processes(topology, sharding=options.sharding,
+                                    precision=options.precision, rebalance=options.rebalance)
+        vocabulary = split_head(owner, options.loss_fn, head, {r: devices[r] for r in mine},
+                                ranks)
     return Placed(topology, devices, schedule,
-                  Pending(module, deadlines, sharded, at_first_call), vocabulary)
+                  Pending(module, deadlines, sharded, at_first_call, vocabulary), vocabulary)
 
 
 @dataclass
@@ -185,6 +195,11 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
                       fuse_accumulation=fusing_allowed() and not options.compile
                       and not sharding,
                       offload=_offloaded(options, schedule.num_stages, sharded=bool(sharding)))
+    if pending.vocabulary is not None and distributed:
+        assert isinstance(options.loss_fn, VocabParallelCrossEntropy)
+        runtime.vocabulary = VocabRanks(runtime, pending.vocabulary,
+                                        vocabulary_group(topology))
+        options.loss_fn.exchange = runtime.vocabulary.lead
     if pending.at_first_call:  # the optimizer holds the adopted weights
         keep_copies_equal(owner, layout.ties)
     for stage in layout.stages.values() if options.compile else ():

@@ -31,6 +31,8 @@ from conveyor.engine.transport import Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import not_cut
 from conveyor.graph.layout import Layout
+from conveyor.runtime.vocabranks import VocabRanks
+from conveyor.runtime.vocabulary import VocabShards, hidden_of, replace_hidden
 from conveyor.runtime.wiring import Wiring
 from conveyor.schedules import Kind, Schedule, actions_of
 
@@ -74,6 +76,8 @@ class Runtime:
             if fuse_accumulation and number not in split:
                 stage.fuse_accumulation()
         self.offload = offload
+        #: under torchrun with a vocabulary-parallel head, this rank's part in it
+        self.vocabulary: VocabRanks | None = previous.vocabulary if previous else None
         self.offload_meters: dict[int, OffloadMeter] = (
             previous.offload_meters if previous is not None else
             {rank: OffloadMeter() for rank in {schedule.stage_ranks[s] for s in offload}})
@@ -129,6 +133,9 @@ class Runtime:
             everyone = {rank: [a for a in column if a.microbatch < microbatches]
                         for rank, column in everyone.items()}
         columns = self.wiring.columns(self.transport, everyone)
+        if self.vocabulary is not None and state.loss_fn is not None and state.grad_enabled:
+            state.joins = {self.topology.table_rank: self.vocabulary.joins(everyone,
+                                                                           self.schedule)}
         try:
             if commit:
                 self.executor.run_committed(columns, state, pool=self._pooling())
@@ -177,6 +184,22 @@ class Runtime:
         position = self.executor.positions.get(self.topology.table_rank)
         if position is not None:
             position.joining(what)
+
+    def broadcast(self, tensor: torch.Tensor, source: int, group: Any, what: str) -> None:
+        """A broadcast of ``tensor`` from pipeline rank ``source`` over ``group``,
+        bounded and noted as :meth:`all_reduce` is."""
+        collective.broadcast(tensor, src=self.topology.global_rank(source), group=group,
+                             what=what, seconds=self.deadlines.within, notice=self.notice(),
+                             joined=lambda: self.joining(what))
+
+    def head_logits(self, output: Any, shards: VocabShards) -> Any:
+        """Inference with a vocabulary-parallel head: the last stage's ``output`` with
+        the whole head's logits in the hidden states' place (under torchrun every rank
+        calls it, each computing its shard; ``output`` is None but at the last stage)."""
+        if self.vocabulary is None:
+            return None if output is None else shards.with_logits(output)
+        logits = self.vocabulary.logits(None if output is None else hidden_of(output))
+        return None if output is None or logits is None else replace_hidden(output, logits)
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage's rank has it, on every rank of this pipeline

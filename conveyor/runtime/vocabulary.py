@@ -20,16 +20,17 @@ stage holds no V-wide tensor; a shard's weight gradient is added to ``.grad`` in
 backward (a split backward's ``I``, as a compiled graph's). On CUDA the shards' kernels
 queue on their devices' streams at once.
 
-The pipeline registers the shards as ``pipe.vocab_shards`` (what the optimizer steps);
-its ``state_dict`` holds the head's weight whole under its own name, as the plain model's
-does, and ``load_state_dict`` cuts it again. Inference (``pipe(x)``, ``eval_step``)
-returns the whole logits in the head's place. One process only (ranks on threads): the
-shards are on the devices of its ranks.
+The pipeline registers the shards as ``pipe.vocab_shards`` (what the optimizer steps,
+``weights[str(rank)]``); in one process its ``state_dict`` holds the head's weight whole
+under its own name, as the plain model's does, and ``load_state_dict`` cuts it again.
+Inference (``pipe(x)``, ``eval_step``) returns the whole logits in the head's place.
+Under torchrun each rank holds its own shard, and the ranks join each micro-batch's
+loss in one exchange of collectives (``conveyor.runtime.vocabranks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class VocabParallelCrossEntropy:
         self.head = head
         self.ignore_index = ignore_index
         self.shards: VocabShards | None = None
+        #: under torchrun, the loss over every rank's shard (``vocabranks``), else None
+        self.exchange: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"VocabParallelCrossEntropy({self.head!r}, ignore_index={self.ignore_index})"
@@ -67,32 +71,43 @@ class VocabParallelCrossEntropy:
         hidden = hidden_of(output)
         targets = targets.reshape(-1).to(hidden.device)
         valid = targets != self.ignore_index
-        loss_sum = _CrossEntropy.apply(hidden, targets, valid, self.shards)
-        return loss_sum, valid.sum()
+        if self.exchange is not None:  # under torchrun: with every rank's shard
+            return self.exchange(hidden, targets, valid), valid.sum()
+        return _CrossEntropy.apply(hidden, targets, valid, self.shards), valid.sum()
 
 
 class VocabShards(nn.Module):
-    """The head's weight (and bias) cut by rows, one shard on each of ``devices``."""
+    """The head's weight (and bias) cut by rows into ``ranks`` shards, of which this
+    process holds those of ``devices`` (pipeline rank: device; in one process every
+    rank's, under torchrun its own), as ``weights[str(rank)]`` (``biases``)."""
 
-    def __init__(self, head: nn.Linear, devices: Sequence[torch.device]) -> None:
+    def __init__(self, head: nn.Linear, devices: Mapping[int, torch.device],
+                 ranks: int) -> None:
         super().__init__()
         vocabulary = head.out_features
-        if vocabulary < len(devices):
+        if vocabulary < ranks:
             raise ConveyorError(f"the head has {vocabulary} outputs, fewer than the "
-                                f"{len(devices)} ranks to split them over")
-        self.bounds = [vocabulary * r // len(devices) for r in range(len(devices) + 1)]
-        rows = list(zip(self.bounds, self.bounds[1:]))
-        self.weights = nn.ParameterList(
-            _shard(head.weight, lo, hi, device) for (lo, hi), device in zip(rows, devices))
-        self.biases = nn.ParameterList(
-            _shard(head.bias, lo, hi, device) for (lo, hi), device in zip(rows, devices)
-        ) if head.bias is not None else None
+                                f"{ranks} ranks to split them over")
+        self.bounds = [vocabulary * r // ranks for r in range(ranks + 1)]
+        self.weights = nn.ParameterDict({
+            str(r): _shard(head.weight, *self.rows(r), device) for r, device in devices.items()})
+        self.biases = nn.ParameterDict({
+            str(r): _shard(head.bias, *self.rows(r), device) for r, device in devices.items()
+        }) if head.bias is not None else None
+
+    def rows(self, rank: int) -> tuple[int, int]:
+        """The rows ``lo .. hi - 1`` of rank ``rank``'s shard."""
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    @property
+    def whole_here(self) -> bool:
+        """Whether this process holds every shard (one process)."""
+        return len(self.weights) == len(self.bounds) - 1
 
     def parts(self) -> list[tuple[nn.Parameter, nn.Parameter | None, int, int]]:
-        """Per shard: its weight, bias (or None) and rows ``lo .. hi - 1``."""
-        biases = list(self.biases) if self.biases is not None else [None] * len(self.weights)
-        return [(w, b, lo, hi) for w, b, lo, hi in
-                zip(self.weights, biases, self.bounds, self.bounds[1:])]
+        """Per shard held here, by rank: its weight, bias (or None) and rows."""
+        return [(w, None if self.biases is None else self.biases[r], *self.rows(int(r)))
+                for r, w in self.weights.items()]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The whole head's output on ``hidden`` (inference), on its device."""
@@ -101,18 +116,13 @@ class VocabShards(nn.Module):
 
     def with_logits(self, output: Any) -> Any:
         """The last stage's output with the whole head's logits in the hidden states'
-        place (inference)."""
-        if isinstance(output, torch.Tensor):
-            return self.logits(output)
-        if hasattr(output, "logits"):
-            output.logits = self.logits(output.logits)
-            return output
-        return type(output)([self.logits(output[0]), *output[1:]])
+        place (inference, one process)."""
+        return replace_hidden(output, self.logits(hidden_of(output)))
 
     def whole(self, name: str) -> torch.Tensor:
-        """The head's ``name`` ("weight" or "bias") whole, on the CPU."""
+        """The head's ``name`` ("weight" or "bias") whole, on the CPU (one process)."""
         shards = getattr(self, SHARDED[name])
-        return torch.cat([shard.detach().cpu() for shard in shards])
+        return torch.cat([shard.detach().cpu() for shard in shards.values()])
 
 
 #: The head's tensors, by the name of their shards in :class:`VocabShards`.
@@ -132,47 +142,79 @@ class _CrossEntropy(torch.autograd.Function):
                 shards: VocabShards) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         here = hidden.device
-        logits = []
-        with torch.autocast(here.type, enabled=False):  # the softmax wants full precision
-            for w, b, _, _ in shards.parts():
-                dtype = torch.promote_types(flat.dtype, w.dtype)
-                logits.append(nn.functional.linear(
-                    flat.to(w.device, dtype), w.to(dtype), None if b is None else b.to(dtype)))
+        logits = [shard_logits(flat, w, b) for w, b, _, _ in shards.parts()]
         top = torch.stack([z.amax(dim=1).to(here) for z in logits]).amax(dim=0)
-        total = sum(((z - top.to(z.device)[:, None]).exp().sum(dim=1).to(here)
-                     for z in logits), torch.zeros_like(top))
-        picked = torch.zeros_like(top)
-        for z, (_, _, lo, hi) in zip(logits, shards.parts()):
-            inside = (targets >= lo) & (targets < hi)
-            index = (targets - lo).clamp(0, hi - lo - 1).to(z.device)
-            value = z.gather(1, index[:, None]).squeeze(1).to(here)
-            picked = picked + torch.where(inside, value, torch.zeros_like(value))
-        per_token = total.log() + top - picked
+        total = sum((exp_sum(z, top).to(here) for z in logits), torch.zeros_like(top))
+        picked = sum((target_logit(z, targets, lo, hi).to(here)
+                      for z, (_, _, lo, hi) in zip(logits, shards.parts())),
+                     torch.zeros_like(top))
         ctx.shards = shards
         ctx.dtype, ctx.shape = hidden.dtype, hidden.shape
         ctx.save_for_backward(flat, targets, valid, top, total, *logits)
-        return torch.where(valid, per_token, torch.zeros_like(per_token)).sum()
+        return token_losses(top, total, picked, valid).sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         flat, targets, valid, top, total, *logits = ctx.saved_tensors
-        shards: VocabShards = ctx.shards
-        here = flat.device
         weight = valid.to(top.dtype) * grad.to(top.dtype)  # each token's share of grad
-        grad_flat = torch.zeros(flat.shape, dtype=top.dtype, device=here)
-        for z, (w, b, lo, hi) in zip(logits, shards.parts()):
-            device = z.device
-            grad_z = (z - top.to(device)[:, None]).exp() / total.to(device)[:, None]
-            inside = ((targets >= lo) & (targets < hi)).to(device)
-            rows = inside.nonzero().squeeze(1)
-            grad_z[rows, (targets.to(device)[rows] - lo)] -= 1
-            grad_z = grad_z * weight.to(device)[:, None]
-            x = flat.to(device, grad_z.dtype)
-            _accumulate(w, grad_z.t() @ x)
-            if b is not None:
-                _accumulate(b, grad_z.sum(dim=0))
-            grad_flat += (grad_z @ w.to(grad_z.dtype)).to(here)
+        grad_flat = torch.zeros(flat.shape, dtype=top.dtype, device=flat.device)
+        for z, (w, b, lo, hi) in zip(logits, ctx.shards.parts()):
+            grad_z = logit_grad(z, top, total, targets, weight, lo, hi)
+            grad_flat += accumulate_shard(w, b, grad_z, flat).to(flat.device)
         return grad_flat.to(ctx.dtype).reshape(ctx.shape), None, None, None
+
+
+def shard_logits(flat: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A shard's logits of ``flat`` (tokens x width), on the shard's device, in the
+    wider of their dtypes and outside autocast: the softmax wants full precision."""
+    dtype = torch.promote_types(flat.dtype, w.dtype)
+    with torch.autocast(w.device.type, enabled=False):
+        return nn.functional.linear(flat.to(w.device, dtype), w.to(dtype),
+                                    None if b is None else b.to(dtype))
+
+
+def exp_sum(z: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Per token, the sum of ``exp(z - top)`` over a shard's logits."""
+    return (z - top.to(z.device)[:, None]).exp().sum(dim=1)
+
+
+def target_logit(z: torch.Tensor, targets: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Per token, its target's logit where the target is among rows ``lo .. hi - 1``
+    of a shard, else 0."""
+    targets = targets.to(z.device)
+    inside = (targets >= lo) & (targets < hi)
+    value = z.gather(1, (targets - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)
+    return torch.where(inside, value, torch.zeros_like(value))
+
+
+def token_losses(top: torch.Tensor, total: torch.Tensor, picked: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+    """Per token, ``log sum exp - target logit`` (0 where ``valid`` is false)."""
+    per_token = total.log() + top - picked
+    return torch.where(valid, per_token, torch.zeros_like(per_token))
+
+
+def logit_grad(z: torch.Tensor, top: torch.Tensor, total: torch.Tensor, targets: torch.Tensor,
+               weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The gradient of ``sum(weight * token losses)`` in a shard's logits: its part of
+    the softmax, less 1 at each target among its rows, times each token's weight."""
+    device = z.device
+    grad_z = (z - top.to(device)[:, None]).exp() / total.to(device)[:, None]
+    targets = targets.to(device)
+    rows = ((targets >= lo) & (targets < hi)).nonzero().squeeze(1)
+    grad_z[rows, targets[rows] - lo] -= 1
+    return grad_z * weight.to(device)[:, None]
+
+
+def accumulate_shard(w: nn.Parameter, b: nn.Parameter | None, grad_z: torch.Tensor,
+                     flat: torch.Tensor) -> torch.Tensor:
+    """Adds a shard's weight (and bias) gradient to ``.grad``; returns its part of the
+    input's gradient, on the shard's device."""
+    x = flat.to(grad_z.device, grad_z.dtype)
+    _accumulate(w, grad_z.t() @ x)
+    if b is not None:
+        _accumulate(b, grad_z.sum(dim=0))
+    return grad_z @ w.to(grad_z.dtype)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -198,6 +240,17 @@ def hidden_of(output: Any) -> torch.Tensor:
     raise ConveyorError(f"VocabParallelCrossEntropy found no hidden states in the last "
                         f"stage's output ({type(output).__name__}): return a tensor, a "
                         "tuple whose first element is one, or an object with .logits")
+
+
+def replace_hidden(output: Any, logits: torch.Tensor) -> Any:
+    """The last stage's ``output`` with ``logits`` where :func:`hidden_of` found the
+    hidden states."""
+    if isinstance(output, torch.Tensor):
+        return logits
+    if hasattr(output, "logits"):
+        output.logits = logits
+        return output
+    return type(output)([logits, *output[1:]])
 
 
 def take_head(module: Any, loss_fn: Any) -> nn.Linear | None:
@@ -236,25 +289,22 @@ def take_head(module: Any, loss_fn: Any) -> nn.Linear | None:
 
 
 def split_head(pipe: nn.Module, loss_fn: VocabParallelCrossEntropy, head: nn.Linear,
-               devices: Sequence[torch.device], *, distributed: bool) -> VocabShards:
-    """Gives ``loss_fn`` the shards of ``head`` over ``devices``, for ``pipe`` to hold
-    as ``vocab_shards``, its ``state_dict`` and ``load_state_dict`` keeping the head
-    whole under its own name.
+               devices: Mapping[int, torch.device], ranks: int) -> VocabShards:
+    """Gives ``loss_fn`` the shards of ``head`` held on ``devices`` (this process's
+    ranks), for ``pipe`` to hold as ``vocab_shards``; in one process its ``state_dict``
+    and ``load_state_dict`` keep the head whole under its own name (under torchrun each
+    rank's holds its shard, ``vocab_shards.weights.<rank>``).
 
     Raises:
-        ConveyorError: under torchrun (the shards are on this process's ranks), or
-            fewer outputs than ranks.
+        ConveyorError: fewer outputs than ranks.
     """
-    if distributed:
-        raise ConveyorError("VocabParallelCrossEntropy splits the head over the ranks of "
-                            "one process (its stages on threads, one device each); across "
-                            "torchrun processes it is not supported yet")
-    shards = VocabShards(head, devices)
+    shards = VocabShards(head, devices, ranks)
     loss_fn.shards = shards
-    pipe.register_state_dict_post_hook(
-        lambda _, state, prefix, __: whole_head_state(shards, loss_fn.head, state, prefix))
-    pipe.register_load_state_dict_pre_hook(
-        lambda _, state, prefix, *__: cut_head_state(shards, loss_fn.head, state, prefix))
+    if shards.whole_here:
+        pipe.register_state_dict_post_hook(
+            lambda _, state, prefix, __: whole_head_state(shards, loss_fn.head, state, prefix))
+        pipe.register_load_state_dict_pre_hook(
+            lambda _, state, prefix, *__: cut_head_state(shards, loss_fn.head, state, prefix))
     return shards
 
 
@@ -276,5 +326,6 @@ def cut_head_state(shards: VocabShards, head: str, state: dict[str, Any],
         whole = state.pop(f"{prefix}{head}.{name}", None)
         if whole is None:
             continue
-        for r, (lo, hi) in enumerate(zip(shards.bounds, shards.bounds[1:])):
+        for r in range(len(shards.bounds) - 1):
+            lo, hi = shards.rows(r)
             state[f"{prefix}vocab_shards.{sharded}.{r}"] = whole[lo:hi]

@@ -1,12 +1,14 @@
 """A table laid out on a clock where every action takes one tick, and drawn as text.
 
 The clock is how the validator finds deadlocks (a tick at which no rank can move) and
-how a table is pictured: the paper's fill-drain diagram is the GPipe table on it.
+how a table is pictured: the paper's fill-drain diagram is the GPipe table on it; its
+order (:func:`clock_order`) is how ranks that share a thread interleave their columns,
+and where every rank joins a collective that one rank's action starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.table import Action, Schedule, dependencies
@@ -127,3 +129,26 @@ def render_clock(
         for r, line in enumerate(cells)
     ]
     return "\n".join(line.rstrip() for line in [header, *rows])
+
+
+def clock_order(columns: Mapping[int, Sequence[Action]],
+                 schedule: Schedule) -> list[tuple[int, Action]]:
+    """Every column's actions by the tick they take on the table's clock, ranks in
+    order within a tick (a dependency outside ``columns`` counts as done)."""
+    present = {action for column in columns.values() for action in column}
+    done: set[Action] = set()
+    step = dict.fromkeys(columns, 0)
+    order: list[tuple[int, Action]] = []
+    while len(order) < len(present):
+        ready = [(rank, column[step[rank]]) for rank, column in columns.items()
+                 if step[rank] < len(column) and all(
+                     d in done or d not in present
+                     for d in dependencies(column[step[rank]], schedule))]
+        if not ready:  # a validated table never stalls; keep each column's order
+            return order + [(rank, a) for rank, column in columns.items()
+                            for a in column[step[rank]:]]
+        for rank, action in ready:
+            step[rank] += 1
+            done.add(action)
+        order += ready
+    return order

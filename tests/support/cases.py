@@ -1,5 +1,5 @@
-"""The two models of the multi-process tests (a deep MLP and a Transformer LM whose head
-is its embedding), their batches and losses: the scenarios run them in each process, and
+"""The models of the multi-process tests (a deep MLP and a Transformer LM whose head is
+its embedding, or its own under a vocabulary-parallel loss), their batches and losses: the scenarios run them in each process, and
 the parent test (or a test in one process) builds exactly the same plain model and batch
 to compare with."""
 
@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import conveyor
 
 from tests.support.models import VOCAB, WIDTH, Block
 
@@ -36,10 +38,17 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def case_model(name: str) -> tuple[nn.Sequential, Any]:
+    """The case's model and loss: "mlp", "lm" (tied), or "vlm": the LM with a head of
+    its own (the same values) under a vocabulary-parallel loss."""
     torch.manual_seed(0)
     if name == "mlp":
         return deep_mlp(), nn.functional.mse_loss
-    return tied_lm(), lm_loss
+    model = tied_lm()
+    if name == "vlm":
+        head = model[-1]
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        return model, conveyor.VocabParallelCrossEntropy(str(len(model) - 1))
+    return model, lm_loss
 
 
 def case_batch(name: str, batch: int = 10, length: int = 7, seed: int = 1) -> tuple[Any, Any]:
@@ -100,6 +109,10 @@ def cases(world: int) -> list[tuple[str, str, int]]:
         # V shapes (4 micro-batches: 2K for dualpipe-v); the LM's tied embedding and
         # head on stages 0 and 3, both on rank 0, which also holds the loss.
         found += [("mlp", "zb-v", 1), ("lm", "zb-v", 1), ("lm", "dualpipe-v", 1)]
+        # a vocabulary-parallel head: its exchanges joined from each rank's column
+        found += [("vlm", "1f1b", 1), ("vlm", "zb-v", 1)]
+    else:
+        found += [("vlm", "zero-bubble", 1)]
     return found
 
 
