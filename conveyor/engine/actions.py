@@ -73,10 +73,10 @@ class StageActions:
         recompute = state.grad_enabled and state.recompute(self.index, m)
         loss = read = None  # read: the output as loss_fn read it
         activations = self._activations(m, inputs, state, recompute)
-        with activations.saving() if activations else contextlib.nullcontext():
+        with activations.saving() if activations is not None else contextlib.nullcontext():
             outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
                                             recompute=recompute)
-            if activations:  # kept for the backward anyway, and the loss's targets
+            if activations is not None:  # kept for backward anyway; the loss's targets
                 activations.keep((outputs, state.targets[m] if self.last and state.targets
                                   else None))
             if self.last and state.loss_fn is not None:  # its saved tensors too

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import conveyor
+from conveyor.engine.microbatch import split
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.graph.binding import COPY_MARK, restore_ties
 from conveyor.checking.plain import traced_per_microbatch
@@ -52,8 +53,9 @@ RECOMPUTE = ("always", "except_last", "never")
 #: V shapes drawn in ZB-V's place, by a generator of their own, so that every seed drawn
 #: before them (the fixed tests, the runs of ``make fuzz``) still draws what it did.
 MEMORY_V = ("v-half", "v-min")
-#: The share of cases that offload their activations.
-OFFLOADED = 0.3
+#: The share of cases that offload their activations, and that give the step their
+#: micro-batches (the batch split as the pipeline would split it).
+OFFLOADED = GIVEN = 0.3
 #: The schedule names, and "mixed": zero-bubble's table with some I+W pairs run as one B.
 SCHEDULE_NAMES = (*(name for name in SCHEDULES if name not in MEMORY_V), "mixed")
 
@@ -77,6 +79,7 @@ class Case:
     mixed_seed: int = 0
     compiled: bool = False      # compile=True (python -m tests.generated --compile)
     offload: bool = False       # offload="activations"
+    given: bool = False         # step(microbatches=...): the batch split by the caller
 
     @property
     def stages(self) -> int:
@@ -87,7 +90,8 @@ class Case:
         return (f"seed {self.seed}.{self.variant}: {self.schedule} K={self.ranks}x{self.virtual} "
                 f"M={self.chunks} N={self.batch} recompute={self.recompute} "
                 f"{'train' if self.train else 'eval'} {cut}{' compiled' if self.compiled else ''}"
-                f"{' offload' if self.offload else ''}; "
+                f"{' offload' if self.offload else ''}"
+                f"{' given micro-batches' if self.given else ''}; "
                 f"{self.spec}")
 
 
@@ -187,7 +191,8 @@ def _draw_variant(rng: random.Random, seed: int, variant: int, spec: Spec, seque
                 batch=max(batch, 2), recompute=rng.choice(RECOMPUTE),
                 train=rng.random() < 0.7, mixed_seed=rng.randrange(1 << 30),
                 # drawn apart, as V-Half and V-Min are: every earlier seed draws as before
-                offload=random.Random(f"{seed}.{variant}.offload").random() < OFFLOADED)
+                offload=random.Random(f"{seed}.{variant}.offload").random() < OFFLOADED,
+                given=random.Random(f"{seed}.{variant}.given").random() < GIVEN)
 
 
 def mixed_table(ranks: int, chunks: int, seed: int) -> Schedule:
@@ -336,7 +341,11 @@ def _run_on(case: Case, model: nn.Module, device: str) -> Result:
     try:
         pipe = make_pipeline(case, model, inputs, device)
         torch.manual_seed(case.seed)
-        loss = pipe.step(inputs, targets)
+        if case.given:
+            loss = pipe.step(microbatches=list(zip(split(inputs, case.chunks),
+                                                   split(targets, case.chunks))))
+        else:
+            loss = pipe.step(inputs, targets)
     except Exception as exc:  # noqa: BLE001 - the generator reports any failure
         return Result(float("inf"), "the pipeline", exc)
     torch.manual_seed(case.seed)

@@ -100,6 +100,9 @@ def _simpler_cases(case: Case) -> Iterator[Case]:
         yield replace(case, recompute="never")
     if case.train:
         yield replace(case, train=False)
+    for option in ("offload", "given"):  # a plain step
+        if getattr(case, option):
+            yield replace(case, **{option: False})
 
 
 def _same_failure(first: Result, second: Result) -> bool:
