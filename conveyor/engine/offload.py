@@ -89,10 +89,6 @@ class OffloadMeter:
             self.device_peak = max(self.device_peak, self.device)
             self.host_peak = max(self.host_peak, self.host)
 
-    def reset_peaks(self) -> None:
-        with self._lock:
-            self.device_peak, self.host_peak = self.device, self.host
-
 
 class Offloader:
     """The offload of one stage on ``device``, counting into ``meter``."""
