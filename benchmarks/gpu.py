@@ -23,8 +23,10 @@ The parts, in order:
   and with ``compile=True`` (each stage one graph; also without ``EagerLayout``, and
   under zero-bubble): time, memory, and the GPU's busy share of a step;
 * ``table1``: the paper's Table 1 on one GPU capped at 16 GiB: the largest
-  Transformer that trains naively and with Pipeline-1 (re-materialization and
-  micro-batches), and the activation memory of each at one size;
+  Transformer that trains naively, with Pipeline-1 (re-materialization and
+  micro-batches) and with its activations offloaded (``offload="activations"``), and
+  the activation memory of each at one size; then the same for 4 sequences of 32k
+  tokens (long context);
 * ``speedup`` (two or more GPUs): K = 2, 4 stages on K GPUs against one.
 
 It writes ``benchmarks/results/gpu.json``, ``gpu.md`` (the tables) and ``gpu.png``. To
@@ -344,20 +346,29 @@ def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
             min(1.0, (resident + sizes.memory_gib * 2**30) / total), device)
     log: list[dict[str, Any]] = []
     limit = 4 if sizes.smoke else 256
-    largest = {name: pipeline1_gpu.largest_fitting(
-        lambda n, p=pipelined: pipeline1_gpu.fits(n, pipelined=p, args=args, device=device,
-                                                  log=log), limit=limit)
-        for name, pipelined in (("naive", False), ("pipeline_1", True))}
+    largest = _largest(pipeline1_gpu, args, device, log, limit)
+    # Long context: 4 sequences of 32k tokens, one a micro-batch.
+    long_args = argparse.Namespace(**{**vars(args), "length": 16 if sizes.smoke else 32768,
+                                      "batch": 4, "chunks": 4})
+    long_largest = _largest(pipeline1_gpu, long_args, device, log, min(limit, 32))
     at = max(1, largest["naive"])
-    held = {name: pipeline1_gpu.activation_bytes(at, pipelined=pipelined, args=args,
-                                                 device=device)
-            for name, pipelined in (("naive", False), ("pipeline_1", True))}
+    held = {mode: pipeline1_gpu.activation_bytes(at, mode=mode, args=args, device=device)
+            for mode in pipeline1_gpu.MODES}
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     params = {name: pipeline1_gpu.parameters(layers, args) for name, layers in largest.items()}
     return {"memory_gib": sizes.memory_gib, "config": vars(args), "largest_layers": largest,
             "parameters": params, "activation_layers": at, "activation_bytes": held,
+            "long_context": {"config": vars(long_args), "largest_layers": long_largest},
             "resident_before_bytes": resident, "attempts": log}
+
+
+def _largest(pipeline1_gpu: Any, args: argparse.Namespace, device: torch.device,
+             log: list[dict[str, Any]], limit: int) -> dict[str, int]:
+    """Per way to train (naive, Pipeline-1, offload), the most blocks that train."""
+    return {mode: pipeline1_gpu.largest_fitting(
+        lambda n, m=mode: pipeline1_gpu.fits(n, mode=m, args=args, device=device, log=log),
+        limit=limit) for mode in pipeline1_gpu.MODES}
 
 
 def part_speedup(sizes: Sizes, device: torch.device) -> dict[str, Any]:

@@ -6,7 +6,10 @@ micro-batches alone let a much larger model train (AmoebaNet: 82M to 318M parame
 16) of width 2048 trained with RMSProp (12 bytes per parameter, as the paper):
 
 * naive: the plain model on the whole batch;
-* Pipeline-1: ``GPipe(model, [L + 3], chunks=M, recompute="except_last")``.
+* Pipeline-1: ``GPipe(model, [L + 3], chunks=M, recompute="except_last")``;
+* offload: ``Pipeline(model, balance=[L + 3], chunks=M, recompute="never",
+  offload="activations")``: every micro-batch's activations wait in pinned host memory
+  but the one being saved and the one brought back for the next backward.
 
 For each, it searches the largest number of blocks L for which a training step runs
 without running out of memory (doubling, then bisection). ``--memory-gib`` caps the
@@ -33,7 +36,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from conveyor import GPipe  # noqa: E402
+from conveyor import GPipe, Pipeline  # noqa: E402
 from conveyor.observe.plan import OPTIMIZER_BYTES  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
@@ -63,31 +66,43 @@ def largest_fitting(fits: Callable[[int], bool], *, start: int = 1, limit: int =
     return good
 
 
-def train_step(layers: int, *, pipelined: bool, args: argparse.Namespace,
+#: The ways to train of Table 1, by name.
+MODES = ("naive", "pipeline_1", "offload")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train_step(layers: int, *, mode: str, args: argparse.Namespace,
                device: torch.device) -> None:
-    """Builds T(layers, ...) on ``device`` and runs one RMSProp training step."""
+    """Builds T(layers, ...) on ``device`` and runs one RMSProp training step ``mode``'s
+    way (one of :data:`MODES`)."""
     with device:
         model = transformer_lm(layers, args.width, args.hidden, args.heads, vocab=args.vocab,
                                max_length=args.length)
-    net: nn.Module = model
-    if pipelined:
-        net = GPipe(model, [len(model)], devices=[device], chunks=args.chunks,
-                    recompute="except_last")
-    optimizer = torch.optim.RMSprop(net.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.length), device=device)
-    logits = net(ids)
-    loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
-    loss.backward()
+    if mode == "offload":
+        pipe = Pipeline(model, balance=[len(model)], devices=[device], chunks=args.chunks,
+                        recompute="never", offload="activations", loss_fn=lm_loss)
+        optimizer = torch.optim.RMSprop(pipe.parameters(), lr=1e-4)
+        pipe.step(ids, ids)
+    else:
+        net: nn.Module = model if mode == "naive" else GPipe(
+            model, [len(model)], devices=[device], chunks=args.chunks,
+            recompute="except_last")
+        optimizer = torch.optim.RMSprop(net.parameters(), lr=1e-4)
+        lm_loss(net(ids), ids).backward()
     optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def fits(layers: int, *, pipelined: bool, args: argparse.Namespace,
+def fits(layers: int, *, mode: str, args: argparse.Namespace,
          device: torch.device, log: list[dict[str, Any]]) -> bool:
     start = time.perf_counter()
     try:
-        train_step(layers, pipelined=pipelined, args=args, device=device)
+        train_step(layers, mode=mode, args=args, device=device)
         ok = True
     except torch.cuda.OutOfMemoryError:
         ok = False
@@ -95,14 +110,14 @@ def fits(layers: int, *, pipelined: bool, args: argparse.Namespace,
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    log.append({"pipelined": pipelined, "layers": layers, "fits": ok,
+    log.append({"mode": mode, "length": args.length, "layers": layers, "fits": ok,
                 "seconds": time.perf_counter() - start})
-    print(f"  {'Pipeline-1' if pipelined else 'naive'}: L={layers} "
+    print(f"  {mode}, {args.length} tokens: L={layers} "
           f"{'fits' if ok else 'out of memory'}", file=sys.stderr, flush=True)
     return ok
 
 
-def activation_bytes(layers: int, *, pipelined: bool, args: argparse.Namespace,
+def activation_bytes(layers: int, *, mode: str, args: argparse.Namespace,
                      device: torch.device) -> float | None:
     """The peak memory of a step beyond its model's parameters and optimizer state
     (None off CUDA)."""
@@ -110,7 +125,7 @@ def activation_bytes(layers: int, *, pipelined: bool, args: argparse.Namespace,
         return None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    train_step(layers, pipelined=pipelined, args=args, device=device)
+    train_step(layers, mode=mode, args=args, device=device)
     return float(torch.cuda.max_memory_allocated(device)
                  - parameters(layers, args) * OPTIMIZER_BYTES["rmsprop"])
 
@@ -141,9 +156,9 @@ def main() -> int:
         args.width, args.hidden, args.heads, args.vocab = 32, 64, 2, 50
         args.length, args.batch, args.chunks = 8, 4, 2
         device = torch.device("cpu")
-        for pipelined in (False, True):
-            train_step(2, pipelined=pipelined, args=args, device=device)
-        print("smoke run: naive and Pipeline-1 steps ran on the CPU")
+        for mode in MODES:
+            train_step(2, mode=mode, args=args, device=device)
+        print("smoke run: naive, Pipeline-1 and offload steps ran on the CPU")
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device (use --smoke to check the script on a CPU)")
@@ -154,11 +169,9 @@ def main() -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total),
                                                    device)
     log: list[dict[str, Any]] = []
-    largest = {
-        name: largest_fitting(lambda n, p=pipelined: fits(n, pipelined=p, args=args,
-                                                          device=device, log=log))
-        for name, pipelined in (("naive", False), ("pipeline_1", True))
-    }
+    largest = {mode: largest_fitting(lambda n, m=mode: fits(n, mode=m, args=args,
+                                                            device=device, log=log))
+               for mode in MODES}
     params = {name: parameters(layers, args) for name, layers in largest.items()}
     rows = [[name, layers, f"{params[name] / 1e6:.0f}M"] for name, layers in largest.items()]
     ratio = params["pipeline_1"] / max(params["naive"], 1)

@@ -38,7 +38,7 @@ def test_pipeline1_script_runs_a_step_of_each_kind() -> None:
     result = subprocess.run([sys.executable, str(BENCHMARKS / "pipeline1_gpu.py"), "--smoke"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "naive and Pipeline-1 steps ran" in result.stdout
+    assert "naive, Pipeline-1 and offload steps ran" in result.stdout
 
 
 def test_any_model_script_compares_conveyor_with_torch_on_hugging_face_models(
@@ -104,9 +104,12 @@ def test_gpu_script_runs_every_part_at_toy_sizes_and_writes_its_report(tmp_path:
     pipelines = {"K=1, M=4", "K=2, M=8", "K=4, M=16"}
     assert set(overhead) == pipelines | {f"{p}, autograd's accumulation" for p in pipelines}
     assert set(report["schedules"]["predicted_ms"]) >= {"gpipe", "1f1b", "zero-bubble"}
-    assert report["table1"]["largest_layers"] == {"naive": 4, "pipeline_1": 4}
+    every = {"naive": 4, "pipeline_1": 4, "offload": 4}  # the smoke run's limit
+    assert report["table1"]["largest_layers"] == every
+    assert report["table1"]["long_context"]["largest_layers"] == every
     markdown = (tmp_path / "gpu-smoke.md").read_text()
     assert "### overhead" in markdown and "x plain, same M" in markdown
+    assert "largest L at 32k tokens" in markdown
     assert (tmp_path / "gpu-smoke.png").stat().st_size > 1000
 
 
