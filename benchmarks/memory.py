@@ -46,6 +46,7 @@ from typing import Any
 import _common
 
 _common.prepare_process()
+sys.path.insert(0, str(_common.ROOT))  # tests.support.saved_bytes, the meter
 
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
@@ -58,6 +59,7 @@ from conveyor.engine import offload as offloading  # noqa: E402
 from conveyor.schedules import V_SHAPES, build  # noqa: E402
 from conveyor.schedules.simulate import CostModel, simulate  # noqa: E402
 from conveyor.train.models import feed_forward_stack, transformer_lm  # noqa: E402
+from tests.support.saved_bytes import RankBytes  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 8, 512, 256
 SCHEDULES_COMPARED = ("1f1b", "zb-v", "v-half", "v-min")
@@ -124,7 +126,7 @@ def stage_peak(blocks: int, chunks: int, mode: str) -> int:
     return tracker.peak + x.numel() * x.element_size()
 
 
-class SavedBytes:
+class SavedBytes(RankBytes):
     """Per pipeline rank, the live and peak bytes of the tensors its stages' forwards
     save for backward: a pack hook, entered around each stage's forward in the thread
     that runs it, counts each storage once, from when it is saved until it is freed
@@ -132,52 +134,14 @@ class SavedBytes:
     (the parameters, which a split backward may save as plain tensors, and the batch
     whose views are the micro-batches) are not counted."""
 
-    def __init__(self, pipe: conveyor.Pipeline, batch: torch.Tensor) -> None:
-        ranks = pipe.schedule.stage_ranks
-        self.before = {t.untyped_storage().data_ptr() for t in (*pipe.parameters(), batch)}
-        self.current = [0] * pipe.schedule.num_ranks
-        self.peak = [0] * pipe.schedule.num_ranks
-        self.live: dict[int, tuple[int, int]] = {}
-        self._lock = threading.Lock()
-        self._open = threading.local()
-        self._hooks = []
-        for number, stage in pipe.runtime.stages.items():
-            hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t, rank=ranks[number]: self._pack(t, rank), lambda t: t)
-            self._hooks.append(stage.layers.register_forward_pre_hook(
-                lambda *_, hooks=hooks: self._enter(hooks)))
-            self._hooks.append(stage.layers.register_forward_hook(
-                lambda *_: self._leave(), always_call=True))
-
-    def _enter(self, hooks: Any) -> None:
-        hooks.__enter__()
-        self._open.stack = [*getattr(self._open, "stack", []), hooks]
-
-    def _leave(self) -> None:
-        self._open.stack.pop().__exit__(None, None, None)
+    def watch(self, rank: int, inputs: Any) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(t, rank), lambda t: t)
 
     def _pack(self, t: torch.Tensor, rank: int) -> torch.Tensor:
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self._lock:
-            if key in self.live or key in self.before or storage.nbytes() == 0:
-                return t
-            self.live[key] = (rank, storage.nbytes())
-            self.current[rank] += storage.nbytes()
-            self.peak[rank] = max(self.peak[rank], self.current[rank])
-        weakref.finalize(storage, self._free, key)
+        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+            self.note(rank, t.untyped_storage())
         return t
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            rank, size = self.live.pop(key)
-            self.current[rank] -= size
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 class LossSavedBytes(SavedBytes):

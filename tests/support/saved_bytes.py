@@ -34,7 +34,7 @@ from conveyor.engine import actions
 from conveyor.engine.transport import deliver, neighbour
 from conveyor.torchprivate import pytree
 
-__all__ = ["HeldBytes"]
+__all__ = ["HeldBytes", "RankBytes"]
 
 
 def _copied(tree: Any) -> Any:
@@ -65,9 +65,11 @@ class _Creating(TorchDispatchMode):
         return out
 
 
-class HeldBytes:
-    """Per pipeline rank, the live and peak bytes of what its stages hold for the
-    backward during ``pipe.step`` (see the module's docstring).
+class RankBytes:
+    """Per pipeline rank, the live and peak bytes of the storages :meth:`note` is given,
+    each counted once, from then until it is freed; storages that exist before the
+    step (the parameters, the batch) are not. :meth:`watch` enters a context of the
+    subclass's around each stage's forward, in the thread that runs it.
 
     Args:
         pipe: the pipeline, built (``pipe.runtime``), on CPU threads.
@@ -82,13 +84,49 @@ class HeldBytes:
         self._live: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._open = threading.local()
-        self._hooks = []
+        self._hooks: list[Any] = []
         for number, stage in pipe.runtime.stages.items():
             rank = self.ranks[number]
             self._hooks.append(stage.layers.register_forward_pre_hook(
-                lambda _, args, rank=rank: self._enter(rank, args[0])))
+                lambda _, args, rank=rank: self._enter(self.watch(rank, args[0]))))
             self._hooks.append(stage.layers.register_forward_hook(
                 lambda *_: self._leave(), always_call=True))
+
+    def watch(self, rank: int, inputs: Any) -> Any:
+        """The context a forward of ``rank``'s stage on ``inputs`` runs in."""
+        raise NotImplementedError
+
+    def note(self, rank: int, storage: torch.UntypedStorage) -> None:
+        """Counts ``storage`` on ``rank`` until it is freed (once; not one from before)."""
+        key = storage.data_ptr()
+        with self._lock:
+            if key in self._live or key in self.before or storage.nbytes() == 0:
+                return
+            self._live[key] = (rank, storage.nbytes())
+            self.current[rank] += storage.nbytes()
+            self.peak[rank] = max(self.peak[rank], self.current[rank])
+        weakref.finalize(storage, self._free, key)
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _enter(self, context: Any) -> None:
+        context.__enter__()
+        self._open.stack = [*getattr(self._open, "stack", []), context]
+
+    def _leave(self) -> None:
+        self._open.stack.pop().__exit__(None, None, None)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            rank, size = self._live.pop(key)
+            self.current[rank] -= size
+
+
+class HeldBytes(RankBytes):
+    """Per pipeline rank, the live and peak bytes of what its stages hold for the
+    backward during ``pipe.step`` (see the module's docstring)."""
 
     @contextlib.contextmanager
     def on_devices(self, pipe: conveyor.Pipeline) -> Iterator[None]:
@@ -115,32 +153,8 @@ class HeldBytes:
         finally:
             del transport.recv
 
-    def _enter(self, rank: int, inputs: Any) -> None:
+    def watch(self, rank: int, inputs: Any) -> Any:
         if not conveyor.is_recomputing():  # the inputs the stage keeps for its backward
             for storage in _storages(inputs):
-                self._note(rank, storage)
-        mode = _Creating(lambda storage: self._note(rank, storage))
-        mode.__enter__()
-        self._open.stack = [*getattr(self._open, "stack", []), mode]
-
-    def _leave(self) -> None:
-        self._open.stack.pop().__exit__(None, None, None)
-
-    def _note(self, rank: int, storage: torch.UntypedStorage) -> None:
-        key = storage.data_ptr()
-        with self._lock:
-            if key in self._live or key in self.before or storage.nbytes() == 0:
-                return
-            self._live[key] = (rank, storage.nbytes())
-            self.current[rank] += storage.nbytes()
-            self.peak[rank] = max(self.peak[rank], self.current[rank])
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            rank, size = self._live.pop(key)
-            self.current[rank] -= size
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+                self.note(rank, storage)
+        return _Creating(lambda storage: self.note(rank, storage))
