@@ -347,9 +347,13 @@ def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     log: list[dict[str, Any]] = []
     limit = 4 if sizes.smoke else 256
     largest = _largest(pipeline1_gpu, args, device, log, limit)
-    # Long context: 4 sequences of 32k tokens, one a micro-batch.
+    # Long context: 4 sequences of 32k tokens, one a micro-batch, and a vocabulary of
+    # 8192: at 32000, one sequence's float32 logits alone are 3.9 GiB, and the naive
+    # step's whole batch of them (GPipe's too: it hands on the whole batch's output)
+    # 16 GiB, the cap; the head would decide the search, not the blocks.
     long_args = argparse.Namespace(**{**vars(args), "length": 16 if sizes.smoke else 32768,
-                                      "batch": 4, "chunks": 4})
+                                      "batch": 4, "chunks": 4,
+                                      "vocab": args.vocab if sizes.smoke else 8192})
     long_largest = _largest(pipeline1_gpu, long_args, device, log, min(limit, 32))
     at = max(1, largest["naive"])
     held = {mode: pipeline1_gpu.activation_bytes(at, mode=mode, args=args, device=device)

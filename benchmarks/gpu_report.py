@@ -89,7 +89,8 @@ def _table1(r: dict[str, Any]) -> str:
     return (f"T(L, {c['hidden']}, {c['heads']}), width {c['width']}, batch {c['batch']} x "
             f"{c['length']}, M={c['chunks']}, RMSProp, GPU capped at "
             f"{r['memory_gib']:.0f} GiB; activations at L={r['activation_layers']}; the "
-            "last column: 4 sequences of 32k tokens, one a micro-batch\n\n"
+            "last column: 4 sequences of 32k tokens, one a micro-batch, vocabulary "
+            f"{r.get('long_context', {}).get('config', {}).get('vocab', c['vocab'])}\n\n"
             + _common.markdown_table(["", "largest L", "parameters", "activations (GiB)",
                                       "largest L at 32k tokens"], rows)
             + f"\n\nthe parameters of naive's, trained: {ratios} (paper, Pipeline-1: 3.9x)")

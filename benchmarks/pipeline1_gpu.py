@@ -36,6 +36,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import conveyor  # noqa: E402
 from conveyor import GPipe, Pipeline  # noqa: E402
 from conveyor.observe.plan import OPTIMIZER_BYTES  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
@@ -104,7 +105,11 @@ def fits(layers: int, *, mode: str, args: argparse.Namespace,
     try:
         train_step(layers, mode=mode, args=args, device=device)
         ok = True
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, conveyor.StageError) as exc:
+        # A stage that ran out of memory fails the step with a StageError naming it.
+        if not isinstance(exc, torch.cuda.OutOfMemoryError) and not isinstance(
+                exc.__cause__, torch.cuda.OutOfMemoryError):
+            raise
         ok = False
     finally:
         gc.collect()

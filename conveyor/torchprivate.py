@@ -77,6 +77,30 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def inductor(graph: torch.fx.GraphModule, example_inputs: list[Any],
+             inner_compile: Any) -> Any:
+    """Inductor's compilation of a dynamo graph (``torch.compile``'s default backend),
+    each forward and backward graph AOTAutograd partitions compiled by
+    ``inner_compile(graph, example_inputs, **settings)`` (``settings["is_backward"]``
+    says which), which may hand it on to :func:`inductor_graph`."""
+    from torch._functorch import config
+    from torch._inductor.compile_fx import compile_fx
+
+    # AOTAutograd's cache would hand back a whole backward compiled before, by torch's
+    # default backend, without calling inner_compile.
+    with config.patch(enable_autograd_cache=False):
+        return compile_fx(graph, example_inputs, inner_compile=inner_compile)
+
+
+def inductor_graph(graph: torch.fx.GraphModule, example_inputs: list[Any],
+                   **settings: Any) -> Any:
+    """Inductor's compilation of one partitioned graph: a callable taking its inputs
+    as one list (which it may empty), returning its outputs as a list."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(graph, example_inputs, **settings)
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Lets torch.compile treat ``dim`` of ``tensor`` as dynamic from its first graph
     (``maybe_``: without failing where the graph makes it static)."""

@@ -24,7 +24,16 @@ from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
 from tests.support import any_models
-from tests.support.models import VOCAB, assert_same_grads, build, sample, seeded_per_layer
+from tests.support.cases import packed
+from tests.support.extras import require
+from tests.support.models import (
+    VOCAB,
+    assert_same_grads,
+    build,
+    relative_error,
+    sample,
+    seeded_per_layer,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -257,8 +266,8 @@ SCHEDULE_OPTIONS = {
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULE_OPTIONS))
 def test_every_schedule_runs_whole_compiled_stages_exactly(schedule: str) -> None:
-    """Each stage of torch's own layers is one compiled graph (one autograd node: the
-    split backward's I computes its weight gradients, W has none left), and the step
+    """Each stage of torch's own layers is one compiled graph (one autograd node, whose
+    backward is two compiled graphs: I's, and W's for a split backward), and the step
     is the plain model's in float64, in training and then in eval mode."""
     model, reference = build("mlp")
     x, y = sample("mlp", batch=8), torch.randn(8, 3, dtype=torch.float64)
@@ -429,3 +438,35 @@ def test_a_layer_torch_cannot_compile_runs_eagerly_with_a_warning(
     assert [r.getMessage() for r in caplog.records] == [
         "compile=True: torch could not compile conveyor_layer_7, which runs eagerly: "
         "cannot determine truth value"]
+
+
+def test_packed_sequences_of_new_lengths_recompile_in_the_first_step_only() -> None:
+    """A traced GPT-2 under zero-bubble (compiled split backward), given packed
+    micro-batches of a new length each: the recording shows the graphs compiled in the
+    first step (a second length makes torch's graph dynamic in it) and none after, and
+    each step is the plain model's in float64."""
+    require("transformers")
+    model, split_at, _, _ = any_models.gpt2()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    loss_of = any_models.loss_of("gpt2")
+    pipe = conveyor.Pipeline(model, split_at=split_at, chunks=3, schedule="zero-bubble",
+                             loss_fn=loss_of, devices=["cpu"] * (len(split_at) + 1),
+                             compile=True, sample=packed(((2,),), 0)[0][0])
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    compiled = []
+    for seed, docs in ((1, ((3, 4), (5, 2, 6), (2,))), (2, ((9,), (1, 1, 4))),
+                       (3, ((11,), (8, 3), (2, 2)))):
+        pipe.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        pairs = packed(docs, seed)
+        with conveyor.record(pipe) as timeline:
+            loss = pipe.step(microbatches=pairs)
+        compiled.append(timeline.compiled_graphs)
+        tokens = sum(y.numel() for _, y in pairs)
+        total = sum(loss_of(reference(**x), y)[0] for x, y in pairs)
+        total.backward()
+        assert abs(loss.item() - total.item() / tokens) <= 1e-12 * loss.item()
+        for name, p in pipe.named_parameters():
+            assert relative_error(p.grad, plain[name].grad / tokens) <= 1e-10, f"{seed}: {name}"
+    assert compiled[0] > 0 and compiled[1:] == [0, 0]

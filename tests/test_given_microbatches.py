@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any
 
 import pytest
-import torch
 
 import conveyor
 from conveyor.errors import ConveyorError, MicroBatchError
@@ -19,6 +17,7 @@ from tests.support.cases import (
     case_model,
     lengths_batch,
     lm_loss,
+    packed,
     plain_token_loss,
     token_loss,
 )
@@ -77,22 +76,6 @@ def test_given_micro_batches_say_what_is_wrong() -> None:
                                             r"not both"):
         pipe.step(*pairs[0], microbatches=pairs[:1])
     assert all(p.grad is None for p in pipe.parameters())  # nothing ran
-
-
-def packed(docs_per_row: tuple[tuple[int, ...], ...], seed: int
-           ) -> list[tuple[dict[str, Any], torch.Tensor]]:
-    """Micro-batches of packed documents: each row of a micro-batch holds its documents
-    one after the other, ``position_ids`` restarting at each; one micro-batch per entry
-    of ``docs_per_row`` (2 rows each), so each has its own length."""
-    generator = torch.Generator().manual_seed(seed)
-    pairs = []
-    for docs in docs_per_row:
-        length = sum(docs)
-        ids = torch.randint(0, 100, (2, length), generator=generator)
-        positions = torch.cat([torch.arange(d) for d in docs]).expand(2, length).contiguous()
-        pairs.append(({"input_ids": ids, "position_ids": positions, "use_cache": False},
-                      torch.randint(0, 100, (2, length), generator=generator)))
-    return pairs
 
 
 @pytest.mark.parametrize(("family", "schedule"), [("gpt2", "1f1b"), ("gpt2", "zero-bubble"),

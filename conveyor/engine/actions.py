@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
-from conveyor.engine.backward.accumulation import FusedAccumulation
+from conveyor.engine.backward.accumulation import FusedAccumulation, fusing_allowed
+from conveyor.engine.backward.compiled import compiled_nodes, planned
 from conveyor.engine.layers import Partition
 from conveyor.engine.loss import loss_and_count
 from conveyor.engine.offload import Activations, Offloader
@@ -42,6 +44,7 @@ class StageActions:
     last: bool
     device: torch.device
     accumulator: FusedAccumulation | None
+    compiles: bool
     layers: Partition
     offloader: Offloader | None
 
@@ -142,7 +145,8 @@ class StageActions:
             # exactly this stage's parameters and input leaves. Accumulating into .grad
             # (AccumulateGrad) adds each weight gradient while it is still in cache:
             # 5-10% faster on CPU than collecting them with autograd.grad.
-            with self.accumulator.backward() if self.accumulator else contextlib.nullcontext():
+            with self.accumulator.backward() if self.accumulator else contextlib.nullcontext(), \
+                    self._compiled_weights_at_once(pairs):
                 torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
             found = [t.grad for t in wanted]
         elif split:
@@ -152,6 +156,18 @@ class StageActions:
             state.input_grads[m] = [grad_of.get(id(t)) for t in input_leaves]
         return {i: [grad_of.get(id(t)) for t in pytree.tree_leaves(part)]
                 for i, part in saved.received.items()}
+
+    @contextlib.contextmanager
+    def _compiled_weights_at_once(self, pairs: Sequence[Pair]) -> Iterator[None]:
+        """In ``B``, each compiled graph's weight half adds its gradients into ``.grad``
+        within its matrix products (see :mod:`conveyor.engine.backward.compiled`)."""
+        handles = planned(compiled_nodes([get_gradient_edge(out).node for out, _ in pairs]), None) \
+            if self.compiles and fusing_allowed() else []
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def weight_one(self, microbatch: int, state: StepState) -> None:
         """``W``: the weight gradient that the micro-batch's ``I`` left."""

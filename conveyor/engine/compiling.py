@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.engine.backward.compiled import split_backend
 from conveyor.engine.layers import Partition, WholeStage
 from conveyor.torchprivate import COMPILER_ERRORS, keep_compiled_buffers, mark_dynamic, pytree
 
@@ -69,7 +70,7 @@ class CompiledCall:
 
         own = types.FunctionType(call.__code__.replace(co_name=name),
                                  call.__globals__, name, None, call.__closure__)
-        self._compiled: Any = torch.compile(own)
+        self._compiled: Any = torch.compile(own, backend=split_backend)
 
     def __call__(self, x: Any) -> Any:
         if self._compiled is None:
@@ -173,7 +174,7 @@ def compile_graphs(layers: Partition) -> None:
                 continue
             _COMPILED.add(graph)
             _COMPILED.add(layer)  # the stage's loop marks what enters it
-            graph.compile()
+            graph.compile(backend=split_backend)
             graph.register_forward_hook(EagerLayout())
 
 

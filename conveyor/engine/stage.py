@@ -91,6 +91,8 @@ class Stage(StageActions):
         self.accumulator: FusedAccumulation | None = None
         #: the stage's layers compiled as one graph (:meth:`compile`), or None.
         self.compiled: CompiledStage | None = None
+        #: whether the stage runs compiled graphs (``compile=True``)
+        self.compiles = False
         #: where the stage's saved activations wait for their backward
         #: (``offload="activations"``), or None: on the device.
         self.offloader: Offloader | None = None
@@ -122,6 +124,7 @@ class Stage(StageActions):
         its layers run as one graph in each mode in which none draws random numbers or
         updates a buffer."""
         self.compiled = compile_stage(self.layers, index=self.index, first_layer=self.first_layer)
+        self.compiles = True
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (

@@ -137,3 +137,19 @@ def lengths_batch(seed: int = 3, pad: bool = False) -> list[tuple[torch.Tensor, 
             y[0, length // 2:] = PAD
         pairs.append((x, y))
     return pairs
+
+
+def packed(docs_per_row: tuple[tuple[int, ...], ...], seed: int
+           ) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """Micro-batches of packed documents: each row of a micro-batch holds its documents
+    one after the other, ``position_ids`` restarting at each; one micro-batch per entry
+    of ``docs_per_row`` (2 rows each), so each has its own length."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for docs in docs_per_row:
+        length = sum(docs)
+        ids = torch.randint(0, 100, (2, length), generator=generator)
+        positions = torch.cat([torch.arange(d) for d in docs]).expand(2, length).contiguous()
+        pairs.append(({"input_ids": ids, "position_ids": positions, "use_cache": False},
+                      torch.randint(0, 100, (2, length), generator=generator)))
+    return pairs

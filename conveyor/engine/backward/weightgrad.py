@@ -12,20 +12,22 @@ inputs (for ``y = x @ w.T``, the matmul's backward node):
 Together they do the work of one backward, and W accumulates into ``.grad`` exactly
 what the full backward would. Parameters whose subgraph never meets the input path
 (every parameter of a stage whose input needs no gradient) are reached from the stage
-outputs in W. A compiled graph is one node whose backward computes all its gradients
-at once: its parameters get theirs in I (W from that node would run it again). Built on public autograd APIs (GradientEdge, node pre-hooks); the same
-idea as torch.distributed.pipelining's stage_backward_input/weight.
+outputs in W. A compiled graph is one node, whose backward conveyor compiles as two
+graphs (:mod:`~conveyor.engine.backward.compiled`): I runs the node's input half and
+keeps its weight half for W. Built on public autograd APIs (GradientEdge, node
+pre-hooks); the same idea as torch.distributed.pipelining's stage_backward_input/weight.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from conveyor.engine.backward.compiled import planned
 from conveyor.torchprivate import COMPILED_BACKWARD
 
 __all__: list[str] = []
@@ -38,12 +40,14 @@ class WeightGradient:
         groups: per group of parameters, the nodes W starts from with the gradients
             noted there in I, and the parameters it reaches from them.
         pinned: nodes that must receive in W exactly the gradient noted in I.
+        compiled: the weight halves of the compiled graphs' backwards that I ran.
     """
 
     def __init__(self, groups: list[tuple[list[tuple[Node, tuple[Any, ...]]], list[torch.Tensor]]],
-                 pinned: list[Node]) -> None:
+                 pinned: list[Node], compiled: list[Callable[[], None]] | None = None) -> None:
         self._groups = groups
         self._pinned = pinned
+        self._compiled = compiled or []
 
     def run(self) -> None:
         """Computes the weight gradients and adds them to each parameter's ``.grad``."""
@@ -59,10 +63,13 @@ class WeightGradient:
                 results = torch.autograd.grad(edges, params, grads, retain_graph=True,
                                               allow_unused=True)
                 _accumulate(params, results)
+            for weight_graph in self._compiled:
+                weight_graph()
         finally:
             for handle in handles:
                 handle.remove()
             self._groups = []
+            self._compiled = []
 
 
 def _starts(noted: list[tuple[Node, tuple[Any, ...]]]) -> tuple[list[GradientEdge], list[Any]]:
@@ -146,11 +153,10 @@ def backward_input(
     input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
     param_of = {_node(p): p for p in params}
     capture = {node: _capture_nodes(node, parents, input_path) for node in param_of}
-    # A compiled graph's one backward node computes every gradient of the graph at
-    # once: W from it would run that whole backward again. Its parameters' gradients
-    # come with I's run of it instead (W has nothing left to do for them); so do those
-    # W would reach from the outputs where one leaves a compiled graph (torch 2.11
-    # cannot start autograd at such a node's edge either).
+    # A compiled graph is one backward node: W cannot start inside it. I runs it, and
+    # the node keeps its weight half for W (compiled_weights); it does the same for the
+    # parameters W would reach from the outputs where one leaves a compiled graph
+    # (torch 2.11 cannot start autograd at such a node's edge either).
     compiled_roots = any(root.name() == COMPILED_BACKWARD for root in roots)
     joint = [node for node, found in capture.items()
              if any(n.name() == COMPILED_BACKWARD for n in found)
@@ -158,15 +164,23 @@ def backward_input(
     for node in joint:
         del capture[node]
     groups, direct = _groups(capture)
-    input_grads, captured = _input_pass(outputs, grads, inputs,
-                                        [node for nodes, _ in groups for node in nodes],
-                                        [param_of[node] for node in joint])
+    compiled_weights: list[Callable[[], None]] = []
+    handles = planned([n for n in {*roots, *parents} if n.name() == COMPILED_BACKWARD],
+                      compiled_weights) \
+        if joint else []
+    try:
+        input_grads, captured = _input_pass(outputs, grads, inputs,
+                                            [node for nodes, _ in groups for node in nodes],
+                                            [param_of[node] for node in joint])
+    finally:
+        for handle in handles:
+            handle.remove()
 
     work = [([(node, captured.get(node, ())) for node in nodes],
              [param_of[node] for node in members]) for nodes, members in groups]
     if direct:
         work.append((_at_roots(outputs, grads), [param_of[node] for node in direct]))
-    return input_grads, WeightGradient(work, _pinned(groups))
+    return input_grads, WeightGradient(work, _pinned(groups), compiled_weights)
 
 
 def _at_roots(outputs: Sequence[torch.Tensor],

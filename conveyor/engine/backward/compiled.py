@@ -1,0 +1,224 @@
+"""A compiled graph's backward as two compiled graphs: input gradient (I), weight gradient (W).
+
+torch.compile makes one autograd node per graph, and inductor one backward graph that
+computes the gradients of all the graph's inputs at once. Zero-bubble schedules need
+them apart: I now, to send upstream, W later. The backend here
+(:func:`split_backend`) lets inductor compile the forward as always, and cuts the
+backward graph AOTAutograd partitioned in two before inductor compiles each half:
+
+* the I graph computes the gradients of the graph's inputs that are not parameters;
+* the W graph, those of its parameters, from the same saved tensors and output
+  gradients. A weight gradient that is one matrix product (a linear layer's) leaves
+  the graph as the product's two operands, and adds itself into ``.grad`` inside
+  that product (``addmm_``, as :mod:`~conveyor.engine.backward.accumulation` does
+  eagerly): no pass over memory as large as the weights per micro-batch.
+
+When W runs is told to the node, on the thread that runs it, by a pre-hook that the
+stage's backward puts on it (:func:`planned`):
+
+* in ``I``: W waits in a list for the micro-batch's ``W`` action; the node returns no
+  gradient for the parameters;
+* in ``B``: W runs at once, adding into ``.grad`` itself;
+* otherwise (autograd called by anyone else, a parameter that is not a plain leaf
+  without hooks): W runs at once and the node returns every gradient, as torch's own.
+
+The node's parameters are found at run time, from its edges (``next_functions``),
+never kept from the compilation: a graph may run on other parameter objects with the
+same shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+
+from conveyor.torchprivate import (
+    COMPILED_BACKWARD,
+    has_gradient_hooks,
+    inductor,
+    inductor_graph,
+)
+
+__all__: list[str] = []
+
+_planned = threading.local()  # .plan: the Plan of the node this thread runs next
+_MATRIX_PRODUCT = torch.ops.aten.mm.default
+
+
+class Plan:
+    """When the W of one compiled node runs: into ``waiting`` (I), or at once (B)."""
+
+    def __init__(self, node: Node, waiting: list[Callable[[], None]] | None) -> None:
+        self.node = node
+        self.waiting = waiting
+
+
+def planned(nodes: Sequence[Node], waiting: list[Callable[[], None]] | None) -> list[Any]:
+    """Plans the W of each compiled node of ``nodes`` (see the module's notes): into
+    ``waiting``, or at once where it is None. Returns the hooks' handles, to remove
+    once the backward has run."""
+    handles = []
+    for node in nodes:
+        plan = Plan(node, waiting)
+        handles.append(node.register_prehook(functools.partial(_arm, plan)))
+        handles.append(node.register_hook(_disarm))
+    return handles
+
+
+def _arm(plan: Plan, grads: tuple[Any, ...]) -> None:
+    _planned.plan = plan
+
+
+def _disarm(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    _planned.plan = None
+
+
+def compiled_nodes(roots: Sequence[Node]) -> list[Node]:
+    """The nodes of compiled graphs in the autograd graph below ``roots``."""
+    found, seen, queue = [], set(roots), list(roots)
+    while queue:
+        node = queue.pop()
+        if node.name() == COMPILED_BACKWARD:
+            found.append(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return found
+
+
+def split_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A ``torch.compile`` backend: inductor, each backward cut into I and W graphs."""
+    parameters = [isinstance(t, nn.Parameter) for t in example_inputs]
+    tensors = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)]
+    return inductor(graph, example_inputs, functools.partial(
+        _compile_partition, parameters=parameters, tensors=tensors))
+
+
+def _compile_partition(graph: torch.fx.GraphModule, example_inputs: list[Any], *,
+                       parameters: list[bool], tensors: list[int], **settings: Any) -> Any:
+    if not settings.get("is_backward"):
+        return inductor_graph(graph, example_inputs, **settings)
+    outputs = list(graph.graph.find_nodes(op="output")[0].args[0])
+    # One gradient per input of the forward graph, in its order; anything else (inputs
+    # AOTAutograd merged or rebased) is compiled whole, W coming with I.
+    weights = [i for i, out in enumerate(outputs) if out is not None and i < len(parameters)
+               and parameters[i]]
+    if len(outputs) != len(parameters) or not weights:
+        return inductor_graph(graph, example_inputs, **settings)
+    weight_outputs: list[torch.fx.Node] = []
+    products = []
+    for i in weights:
+        out = outputs[i]
+        product = out.target is _MATRIX_PRODUCT and len(out.args) == 2
+        weight_outputs += list(out.args) if product else [out]
+        products.append(product)
+    input_graph = _with_outputs(graph, [None if i in weights else out
+                                        for i, out in enumerate(outputs)])
+    weight_graph = _with_outputs(graph, weight_outputs)
+    return SplitBackward(inductor_graph(input_graph, example_inputs, **settings),
+                         inductor_graph(weight_graph, example_inputs, **settings),
+                         weights, products, tensors)
+
+
+def _with_outputs(graph: torch.fx.GraphModule,
+                  outputs: Sequence[torch.fx.Node | None]) -> torch.fx.GraphModule:
+    """A copy of ``graph`` returning ``outputs``, what they do not need left out (its
+    inputs stay: both halves take the backward's one list of arguments)."""
+    copy = torch.fx.Graph()
+    values: dict[torch.fx.Node, torch.fx.Node] = {}
+    copy.graph_copy(graph.graph, values, return_output_node=False)
+    node = copy.output([None if out is None else values[out] for out in outputs])
+    node.meta["user_visible_output_idxs"] = [
+        i for i, out in enumerate(outputs) if out is not None]
+    copy.eliminate_dead_code()
+    return torch.fx.GraphModule(graph, copy)
+
+
+class SplitBackward:
+    """The backward of one compiled graph, as its I and W graphs (called by
+    AOTAutograd with the saved tensors and output gradients as one list)."""
+
+    def __init__(self, inputs: Any, weights: Any, slots: list[int], products: list[bool],
+                 tensors: list[int]) -> None:
+        # Takes its arguments as one list, which it empties (torch's boxed convention);
+        # set on the object, so that torch's wrappers of the function copy it.
+        self._boxed_call = True
+        self._inputs = inputs
+        self._weights = weights
+        self._slots = slots  # the outputs that are parameters' gradients
+        self._products = products  # per slot: given as a matrix product's two operands
+        self._edges = [tensors.index(i) if i in tensors else -1 for i in slots]
+
+    def __call__(self, *args: Any) -> list[Any]:
+        plan: Plan | None = getattr(_planned, "plan", None)
+        _planned.plan = None
+        boxed = len(args) == 1 and isinstance(args[0], list)  # (else called unboxed)
+        held = list(args[0]) if boxed else list(args)
+        if boxed:
+            args[0].clear()
+        grads = list(self._inputs(list(held)))
+        params = self._parameters(plan.node) if plan is not None else None
+        if plan is None or params is None:
+            for slot, grad in zip(self._slots, self._weight_gradients(held)):
+                grads[slot] = grad
+        elif plan.waiting is not None:
+            plan.waiting.append(functools.partial(self._accumulate, held, params))
+        else:
+            self._accumulate(held, params)
+        return grads
+
+    def _parameters(self, node: Node) -> list[nn.Parameter] | None:
+        """The parameters whose gradients the W graph makes, in order: the variables
+        of the node's edges; None unless each is a plain leaf without hooks."""
+        edges = node.next_functions
+        found = []
+        for edge in self._edges:
+            if not 0 <= edge < len(edges):
+                return None
+            variable = getattr(edges[edge][0], "variable", None)
+            if type(variable) is not nn.Parameter or has_gradient_hooks(variable) \
+                    or getattr(variable, "_post_accumulate_grad_hooks", None):
+                return None
+            found.append(variable)
+        return found
+
+    def _weight_outputs(self, held: list[Any]) -> list[Any]:
+        """Per slot, the W graph's gradient, or its matrix product's two operands."""
+        flat = iter(self._weights(list(held)))
+        return [(next(flat), next(flat)) if product else next(flat)
+                for product in self._products]
+
+    def _weight_gradients(self, held: list[Any]) -> list[torch.Tensor]:
+        return [torch.mm(*out) if product else out
+                for out, product in zip(self._weight_outputs(held), self._products)]
+
+    def _accumulate(self, held: list[Any], params: list[nn.Parameter]) -> None:
+        """Runs the W graph and adds each weight gradient into its ``.grad``, as
+        autograd's accumulation would."""
+        arguments = {t.untyped_storage().data_ptr() for t in held
+                     if isinstance(t, torch.Tensor)}
+        with torch.no_grad():
+            for param, out, product in zip(params, self._weight_outputs(held),
+                                           self._products):
+                if product and param.grad is not None and _addable(param.grad, out[0]):
+                    param.grad.addmm_(*out)
+                    continue
+                grad = torch.mm(*out) if product else out
+                if param.grad is not None:
+                    param.grad += grad
+                elif grad.untyped_storage().data_ptr() in arguments:
+                    param.grad = grad.clone()  # an output gradient itself, held elsewhere
+                else:
+                    param.grad = grad
+
+
+def _addable(grad: torch.Tensor, operand: torch.Tensor) -> bool:
+    return (grad.dtype == operand.dtype and grad.layout == torch.strided
+            and not grad.requires_grad and grad.is_contiguous())
