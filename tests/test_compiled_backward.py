@@ -10,11 +10,13 @@ a gradient hook gets its gradient through autograd, hook called.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import conveyor.engine.backward.compiled as compiled_module
 from conveyor.engine.backward.compiled import SplitBackward, compiled_nodes, planned, split_backend
 from conveyor.engine.backward.weightgrad import backward_input
 from conveyor.torchprivate import keep_compiled_buffers
@@ -33,6 +35,15 @@ def block(device: str = "cpu") -> nn.Module:
                          nn.Linear(6, 4, bias=False)).double().to(device)
 
 
+def conv_block(device: str = "cpu") -> nn.Module:
+    """A convolution's backward is one op of several outputs (the input's, the
+    weight's and the bias's gradients): I hands W its parts, not the op (generator seed
+    42.0, compiled: inductor refused a graph handing on the op's tuple)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Unflatten(1, (1, 2, 3)), nn.Conv2d(1, 2, 2, padding=1),
+                         nn.Tanh(), nn.Flatten(), nn.Linear(24, 4)).double().to(device)
+
+
 def compiled(module: nn.Module) -> object:
     keep_compiled_buffers()  # I keeps the graph for W, as conveyor's compiled stages do
     def call(x: torch.Tensor) -> torch.Tensor:
@@ -48,9 +59,10 @@ def expected_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [block, conv_block])
 @pytest.mark.parametrize("input_grad", [True, False])
-def test_i_leaves_the_weight_gradients_to_w(input_grad: bool, device: str) -> None:
-    module = block(device)
+def test_i_leaves_the_weight_gradients_to_w(input_grad: bool, make: Any, device: str) -> None:
+    module = make(device)
     run = compiled(module)
     x = torch.randn(5, 6, dtype=torch.float64, device=device, requires_grad=input_grad)
     g = torch.randn(5, 4, dtype=torch.float64, device=device)
@@ -90,25 +102,34 @@ def test_b_adds_the_weight_gradients_at_once_inside_the_products(device: str) ->
         torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-12)
 
 
-def test_the_backward_is_two_graphs_and_linear_weights_leave_as_products() -> None:
+def test_the_backward_is_two_graphs_and_w_does_not_compute_the_input_path_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """I hands W the gradient at each layer's output; W computes no matrix product of
+    its own (each linear weight's leaves as the product's operands) and three of its
+    seven gradients are such products."""
     module = block()
-    seen: list[SplitBackward] = []
-    original = SplitBackward.__init__
+    splits: list[SplitBackward] = []
+    weight_graphs: list[torch.fx.GraphModule] = []
+    make_split, make_weight_graph = SplitBackward.__init__, compiled_module._weight_graph
 
-    def spy(self: SplitBackward, *args: object, **kwargs: object) -> None:
-        original(self, *args, **kwargs)
-        seen.append(self)
+    def split(self: SplitBackward, *args: object) -> None:
+        make_split(self, *args)
+        splits.append(self)
 
-    SplitBackward.__init__ = spy  # type: ignore[method-assign]
+    def weight_graph(*args: object) -> torch.fx.GraphModule:
+        weight_graphs.append(make_weight_graph(*args))
+        return weight_graphs[-1]
+
+    monkeypatch.setattr(SplitBackward, "__init__", split)
+    monkeypatch.setattr(compiled_module, "_weight_graph", weight_graph)
     torch._dynamo.reset()  # else the graph compiled for another block would serve
-    try:
-        x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-        compiled(module)(x).sum().backward()
-    finally:
-        SplitBackward.__init__ = original  # type: ignore[method-assign]
-    assert len(seen) == 1
-    # Three linear weights are matrix products; biases and the norm's are not.
-    assert sum(seen[0]._products) == 3 and len(seen[0]._products) == 7
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    compiled(module)(x).sum().backward()
+    assert len(splits) == 1 and len(weight_graphs) == 1
+    assert sum(splits[0]._products) == 3 and len(splits[0]._products) == 7
+    products = [n for n in weight_graphs[0].graph.nodes
+                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert products == []
 
 
 def test_a_backward_nobody_planned_and_a_hooked_parameter_get_every_gradient() -> None:

@@ -30,6 +30,7 @@ same shapes.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,12 +120,73 @@ def _compile_partition(graph: torch.fx.GraphModule, example_inputs: list[Any], *
         product = out.target is _MATRIX_PRODUCT and len(out.args) == 2
         weight_outputs += list(out.args) if product else [out]
         products.append(product)
-    input_graph = _with_outputs(graph, [None if i in weights else out
-                                        for i, out in enumerate(outputs)])
-    weight_graph = _with_outputs(graph, weight_outputs)
-    return SplitBackward(inductor_graph(input_graph, example_inputs, **settings),
-                         inductor_graph(weight_graph, example_inputs, **settings),
-                         weights, products, tensors)
+    firsts = [None if i in weights else out for i, out in enumerate(outputs)]
+    handed = _handed_on(graph, [out for out in firsts if out is not None], weight_outputs)
+    input_graph = _with_outputs(graph, [*firsts, *handed])
+    weight_graph = _weight_graph(graph, handed, weight_outputs)
+    return SplitBackward(
+        inductor_graph(input_graph, example_inputs, **settings),
+        inductor_graph(weight_graph, [*example_inputs, *(n.meta["val"] for n in handed)],
+                       **settings),
+        len(outputs), weights, products, tensors)
+
+
+def _ancestors(nodes: Sequence[torch.fx.Node],
+               given: Sequence[torch.fx.Node] = ()) -> set[torch.fx.Node]:
+    """``nodes`` and every node they are computed from, but for the values ``given``."""
+    found: set[torch.fx.Node] = set()
+    queue = list(nodes)
+    while queue:
+        node = queue.pop()
+        if node not in found:
+            found.add(node)
+            if node not in given:
+                queue += node.all_input_nodes
+    return found
+
+
+def _handed_on(graph: torch.fx.GraphModule, firsts: Sequence[torch.fx.Node],
+               weight_outputs: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The values the I graph computes that the W graph needs (the gradient reaching
+    each layer's output, as eager's split notes it): I hands them on, so that W does
+    not compute the input path again."""
+    first = _ancestors(firsts)
+    weight = _ancestors(weight_outputs) - first
+    wanted = set(weight_outputs)
+    handed = []
+    for node in graph.graph.nodes:
+        if node not in first or node.op == "placeholder" or not (
+                node in wanted or any(user in weight for user in node.users)):
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            handed.append(node)
+        elif isinstance(value, (tuple, list)):  # (a convolution's backward): the parts W reads
+            handed += [user for user in node.users if user in weight
+                       and user.target is operator.getitem
+                       and isinstance(user.meta.get("val"), torch.Tensor)]
+        # a size (a symbolic integer): W computes it again from the arguments
+    return handed
+
+
+def _weight_graph(graph: torch.fx.GraphModule, handed: Sequence[torch.fx.Node],
+                  outputs: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
+    """The W graph: the backward's arguments, then the values I hands on, in; what
+    ``outputs`` need beyond those, out."""
+    copy = torch.fx.Graph()
+    values: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.graph.find_nodes(op="placeholder"):
+        values[node] = copy.node_copy(node)
+    for index, node in enumerate(handed):
+        values[node] = copy.placeholder(f"handed_{index}")
+        values[node].meta.update(node.meta)
+    needed = _ancestors(outputs, given=handed)
+    for node in graph.graph.nodes:
+        if node in needed and node not in values:
+            values[node] = copy.node_copy(node, values.__getitem__)
+    copy.output([values[out] for out in outputs]).meta["user_visible_output_idxs"] = \
+        list(range(len(outputs)))
+    return torch.fx.GraphModule(graph, copy)
 
 
 def _with_outputs(graph: torch.fx.GraphModule,
@@ -143,15 +205,17 @@ def _with_outputs(graph: torch.fx.GraphModule,
 
 class SplitBackward:
     """The backward of one compiled graph, as its I and W graphs (called by
-    AOTAutograd with the saved tensors and output gradients as one list)."""
+    AOTAutograd with the saved tensors and output gradients as one list). The W graph
+    takes that list and what the I graph hands on."""
 
-    def __init__(self, inputs: Any, weights: Any, slots: list[int], products: list[bool],
-                 tensors: list[int]) -> None:
+    def __init__(self, inputs: Any, weights: Any, gradients: int, slots: list[int],
+                 products: list[bool], tensors: list[int]) -> None:
         # Takes its arguments as one list, which it empties (torch's boxed convention);
         # set on the object, so that torch's wrappers of the function copy it.
         self._boxed_call = True
-        self._inputs = inputs
+        self._inputs = inputs  # the I graph: the gradients, then what it hands W
         self._weights = weights
+        self._gradients = gradients  # how many the backward returns
         self._slots = slots  # the outputs that are parameters' gradients
         self._products = products  # per slot: given as a matrix product's two operands
         self._edges = [tensors.index(i) if i in tensors else -1 for i in slots]
@@ -163,7 +227,8 @@ class SplitBackward:
         held = list(args[0]) if boxed else list(args)
         if boxed:
             args[0].clear()
-        grads = list(self._inputs(list(held)))
+        results = list(self._inputs(list(held)))
+        grads, held = results[:self._gradients], [*held, *results[self._gradients:]]
         params = self._parameters(plan.node) if plan is not None else None
         if plan is None or params is None:
             for slot, grad in zip(self._slots, self._weight_gradients(held)):
