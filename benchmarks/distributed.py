@@ -5,8 +5,9 @@ into two stages of 4 blocks, one per process, gloo, 1 intra-op thread each, no
 recomputation (torch's schedules do none). For M in {4, 8, 16}, interleaved in one run:
 
 * conveyor ``Pipeline(schedule="gpipe")`` and ``schedule="1f1b"``, as it runs by default
-  (each linear layer's weight gradient added into ``.grad`` by its own product), and
-  with autograd's accumulation (``CONVEYOR_FUSE_ACCUMULATION=0``), as torch runs;
+  (each linear layer's weight gradient added into ``.grad`` by its own product), with
+  autograd's accumulation (``CONVEYOR_FUSE_ACCUMULATION=0``), as torch runs, and with
+  ``compile=True`` (each stage one compiled graph, its backward two);
 * torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages;
 * each stage's column on its own (M forwards, then M backwards, plain PyTorch), both
   processes at once: t, and the bound (M + K - 1) t; and the same one process at a
@@ -15,7 +16,10 @@ recomputation (torch's schedules do none). For M in {4, 8, 16}, interleaved in o
 * the plain model on one thread over M micro-batches in turn.
 
 Every configuration is timed between barriers (so, by the slower process), median of
-the rounds.
+the rounds. Then three steps of conveyor's 1F1B at M=8, eager and compiled, are recorded
+(``conveyor.record``) and the one of median length kept: where each process's time
+went (computing, sending, waiting, between actions), in the results and drawn in
+``distributed_timeline.png``.
 
     python benchmarks/distributed.py          # starts torchrun itself; about 3 minutes
 """
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import _common
 
@@ -40,6 +45,8 @@ if "WORLD_SIZE" in os.environ:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from conveyor.schedules.timeline import plot_timelines  # noqa: E402
 
 BATCH, WIDTH, BLOCKS, STAGES = 256, 512, 8, 2
 
@@ -79,12 +86,17 @@ def main() -> int:
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     half = model[rank * 4:(rank + 1) * 4]
 
-    def conveyor_step(schedule: str, chunks: int, *, fused: bool) -> Callable[[], None]:
+    pipes: dict[str, conveyor.Pipeline] = {}
+
+    def conveyor_step(schedule: str, chunks: int, *, fused: bool,
+                      compiled: bool = False) -> Callable[[], None]:
         os.environ["CONVEYOR_FUSE_ACCUMULATION"] = "1" if fused else "0"
         pipe = conveyor.Pipeline(copy.deepcopy(model), chunks=chunks, schedule=schedule,
-                                 recompute="never", loss_fn=nn.functional.mse_loss)
+                                 recompute="never", loss_fn=nn.functional.mse_loss,
+                                 compile=compiled)
         pipe.step(x, y)  # cuts the model, and reads whether to fuse, now
         del os.environ["CONVEYOR_FUSE_ACCUMULATION"]
+        pipes[f"{schedule}{' compiled' if compiled else ''} M={chunks}"] = pipe
 
         def step() -> None:
             pipe.zero_grad(set_to_none=True)
@@ -149,6 +161,8 @@ def main() -> int:
                 schedule, chunks, fused=True)
             configs[f"conveyor {schedule} unfused M={chunks}"] = conveyor_step(
                 schedule, chunks, fused=False)
+            configs[f"conveyor {schedule} compiled M={chunks}"] = conveyor_step(
+                schedule, chunks, fused=True, compiled=True)
         configs[f"torch ScheduleGPipe M={chunks}"] = torch_step(ScheduleGPipe, chunks)
         configs[f"torch Schedule1F1B M={chunks}"] = torch_step(Schedule1F1B, chunks)
         configs[f"stage columns at once M={chunks}"] = stage_column(chunks, turn=False)
@@ -175,14 +189,23 @@ def main() -> int:
     # The stricter t: each process's own column alone; the bound takes the slower stage.
     alone = torch.tensor([_common.median(alone_seconds[m]) for m in args.chunks])
     dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+    recorded = {}
+    for name in ("1f1b M=8", "1f1b compiled M=8"):
+        if name in pipes:  # three steps recorded; the one of median length is kept
+            steps = []
+            for _ in range(3):
+                with conveyor.record(pipes[name]) as timeline:
+                    pipes[name].step(x, y)
+                steps.append(timeline)
+            recorded[name] = sorted(steps, key=lambda t: t.makespan)[1]
     if rank == 0:
-        report(args, times, dict(zip(args.chunks, alone.tolist())))
+        report(args, times, dict(zip(args.chunks, alone.tolist())), recorded)
     dist.destroy_process_group()
     return 0
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]],
-           alone: dict[int, float]) -> None:
+           alone: dict[int, float], recorded: dict[str, Any]) -> None:
     ms = _common.median_ms(times)
     rows, results = [], []
     for chunks in args.chunks:
@@ -194,29 +217,50 @@ def report(args: argparse.Namespace, times: dict[str, list[float]],
                  "fused_loaded_bound_ms": fused,
                  "plain_1_thread_in_turn_ms": ms[f"plain 1 thread M={chunks} in turn"]}
         for name, theirs in (("gpipe", "torch ScheduleGPipe"), ("1f1b", "torch Schedule1F1B")):
-            ours, unfused = (ms[f"conveyor {name} M={chunks}"],
-                             ms[f"conveyor {name} unfused M={chunks}"])
+            ours, unfused, compiled = (ms[f"conveyor {name} M={chunks}"],
+                                       ms[f"conveyor {name} unfused M={chunks}"],
+                                       ms[f"conveyor {name} compiled M={chunks}"])
             torch_ms = entry[theirs] = ms[f"{theirs} M={chunks}"]
             entry[f"conveyor {name}"], entry[f"conveyor {name} unfused"] = ours, unfused
+            entry[f"conveyor {name} compiled"] = compiled
             rows.append([chunks, name, f"{ours:.0f}", f"{torch_ms:.0f}",
-                         f"{torch_ms / ours:.2f}x", f"{unfused:.0f}",
+                         f"{torch_ms / ours:.2f}x", f"{compiled:.0f}",
+                         f"{torch_ms / compiled:.2f}x", f"{unfused:.0f}",
                          f"{torch_ms / unfused:.2f}x", f"{strict:.0f}", f"{loaded:.0f}",
                          f"{unfused / loaded:.3f}", f"{fused:.0f}", f"{ours / fused:.3f}"])
         results.append(entry)
     table = _common.markdown_table(
         ["M", "schedule", "conveyor (ms)", "torch.distributed.pipelining (ms)",
-         "conveyor faster by", "conveyor, autograd's accumulation (ms)", "that faster by",
+         "conveyor faster by", "conveyor compiled (ms)", "that faster by",
+         "conveyor, autograd's accumulation (ms)", "that faster by",
          "bound (M+K-1)t, t alone (ms)", "bound, t under load (ms)",
          "autograd's accumulation / bound under load", "bound, fused t under load (ms)",
          "conveyor / fused bound under load"], rows)
     plain = ", ".join(f"M={m}: {ms[f'plain 1 thread M={m} in turn']:.0f} ms"
                       for m in args.chunks)
     table += f"\n\nplain model on 1 thread, M micro-batches in turn: {plain}"
+    where = {}
+    for name, timeline in recorded.items():
+        where[name] = timeline.breakdown()
+        shares = "; ".join(
+            f"rank {r}: " + ", ".join(f"{part} {1e3 * seconds:.0f}" for part, seconds
+                                      in row.items() if part != "imbalance")
+            for r, row in enumerate(where[name]))
+        table += (f"\n\nconveyor {name}, the median of 3 recorded steps "
+                  f"({1e3 * timeline.makespan:.0f} ms),"
+                  f" ms per rank: {shares}")
+    if recorded:
+        picture = _common.RESULTS / "distributed_timeline.png"
+        plot_timelines(list(recorded.values()), picture,
+                       titles=[f"conveyor {name}, 2 processes" for name in recorded])
     _common.write("distributed", {
         "config": {"blocks": BLOCKS, "width": WIDTH, "batch": BATCH, "stages": STAGES,
                    "processes": STAGES, "backend": "gloo", "threads_per_process": 1,
                    "rounds": args.rounds},
         "median_ms": ms, "results": results, "table": table,
+        "recorded": {name: {"makespan_ms": 1e3 * timeline.makespan, "per_rank_s": where[name],
+                            "timeline": timeline.to_dict()}
+                     for name, timeline in recorded.items()},
     })
 
 
