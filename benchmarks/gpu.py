@@ -10,7 +10,10 @@ Without CUDA (and without ``--smoke``) it says so and exits 0. On a torch older 
 conveyor's floor (2.11 on the GPU machines here), run it with CONVEYOR_UNTESTED_TORCH=1.
 The parts, in order:
 
-* ``tests``: ``pytest tests/test_cuda.py`` in a child process (its counts and failures);
+* ``tests``: ``pytest tests/test_cuda.py tests/test_compiled_backward.py`` in a child
+  process (its counts and failures);
+* ``compiled``: compiled stages against eager in bf16 under 1F1B and zero-bubble (the
+  goal: 1.15x), beside the plain model eager and compiled whole;
 * ``equivalence``: generated models (``tests/generated``) on ``cuda``, every stage on
   it, against the plain model in float64;
 * ``overhead``: K stages on one GPU (``cuda:0`` x K, M = 4K, no recomputation) against
@@ -60,7 +63,8 @@ from conveyor.observe.plan import OPTIMIZER_BYTES, measure, plan  # noqa: E402
 from conveyor.schedules.builders import SCHEDULES, V_SHAPES  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
-PARTS = ("tests", "equivalence", "overhead", "schedules", "precision", "table1", "speedup")
+PARTS = ("tests", "compiled", "equivalence", "overhead", "schedules", "precision", "table1",
+         "speedup")
 
 
 class Sizes:
@@ -131,7 +135,8 @@ def time_configs(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str,
 
 
 def part_tests(sizes: Sizes, device: torch.device) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-p",
+    command = [sys.executable, "-m", "pytest", "tests/test_cuda.py",
+               "tests/test_compiled_backward.py", "-p",
                "no:cacheprovider", "-o", "faulthandler_timeout=60", "-rfEs"]
     if sizes.smoke:
         command += ["--collect-only"]
@@ -259,6 +264,22 @@ def part_precision(sizes: Sizes, device: torch.device) -> dict[str, Any]:
         variants = [v for v in variants if v[0] in (
             "float32", "bf16 autocast", "precision='bf16'", "bf16 compiled",
             "bf16 compiled, no EagerLayout", "bf16 compiled, zero-bubble")]
+    errors = two_stage_variants(sizes, device, variants, steps, held)
+    measured = time_configs(steps, sizes.rounds)
+    busy = {label: gpu_busy(steps[label], device) for label in (
+        "plain bf16 autocast", "plain bf16 autocast, compiled", "precision='bf16'",
+        "bf16 compiled") if label in steps}
+    return {"step_ms": measured, "activation_bytes": held, "gpu_busy": busy, "errors": errors}
+
+
+def two_stage_variants(sizes: Sizes, device: torch.device,
+                       variants: list[tuple[str, torch.dtype | None, dict[str, Any]]],
+                       steps: dict[str, Callable[[], None]],
+                       held: dict[str, Any]) -> dict[str, str]:
+    """Adds to ``steps`` and ``held`` a step of 2 stages (M=8, 1F1B unless the options
+    say otherwise, no recomputation) per variant: its label, the caller's autocast dtype
+    (or None) and its options. Returns the errors of the variants that failed."""
+    x, y = sizes.batch_on(device)
     errors = {}
     for label, dtype, options in variants:
         torch.manual_seed(0)
@@ -278,11 +299,35 @@ def part_precision(sizes: Sizes, device: torch.device) -> dict[str, Any]:
             errors[label] = f"{type(exc).__name__}: {exc}"[:500]
             continue
         steps[label] = step
+    return errors
+
+
+def part_compiled(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    """Compiled stages against eager ones in bf16 (``precision="bf16"``), under 1F1B and
+    zero-bubble (whose compiled backward is an I and a W graph), with the plain model
+    eager and compiled whole for reference: the part to run first when the GPU's time
+    is short (the precision part weighs every precision)."""
+    x, y = sizes.batch_on(device)
+    steps, held = {}, {}
+    torch.manual_seed(0)
+    plain = sizes.model().to(device)
+    plains = [("plain", plain)] + ([] if sizes.smoke else [  # (a compile: seconds on a CPU)
+        ("plain, compiled whole", torch.compile(plain))])
+    for label, model in plains:
+        steps[label] = autocast(plain_step(model, x, y, 8), device, torch.bfloat16)
+        held[label] = activation_bytes(steps[label], device)
+    bf16: dict[str, Any] = {"precision": "bf16"}
+    variants: list[tuple[str, torch.dtype | None, dict[str, Any]]] = [
+        (f"{schedule}{' compiled' if compiled else ''}", None,
+         {"schedule": schedule, "compile": compiled, **bf16})
+        for schedule in ("1f1b", "zero-bubble") for compiled in (False, True)]
+    errors = two_stage_variants(sizes, device, variants, steps, held)
     measured = time_configs(steps, sizes.rounds)
-    busy = {label: gpu_busy(steps[label], device) for label in (
-        "plain bf16 autocast", "plain bf16 autocast, compiled", "precision='bf16'",
-        "bf16 compiled") if label in steps}
-    return {"step_ms": measured, "activation_bytes": held, "gpu_busy": busy, "errors": errors}
+    speed = {schedule: measured[schedule] / measured[f"{schedule} compiled"]
+             for schedule in ("1f1b", "zero-bubble")
+             if schedule in measured and f"{schedule} compiled" in measured}
+    return {"step_ms": measured, "activation_bytes": held, "compiled_speed": speed,
+            "errors": errors}
 
 
 def gpu_busy(step: Callable[[], None], device: torch.device) -> float | None:
@@ -396,7 +441,7 @@ def part_speedup(sizes: Sizes, device: torch.device) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[Sizes, torch.device], dict[str, Any]]] = {
-    "tests": part_tests, "equivalence": part_equivalence, "overhead": part_overhead,
+    "tests": part_tests, "compiled": part_compiled, "equivalence": part_equivalence, "overhead": part_overhead,
     "schedules": part_schedules, "precision": part_precision, "table1": part_table1,
     "speedup": part_speedup,
 }

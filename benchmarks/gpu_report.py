@@ -78,6 +78,18 @@ def _precision(r: dict[str, Any]) -> str:
                       for name, error in r.get("errors", {}).items()))
 
 
+def _compiled(r: dict[str, Any]) -> str:
+    rows = [[name, f"{ms:.1f}", _gib(r["activation_bytes"].get(name))]
+            for name, ms in r["step_ms"].items()]
+    speed = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in r["compiled_speed"].items())
+    return ("2 stages, M=8, precision='bf16' (plain rows: the caller's bf16 autocast, "
+            "accumulated over M=8)\n\n"
+            + _common.markdown_table(["", "step (ms)", "activations (GiB)"], rows)
+            + f"\n\ncompiled against eager: {speed} (goal: 1.15x)"
+            + "".join(f"\n\n{name} failed: `{error}`"
+                      for name, error in r.get("errors", {}).items()))
+
+
 def _table1(r: dict[str, Any]) -> str:
     names = list(r["largest_layers"])  # naive, pipeline_1 (and offload, since it exists)
     long = r.get("long_context", {}).get("largest_layers", {})
@@ -103,7 +115,7 @@ def _speedup(r: dict[str, Any]) -> str:
     return _common.markdown_table(["", "step (ms)", "speedup"], rows)
 
 
-SECTIONS = {"tests": _tests, "equivalence": _equivalence, "overhead": _overhead,
+SECTIONS = {"tests": _tests, "compiled": _compiled, "equivalence": _equivalence, "overhead": _overhead,
             "schedules": _schedules, "precision": _precision, "table1": _table1,
             "speedup": _speedup}
 
