@@ -10,10 +10,11 @@ Without CUDA (and without ``--smoke``) it says so and exits 0. On a torch older 
 conveyor's floor (2.11 on the GPU machines here), run it with CONVEYOR_UNTESTED_TORCH=1.
 The parts, in order:
 
-* ``tests``: ``pytest tests/test_cuda.py tests/test_compiled_backward.py`` in a child
-  process (its counts and failures);
-* ``compiled``: compiled stages against eager in bf16 under 1F1B and zero-bubble (the
-  goal: 1.15x), beside the plain model eager and compiled whole;
+* ``tests``: ``pytest tests/test_cuda.py tests/test_compiled_backward.py
+  tests/test_cuda_graphs.py`` in a child process (its counts and failures);
+* ``compiled``: compiled stages against eager in bf16 under 1F1B and zero-bubble, and
+  1F1B's replayed from CUDA graphs (the goal: 1.15x), beside the plain model eager and
+  compiled whole;
 * ``equivalence``: generated models (``tests/generated``) on ``cuda``, every stage on
   it, against the plain model in float64;
 * ``overhead``: K stages on one GPU (``cuda:0`` x K, M = 4K, no recomputation) against
@@ -136,7 +137,7 @@ def time_configs(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str,
 
 def part_tests(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     command = [sys.executable, "-m", "pytest", "tests/test_cuda.py",
-               "tests/test_compiled_backward.py", "-p",
+               "tests/test_compiled_backward.py", "tests/test_cuda_graphs.py", "-p",
                "no:cacheprovider", "-o", "faulthandler_timeout=60", "-rfEs"]
     if sizes.smoke:
         command += ["--collect-only"]
@@ -304,9 +305,10 @@ def two_stage_variants(sizes: Sizes, device: torch.device,
 
 def part_compiled(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     """Compiled stages against eager ones in bf16 (``precision="bf16"``), under 1F1B and
-    zero-bubble (whose compiled backward is an I and a W graph), with the plain model
-    eager and compiled whole for reference: the part to run first when the GPU's time
-    is short (the precision part weighs every precision)."""
+    zero-bubble (whose compiled backward is an I and a W graph), 1F1B's also replayed
+    from CUDA graphs, with the plain model eager and compiled whole for reference: the
+    part to run first when the GPU's time is short (the precision part weighs every
+    precision)."""
     x, y = sizes.batch_on(device)
     steps, held = {}, {}
     torch.manual_seed(0)
@@ -321,11 +323,13 @@ def part_compiled(sizes: Sizes, device: torch.device) -> dict[str, Any]:
         (f"{schedule}{' compiled' if compiled else ''}", None,
          {"schedule": schedule, "compile": compiled, **bf16})
         for schedule in ("1f1b", "zero-bubble") for compiled in (False, True)]
+    if device.type == "cuda":  # (refused elsewhere)
+        variants.append(("1f1b compiled, CUDA graphs", None,
+                         {"compile": True, "cuda_graphs": True, **bf16}))
     errors = two_stage_variants(sizes, device, variants, steps, held)
     measured = time_configs(steps, sizes.rounds)
-    speed = {schedule: measured[schedule] / measured[f"{schedule} compiled"]
-             for schedule in ("1f1b", "zero-bubble")
-             if schedule in measured and f"{schedule} compiled" in measured}
+    speed = {label: measured[label.split()[0]] / measured[label] for label in measured
+             if label.split()[0] in ("1f1b", "zero-bubble") and label.split()[0] != label}
     return {"step_ms": measured, "activation_bytes": held, "compiled_speed": speed,
             "errors": errors}
 

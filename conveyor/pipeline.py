@@ -116,7 +116,13 @@ class Pipeline(RunsRuntime):
             of its graphs (one that draws random numbers stays eager). The random
             streams, recomputation and the ``I``/``W`` split stay exact; torch's
             donated buffers are turned off for the process; outputs are handed on laid
-            out in memory as eager would (see ``conveyor.engine.compiling``).
+            out in memory as eager would (see ``conveyor.engine.compiled.stages``).
+        cuda_graphs: with ``compile=True`` on CUDA devices, replay each stage's
+            compiled graph, forward and backward, from CUDA graphs: one capture per
+            kind of input and micro-batch in flight, each checked against the compiled
+            stage at its first replay (see ``conveyor.engine.compiled.cudagraphs``). For
+            schedules that do not split the backward, without recomputation, offload
+            or FSDP; refused elsewhere. Not run on a GPU yet.
         timeout: seconds any wait may take (a receive, a collective, one action) before
             the step fails with a report of where every rank stood; None (default)
             fits them to the phase: 300 s at start-up, in the first step and for a
@@ -163,6 +169,7 @@ class Pipeline(RunsRuntime):
         check_finite: bool = False,
         precision: str | None = None,
         compile: bool = False,
+        cuda_graphs: bool = False,
         timeout: float | None = None,
         deferred_batch_norm: bool = False,
         init_fn: InitFn | None = None,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.engine.compiling import CompiledCall, EagerLayout, is_compiled
+from conveyor.engine.compiled.stages import CompiledCall, EagerLayout, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
 from tests.generated.cases import draw_case, draw_cases, run_case
@@ -431,7 +431,7 @@ def test_a_layer_torch_cannot_compile_runs_eagerly_with_a_warning(
 
     call._compiled = refuse
     x = torch.randn(3, 4, dtype=torch.float64)
-    with caplog.at_level("WARNING", logger="conveyor.engine.compiling"):
+    with caplog.at_level("WARNING", logger="conveyor.engine.compiled.stages"):
         torch.testing.assert_close(call(x), layer(x), rtol=0, atol=0)
         torch.testing.assert_close(call(x), layer(x), rtol=0, atol=0)
     assert len(calls) == 1

@@ -1,5 +1,5 @@
 """A compiled graph's backward split into an input-gradient (I) and a weight-gradient (W)
-graph (``conveyor.engine.backward.compiled``), in float64 against eager autograd.
+graph (``conveyor.engine.compiled.backward``), in float64 against eager autograd.
 
 I computes the input gradient and leaves ``.grad`` as it was; W, later, adds the
 weight gradients (a linear layer's inside its matrix product); ``B`` does both at once;
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-import conveyor.engine.backward.compiled as compiled_module
-from conveyor.engine.backward.compiled import SplitBackward, compiled_nodes, planned, split_backend
+import conveyor.engine.compiled.backward as compiled_module
+from conveyor.engine.compiled.backward import SplitBackward, compiled_nodes, planned, split_backend
 from conveyor.engine.backward.weightgrad import backward_input
 from conveyor.torchprivate import keep_compiled_buffers
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from conveyor.engine.backward.accumulation import FusedAccumulation, fusing_allowed
-from conveyor.engine.backward.compiled import compiled_nodes, planned
+from conveyor.engine.compiled.backward import compiled_nodes, planned
 from conveyor.engine.layers import Partition
 from conveyor.engine.loss import loss_and_count
 from conveyor.engine.offload import Activations, Offloader
@@ -160,7 +160,7 @@ class StageActions:
     @contextlib.contextmanager
     def _compiled_weights_at_once(self, pairs: Sequence[Pair]) -> Iterator[None]:
         """In ``B``, each compiled graph's weight half adds its gradients into ``.grad``
-        within its matrix products (see :mod:`conveyor.engine.backward.compiled`)."""
+        within its matrix products (see :mod:`conveyor.engine.compiled.backward`)."""
         handles = planned(compiled_nodes([get_gradient_edge(out).node for out, _ in pairs]), None) \
             if self.compiles and fusing_allowed() else []
         try:

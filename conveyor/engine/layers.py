@@ -3,7 +3,7 @@
 A stage holds its layers in a :class:`Partition`; a traced model's stage is one
 :class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
 exception raised in a layer into the error a user sees. Compiling a stage's layers
-(``compile=True``) is :mod:`conveyor.engine.compiling`'s.
+(``compile=True``) is :mod:`conveyor.engine.compiled.stages`'s.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch import nn
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.compiling import (
+from conveyor.engine.compiled.stages import (
     CompiledCall,
     CompiledStage,
     before_compiled_call,
@@ -29,6 +29,7 @@ from conveyor.engine.compiling import (
     is_compiled,
     run_aside,
 )
+from conveyor.engine.compiled.cudagraphs import GraphedStage
 from conveyor.engine.offload import Offloader
 from conveyor.engine.layers import Partition, WholeStage, batch_rows, check_output, failure
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
@@ -93,6 +94,8 @@ class Stage(StageActions):
         self.compiled: CompiledStage | None = None
         #: whether the stage runs compiled graphs (``compile=True``)
         self.compiles = False
+        #: the CUDA graphs its compiled graph replays from (``cuda_graphs=True``), or None
+        self.graphed: GraphedStage | None = None
         #: where the stage's saved activations wait for their backward
         #: (``offload="activations"``), or None: on the device.
         self.offloader: Offloader | None = None
@@ -119,12 +122,16 @@ class Stage(StageActions):
             (graph for layer in self.layers if isinstance(layer, WholeStage)
              for graph in layer.graphs()))
 
-    def compile(self) -> None:
-        """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiling`):
+    def compile(self, *, cuda_graphs: bool = False) -> None:
+        """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiled.stages`):
         its layers run as one graph in each mode in which none draws random numbers or
-        updates a buffer."""
+        updates a buffer; with ``cuda_graphs``, replayed from CUDA graphs (see
+        :mod:`conveyor.engine.compiled.cudagraphs`; a traced stage runs its compiled graphs
+        without)."""
         self.compiled = compile_stage(self.layers, index=self.index, first_layer=self.first_layer)
         self.compiles = True
+        if cuda_graphs and self.compiled is not None:
+            self.graphed = GraphedStage(self.compiled.graph, self.layers, self.index)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = [p for layer in self.layers for p in (
@@ -248,7 +255,7 @@ class Stage(StageActions):
     def _eager_aside(self, x: Any, rows: tuple[int, torch.Size] | None) -> frozenset[int]:
         """The offsets of the layers that must run eagerly in the current mode: those
         that draw random numbers or update a buffer (see
-        :mod:`conveyor.engine.compiling`), found by running the layers eagerly aside on
+        :mod:`conveyor.engine.compiled.stages`), found by running the layers eagerly aside on
         a copy of ``x`` (each under the probe that routes its draws where workers share
         the device; random numbers and buffers put back). A first layer that writes into
         the stage's input makes the stage copy its input from now on, as the eager
@@ -278,7 +285,7 @@ class Stage(StageActions):
     def _run_graph(self, graph: CompiledCall, x: Any, rows: tuple[int, torch.Size] | None,
                    microbatch: int) -> Any:
         try:
-            output = graph(x)
+            output = self.graphed(x, microbatch) if self.graphed is not None else graph(x)
         except STOP_RECOMPUTATION:
             raise
         except Exception as exc:

@@ -22,6 +22,7 @@ from conveyor.distributed.sharding import Sharding, check_sharding
 from conveyor.distributed.ties import connect_ties
 from conveyor.distributed.topology import Topology
 from conveyor.engine.backward.accumulation import fusing_allowed
+from conveyor.engine.compiled.cudagraphs import check_cuda_graphs
 from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.loss import LossScaler, compute_dtype
@@ -170,6 +171,14 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         scaler: float16's loss scaler (None: no loss scaling).
     """
     check_stage_modes(options.mode, schedule.num_stages)
+    if options.cuda_graphs:
+        modes = options.mode
+        check_cuda_graphs(
+            devices=[devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)],
+            compiled=options.compile, splits=schedule.splits_backward,
+            modes=[modes] * schedule.num_stages if isinstance(modes, str) else list(modes),
+            offloaded=bool(offloaded_stages(options.offload, schedule.num_stages)),
+            sharded=pending.sharded)
     distributed = topology.distributed
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
@@ -203,7 +212,7 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     if pending.at_first_call:  # the optimizer holds the adopted weights
         keep_copies_equal(owner, layout.ties)
     for stage in layout.stages.values() if options.compile else ():
-        stage.compile()
+        stage.compile(cuda_graphs=options.cuda_graphs)
     rebalancing = None
     if options.rebalance is not None:
         check_rebalance(runtime, options.rebalance, sharded=pending.sharded)

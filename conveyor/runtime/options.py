@@ -86,6 +86,7 @@ class PipelineOptions:
     check_finite: bool = _option(False, agreed=True)
     precision: str | None = _option(None, agreed=True)
     compile: bool = _option(False, agreed=True)
+    cuda_graphs: bool = _option(False, agreed=True)
     timeout: float | None = _option(None)
     deferred_batch_norm: bool = _option(False, agreed=True, cut=True)
     init_fn: InitFn | None = _option(None, cut=True)

@@ -160,6 +160,11 @@ class Schedule:
         """Every action of the table, whatever its rank."""
         return frozenset(a for column in self.columns for a in column)
 
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether some backward is split into an ``I`` and a later ``W``."""
+        return any(a.kind is Kind.WEIGHT for a in self.actions)
+
     def backward_of(self, stage: int, microbatch: int) -> Action:
         """The action that computes ``stage``'s input gradient of ``microbatch``.
 

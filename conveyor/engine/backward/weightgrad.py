@@ -13,7 +13,7 @@ Together they do the work of one backward, and W accumulates into ``.grad`` exac
 what the full backward would. Parameters whose subgraph never meets the input path
 (every parameter of a stage whose input needs no gradient) are reached from the stage
 outputs in W. A compiled graph is one node, whose backward conveyor compiles as two
-graphs (:mod:`~conveyor.engine.backward.compiled`): I runs the node's input half and
+graphs (:mod:`~conveyor.engine.compiled.backward`): I runs the node's input half and
 keeps its weight half for W. Built on public autograd APIs (GradientEdge, node
 pre-hooks); the same idea as torch.distributed.pipelining's stage_backward_input/weight.
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from conveyor.engine.backward.compiled import planned
+from conveyor.engine.compiled.backward import planned
 from conveyor.torchprivate import COMPILED_BACKWARD
 
 __all__: list[str] = []

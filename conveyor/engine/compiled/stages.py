@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.backward.compiled import split_backend
+from conveyor.engine.compiled.backward import split_backend
 from conveyor.engine.layers import Partition, WholeStage
 from conveyor.torchprivate import COMPILER_ERRORS, keep_compiled_buffers, mark_dynamic, pytree
 
