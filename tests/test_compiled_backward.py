@@ -151,3 +151,25 @@ def test_a_backward_nobody_planned_and_a_hooked_parameter_get_every_gradient() -
     torch.testing.assert_close(found[0], want_input, rtol=1e-12, atol=1e-12)
     for p, want in zip(module.parameters(), want_params):
         torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_plan_left_armed_by_a_failed_backward_is_taken_by_no_later_one() -> None:
+    """A node whose backward raised before its post-hook leaves its plan armed on the
+    thread; once the backward that planned it is over (its handles removed), the next
+    compiled backward on the thread ignores it and returns every gradient."""
+    module = block()
+    run = compiled(module)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 4, dtype=torch.float64)
+    want_input, want_params = expected_grads(module, x, g)
+    waiting: list[object] = []
+    stale = run(x).grad_fn
+    handles = planned([stale], waiting)
+    compiled_module._arm(handles[-1], ())  # as its pre-hook would, its backward then failing
+    for handle in handles:
+        handle.remove()
+    run(x).backward(g)
+    assert waiting == []
+    torch.testing.assert_close(x.grad, want_input, rtol=1e-12, atol=1e-12)
+    for p, want in zip(module.parameters(), want_params):
+        torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-12)

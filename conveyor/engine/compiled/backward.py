@@ -53,22 +53,30 @@ _MATRIX_PRODUCT = torch.ops.aten.mm.default
 
 
 class Plan:
-    """When the W of one compiled node runs: into ``waiting`` (I), or at once (B)."""
+    """When the W of one compiled node runs: into ``waiting`` (I), or at once (B);
+    none once the backward that planned it is over (``expired``)."""
 
     def __init__(self, node: Node, waiting: list[Callable[[], None]] | None) -> None:
         self.node = node
         self.waiting = waiting
+        self.expired = False
+
+    def remove(self) -> None:
+        """Expires the plan: a node whose backward failed before its post-hook ran
+        leaves it armed on its thread, for no later backward to take."""
+        self.expired = True
 
 
 def planned(nodes: Sequence[Node], waiting: list[Callable[[], None]] | None) -> list[Any]:
     """Plans the W of each compiled node of ``nodes`` (see the module's notes): into
-    ``waiting``, or at once where it is None. Returns the hooks' handles, to remove
-    once the backward has run."""
-    handles = []
+    ``waiting``, or at once where it is None. Returns handles (the hooks', the plans')
+    to remove once the backward has run."""
+    handles: list[Any] = []
     for node in nodes:
         plan = Plan(node, waiting)
         handles.append(node.register_prehook(functools.partial(_arm, plan)))
         handles.append(node.register_hook(_disarm))
+        handles.append(plan)
     return handles
 
 
@@ -96,21 +104,26 @@ def compiled_nodes(roots: Sequence[Node]) -> list[Node]:
 
 def split_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     """A ``torch.compile`` backend: inductor, each backward cut into I and W graphs."""
-    parameters = [isinstance(t, nn.Parameter) for t in example_inputs]
+    parameters = [tuple(t.shape) if isinstance(t, nn.Parameter) else None
+                  for t in example_inputs]
     tensors = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)]
     return inductor(graph, example_inputs, functools.partial(
         _compile_partition, parameters=parameters, tensors=tensors))
 
 
 def _compile_partition(graph: torch.fx.GraphModule, example_inputs: list[Any], *,
-                       parameters: list[bool], tensors: list[int], **settings: Any) -> Any:
+                       parameters: list[tuple[int, ...] | None], tensors: list[int],
+                       **settings: Any) -> Any:
+    """Inductor's compilation of a forward graph, or of a backward graph cut in two
+    (:class:`SplitBackward`). ``parameters``: per input of the dynamo graph, its shape
+    if it is a parameter (else None); ``tensors``: the inputs that are tensors."""
     if not settings.get("is_backward"):
         return inductor_graph(graph, example_inputs, **settings)
     outputs = list(graph.graph.find_nodes(op="output")[0].args[0])
     # One gradient per input of the forward graph, in its order; anything else (inputs
     # AOTAutograd merged or rebased) is compiled whole, W coming with I.
     weights = [i for i, out in enumerate(outputs) if out is not None and i < len(parameters)
-               and parameters[i]]
+               and parameters[i] is not None]
     if len(outputs) != len(parameters) or not weights:
         return inductor_graph(graph, example_inputs, **settings)
     weight_outputs: list[torch.fx.Node] = []
@@ -128,7 +141,8 @@ def _compile_partition(graph: torch.fx.GraphModule, example_inputs: list[Any], *
         inductor_graph(input_graph, example_inputs, **settings),
         inductor_graph(weight_graph, [*example_inputs, *(n.meta["val"] for n in handed)],
                        **settings),
-        len(outputs), weights, products, tensors)
+        len(outputs), weights, products, tensors,
+        [parameters[i] for i in weights])
 
 
 def _ancestors(nodes: Sequence[torch.fx.Node],
@@ -209,7 +223,8 @@ class SplitBackward:
     takes that list and what the I graph hands on."""
 
     def __init__(self, inputs: Any, weights: Any, gradients: int, slots: list[int],
-                 products: list[bool], tensors: list[int]) -> None:
+                 products: list[bool], tensors: list[int],
+                 shapes: list[tuple[int, ...] | None]) -> None:
         # Takes its arguments as one list, which it empties (torch's boxed convention);
         # set on the object, so that torch's wrappers of the function copy it.
         self._boxed_call = True
@@ -219,10 +234,13 @@ class SplitBackward:
         self._slots = slots  # the outputs that are parameters' gradients
         self._products = products  # per slot: given as a matrix product's two operands
         self._edges = [tensors.index(i) if i in tensors else -1 for i in slots]
+        self._shapes = shapes  # per slot, its parameter's
 
     def __call__(self, *args: Any) -> list[Any]:
         plan: Plan | None = getattr(_planned, "plan", None)
         _planned.plan = None
+        if plan is not None and plan.expired:
+            plan = None
         boxed = len(args) == 1 and isinstance(args[0], list)  # (else called unboxed)
         held = list(args[0]) if boxed else list(args)
         if boxed:
@@ -241,14 +259,16 @@ class SplitBackward:
 
     def _parameters(self, node: Node) -> list[nn.Parameter] | None:
         """The parameters whose gradients the W graph makes, in order: the variables
-        of the node's edges; None unless each is a plain leaf without hooks."""
+        of the node's edges; None unless each is a plain leaf without hooks, of the
+        shape compiled for."""
         edges = node.next_functions
         found = []
-        for edge in self._edges:
+        for edge, shape in zip(self._edges, self._shapes):
             if not 0 <= edge < len(edges):
                 return None
             variable = getattr(edges[edge][0], "variable", None)
-            if type(variable) is not nn.Parameter or has_gradient_hooks(variable) \
+            if type(variable) is not nn.Parameter or tuple(variable.shape) != shape \
+                    or has_gradient_hooks(variable) \
                     or getattr(variable, "_post_accumulate_grad_hooks", None):
                 return None
             found.append(variable)
@@ -267,8 +287,10 @@ class SplitBackward:
     def _accumulate(self, held: list[Any], params: list[nn.Parameter]) -> None:
         """Runs the W graph and adds each weight gradient into its ``.grad``, as
         autograd's accumulation would."""
-        arguments = {t.untyped_storage().data_ptr() for t in held
-                     if isinstance(t, torch.Tensor)}
+        # Memory a gradient must not be adopted in: an argument (an output gradient,
+        # held elsewhere) or another parameter's new .grad (inductor may hand one
+        # tensor out twice).
+        taken = {t.untyped_storage().data_ptr() for t in held if isinstance(t, torch.Tensor)}
         with torch.no_grad():
             for param, out, product in zip(params, self._weight_outputs(held),
                                            self._products):
@@ -278,10 +300,10 @@ class SplitBackward:
                 grad = torch.mm(*out) if product else out
                 if param.grad is not None:
                     param.grad += grad
-                elif grad.untyped_storage().data_ptr() in arguments:
-                    param.grad = grad.clone()  # an output gradient itself, held elsewhere
-                else:
-                    param.grad = grad
+                    continue
+                memory = grad.untyped_storage().data_ptr()
+                param.grad = grad.clone() if memory in taken else grad
+                taken.add(memory)
 
 
 def _addable(grad: torch.Tensor, operand: torch.Tensor) -> bool:
