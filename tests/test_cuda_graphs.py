@@ -9,6 +9,8 @@ are in flight, and ``eval_step`` without graphs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_cuda_graphs_are_refused_off_cuda() -> None:
     ({"offloaded": True}, "offload="),
     ({"sharded": True}, "FSDP"),
 ])
-def test_cuda_graphs_say_why_they_are_refused(change: dict, reason: str) -> None:  # type: ignore[type-arg]
+def test_cuda_graphs_say_why_they_are_refused(change: dict[str, Any], reason: str) -> None:
     accepted = {"devices": [GPU, GPU], "compiled": True, "splits": False,
                 "modes": ["never", "never"], "offloaded": False, "sharded": False}
     check_cuda_graphs(**accepted)
@@ -74,7 +76,7 @@ def test_replayed_stages_are_exact_over_steps_of_uneven_micro_batches(schedule: 
         torch.testing.assert_close(pipe.eval_step(x), reference(x))
 
 
-def replayed_in_static_memory(module: torch.nn.Module, sample_args: tuple, *,  # type: ignore[type-arg]
+def replayed_in_static_memory(module: torch.nn.Module, sample_args: tuple[Any, ...], *,
                               allow_unused_input: bool = False) -> object:
     """``torch.cuda.make_graphed_callables`` as its replays behave, on the CPU: each
     call writes its output into one static tensor and hands on that tensor; the
@@ -152,7 +154,8 @@ def test_a_capture_that_replays_something_else_fails_the_step(
     computes otherwise fails the step, naming the stage, rather than train on."""
     from conveyor.engine.compiled import cudagraphs
 
-    def off_by_a_little(module: torch.nn.Module, sample_args: tuple, **_: object) -> object:  # type: ignore[type-arg]
+    def off_by_a_little(module: torch.nn.Module, sample_args: tuple[Any, ...],
+                        **_: object) -> object:
         run = module.forward
         module.forward = lambda x: run(x) * 1.001  # type: ignore[method-assign]
         return module

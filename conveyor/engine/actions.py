@@ -161,8 +161,9 @@ class StageActions:
     def _compiled_weights_at_once(self, pairs: Sequence[Pair]) -> Iterator[None]:
         """In ``B``, each compiled graph's weight half adds its gradients into ``.grad``
         within its matrix products (see :mod:`conveyor.engine.compiled.backward`)."""
-        handles = planned(compiled_nodes([get_gradient_edge(out).node for out, _ in pairs]), None) \
-            if self.compiles and fusing_allowed() else []
+        roots = [get_gradient_edge(out).node for out, _ in pairs]
+        handles = planned(compiled_nodes(roots) if self.compiles and fusing_allowed() else [],
+                          None)
         try:
             yield
         finally:

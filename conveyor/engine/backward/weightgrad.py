@@ -165,9 +165,8 @@ def backward_input(
         del capture[node]
     groups, direct = _groups(capture)
     compiled_weights: list[Callable[[], None]] = []
-    handles = planned([n for n in {*roots, *parents} if n.name() == COMPILED_BACKWARD],
-                      compiled_weights) \
-        if joint else []
+    compiled = [n for n in {*roots, *parents} if n.name() == COMPILED_BACKWARD] if joint else []
+    handles = planned(compiled, compiled_weights)
     try:
         input_grads, captured = _input_pass(outputs, grads, inputs,
                                             [node for nodes, _ in groups for node in nodes],
