@@ -69,8 +69,9 @@ class GraphedStage:
         key = _signature(x, self._layers)
         if key in self._plain:
             return self._call(x)
-        if microbatch == 0:  # a new step: no micro-batch is in flight any more
-            self._free[key] = list(self._all[key])
+        if microbatch == 0:  # a new step: no micro-batch is in flight any more (one
+            for kind, captures in self._all.items():  # of a failed step's included)
+                self._free[kind] = list(captures)
         with _without_autocast_cache():
             graphed = self._free[key].pop() if self._free[key] else self._capture(key, x)
             if graphed is None:
