@@ -28,6 +28,22 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output, target)
 
 
+def steps_equal_the_plain_model(pipe: conveyor.Pipeline, reference: torch.nn.Module,
+                                device: str) -> None:
+    """Three steps, of 12, 10 and 12 samples (3 rows a micro-batch; then 3, 3, 2, 2),
+    each the plain model's loss and gradients in float64."""
+    for batch in (12, 10, 12):
+        x = sample("mlp", batch=batch).to(device)
+        y = torch.randn(batch, 3, dtype=torch.float64, device=device)
+        pipe.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+        assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+
+
 def test_cuda_graphs_are_refused_off_cuda() -> None:
     model, _ = build("mlp")
     with pytest.raises(ConveyorError, match="stage 0 is on cpu.*give CUDA devices"):
@@ -58,16 +74,7 @@ def test_replayed_stages_are_exact_over_steps_of_uneven_micro_batches(schedule: 
     pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, schedule=schedule,
                              balance=[4, 3], devices=[GPU, GPU], compile=True,
                              recompute="never", cuda_graphs=True)
-    for batch in (12, 10, 12):  # 3 rows a micro-batch; then 3, 3, 2, 2
-        x = sample("mlp", batch=batch).cuda()
-        y = torch.randn(batch, 3, dtype=torch.float64, device="cuda")
-        pipe.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y)
-        expected = loss_fn(reference(x), y)
-        expected.backward()
-        assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
-        assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    steps_equal_the_plain_model(pipe, reference, "cuda")
     in_flight = {"gpipe": 4, "1f1b": 2}[schedule]  # at stage 0, per kind of input
     for stage in pipe.runtime.stages.values():
         assert stage.graphed is not None and 0 < stage.graphed.captures <= 2 * in_flight
@@ -133,15 +140,7 @@ def test_captures_kept_apart_give_the_plain_models_gradients(
     for stage in pipe.runtime.stages.values():
         stage.graphed = cudagraphs.GraphedStage(stage.compiled.graph, stage.layers,
                                                 stage.index)
-    for batch in (12, 10, 12):  # 3 rows a micro-batch; then 3, 3, 2, 2
-        x, y = sample("mlp", batch=batch), torch.randn(batch, 3, dtype=torch.float64)
-        pipe.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y)
-        expected = loss_fn(reference(x), y)
-        expected.backward()
-        assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
-        assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    steps_equal_the_plain_model(pipe, reference, "cpu")
     captures = [stage.graphed.captures for stage in pipe.runtime.stages.values()]
     # per kind of input: GPipe holds all its micro-batches at once (4 of 3 rows, then 2
     # of 3 and 2 of 2 rows); 1F1B at most 2 on stage 0 and 1 on stage 1
