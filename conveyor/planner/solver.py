@@ -182,12 +182,15 @@ class _Search:
         self.layers = len(self.costs.forward) - 1
         self.devices = self.cluster.devices
         self.table: dict[tuple[int, int, int, int], tuple[float, int, int]] = {}
+        self._capped: dict[float, _Search] = {}
 
     def capped(self, cap: float) -> _Search:
         """The same search, for the cut whose one micro-batch takes the least time to
         cross every stage and link (the fill and drain) among those whose bottleneck is
-        at most ``cap``."""
-        return replace(self, cap=cap)
+        at most ``cap`` (one search per cap: its table answers every number of stages)."""
+        if cap not in self._capped:
+            self._capped[cap] = replace(self, cap=cap)
+        return self._capped[cap]
 
     def replica_counts(self, free: int) -> list[int]:
         """The replica counts a stage may take: any, up to ``free`` devices and the
@@ -289,8 +292,13 @@ class _Search:
                 stage = self.stage(i, j, replicas, device, remaining)
                 if stage is None:
                     continue
+                own = self.load(stage, 1)[0]
+                # A stage's load only grows with its layers: from here on none is better
+                # (or, capped, none is under the cap).
+                if own >= best[0] if self.cap is None else own > self.cap:
+                    break
                 if remaining == 1:
-                    own, link, nxt = self.load(stage, 1)[0], 0.0, 0.0
+                    link, nxt = 0.0, 0.0
                 else:
                     after = self._best(remaining - 1, j, device + replicas,
                                        replicas if self.uniform else 0)
@@ -299,7 +307,7 @@ class _Search:
                     nxt = after
                     next_replicas = self.table[(remaining - 1, j, device + replicas,
                                                 replicas if self.uniform else 0)][2]
-                    own, link = self.load(stage, next_replicas)
+                    link = self.load(stage, next_replicas)[1]
                 if self.cap is None:
                     value = max(own, link, nxt)
                 elif max(own, link) <= self.cap:  # the fill: one micro-batch there and back
