@@ -7,9 +7,10 @@ Two stages on CPU threads, M=8, the default recomputation (``except_last``), und
 1F1B and zero-bubble: each pipeline once with eager stages and once with
 ``compile=True``, timed in turn (round robin, after a warm-up step that compiles). Two
 models: config P (8 blocks of Linear(512, 2048)-GELU-Linear(2048, 512), N=256, MSE), an
-``nn.Sequential`` whose layers compile one by one, and the Transformer LM of
-``benchmarks/schedules.py``, traced and cut by ``split_at`` (each stage one compiled
-graph). Also reported: how many graphs torch.compile made (a recompilation in the
+``nn.Sequential`` whose stages each run as one compiled graph (and a recomputed
+micro-batch as a second one, which recomputes inside its backward), and the Transformer
+LM of ``benchmarks/schedules.py``, traced and cut by ``split_at`` (each stage's graph
+compiled; recomputed by calling it again). Also reported: how many graphs torch.compile made (a recompilation in the
 middle of the timed steps would show as more) and the compiled step's error against
 the eager one. Writes ``benchmarks/results/compiled.json``.
 """

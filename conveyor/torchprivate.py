@@ -92,6 +92,18 @@ def inductor(graph: torch.fx.GraphModule, example_inputs: list[Any],
         return compile_fx(graph, example_inputs, inner_compile=inner_compile)
 
 
+def recomputed_in_backward(graph: torch.fx.GraphModule) -> None:
+    """Tags every op of a dynamo graph for AOTAutograd's partitioner to recompute in
+    backward rather than save, as ``torch.utils.checkpoint`` inside a compiled region
+    tags its own (the tags travel to the graph AOTAutograd traces from it)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in graph.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
+
+
 def inductor_graph(graph: torch.fx.GraphModule, example_inputs: list[Any],
                    **settings: Any) -> Any:
     """Inductor's compilation of one partitioned graph: a callable taking its inputs

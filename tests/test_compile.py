@@ -288,6 +288,42 @@ def test_every_schedule_runs_whole_compiled_stages_exactly(schedule: str) -> Non
         assert stage.compiled.eager == dict.fromkeys(modes, frozenset())
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+def test_a_recomputed_micro_batch_recomputes_inside_the_compiled_backward(
+        schedule: str) -> None:
+    """A stage run as one compiled graph recomputes inside its backward graph: the
+    forward of a recomputed micro-batch keeps nothing but its input and the parameters,
+    the stage's layers run once per micro-batch (a pre-hook on its partition fires
+    once, not again in backward), and the step is the plain model's in float64, the split
+    backward's I and W included."""
+    model, reference = build("mlp")
+    x, y = sample("mlp", batch=8), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, chunks=4, schedule=schedule,
+                             balance=[4, 3], devices=["cpu", "cpu"], recompute="always",
+                             compile=True)
+    calls = [0, 0]
+    for k, stage in pipe.runtime.stages.items():  # pre-hooks fire again when recomputing
+        stage.layers.register_forward_pre_hook(
+            lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+    for _ in range(2):  # the first step decides that the stages run whole, then again
+        pipe.zero_grad()
+        loss = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-12 * abs(float(expected))
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    assert calls == [8, 8]  # 2 steps of 4 micro-batches, each run once
+    stage = pipe.runtime.stages[1]
+    inputs = torch.randn(2, 12, dtype=torch.float64, requires_grad=True)
+    kept = {(t.data_ptr(), t.shape) for t in (*stage.trainable_parameters(), inputs)}
+    for recompute in (True, False):
+        outputs, effects = stage.forward(inputs, 0, step_seed=None, recompute=recompute)
+        saved = outputs.grad_fn.saved_tensors
+        assert effects is None and saved
+        only_inputs = all((t.data_ptr(), t.shape) in kept for t in saved)
+        assert only_inputs == recompute, [tuple(t.shape) for t in saved]
+
+
 class Caching(nn.Module):
     """Reads what its previous call left in a buffer, then writes its input's mean there
     under ``no_grad`` (the generator's "cache" block, seeds 0.3 and 7.0): compiled,
@@ -387,7 +423,7 @@ def test_a_recording_counts_the_graphs_compiled_meanwhile() -> None:
         pipe.step(x[:9], y[:9])  # micro-batches of 3, 2, 2, 2 rows
     with conveyor.record(pipe) as single:
         pipe.step(x[:7], y[:7])  # 2, 2, 2, 1
-    assert first.compiled_graphs == 2 and later.compiled_graphs == 0
+    assert first.compiled_graphs == 4 and later.compiled_graphs == 0
     assert single.compiled_graphs == 2
     assert conveyor.Timeline.from_dict(first.to_dict()).compiled_graphs == first.compiled_graphs
 

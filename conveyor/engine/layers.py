@@ -2,7 +2,9 @@
 
 A stage holds its layers in a :class:`Partition`; a traced model's stage is one
 :class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
-exception raised in a layer into the error a user sees. Compiling a stage's layers
+exception raised in a layer into the error a user sees; a layer that writes into the
+stage's input (a leaf that requires grad) is found by its error
+(:func:`writes_into_leaf`), and the stage then works on a copy (:func:`copied_leaves`). Compiling a stage's layers
 (``compile=True``) is :mod:`conveyor.engine.compiled.stages`'s.
 """
 
@@ -131,3 +133,29 @@ def check_output(output: Any, rows: tuple[int, torch.Size] | None,
         f"micro-batch {microbatch}, which has {rows[0]} rows; a layer must keep dim 0, "
         "the batch, along which the pipeline splits and concatenates micro-batches"
     )
+
+
+def writes_into_leaf(exc: BaseException) -> bool:
+    """Whether ``exc`` is autograd's refusal of an in-place write into a leaf tensor
+    that requires grad (or into a view of one)."""
+    return isinstance(exc, RuntimeError) and \
+        "leaf Variable that requires grad is being used in an in-place operation" in str(exc)
+
+
+def shares_a_leaf(value: Any, received: Any) -> bool:
+    """Whether ``value`` holds one of ``received``'s leaf tensors that require grad."""
+    leaves = {id(t) for t in pytree.tree_leaves(received)
+              if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
+    return any(id(t) in leaves for t in pytree.tree_leaves(value))
+
+
+def shares_a_tensor(tensors: Sequence[torch.Tensor], value: Any) -> bool:
+    """Whether one of ``tensors`` is a tensor leaf of ``value``."""
+    leaves = {id(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
+    return any(id(t) in leaves for t in tensors)
+
+
+def copied_leaves(inputs: Any) -> Any:
+    """``inputs`` with each tensor leaf that requires grad replaced by a copy of it."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone() if t.requires_grad and t.is_leaf else t, inputs)

@@ -2,7 +2,8 @@
 
 The layers are held by a :class:`Partition`, an ``nn.Sequential`` that the stage calls
 as one module, so that hooks a user puts on ``pipe.partitions[k]`` fire for every
-micro-batch (and again when it is recomputed; ``conveyor.is_recomputing()`` tells).
+micro-batch (and again when it is recomputed eagerly; ``conveyor.is_recomputing()``
+tells).
 Inside that call the stage runs the layers one by one: each layer call gets its own
 random stream, and each output is checked (tensors only, dim 0 kept) so that an error
 can name the layer.
@@ -31,7 +32,17 @@ from conveyor.engine.compiled.stages import (
 )
 from conveyor.engine.compiled.cudagraphs import GraphedStage
 from conveyor.engine.offload import Offloader
-from conveyor.engine.layers import Partition, WholeStage, batch_rows, check_output, failure
+from conveyor.engine.layers import (
+    Partition,
+    WholeStage,
+    batch_rows,
+    check_output,
+    copied_leaves,
+    failure,
+    shares_a_leaf,
+    shares_a_tensor,
+    writes_into_leaf,
+)
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import (
     ModuleState,
@@ -176,15 +187,22 @@ class Stage(StageActions):
 
         Returns:
             The outputs, and (recomputed only) what the forward changed in the stage's
-            modules, which its recomputation puts back as the forward saw it.
+            modules, which its recomputation puts back as the forward saw it; None where
+            the stage's compiled graph recomputes inside its own backward (a stage run
+            as one graph).
         """
+        in_graph = (recompute and torch.is_grad_enabled() and self.compiled is not None
+                    and not self.replicated and self._stage_graph(
+                        inputs, batch_rows(inputs), self.compiled.modes()) is not None
+                    and not self.copies_input)  # (a copy written into, kept for backward)
+
         def loop(x: Any) -> Any:
-            return self._run_layers(x, microbatch, step_seed)
+            return self._run_layers(x, microbatch, step_seed, in_graph)
 
         def run(x: Any) -> Any:
             return self.layers(x, loop)  # through the module, so that its hooks run
 
-        if recompute and torch.is_grad_enabled():
+        if recompute and torch.is_grad_enabled() and not in_graph:
             outputs, effects = checkpointed(run, inputs, self.module_state)
             watched = effects
         elif self.replicated:
@@ -204,16 +222,21 @@ class Stage(StageActions):
         with Recomputation(effects), torch.enable_grad():
             return self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
 
-    def _run_layers(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
+    def _run_layers(self, x: Any, microbatch: int, step_seed: int | None,
+                    in_graph: bool = False) -> Any:
         with self.accumulator.layers() if self.accumulator else contextlib.nullcontext():
-            return self._run_layers_checked(x, microbatch, step_seed)
+            return self._run_layers_checked(x, microbatch, step_seed, in_graph)
 
-    def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None) -> Any:
+    def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None,
+                            in_graph: bool) -> Any:
         rows = batch_rows(x)
         modes = self.compiled.modes() if self.compiled is not None else ()
         graph = self._stage_graph(x, rows, modes) if self.compiled is not None else None
+        if graph is not None and in_graph:
+            assert self.compiled is not None
+            graph = self.compiled.recomputing
         if self.copies_input:  # (the compiled stage's probe may have found it just now)
-            x = _copied_leaves(x)
+            x = copied_leaves(x)
         if graph is not None:
             return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
@@ -223,8 +246,8 @@ class Stage(StageActions):
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
-                if not (self.index > 0 and _writes_into_leaf(exc)
-                        and _shares_a_leaf(x, received)):
+                if not (self.index > 0 and writes_into_leaf(exc)
+                        and shares_a_leaf(x, received)):
                     error = self._layer_error(exc, offset, microbatch)
                     if error is exc:
                         raise
@@ -237,7 +260,7 @@ class Stage(StageActions):
                 _log.debug("stage %d, layer %d writes into the stage's input in place; the "
                            "stage copies its input from now on", self.index,
                            self.first_layer + offset)
-                x = self._call_layer(layer, offset, _copied_leaves(x), microbatch, step_seed,
+                x = self._call_layer(layer, offset, copied_leaves(x), microbatch, step_seed,
                                      modes)
             if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
                 self._check_output(x, rows, offset, microbatch)
@@ -271,7 +294,7 @@ class Stage(StageActions):
                 with self.randomness.probing(index, layer):
                     x = run_aside(layer, (x,), updated)
                 self._check_output(x, rows, offset, 0)
-                if offset == 0 and self.index > 0 and _shares_a_tensor(updated, received):
+                if offset == 0 and self.index > 0 and shares_a_tensor(updated, received):
                     self.copies_input = True
                 buffers = {id(b) for b in layer.buffers()}
                 if any(id(t) in buffers for t in updated) or self.randomness.draws(index, layer):
@@ -335,7 +358,7 @@ class Stage(StageActions):
         hint = ""
         if offset is None:
             hint = "\nhint: compile=False runs the layers one by one and names the one that fails"
-        elif _writes_into_leaf(exc):
+        elif writes_into_leaf(exc):
             hint = (
                 f"\nhint: the stage receives its input as a leaf tensor that requires grad; "
                 f"a layer may write into that input (the stage then works on a copy), but "
@@ -371,28 +394,3 @@ class Stage(StageActions):
             else:
                 module.discard()
 
-
-def _writes_into_leaf(exc: BaseException) -> bool:
-    """Whether ``exc`` is autograd's refusal of an in-place write into a leaf tensor
-    that requires grad (or into a view of one)."""
-    return isinstance(exc, RuntimeError) and \
-        "leaf Variable that requires grad is being used in an in-place operation" in str(exc)
-
-
-def _shares_a_leaf(value: Any, received: Any) -> bool:
-    """Whether ``value`` holds one of ``received``'s leaf tensors that require grad."""
-    leaves = {id(t) for t in pytree.tree_leaves(received)
-              if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
-    return any(id(t) in leaves for t in pytree.tree_leaves(value))
-
-
-def _shares_a_tensor(tensors: Sequence[torch.Tensor], value: Any) -> bool:
-    """Whether one of ``tensors`` is a tensor leaf of ``value``."""
-    leaves = {id(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
-    return any(id(t) in leaves for t in tensors)
-
-
-def _copied_leaves(inputs: Any) -> Any:
-    """``inputs`` with each tensor leaf that requires grad replaced by a copy of it."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone() if t.requires_grad and t.is_leaf else t, inputs)

@@ -44,6 +44,7 @@ from conveyor.torchprivate import (
     has_gradient_hooks,
     inductor,
     inductor_graph,
+    recomputed_in_backward,
 )
 
 __all__: list[str] = []
@@ -109,6 +110,16 @@ def split_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any
     tensors = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)]
     return inductor(graph, example_inputs, functools.partial(
         _compile_partition, parameters=parameters, tensors=tensors))
+
+
+def recomputing_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """:func:`split_backend` for a recomputed micro-batch: every op of the graph is
+    recomputed in backward (AOTAutograd's partitioner keeps the graph's inputs alone
+    for it), as torch.utils.checkpoint around the stage would, but inside the backward
+    graph: only what the gradients need (not a stage's last matrix product), and no
+    second forward call."""
+    recomputed_in_backward(graph)
+    return split_backend(graph, example_inputs)
 
 
 def _compile_partition(graph: torch.fx.GraphModule, example_inputs: list[Any], *,

@@ -13,6 +13,12 @@ numbers); one that updates a buffer, as torch.compile may save the buffer itself
 backward and then write into it (backward then refuses it). A traced stage compiles
 each of its graphs, but for one that draws.
 
+A recomputed micro-batch of a stage run as one graph calls the same module compiled
+again, by :func:`~conveyor.engine.compiled.backward.recomputing_backend`: the forward
+keeps only its inputs, and the backward graph recomputes the rest inside itself (what
+``torch.utils.checkpoint`` around the stage would do, without the second forward call
+and without recomputing what no gradient reads).
+
 Not CUDA graphs: torch's (``mode="reduce-overhead"``) replay a graph into the same
 memory, where a pipeline keeps several micro-batches' outputs and saved tensors at
 once; on an H200 the second micro-batch's replay overwrote the first's, and its
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.compiled.backward import split_backend
+from conveyor.engine.compiled.backward import recomputing_backend, split_backend
 from conveyor.engine.layers import Partition, WholeStage
 from conveyor.torchprivate import COMPILER_ERRORS, keep_compiled_buffers, mark_dynamic, pytree
 
@@ -60,7 +66,7 @@ class CompiledCall:
     code object, which every module would otherwise share (from the ninth stage or
     input shape on, torch would run them eagerly); and it changes the module."""
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module, name: str, backend: Any = split_backend) -> None:
         self.module = module
         self.name = name
         self._layout = EagerLayout()
@@ -70,7 +76,7 @@ class CompiledCall:
 
         own = types.FunctionType(call.__code__.replace(co_name=name),
                                  call.__globals__, name, None, call.__closure__)
-        self._compiled: Any = torch.compile(own, backend=split_backend)
+        self._compiled: Any = torch.compile(own, backend=backend)
 
     def __call__(self, x: Any) -> Any:
         if self._compiled is None:
@@ -121,7 +127,12 @@ class CompiledStage:
         keep_compiled_buffers()
         self.layers = layers
         self.first_layer = first_layer
-        self.graph = CompiledCall(StageGraph(layers), f"conveyor_stage_{index}")
+        whole = StageGraph(layers)
+        self.graph = CompiledCall(whole, f"conveyor_stage_{index}")
+        #: the same module compiled for a recomputed micro-batch: its forward keeps its
+        #: inputs alone, its backward recomputes what the gradients need
+        self.recomputing = CompiledCall(whole, f"conveyor_stage_{index}_recomputed",
+                                        recomputing_backend)
         #: the layers' training flags -> the offsets of the layers that run eagerly
         #: then, those that draw random numbers or update buffers (none: the layers
         #: run as :attr:`graph`)
