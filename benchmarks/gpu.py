@@ -398,8 +398,9 @@ def part_table1(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     largest = _largest(pipeline1_gpu, args, device, log, limit)
     # Long context: 4 sequences of 32k tokens, one a micro-batch, and a vocabulary of
     # 8192: at 32000, one sequence's float32 logits alone are 3.9 GiB, and the naive
-    # step's whole batch of them (GPipe's too: it hands on the whole batch's output)
-    # 16 GiB, the cap; the head would decide the search, not the blocks.
+    # step's whole batch of them 16 GiB, the cap; the head would decide the search, not
+    # the blocks. (The pipelines compute the loss micro-batch by micro-batch: on the
+    # H200, when Pipeline-1 took the whole batch's output, no mode fit one block.)
     long_args = argparse.Namespace(**{**vars(args), "length": 16 if sizes.smoke else 32768,
                                       "batch": 4, "chunks": 4,
                                       "vocab": args.vocab if sizes.smoke else 8192})

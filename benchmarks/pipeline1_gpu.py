@@ -6,10 +6,14 @@ micro-batches alone let a much larger model train (AmoebaNet: 82M to 318M parame
 16) of width 2048 trained with RMSProp (12 bytes per parameter, as the paper):
 
 * naive: the plain model on the whole batch;
-* Pipeline-1: ``GPipe(model, [L + 3], chunks=M, recompute="except_last")``;
-* offload: ``Pipeline(model, balance=[L + 3], chunks=M, recompute="never",
-  offload="activations")``: every micro-batch's activations wait in pinned host memory
-  but the one being saved and the one brought back for the next backward.
+* Pipeline-1: ``Pipeline(model, balance=[L + 3], chunks=M, recompute="except_last",
+  loss_fn=...)``: the loss computed micro-batch by micro-batch inside the pipeline, so
+  that only one micro-batch's logits exist at a time (at 32k tokens the whole batch's
+  would decide the search; before 2026-11-27 it was ``GPipe(model, [L + 3], ...)``
+  with the loss on the whole batch's output);
+* offload: the same with ``recompute="never", offload="activations"``: every
+  micro-batch's activations wait in pinned host memory but the one being saved and the
+  one brought back for the next backward.
 
 For each, it searches the largest number of blocks L for which a training step runs
 without running out of memory (doubling, then bisection). ``--memory-gib`` caps the
@@ -37,7 +41,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor import GPipe, Pipeline  # noqa: E402
+from conveyor import Pipeline  # noqa: E402
 from conveyor.observe.plan import OPTIMIZER_BYTES  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
@@ -83,17 +87,16 @@ def train_step(layers: int, *, mode: str, args: argparse.Namespace,
         model = transformer_lm(layers, args.width, args.hidden, args.heads, vocab=args.vocab,
                                max_length=args.length)
     ids = torch.randint(0, args.vocab, (args.batch, args.length), device=device)
-    if mode == "offload":
+    if mode == "naive":
+        optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-4)
+        lm_loss(model(ids), ids).backward()
+    else:
+        options = ({"recompute": "never", "offload": "activations"} if mode == "offload"
+                   else {"recompute": "except_last"})
         pipe = Pipeline(model, balance=[len(model)], devices=[device], chunks=args.chunks,
-                        recompute="never", offload="activations", loss_fn=lm_loss)
+                        loss_fn=lm_loss, **options)
         optimizer = torch.optim.RMSprop(pipe.parameters(), lr=1e-4)
         pipe.step(ids, ids)
-    else:
-        net: nn.Module = model if mode == "naive" else GPipe(
-            model, [len(model)], devices=[device], chunks=args.chunks,
-            recompute="except_last")
-        optimizer = torch.optim.RMSprop(net.parameters(), lr=1e-4)
-        lm_loss(net(ids), ids).backward()
     optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

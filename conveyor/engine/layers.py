@@ -4,8 +4,8 @@ A stage holds its layers in a :class:`Partition`; a traced model's stage is one
 :class:`WholeStage` that reads the model's own parameters. :func:`failure` turns an
 exception raised in a layer into the error a user sees; a layer that writes into the
 stage's input (a leaf that requires grad) is found by its error
-(:func:`writes_into_leaf`), and the stage then works on a copy (:func:`copied_leaves`). Compiling a stage's layers
-(``compile=True``) is :mod:`conveyor.engine.compiled.stages`'s.
+(:func:`writes_into_leaf`), and the stage then works on a copy (:func:`copied_leaves`).
+Compiling a stage's layers (``compile=True``) is :mod:`conveyor.engine.compiled.stages`'s.
 """
 
 from __future__ import annotations
