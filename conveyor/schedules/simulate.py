@@ -303,10 +303,11 @@ def run_columns(schedule: Schedule, costs: CostModel, columns: Sequence[Sequence
     end: dict[Action, float] = {}
     arrival: dict[tuple[Action, Action], float] = {}  # a result reaching another rank
     dependents: dict[Action, list[Action]] = {}
-    for column in columns:
-        for action in column:
-            for needed in dependencies(action, schedule):
-                dependents.setdefault(needed, []).append(action)
+    needs_of = {action: dependencies(action, schedule) for column in columns
+                for action in column}
+    for action, needs in needs_of.items():
+        for needed in needs:
+            dependents.setdefault(needed, []).append(action)
     link_free: dict[Hashable, float] = {}  # serial links: when each is next free
     events: list[Event] = []
     position = [0] * len(columns)
@@ -317,7 +318,7 @@ def run_columns(schedule: Schedule, costs: CostModel, columns: Sequence[Sequence
         for rank, column in enumerate(columns):
             while position[rank] < len(column):
                 action = column[position[rank]]
-                needs = dependencies(action, schedule)
+                needs = needs_of[action]
                 if any(d not in end for d in needs):
                     break
                 start = max([free[rank]] + [arrival.get((d, action), end[d]) for d in needs])

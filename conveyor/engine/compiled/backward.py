@@ -300,8 +300,8 @@ class SplitBackward:
         autograd's accumulation would."""
         # Memory a gradient must not be adopted in: an argument (an output gradient,
         # held elsewhere) or another parameter's new .grad (inductor may hand one
-        # tensor out twice).
-        taken = {t.untyped_storage().data_ptr() for t in held if isinstance(t, torch.Tensor)}
+        # tensor out twice). Gathered at the first .grad to make (none, mostly).
+        taken: set[int] | None = None
         with torch.no_grad():
             for param, out, product in zip(params, self._weight_outputs(held),
                                            self._products):
@@ -312,6 +312,9 @@ class SplitBackward:
                 if param.grad is not None:
                     param.grad += grad
                     continue
+                if taken is None:
+                    taken = {t.untyped_storage().data_ptr() for t in held
+                             if isinstance(t, torch.Tensor)}
                 memory = grad.untyped_storage().data_ptr()
                 param.grad = grad.clone() if memory in taken else grad
                 taken.add(memory)
