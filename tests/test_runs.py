@@ -4,7 +4,7 @@ leaves on disk, and that the run goes on from there to the state of a run withou
 
 from __future__ import annotations
 
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,16 +21,22 @@ SAMPLE = [Case("torchrun", True, "freeze", 3, 0, "tie"),  # frozen in the tie al
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runs")  # the references are shared by the cases
+def problems(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, list[str]]:
+    """What each case found, two cases at a time (a fault's run waits on a timeout or
+    a restart for much of its time); each kind of reference run is launched once and
+    shared by the cases (tests.runs ``reference``)."""
+    out = tmp_path_factory.mktemp("runs")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found = pool.map(lambda numbered: check(numbered[1], out / f"case{numbered[0]}")[0],
+                         enumerate(SAMPLE))
+        return dict(zip(SAMPLE, found))
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(800)  # the first one waits for every case
 @pytest.mark.parametrize("case", SAMPLE, ids=str)
 def test_a_faulty_run_leaves_good_data_and_resumes_to_the_same_state(
-        case: Case, scratch: Path) -> None:
-    found, _ = check(case, scratch)
-    assert not found, "\n".join(found)
+        case: Case, problems: dict[Case, list[str]]) -> None:
+    assert not problems[case], "\n".join(problems[case])
 
 
 def test_the_cases_cover_every_launcher_and_fault() -> None:
