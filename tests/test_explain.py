@@ -88,6 +88,22 @@ def test_with_a_silent_store_a_rank_that_did_not_answer_is_not_called_frozen() -
     assert known[1].startswith("did not answer: frozen")
 
 
+def test_a_wait_for_a_message_whose_peer_closed_names_that_peer() -> None:
+    """Fault case "replicas, kill in forward, later phase, rank 1", run beside another
+    case: rank 2 was moving rank 1's message on between receives (waiting for "a
+    message") when rank 1's connection closed, and said only that it lost its peer."""
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:8331")
+    failure, broken = wait_failed(closed, 2, 1, "a message", 4.0, 3)
+    assert str(failure).startswith("rank 2 lost its peer rank 1 (Connection closed by peer")
+    assert failure.report is not None and failure.report["rank"] == 1
+    late = RuntimeError("Timed out waiting 4000ms for recv operation to complete")
+    assert "waiting for a message from rank 1;" in str(wait_failed(late, 2, 1, "a message",
+                                                                    4.0, 3)[0])
+    named = "the activation of micro-batch 0 from stage 0 (rank 1)"
+    assert str(wait_failed(late, 2, 1, named, 4.0, 3)[0]).count("rank 1") == 1
+    assert "lost its peer (" in str(wait_failed(closed, 2, None, "a send", 4.0, 3)[0])
+
+
 def test_a_send_to_a_peer_that_exited_is_a_peer_failure_naming_it() -> None:
     failure, broken = lost_peer(RuntimeError("[pair.cc:589] Connection closed by peer [x]:2"),
                                 1, 0, 3, sending=True)

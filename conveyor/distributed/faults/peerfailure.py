@@ -67,10 +67,16 @@ def origin(report: dict[str, Any]) -> str:
 def wait_failed(exc: BaseException, rank: int, peer: int | None, what: str, seconds: float,
                 step: int) -> tuple[PeerFailure, str]:
     """Rank ``rank``'s failure when its wait for ``what`` (from ``peer``; None: a send)
-    ended in ``exc`` after ``seconds``, and why the transport refuses further steps."""
+    ended in ``exc`` after ``seconds``, and why the transport refuses further steps.
+    The message names the peer where it is known (a poll between receives waits for
+    "a message", which does not)."""
     silent = "timeout" if timed_out(exc) else "closed"
-    reason = (f"timed out after {seconds:g} s" if silent == "timeout"
-              else f"lost its peer ({first_line(exc)})")
+    if silent == "timeout":
+        reason = f"timed out after {seconds:g} s"
+        if peer is not None and f"rank {peer}" not in what:
+            what = f"{what} from rank {peer}"
+    else:
+        reason = f"lost its peer{'' if peer is None else f' rank {peer}'} ({first_line(exc)})"
     failure = PeerFailure(f"rank {rank} {reason} waiting for {what}; that rank may have "
                           "failed or be stuck", stage=-1, microbatch=-1, action="recv")
     if peer is not None:  # passed on to the other peers: who went silent, and how
