@@ -343,6 +343,63 @@ def _every_cut(profile: ModelProfile, cluster: Cluster, chunks: int,
     return plans
 
 
+def test_the_search_finds_the_smallest_bottleneck_where_memory_decides_recomputation() -> None:
+    """The dynamic program stops widening a stage once more layers cannot lower its
+    load. Under a tight memory cap a stage's load can fall as it grows: ending on a
+    smaller output (a pooling layer saving nothing), it fits without recomputing where
+    the shorter stage recomputes. Its first version stopped at the first stage whose
+    load was no better than the best cut so far, and on the first profile below cut
+    after layer 0 (bottleneck 100.8) where cutting after layer 2 gives 81.6: layers 0-1
+    recompute (layer 1 saves much), layers 0-2 fit without (layer 2 ends on one value).
+    On it and on random profiles of such layers, the search's bottleneck is the
+    smallest of every cut and replica count, and a capped search keeps under its cap."""
+    from conveyor.planner.solver import _Costs, _Search
+
+    found_first = (profile_of(layer("l0", time=0.6, out=10), layer("l1", time=9, saved=8000,
+                                                                     out=10000),
+                              layer("l2", time=0.6, saved=0, out=1), layer("l3", time=3, out=1)),
+                   Cluster((Level("node", 2, 1e5, 0.0),), memory=1.2e5), 2, True)
+    cases = [found_first]
+    for seed in range(60):
+        rng = random.Random(seed)
+        cases.append((profile_of(*(layer(f"l{i}", time=rng.uniform(0.5, 9), params=10,
+                                         saved=rng.choice([0, 100, 10000]),
+                                         out=rng.choice([1, 100, 10000, 30000]))
+                                   for i in range(rng.randint(2, 6)))),
+                      Cluster((Level("node", rng.randint(2, 4), 1e5, 0.0),),
+                              memory=rng.choice([3e4, 1e5, 3e5])),
+                      rng.choice([2, 4]), rng.random() < 0.5))
+    misses = []
+    for seed, (profile, cluster, chunks, holds_all) in enumerate(cases):
+        search = _Search(_Costs.of(profile), cluster, 8, chunks, holds_all, "adam", True,
+                         False, True)
+        layers = len(profile.layers)
+        for stages in range(1, min(layers, cluster.devices) + 1):
+            smallest = math.inf
+            for ends in itertools.combinations(range(1, layers), stages - 1):
+                bounds = list(zip((0, *ends), (*ends, layers)))
+                for replicas in itertools.product(range(1, min(cluster.devices, chunks) + 1),
+                                                  repeat=stages):
+                    if sum(replicas) > cluster.devices:
+                        continue
+                    starts = [sum(replicas[:k]) for k in range(stages)]
+                    cut = [search.stage(i, j, r, d, stages - k) for k, ((i, j), r, d)
+                           in enumerate(zip(bounds, replicas, starts))]
+                    if None not in cut:
+                        smallest = min(smallest, search.bottleneck(cut))
+            found = search.best(stages)
+            got = search.bottleneck(found) if found is not None else math.inf
+            if got != smallest:
+                misses.append((seed, stages, got, smallest))
+            for slack in (1.15, 1.4):  # a capped search keeps under its cap
+                capped = search.capped(smallest * slack).best(stages) \
+                    if smallest < math.inf else None
+                if smallest < math.inf and (capped is None or
+                                            search.bottleneck(capped) > smallest * slack):
+                    misses.append((seed, stages, "capped", slack))
+    assert not misses, misses
+
+
 def test_the_solver_comes_close_to_the_best_of_every_cut_and_replicas() -> None:
     """On small random profiles (2-5 layers of random time, parameters and output on 2-4
     devices), the solver's plan against the fastest of every cut and replica count

@@ -293,9 +293,12 @@ class _Search:
                 if stage is None:
                     continue
                 own = self.load(stage, 1)[0]
-                # A stage's load only grows with its layers: from here on none is better
-                # (or, capped, none is under the cap).
-                if own >= best[0] if self.cap is None else own > self.cap:
+                # Its load without recomputation only grows with its layers (the load may
+                # not: more layers can end on a smaller output that fits without
+                # recomputing): from here on none is better, or, capped, under the cap.
+                least = own - (math.ceil(self.chunks / replicas) * stage.forward
+                               if stage.recompute else 0.0)
+                if least >= best[0] if self.cap is None else least > self.cap:
                     break
                 if remaining == 1:
                     link, nxt = 0.0, 0.0
