@@ -14,12 +14,12 @@ ranks, rank stuck in a loop and rank frozen in the tied weights' all-reduce.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 
 from tests.faults import LAUNCHERS, PHASES, Case, check, every_case, pick, sample
+from tests.support.launch import problems_two_at_a_time
 
 #: What the issue reported under env:// by hand (rank 0 hosts the store; tied model):
 #: rank 0 frozen in backward, rank 0 raising in backward; and ``conveyor train`` under
@@ -54,14 +54,7 @@ CASES = REPORTED + SAMPLE + FOUND
 
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, list[str]]:
-    """What each case found, the cases run two at a time: most of a case is waiting for
-    a timeout, so two at once take about 60% of the time of one after the other (also
-    with another process busy on one of the two cores, tried)."""
-    out = tmp_path_factory.mktemp("faults")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        found = pool.map(lambda numbered: check(numbered[1], out / f"case{numbered[0]}")[0],
-                         enumerate(CASES))
-        return dict(zip(CASES, found))
+    return problems_two_at_a_time(check, CASES, tmp_path_factory.mktemp("faults"))
 
 
 @pytest.mark.timeout(600)  # the first one waits for every case

@@ -4,11 +4,10 @@ leaves on disk, and that the run goes on from there to the state of a run withou
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tests.runs import FAULTS, LAUNCHERS, Case, check, every_case
+from tests.support.launch import problems_two_at_a_time
 
 #: What the issue reported, then one case of each other fault; two launches of a run
 #: without a fault (one process, tied; env://, tied) are the references.
@@ -22,14 +21,9 @@ SAMPLE = [Case("torchrun", True, "freeze", 3, 0, "tie"),  # frozen in the tie al
 
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, list[str]]:
-    """What each case found, two cases at a time (a fault's run waits on a timeout or
-    a restart for much of its time); each kind of reference run is launched once and
-    shared by the cases (tests.runs ``reference``)."""
-    out = tmp_path_factory.mktemp("runs")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        found = pool.map(lambda numbered: check(numbered[1], out / f"case{numbered[0]}")[0],
-                         enumerate(SAMPLE))
-        return dict(zip(SAMPLE, found))
+    """Each kind of reference run is launched once and shared by the cases (tests.runs
+    ``reference``)."""
+    return problems_two_at_a_time(check, SAMPLE, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.timeout(800)  # the first one waits for every case

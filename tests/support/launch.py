@@ -25,9 +25,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("file", "env", "torchrun", "agents")
@@ -161,3 +163,15 @@ def _descendants(roots: list[int]) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - below
         below |= frontier
     return below
+
+
+def problems_two_at_a_time(check: Callable[[Any, Path], tuple[list[str], float]],
+                           cases: Sequence[Any], out: Path) -> dict[Any, list[str]]:
+    """What ``check(case, folder)`` found for each case, two cases at a time, each in a
+    folder of its own under ``out``: a launched fault case spends much of its time
+    waiting on a timeout or a restart, so two at once take about 60-80% of the time of
+    one after the other (tried also with another process busy on one of two cores)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found = pool.map(lambda numbered: check(numbered[1], out / f"case{numbered[0]}")[0],
+                         enumerate(cases))
+        return dict(zip(cases, found))
