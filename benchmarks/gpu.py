@@ -330,8 +330,9 @@ def part_compiled(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     measured = time_configs(steps, sizes.rounds)
     speed = {label: measured[label.split()[0]] / measured[label] for label in measured
              if label.split()[0] in ("1f1b", "zero-bubble") and label.split()[0] != label}
+    busy = {label: gpu_busy(step, device) for label, step in steps.items()}
     return {"step_ms": measured, "activation_bytes": held, "compiled_speed": speed,
-            "errors": errors}
+            "gpu_busy": busy, "errors": errors}
 
 
 def gpu_busy(step: Callable[[], None], device: torch.device) -> float | None:

@@ -69,13 +69,17 @@ def _precision(r: dict[str, Any]) -> str:
     base = r["step_ms"]["float32"]  # the pipeline's; plain rows: accumulated over M=8
     rows = [[name, f"{ms:.1f}", f"{base / ms:.2f}", _gib(r["activation_bytes"][name])]
             for name, ms in r["step_ms"].items()]
-    busy = ", ".join(f"{name} {share:.0%}" for name, share in r.get("gpu_busy", {}).items()
-                     if share is not None)
     return (_common.markdown_table(["2 stages, M=8", "step (ms)", "speed x float32",
                                     "activations (GiB)"], rows)
-            + (f"\n\nGPU busy (share of a step running kernels): {busy}" if busy else "")
+            + _busy(r)
             + "".join(f"\n\n{name} failed: `{error}`"
                       for name, error in r.get("errors", {}).items()))
+
+
+def _busy(r: dict[str, Any]) -> str:
+    busy = ", ".join(f"{name} {share:.0%}" for name, share in r.get("gpu_busy", {}).items()
+                     if share is not None)
+    return f"\n\nGPU busy (share of a step running kernels): {busy}" if busy else ""
 
 
 def _compiled(r: dict[str, Any]) -> str:
@@ -85,7 +89,7 @@ def _compiled(r: dict[str, Any]) -> str:
     return ("2 stages, M=8, precision='bf16' (plain rows: the caller's bf16 autocast, "
             "accumulated over M=8)\n\n"
             + _common.markdown_table(["", "step (ms)", "activations (GiB)"], rows)
-            + f"\n\ncompiled against eager: {speed} (goal: 1.15x)"
+            + f"\n\ncompiled against eager: {speed} (goal: 1.15x)" + _busy(r)
             + "".join(f"\n\n{name} failed: `{error}`"
                       for name, error in r.get("errors", {}).items()))
 
