@@ -142,13 +142,14 @@ def part_tests(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     if sizes.smoke:
         command += ["--collect-only"]
     done = subprocess.run(command, cwd=_common.ROOT, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, "COLUMNS": "240"})  # (reasons)
     lines = done.stdout.strip().splitlines()
     counts = [line.strip("= ") for line in lines
               if any(w in line for w in (" passed", " failed", " error", "collected"))]
     return {"command": " ".join(command[1:]), "returncode": done.returncode,
             "summary": counts[-1] if counts else (lines[-1:] or [done.stderr[-500:]])[0],
-            "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))]}
+            "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+            "output_tail": done.stdout[-8000:] if done.returncode else ""}
 
 
 def part_equivalence(sizes: Sizes, device: torch.device) -> dict[str, Any]:

@@ -29,6 +29,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
+@pytest.fixture(autouse=True)
+def fresh_graphs() -> None:
+    """Each test compiles ``compiled``'s one function again: torch keeps 8 graphs per
+    code object and runs it eagerly from the ninth (this file's tests on a GPU)."""
+    torch._dynamo.reset()
+
+
 def block(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6), nn.LayerNorm(6),

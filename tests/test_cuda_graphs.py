@@ -4,11 +4,13 @@ micro-batch in flight.
 On the CPU: every case it refuses, with the reason. On a GPU (run by
 ``benchmarks/gpu.py``'s tests part): float64 steps equal to the plain model's under
 GPipe and 1F1B over steps of uneven micro-batches, as many captures as micro-batches
-are in flight, and ``eval_step`` without graphs.
+are in flight, and ``eval_step`` without graphs; under ``precision="bf16"``, the
+compiled stages' gradients.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -81,6 +83,35 @@ def test_replayed_stages_are_exact_over_steps_of_uneven_micro_batches(schedule: 
     with torch.no_grad():
         x = sample("mlp", batch=12).cuda()
         torch.testing.assert_close(pipe.eval_step(x), reference(x))
+
+
+@cuda
+def test_replayed_stages_under_bf16_match_the_compiled_stages() -> None:
+    """``precision="bf16"``: autocast caches the weights it casts within a step (the
+    compiled stage's probe casts them before the first capture); a cast kept from
+    before a capture ties it to the default stream, which CUDA refuses (H200)."""
+    model, _ = build("mlp")
+    model.float()
+    twin = copy.deepcopy(model)
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": 4, "balance": [4, 3],
+                               "devices": [GPU, GPU], "compile": True,
+                               "recompute": "never", "precision": "bf16"}
+    graphed = conveyor.Pipeline(model, cuda_graphs=True, **options)
+    compiled = conveyor.Pipeline(twin, **options)
+    for batch in (12, 10, 12):
+        x = sample("mlp", batch=batch).float().cuda()
+        y = torch.randn(batch, 3, device="cuda")
+        losses = []
+        for pipe in (graphed, compiled):
+            pipe.zero_grad(set_to_none=True)
+            losses.append(pipe.step(x, y))
+        torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=1e-3)
+        for (name, got), (_, want) in zip(graphed.named_parameters(),
+                                           compiled.named_parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=2e-2, atol=2e-3,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    assert all(stage.graphed is not None and stage.graphed.captures > 0
+               for stage in graphed.runtime.stages.values())
 
 
 def replayed_in_static_memory(module: torch.nn.Module, sample_args: tuple[Any, ...], *,

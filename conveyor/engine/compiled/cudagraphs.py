@@ -26,7 +26,7 @@ Three things keep it exact, as a replay hands on memory it will write again:
 
 A capture's first replay is checked against the compiled graph run on the same input
 (outputs and every gradient, to float tolerance): a capture that differs fails the
-step, naming the stage, rather than train on. Not run on a GPU yet.
+step, naming the stage, rather than train on.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ class GraphedStage:
         the stage's output is not one tensor (it then runs without graphs)."""
         sample = x.detach().clone().requires_grad_(x.requires_grad)
         params = [p for p in self._layers.parameters() if p.requires_grad]
+        if torch.is_autocast_enabled("cuda"):
+            # Autocast's cache keeps the weights it cast earlier in the step (the
+            # compiled stage's probe casts them), and with them the parameters'
+            # AccumulateGrad nodes, made on the default stream: a capture's backward
+            # would then wait on that stream, which CUDA refuses (H200, torch 2.11).
+            torch.clear_autocast_cache()
         expected = self._reference(sample, params)
         if expected is None:
             self._plain.add(key)
