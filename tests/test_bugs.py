@@ -11,6 +11,7 @@ from torch import nn
 
 import conveyor
 from tests.support.extras import require
+from tests.support.cases import KeptApart
 
 
 class _EncoderDecoder(nn.Module):
@@ -36,18 +37,22 @@ def _logits_loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out["logits"], y)
 
 
+@pytest.mark.parametrize("kept_apart", [False, True])
 @pytest.mark.parametrize("returns", ["encoder", "hidden"])
 @pytest.mark.parametrize("recompute", ["always", "except_last"])
 @pytest.mark.parametrize("schedule,split_at", [("zero-bubble", ["dec"]),
                                                ("zb-v", ["mid", "dec", "head"]),
                                                ("dualpipe-v", ["mid", "dec", "head"])])
 def test_a_returned_value_made_earlier_keeps_split_backward_exact(
-        returns: str, recompute: str, schedule: str, split_at: list[str]) -> None:
+        returns: str, recompute: str, schedule: str, split_at: list[str],
+        kept_apart: bool) -> None:
     """Split backward (I, then W) of a recomputed last stage with a loss: its starting
     gradients were the loss's total gradients of the outputs, so what flowed into one
     output through another (an encoder state returned beside the logits) counted twice
     (encoder gradients 89% off with except_last, doubled with always). Fixed: the loss
-    reads a view of each output, and backward starts from the loss's gradient of those."""
+    reads a view of each output, and backward starts from the loss's gradient of those.
+    A loss recomputed with the stage (the default since) is computed again on the
+    rebuilt outputs; ``kept_apart``: one that is not, on views as before."""
     torch.manual_seed(0)
     model = _EncoderDecoder(returns).double()
     x = torch.randn(8, 8, dtype=torch.float64)
@@ -56,8 +61,8 @@ def test_a_returned_value_made_earlier_keeps_split_backward_exact(
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     pipe = conveyor.Pipeline(model, split_at=split_at, sample=x[:2], chunks=4,
-                             schedule=schedule, loss_fn=_logits_loss,
-                             devices=["cpu", "cpu"], recompute=recompute)
+                             schedule=schedule, devices=["cpu", "cpu"], recompute=recompute,
+                             loss_fn=KeptApart(_logits_loss) if kept_apart else _logits_loss)
     pipe.step(x, y)
     for name, p in model.named_parameters():
         assert p.grad is not None, name

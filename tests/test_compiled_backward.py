@@ -170,7 +170,8 @@ def test_a_plan_left_armed_by_a_failed_backward_is_taken_by_no_later_one() -> No
     g = torch.randn(4, 4, dtype=torch.float64)
     want_input, want_params = expected_grads(module, x, g)
     waiting: list[object] = []
-    stale = run(x).grad_fn
+    stale_output = run(x)  # (alive: a node outlives its tensors only while they live)
+    stale = stale_output.grad_fn
     handles = planned([stale], waiting)
     compiled_module._arm(handles[-1], ())  # as its pre-hook would, its backward then failing
     for handle in handles:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -87,6 +89,54 @@ def test_clip_grad_norm_counts_a_tied_weight_once() -> None:
     plain = dict(reference.named_parameters(remove_duplicate=False))
     for name, p in pipe.named_parameters():
         assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+def test_a_recomputed_last_stage_keeps_neither_its_logits_nor_what_the_loss_saves(
+        schedule: str, pair: bool, compiled: bool) -> None:
+    """A recomputed micro-batch's loss is recomputed with the last stage, so that it keeps
+    its input alone: not its logits nor their log-softmax, one pair per micro-batch in
+    flight (what kept Table 1's Pipeline-1 at 16 blocks where 18 fit; a stage compiled as
+    one graph, which recomputes inside its own backward, keeps its logits for the loss).
+    The loss runs again in backward, where ``conveyor.is_recomputing()`` is true; the
+    gradients are the plain model's, also for a ``(loss_sum, count)`` loss and a split
+    backward (zero-bubble rebuilds the stage and its loss once, for I and W)."""
+    model, _ = case_model("lm")
+    reference = copy.deepcopy(model)
+    alive: dict[str, list[weakref.ref[torch.Tensor]]] = {"logits": [], "log-softmax": []}
+    held: list[tuple[int, int]] = []  # at each first call: earlier ones' tensors alive
+    calls = Counter[bool]()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        calls[conveyor.is_recomputing()] += 1
+        if not conveyor.is_recomputing():
+            held.append((sum(r() is not None for r in alive["logits"]),
+                         sum(r() is not None for r in alive["log-softmax"])))
+            alive["logits"].append(weakref.ref(logits))
+        logged = logits.flatten(0, 1).log_softmax(-1)
+        if not conveyor.is_recomputing():
+            alive["log-softmax"].append(weakref.ref(logged))
+        summed = nn.functional.nll_loss(logged, targets.flatten(), reduction="sum")
+        return (summed, targets.numel()) if pair else summed / targets.numel()
+
+    pipe = conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=4,
+                             schedule=schedule, loss_fn=loss_fn, recompute="always",
+                             compile=compiled)
+    x, y = case_batch("lm", batch=8)
+    loss = pipe.step(x, y)
+    expected = lm_loss(reference(x), y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+    assert calls == {False: 4, True: 4}  # each micro-batch's loss once more, in backward
+    # GPipe's last stage runs its four forwards before its first backward (zero-bubble's
+    # alternates F and I: nothing of an earlier micro-batch is left at the next F)
+    kept_logits = compiled and schedule == "gpipe"
+    assert held == ([(i, 0) for i in range(4)] if kept_logits else [(0, 0)] * 4), held
 
 
 def test_non_finite_loss_names_the_micro_batch() -> None:

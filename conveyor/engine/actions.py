@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,8 @@ from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
 from conveyor.engine.backward.weightgrad import WeightGradient, backward_input
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
-from conveyor.torchprivate import pytree
+from conveyor.engine.recompute.replay import is_recomputing
+from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
 
 __all__: list[str] = []
 
@@ -49,11 +50,13 @@ class StageActions:
     offloader: Offloader | None
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
-                recompute: bool) -> tuple[Any, SideEffects | None]:
+                recompute: bool, loss_of: Callable[[Any], torch.Tensor] | None = None
+                ) -> tuple[Any, SideEffects | None]:
         raise NotImplementedError
 
     def recompute(self, inputs: Any, microbatch: int, effects: SideEffects, *,
-                  step_seed: int | None) -> Any:
+                  step_seed: int | None,
+                  loss_of: Callable[[Any], torch.Tensor] | None = None) -> Any:
         raise NotImplementedError
 
     def route(self, outputs: Any, destinations: Sequence[int]) -> dict[int, Any]:
@@ -74,15 +77,24 @@ class StageActions:
         inputs = (deliver(state.inputs[m], self.device) if self.index == 0
                   else self.join(received))
         recompute = state.grad_enabled and state.recompute(self.index, m)
+        has_loss = self.last and state.loss_fn is not None
+        with_stage = has_loss and recompute and getattr(  # the loss recomputed with the
+            state.loss_fn, "recomputed_with_stage", True)  # stage's layers: see _loss
         loss = read = None  # read: the output as loss_fn read it
         activations = self._activations(m, inputs, state, recompute)
         with activations.saving() if activations is not None else contextlib.nullcontext():
-            outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
-                                            recompute=recompute)
+            if with_stage:
+                (outputs, loss), effects = self.forward(
+                    inputs, m, step_seed=state.step_seed, recompute=True,
+                    loss_of=lambda out: self._loss(m, out, state, again=is_recomputing()))
+                outputs = None  # (kept by nothing: backward recomputes it)
+            else:
+                outputs, effects = self.forward(inputs, m, step_seed=state.step_seed,
+                                                recompute=recompute)
             if activations is not None:  # kept for backward anyway; the loss's targets
                 activations.keep((outputs, state.targets[m] if self.last and state.targets
                                   else None))
-            if self.last and state.loss_fn is not None:  # its saved tensors too
+            if has_loss and not with_stage:  # its saved tensors too
                 read = _read_apart(outputs) if recompute else outputs
                 loss = self._loss(m, read, state)
         sent: dict[int, Any] = {}  # by receiving stage
@@ -92,7 +104,7 @@ class StageActions:
             sent = self.route(outputs, destinations)
         if state.grad_enabled:
             state.saved[(self.index, m)] = Saved(inputs, received, outputs, sent, loss,
-                                                 effects, read)
+                                                 effects, read, with_stage)
         return sent
 
     def _activations(self, m: int, inputs: Any, state: StepState,
@@ -175,20 +187,32 @@ class StageActions:
         state.activations.pop((self.index, microbatch), None)
         state.weight_work.pop((self.index, microbatch)).run()
 
-    def _loss(self, m: int, outputs: Any, state: StepState) -> torch.Tensor:
+    def _loss(self, m: int, outputs: Any, state: StepState, *,
+              again: bool = False) -> torch.Tensor:
         """The loss of micro-batch m, as its backward starts from: scaled by the
         micro-batch's share of the batch, or (a ``(loss_sum, count)`` pair) the sum
-        alone, divided by the whole step's count once every micro-batch is done."""
+        alone, divided by the whole step's count once every micro-batch is done.
+
+        A recomputed micro-batch computes its loss inside the stage's recomputed region,
+        so that it keeps its input alone: not the stage's output nor what the loss saves
+        (a language model's logits and their log-softmax, its largest activations, one
+        pair per micro-batch in flight). Its backward runs ``loss_fn`` ``again`` (where
+        :func:`conveyor.is_recomputing` is true), recording nothing a second time."""
         assert state.loss_fn is not None and state.targets is not None
         targets = deliver(state.targets[m], self.device)
         try:
             result = state.loss_fn(outputs, targets)
+        except STOP_RECOMPUTATION:
+            raise
         except Exception as exc:
             action = f"{self.index}F{m}"  # the loss is part of the last stage's forward
             raise StageError(f"loss_fn failed on micro-batch {m} (stage {self.index}, "
                              f"{action}): {type(exc).__name__}: {exc}", stage=self.index,
                              microbatch=m, action=action) from exc
         loss, count = loss_and_count(result, m)
+        if again:
+            scale = state.grad_scale * (state.loss_scale[m] if count is None else 1.0)
+            return loss.reshape(()) * scale
         if state.losses and (count is not None) != bool(state.counts):
             raise ConveyorError(
                 f"loss_fn returned {'a (loss_sum, count) pair' if count is not None else 'a scalar'}"
@@ -212,7 +236,8 @@ class StageActions:
 
         A split backward of a recomputed micro-batch rebuilds the stage's graph here,
         once, and I and W both use it; left to torch.utils.checkpoint, each of the two
-        backward calls would recompute the stage. A loss at the last stage is first
+        backward calls would recompute the stage. A loss recomputed with the stage is
+        computed again on the rebuilt outputs. Another loss at the last stage is first
         back-propagated to the stage's outputs (its own graph was kept), as loss_fn read
         them: each through a view of its own (see :func:`_read_apart`), so that the
         gradient of each is what the loss sends into it directly. The gradient of the
@@ -220,6 +245,11 @@ class StageActions:
         through the stage from the other outputs (an output another one is made from,
         an input the stage returns as it is); the rebuilt graph adds that again.
         """
+        assert saved.effects is not None
+        if saved.loss_with_stage:
+            return [(self.recompute(saved.inputs, m, saved.effects, step_seed=state.step_seed,
+                                    loss_of=lambda out: self._loss(m, out, state, again=True)),
+                     None)]
         if saved.loss is not None:
             read = pytree.tree_leaves(saved.read)
             at = [i for i, t in enumerate(read)
@@ -231,7 +261,6 @@ class StageActions:
             leaves = pytree.tree_leaves(saved.outputs)
             positions = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
             by_position = [(positions[id(out)], grad) for out, grad in pairs]
-        assert saved.effects is not None
         outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, saved.effects,
                                                     step_seed=state.step_seed))
         return [(outputs[i], grad) for i, grad in by_position]

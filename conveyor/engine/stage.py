@@ -22,33 +22,15 @@ from torch import nn
 from conveyor.engine.backward.accumulation import FusedAccumulation
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
-from conveyor.engine.compiled.stages import (
-    CompiledCall,
-    CompiledStage,
-    before_compiled_call,
-    compile_stage,
-    is_compiled,
-    run_aside,
-)
+from conveyor.engine.compiled.stages import (CompiledCall, CompiledStage, before_compiled_call,
+                                             compile_stage, is_compiled, run_aside)
 from conveyor.engine.compiled.cudagraphs import GraphedStage
 from conveyor.engine.offload import Offloader
-from conveyor.engine.layers import (
-    Partition,
-    WholeStage,
-    batch_rows,
-    check_output,
-    copied_leaves,
-    failure,
-    shares_a_leaf,
-    shares_a_tensor,
-    writes_into_leaf,
-)
+from conveyor.engine.layers import (Partition, WholeStage, batch_rows, check_output,
+                                    copied_leaves, failure, shares_a_leaf, shares_a_tensor,
+                                    writes_into_leaf)
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
-from conveyor.engine.recompute.sideeffects import (
-    ModuleState,
-    SideEffects,
-    refuse_on_replicas,
-)
+from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects, refuse_on_replicas
 from conveyor.engine.recompute.rng import LayerRandomness
 from conveyor.errors import ModelError
 from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
@@ -176,7 +158,8 @@ class Stage(StageActions):
         return values
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
-                recompute: bool) -> tuple[Any, SideEffects | None]:
+                recompute: bool, loss_of: Callable[[Any], torch.Tensor] | None = None
+                ) -> tuple[Any, SideEffects | None]:
         """Runs the stage's layers on one micro-batch.
 
         Args:
@@ -184,12 +167,15 @@ class Stage(StageActions):
             microbatch: its index m (seeds and messages use it).
             step_seed: the seed of this pipelined call, or None for no seeding (eval).
             recompute: keep only ``inputs`` and recompute the layers in backward.
+            loss_of: with ``recompute``, the loss of the outputs, recomputed with the
+                layers (a stage run as one graph that recomputes inside its backward
+                keeps its outputs for it).
 
         Returns:
-            The outputs, and (recomputed only) what the forward changed in the stage's
-            modules, which its recomputation puts back as the forward saw it; None where
-            the stage's compiled graph recomputes inside its own backward (a stage run
-            as one graph).
+            The outputs (with ``loss_of``: the outputs and their loss), and (recomputed
+            only) what the forward changed in the stage's modules, which its
+            recomputation puts back as the forward saw it; None where the stage's
+            compiled graph recomputes inside its own backward (a stage run as one graph).
         """
         in_graph = (recompute and torch.is_grad_enabled() and self.compiled is not None
                     and not self.replicated and self._stage_graph(
@@ -200,7 +186,8 @@ class Stage(StageActions):
             return self._run_layers(x, microbatch, step_seed, in_graph)
 
         def run(x: Any) -> Any:
-            return self.layers(x, loop)  # through the module, so that its hooks run
+            outputs = self.layers(x, loop)  # through the module, so that its hooks run
+            return outputs if loss_of is None or in_graph else (outputs, loss_of(outputs))
 
         if recompute and torch.is_grad_enabled() and not in_graph:
             outputs, effects = checkpointed(run, inputs, self.module_state)
@@ -208,6 +195,9 @@ class Stage(StageActions):
         elif self.replicated:
             watched, effects = SideEffects(), None
             outputs = self.module_state.run(run, inputs, watched)
+        elif in_graph and loss_of is not None:
+            outputs = run(inputs)
+            return (outputs, checkpointed(loss_of, outputs, self.module_state)[0]), None
         else:
             return run(inputs), None
         if self.replicated:  # what its forward changes would differ between replicas
@@ -216,11 +206,14 @@ class Stage(StageActions):
         return outputs, effects
 
     def recompute(self, inputs: Any, microbatch: int, effects: SideEffects, *,
-                  step_seed: int | None) -> Any:
+                  step_seed: int | None,
+                  loss_of: Callable[[Any], torch.Tensor] | None = None) -> Any:
         """The forward of :meth:`forward` again, recording the whole graph: the same
-        random numbers, and the modules' state as the forward saw it (``effects``)."""
+        random numbers, and the modules' state as the forward saw it (``effects``).
+        Returns the outputs, or with ``loss_of`` their loss."""
         with Recomputation(effects), torch.enable_grad():
-            return self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
+            outputs = self.layers(inputs, lambda x: self._run_layers(x, microbatch, step_seed))
+            return outputs if loss_of is None else loss_of(outputs)
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None,
                     in_graph: bool = False) -> Any:

@@ -120,13 +120,17 @@ class Saved:
         inputs: the stage's input, detached leaves.
         received: the messages the input was joined from, by sending stage (their
             leaves are the input's).
-        outputs: the stage's output (with only ``inputs`` saved, if recomputed).
+        outputs: the stage's output (with only ``inputs`` saved, if recomputed; None
+            where the loss is recomputed with the stage, which recomputes it too).
         sent: the output as sent to each later stage, by receiving stage.
         loss: at the last stage, the loss backward starts from (None: the outputs).
         effects: for a micro-batch whose stage graph is rebuilt for backward, what its
             forward changed in the stage's modules (None: not recomputed).
         read: at the last stage with a loss, the output as loss_fn read it (if
-            recomputed, a view of each tensor; see ``stage._read_apart``).
+            recomputed, a view of each tensor; see ``actions._read_apart``); None where
+            the loss is recomputed with the stage.
+        loss_with_stage: the loss is recomputed with the stage's layers (``loss`` is
+            their checkpoint's output; see ``StageActions._loss``).
     """
 
     inputs: Any
@@ -136,6 +140,7 @@ class Saved:
     loss: torch.Tensor | None
     effects: SideEffects | None
     read: Any = None
+    loss_with_stage: bool = False
 
 
 def check_options(*, chunks: int, recompute: str | Sequence[str] | None,

@@ -138,8 +138,11 @@ def plan(figures: Sequence[LayerFigures], *, devices: int, memory: float, batch:
     saved = [sum(f.activation_bytes for f in g) for g in groups]
     output = [micro * g[-1].output_bytes for g in groups]
     # What a micro-batch in flight holds on each stage: its activations and output, or
-    # with recomputation its input and output, and rebuilds the rest (see rank_peaks).
-    kept = [micro * (g[0].input_bytes if rematerialize else saved[s]) + output[s]
+    # with recomputation its input and output (the last stage its input alone: it
+    # recomputes its output with the loss), and rebuilds the rest (see rank_peaks).
+    kept_output = [0.0 if rematerialize and s == stages - 1 else o
+                   for s, o in enumerate(output)]
+    kept = [micro * (g[0].input_bytes if rematerialize else saved[s]) + kept_output[s]
             for s, g in enumerate(groups)]
     rebuilt = [micro * max(saved[s] - g[0].input_bytes, 0.0) if rematerialize else 0.0
                for s, g in enumerate(groups)]
@@ -163,18 +166,22 @@ def plan(figures: Sequence[LayerFigures], *, devices: int, memory: float, batch:
                                   if rematerialize else 0.0)))
     # A rank's stages (two in a V) peak together only as its actions show: one B at a time.
     rank_bytes = [peak + sum(plans[s].parameter_bytes for s in table.stages_of(r))
-                  for r, peak in enumerate(rank_peaks(table, kept, output, rebuilt, moves))]
+                  for r, peak in enumerate(rank_peaks(table, kept, output, rebuilt, moves,
+                                                      kept_output=kept_output))]
     return Plan(schedule, chunks, virtual_stages, rematerialize, balance, plans, rank_bytes,
                 memory, simulation.makespan, batch / simulation.makespan, moves is not None)
 
 
 def rank_peaks(table: Schedule, kept: Sequence[float], output: Sequence[float],
-               rebuilt: Sequence[float], moves: Sequence[float] | None = None) -> list[float]:
+               rebuilt: Sequence[float], moves: Sequence[float] | None = None, *,
+               kept_output: Sequence[float] | None = None) -> list[float]:
     """Per rank, the most activation bytes its stages hold at once, down its column (a
     rank's memory changes with its own actions only). A micro-batch of stage s holds
     ``kept[s]`` from its F until its B or W is done, less ``output[s]`` after its I (W
     needs only the graph), and ``rebuilt[s]`` while a recomputed F runs (torch frees it
     as it goes: at most this at once), during a B, and from an I until its W is done.
+    ``kept_output[s]`` (default ``output[s]``) is the part of ``kept[s]`` that is the
+    output; a rebuilt graph makes ``output[s]`` again.
 
     With ``moves`` (offloaded activations, none recomputed), a micro-batch that the
     runtime's own plan (:func:`conveyor.engine.offload.offload_plan`) offloads holds
@@ -190,13 +197,14 @@ def rank_peaks(table: Schedule, kept: Sequence[float], output: Sequence[float],
         reloads, parks = offload.reloads.get(r, {}), offload.parks.get(r, {})
         for at, action in enumerate(column):
             k, o, b = kept[action.stage], output[action.stage], rebuilt[action.stage]
+            held_output = o if kept_output is None else kept_output[action.stage]
             if at in reloads:
                 now += moves[reloads[at][0]] if moves is not None else 0.0
             again = o if b else 0.0  # a rebuilt graph makes the output again
             during, after = {Kind.FORWARD: (k + b, -b),
                              Kind.BACKWARD: (b + again, -k - b - again),
-                             Kind.INPUT: (b + again, -o - again),
-                             Kind.WEIGHT: (0.0, o - k - b)}[action.kind]
+                             Kind.INPUT: (b + again, -held_output - again),
+                             Kind.WEIGHT: (0.0, held_output - k - b)}[action.kind]
             peak, now = max(peak, now + during), now + during + after
             if moves is not None and ((action.kind is Kind.FORWARD and (
                     action.stage, action.microbatch) in offload.offloaded) or at in parks):

@@ -238,10 +238,10 @@ class _Search:
     def memory(self, i: int, j: int, held: int, rebuilt: int) -> tuple[float, float]:
         """Bytes a device of layers [i, j) needs holding ``held`` micro-batches at once:
         keeping their activations, and recomputing them (keeping each one's input and
-        output, and ``rebuilt`` micro-batches' activations rebuilt at once)."""
-        c, micro = self.costs, self.micro
+        output, the last stage's input alone, and ``rebuilt`` ones' activations)."""
+        c, micro, last = self.costs, self.micro, j == self.layers
         weights = (c.parameters[j] - c.parameters[i]) * OPTIMIZER_BYTES[self.optimizer]
-        saved, boundary = c.saved[j] - c.saved[i], c.output[i] + c.output[j]
+        saved, boundary = c.saved[j] - c.saved[i], c.output[i] + (0 if last else c.output[j])
         return (weights + micro * held * (saved + c.output[j]),
                 weights + micro * (held * boundary + rebuilt * saved))
 

@@ -53,6 +53,11 @@ class VocabParallelCrossEntropy:
     step's loss is the mean over the batch's tokens.
     """
 
+    #: A recomputed last stage does not run this loss again in its backward (its
+    #: shards keep their logits on their own devices; under torchrun every rank joins
+    #: each call). See ``conveyor.engine.actions.StageActions._loss``.
+    recomputed_with_stage = False
+
     def __init__(self, head: str = "lm_head", *, ignore_index: int = -100) -> None:
         self.head = head
         self.ignore_index = ignore_index

@@ -37,6 +37,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class KeptApart:
+    """``loss_fn`` as a loss that a recomputed last stage does not run again in its
+    backward (``recomputed_with_stage = False``, as conveyor.VocabParallelCrossEntropy):
+    the loss keeps its own graph, and a split backward starts from its gradients of the
+    stage's outputs."""
+
+    recomputed_with_stage = False
+
+    def __init__(self, loss_fn: Any) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, outputs: Any, targets: Any) -> Any:
+        return self.loss_fn(outputs, targets)
+
+
 def case_model(name: str) -> tuple[nn.Sequential, Any]:
     """The case's model and loss: "mlp", "lm" (tied), or "vlm": the LM with a head of
     its own (the same values) under a vocabulary-parallel loss."""
