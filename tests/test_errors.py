@@ -474,6 +474,21 @@ def test_a_failing_loss_fn_names_the_last_stage_and_its_action() -> None:
     assert (caught.value.stage, caught.value.action, caught.value.microbatch) == (1, "1F0", 0)
 
 
+def test_a_loss_fn_failing_when_recomputed_says_so() -> None:
+    """A recomputed micro-batch runs loss_fn again in its backward (with the stage)."""
+    def broken(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if conveyor.is_recomputing():
+            raise ValueError("no second call")
+        return nn.functional.mse_loss(output, targets)
+
+    pipe = conveyor.Pipeline(model8(), balance=[4, 4], devices=["cpu"] * 2, chunks=2,
+                             loss_fn=broken, recompute="always", schedule="gpipe")
+    with pytest.raises(conveyor.StageError,
+                       match=r"loss_fn failed on micro-batch 1 \(stage 1, 1B1\) while "
+                             r"recomputing it for backward: ValueError: no second call"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+
+
 def test_gpipe_names_what_it_takes_when_given_something_else() -> None:
     with pytest.raises(conveyor.ModelError, match=r"GPipe runs an nn.Module .* got function"):
         conveyor.GPipe(lambda i: torch.nn.Linear(2, 2), chunks=2)  # type: ignore[arg-type]

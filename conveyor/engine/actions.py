@@ -78,8 +78,7 @@ class StageActions:
                   else self.join(received))
         recompute = state.grad_enabled and state.recompute(self.index, m)
         has_loss = self.last and state.loss_fn is not None
-        with_stage = has_loss and recompute and getattr(  # the loss recomputed with the
-            state.loss_fn, "recomputed_with_stage", True)  # stage's layers: see _loss
+        with_stage = has_loss and recompute and recomputed_with_stage(state.loss_fn)
         loss = read = None  # read: the output as loss_fn read it
         activations = self._activations(m, inputs, state, recompute)
         with activations.saving() if activations is not None else contextlib.nullcontext():
@@ -204,11 +203,12 @@ class StageActions:
             result = state.loss_fn(outputs, targets)
         except STOP_RECOMPUTATION:
             raise
-        except Exception as exc:
-            action = f"{self.index}F{m}"  # the loss is part of the last stage's forward
+        except Exception as exc:  # the loss is part of the last stage's forward
+            action = f"{self.index}{'B' if again else 'F'}{m}"
+            during = " while recomputing it for backward" if again else ""
             raise StageError(f"loss_fn failed on micro-batch {m} (stage {self.index}, "
-                             f"{action}): {type(exc).__name__}: {exc}", stage=self.index,
-                             microbatch=m, action=action) from exc
+                             f"{action}){during}: {type(exc).__name__}: {exc}",
+                             stage=self.index, microbatch=m, action=action) from exc
         loss, count = loss_and_count(result, m)
         if again:
             scale = state.grad_scale * (state.loss_scale[m] if count is None else 1.0)
@@ -264,6 +264,13 @@ class StageActions:
         outputs = pytree.tree_leaves(self.recompute(saved.inputs, m, saved.effects,
                                                     step_seed=state.step_seed))
         return [(outputs[i], grad) for i, grad in by_position]
+
+
+def recomputed_with_stage(loss_fn: Any) -> bool:
+    """Whether a recomputed micro-batch's loss is recomputed with the last stage's layers
+    (see :meth:`StageActions._loss`): unless ``loss_fn`` says otherwise with
+    ``recomputed_with_stage = False`` (as conveyor.VocabParallelCrossEntropy)."""
+    return bool(getattr(loss_fn, "recomputed_with_stage", True))
 
 
 def _read_apart(outputs: Any) -> Any:
