@@ -34,6 +34,14 @@ def test_search_finds_the_largest_fitting_size(pipeline1, largest: int) -> None:
     assert len(tried) <= 2 * 13  # doubling then bisection: logarithmic
 
 
+def test_recomputed_loss_script_measures_both_ways() -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "recomputed_loss.py"),
+                             "--smoke"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"\| kept apart \| \d+ \| \d+ \|", result.stdout), result.stdout
+    assert "the loss kept apart holds" in result.stdout
+
+
 def test_pipeline1_script_runs_a_step_of_each_kind() -> None:
     result = subprocess.run([sys.executable, str(BENCHMARKS / "pipeline1_gpu.py"), "--smoke"],
                             capture_output=True, text=True, timeout=120)
