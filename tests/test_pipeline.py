@@ -34,10 +34,20 @@ def test_every_schedule_equals_the_plain_model(model_name: str, schedule: str, v
                              schedule=schedule, virtual_stages=virtual, loss_fn=loss_fn,
                              checkpoint=checkpoint)
     x, y = case_batch(model_name)  # 10 samples: uneven micro-batches
+    step_equals_the_plain_model(pipe, reference, loss_fn, x, y)
+
+
+def step_equals_the_plain_model(pipe: conveyor.Pipeline, reference: nn.Module, loss_fn: Any,
+                                x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of ``pipe``: the plain model's loss and gradients, in float64."""
     loss = pipe.step(x, y)
     expected = loss_fn(reference(x), y)
     expected.backward()
     assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    same_grads_as(pipe, reference)
+
+
+def same_grads_as(pipe: conveyor.Pipeline, reference: nn.Module) -> None:
     plain = dict(reference.named_parameters(remove_duplicate=False))
     for name, p in pipe.named_parameters():
         assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
@@ -86,9 +96,7 @@ def test_clip_grad_norm_counts_a_tied_weight_once() -> None:
     norm = pipe.clip_grad_norm_(0.1)
     expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
     assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item()
-    plain = dict(reference.named_parameters(remove_duplicate=False))
-    for name, p in pipe.named_parameters():
-        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+    same_grads_as(pipe, reference)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -125,13 +133,7 @@ def test_a_recomputed_last_stage_keeps_neither_its_logits_nor_what_the_loss_save
                              schedule=schedule, loss_fn=loss_fn, recompute="always",
                              compile=compiled)
     x, y = case_batch("lm", batch=8)
-    loss = pipe.step(x, y)
-    expected = lm_loss(reference(x), y)
-    expected.backward()
-    assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
-    plain = dict(reference.named_parameters(remove_duplicate=False))
-    for name, p in pipe.named_parameters():
-        assert relative_error(p.grad, plain[name].grad) <= 1e-10, name
+    step_equals_the_plain_model(pipe, reference, lm_loss, x, y)
     assert calls == {False: 4, True: 4}  # each micro-batch's loss once more, in backward
     # GPipe's last stage runs its four forwards before its first backward (zero-bubble's
     # alternates F and I: nothing of an earlier micro-batch is left at the next F)
