@@ -149,3 +149,21 @@ def test_gpu_runs_merge_part_by_part_each_with_its_commit(tmp_path: Path) -> Non
     refused = subprocess.run([*script, earlier, other, "--out", str(tmp_path / "no")],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "not comparable" in refused.stderr
+
+
+def test_host_overhead_script_times_both_pipelines_per_action(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"),
+                             "--chunks", "4", "--rounds", "1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    ms = report["median_ms"]
+    assert set(ms) == {"conveyor 1f1b", "conveyor zero-bubble", "torch Schedule1F1B",
+                       "stage column"}
+    # per action: a step over the 2M F and B actions of a rank, in microseconds
+    for name, config in (("conveyor", "conveyor 1f1b"), ("torch", "torch Schedule1F1B")):
+        assert report["per_action_us"][name] == pytest.approx(1e3 * ms[config] / 8)
+    assert report["zb_over_1f1b"] == pytest.approx(
+        ms["conveyor zero-bubble"] / ms["conveyor 1f1b"])
+    assert "conveyor / torch" in report["table"]
