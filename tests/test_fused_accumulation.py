@@ -18,6 +18,13 @@ from tests.support import any_models
 from tests.support.models import assert_same_grads, build, relative_error, sample
 
 
+@pytest.fixture(autouse=True)
+def small_weights_fuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This file's small models fuse as large ones do (test_only_large_weights_fuse_by_default
+    holds the default)."""
+    monkeypatch.setattr(accumulation, "FUSED_MIN_ELEMENTS", 0)
+
+
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the fused additions into ``.grad`` (one per linear layer and micro-batch)."""
@@ -106,6 +113,22 @@ def test_switched_off_by_the_environment(fused_calls: list[int],
     pipe.step(sample("mlp", batch=6), torch.randn(6, 3, dtype=torch.float64))
     assert not fused_calls
     assert not any(isinstance(m, FusedLinear) for m in pipe.modules())
+
+
+def test_only_large_weights_fuse_by_default(monkeypatch: pytest.MonkeyPatch,
+                                            fused_calls: list[int]) -> None:
+    monkeypatch.setattr(accumulation, "FUSED_MIN_ELEMENTS", 1 << 16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 255)).double()
+    reference = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, chunks=2, stages=2, loss_fn=mse)
+    x, y = torch.randn(4, 256, dtype=torch.float64), torch.randn(4, 255, dtype=torch.float64)
+    pipe.step(x, y)
+    plain_step(reference, x, y)
+    assert_same_grads(pipe.named_parameters(), reference.named_parameters())
+    assert [type(m) for m in pipe.modules() if isinstance(m, nn.Linear)] == [
+        FusedLinear, nn.Linear]  # 256 x 256 = 2^16 elements fuse, 255 x 256 do not
+    assert len(fused_calls) == 2  # the large layer's two micro-batches
 
 
 def test_autocast_runs_autograds_linear(fused_calls: list[int]) -> None:

@@ -70,6 +70,12 @@ class SetAside:
 # ``aten.linear`` or ``aten.addmm``) whose weight and bias are plain leaf parameters
 # without gradient hooks, outside autocast. Anywhere else the layer is autograd's own
 # linear: called by user code, under ``torch.autograd.grad``, or in another backward.
+#
+# Nor does it run for a small weight: the fused node is a Python autograd function, whose
+# cost per call outweighs the pass over memory it saves below about 2^16 elements (two
+# processes, 1F1B, 8 layers of Linear(d, d), fused over autograd's: d=64 1.27x, 128 1.15x,
+# 256 0.98x, 512 0.84x the step; ``benchmarks/host_overhead.py`` is the host-bound case).
+FUSED_MIN_ELEMENTS = 1 << 16
 
 def fusing_allowed() -> bool:
     """Whether pipelines may fuse weight gradients (``CONVEYOR_FUSE_ACCUMULATION=0``:
@@ -89,9 +95,13 @@ class FusedAccumulation:
     def __init__(self, modules: Iterable[nn.Module],
                  graphs: Iterable[torch.fx.GraphModule] = ()) -> None:
         for module in modules:
-            if type(module) in (nn.Linear, FusedLinear):  # (a model pipelined before)
-                module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
-                cast(FusedLinear, module).accumulator = self
+            if type(module) not in (nn.Linear, FusedLinear):  # (a model pipelined before)
+                continue
+            if cast(nn.Linear, module).weight.numel() < FUSED_MIN_ELEMENTS:
+                module.__class__ = nn.Linear
+                continue
+            module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
+            cast(FusedLinear, module).accumulator = self
         for graph in graphs:  # a traced stage's: its layers are calls of aten ops
             found = [node for node in graph.graph.nodes if node.op == "call_function"
                      and node.target in _FUSED_OPS]
@@ -166,7 +176,8 @@ FusedLinear.__name__ = "Linear"
 
 
 def _fusable(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type):
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type) \
+            or weight.numel() < FUSED_MIN_ELEMENTS:
         return False
     return all(type(p) is nn.Parameter and p.requires_grad and p.dtype == input.dtype
                and p.is_contiguous() and not has_gradient_hooks(p)
