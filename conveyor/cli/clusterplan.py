@@ -20,6 +20,9 @@ from conveyor.cli import tables
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.observe.plan import parse_bytes
 from conveyor.planner import Cluster, ModelProfile, PipelinePlan, profile_model, solve
+from conveyor.planner.mesh import MeshCandidate
+from conveyor.planner.meshsearch import search_mesh
+from conveyor.planner.verdict import Verdict, decide
 
 __all__: list[str] = []
 
@@ -134,6 +137,9 @@ def _plan(args: argparse.Namespace) -> int:
     plans = solve(profile, cluster, batch=args.batch, optimizer=args.optimizer,
                   replicate=not args.no_replicas, uniform_replicas=args.uniform_replicas,
                   max_stages=args.devices, keep=args.top)
+    mesh = search_mesh(profile, cluster, batch=args.batch, optimizer=args.optimizer,
+                       keep=args.top)
+    verdict = decide(profile, cluster, mesh, batch=args.batch, optimizer=args.optimizer)
     if not plans:
         print(f"conveyor plan: nothing fits: {profile.name} on {cluster.describe()} with "
               f"batch {args.batch} (memory per device is the limit; more devices, a smaller "
@@ -154,12 +160,15 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.to_dict(), "overrides": overrides(args, cluster),
                           "profile": profile.source,
+                          "verdict": verdict.to_dict() if verdict else None,
+                          "candidates": [c.to_dict() for c in mesh],
                           "best": plans[0].to_dict(),
                           "options": [p.to_dict() for p in plans],
                           "verified": {s: {"exact": v.exact, "reason": v.reason}
                                        for s, v in verdicts.items()}}, indent=1))
         return 0
     _print(args, cluster, profile, plans, verdicts)
+    _print_mesh(args, verdict, mesh)
     return 0
 
 
@@ -192,3 +201,22 @@ def _print(args: argparse.Namespace, cluster: Cluster, profile: ModelProfile,
                          "-".join(map(str, p.replicas)), f"{p.step_time * 1e3:.4g} ms",
                          f"{p.throughput:.4g}", tables.size(p.peak_memory)]
                         for p in plans[:args.top]]))
+
+
+def _print_mesh(args: argparse.Namespace, verdict: Verdict | None,
+                mesh: list[MeshCandidate]) -> None:
+    """The verdict on pipelining at all, with its reasons, and the fastest meshes."""
+    if verdict is None:
+        print("\nno mesh (PP x TP x DP) fits the memory")
+        return
+    print(f"\nverdict: {verdict.headline()}")
+    for reason in verdict.reasons:
+        print(f"  {reason}")
+    print("\nthe fastest meshes (PP x TP x DP, TP inside a node; predicted step and peak "
+          "memory per rank):")
+    print(tables.table(
+        ["kind", "PP", "TP", "DP", "sharding", "schedule", "M", "step", "peak"],
+        [[c.shape.kind, str(c.shape.pp), str(c.shape.tp), str(c.shape.dp), c.shape.sharding,
+          c.schedule if c.pipelined else "-", str(c.chunks),
+          f"{c.predicted_step_s * 1e3:.4g} ms", tables.size(c.peak_memory_bytes)]
+         for c in mesh[:args.top]]))
