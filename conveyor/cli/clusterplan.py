@@ -212,11 +212,12 @@ def _print_mesh(args: argparse.Namespace, verdict: Verdict | None,
     print(f"\nverdict: {verdict.headline()}")
     for reason in verdict.reasons:
         print(f"  {reason}")
-    print("\nthe fastest meshes (PP x TP x DP, TP inside a node; predicted step and peak "
-          "memory per rank):")
+    print("\nthe fastest meshes (PP x TP x DP, TP inside a node; layout: outermost "
+          "dimension first; predicted step and peak memory per rank):")
     print(tables.table(
-        ["kind", "PP", "TP", "DP", "sharding", "schedule", "M", "step", "peak"],
+        ["kind", "PP", "TP", "DP", "sharding", "layout", "schedule", "M", "step", "peak"],
         [[c.shape.kind, str(c.shape.pp), str(c.shape.tp), str(c.shape.dp), c.shape.sharding,
+          c.shape.order,
           c.schedule if c.pipelined else "-", str(c.chunks),
           f"{c.predicted_step_s * 1e3:.4g} ms", tables.size(c.peak_memory_bytes)]
          for c in mesh[:args.top]]))

@@ -89,7 +89,9 @@ def decide(profile: ModelProfile, cluster: Cluster, candidates: Sequence[MeshCan
 
 def _bandwidth(value: float) -> str:
     """Bytes per second as people write links: ``400 Gb/s (50 GB/s)``."""
-    return f"{value * 8 / 1e9:.3g} Gb/s ({value / 1e9:.3g} GB/s)"
+    bits, nbytes = value * 8 / 1e9, value / 1e9
+    return (f"{bits:.0f} Gb/s" if bits >= 100 else f"{bits:.3g} Gb/s") + \
+        (f" ({nbytes:.0f} GB/s)" if nbytes >= 100 else f" ({nbytes:.3g} GB/s)")
 
 
 def _why_kind(best: MeshCandidate, other: MeshCandidate | None, speedup: float | None,
