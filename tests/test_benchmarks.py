@@ -167,3 +167,32 @@ def test_host_overhead_script_times_both_pipelines_per_action(tmp_path: Path) ->
     assert report["zb_over_1f1b"] == pytest.approx(
         ms["conveyor zero-bubble"] / ms["conveyor 1f1b"])
     assert "conveyor / torch" in report["table"]
+
+
+def test_mesh_script_predicts_every_configuration_and_knows_when_tp_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/mesh.py's logic without its runs: the profile scaled to the plain step,
+    a prediction for each configuration, and TP meshes only with Pipeline(tensor_parallel=)."""
+    import inspect
+
+    import conveyor
+    from conveyor.planner import LayerCost, ModelProfile
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import mesh
+
+    has_tp = "tensor_parallel" in inspect.signature(conveyor.Pipeline).parameters
+    assert mesh.tensor_parallel_available() is has_tp
+    layers = tuple(LayerCost(f"{i}", 1e-4, 2e-4, 1000, 4000.0, 100.0, 50.0)
+                   for i in range(mesh.BLOCKS))
+    profile = mesh.scaled(ModelProfile("blocks", layers, 50.0, "by hand"), 0.5)
+    whole = mesh.BATCH * sum(x.forward + x.backward for x in profile.layers)
+    assert whole == pytest.approx(0.5) and profile.source.endswith("times x3.26")
+    steps = {name: mesh.predict(profile, shape, schedule, options["chunks"], shape.devices,
+                                1e-4, 1e8)
+             for name, (shape, schedule, options) in mesh.CONFIGS.items()}
+    assert steps["no pipeline"] == pytest.approx(0.5)  # no link: the plain step
+    # Half the batch each, plus the gradients' ring (4 x 8 x 1000 x 4 bytes at 1e8 B/s).
+    assert steps["DP=2 replicate"] == pytest.approx(0.25 + 2e-4 + 32000 / 1e8)
+    assert steps["DP=2 fsdp"] > steps["DP=2 replicate"]
+    assert 0.25 < steps["PP=2"] < 0.5

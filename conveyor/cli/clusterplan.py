@@ -13,13 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from conveyor.cli import tables
 from conveyor.errors import ConfigError, ConveyorError
+from conveyor.observe.plan import parse_bytes
 from conveyor.planner import Cluster, ModelProfile, PipelinePlan, profile_model, solve
+from conveyor.planner.mesh import MeshCandidate
+from conveyor.planner.meshsearch import search_mesh
+from conveyor.planner.verdict import Verdict, decide
 
 __all__: list[str] = []
+
+#: The FLOP/s of one device when neither --flops nor the cluster's file says.
+DEFAULT_FLOPS = 1e14
 
 
 def wants_cluster(args: argparse.Namespace) -> bool:
@@ -27,15 +35,28 @@ def wants_cluster(args: argparse.Namespace) -> bool:
 
 
 def cluster_of(args: argparse.Namespace) -> Cluster:
-    """The cluster the flags describe.
+    """The cluster the flags describe: a file (or ``detect``) with ``--memory`` and
+    ``--flops`` given beside it overriding its figures (:func:`overrides` says which).
 
     Raises:
-        ConfigError: neither a file nor the sizes, or a figure missing or unreadable.
+        ConfigError: neither a file nor the sizes, a figure missing or unreadable, or
+            a flag of the cluster's shape (``--nodes``, ``--per-node``, bandwidths,
+            latencies) given beside a file, which would be ignored.
     """
-    if args.topology == "detect":
-        return Cluster.detect()
     if args.topology:
-        return Cluster.load(args.topology)
+        given = [flag for flag, value in _shape_flags(args) if value is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} given beside --topology {args.topology}: the file "
+                "says the nodes, devices and links; edit the file, or drop --topology "
+                "and describe the cluster by flags (--memory and --flops may stand "
+                "beside a file: they override its figures)")
+        cluster = Cluster.detect() if args.topology == "detect" else Cluster.load(args.topology)
+        try:
+            memory = parse_bytes(args.memory) if args.memory else cluster.memory
+        except ValueError as exc:
+            raise ConfigError(f"--memory {args.memory}: {exc}") from None
+        return replace(cluster, memory=memory, flops=args.flops or cluster.flops)
     missing = [flag for flag, value in (("--per-node", args.per_node), ("--memory", args.memory),
                                         ("--intra-bandwidth", args.intra_bandwidth))
                if value is None]
@@ -45,10 +66,32 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     try:
         return Cluster.of(nodes=args.nodes or 1, per_node=args.per_node, memory=args.memory,
                           intra=args.intra_bandwidth, inter=args.inter_bandwidth,
-                          intra_latency=args.intra_latency, inter_latency=args.inter_latency,
-                          flops=args.flops)
+                          intra_latency=args.intra_latency or 0.0,
+                          inter_latency=args.inter_latency or 0.0,
+                          flops=args.flops or DEFAULT_FLOPS)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _shape_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    return [("--nodes", args.nodes), ("--per-node", args.per_node),
+            ("--intra-bandwidth", args.intra_bandwidth),
+            ("--inter-bandwidth", args.inter_bandwidth),
+            ("--intra-latency", args.intra_latency), ("--inter-latency", args.inter_latency)]
+
+
+def overrides(args: argparse.Namespace, cluster: Cluster) -> list[str]:
+    """What flags given beside ``--topology FILE`` changed in the file's cluster, as
+    the output says it (empty without a file or without such flags)."""
+    if not args.topology:
+        return []
+    found = [] if args.memory is None else [
+        f"--memory {args.memory} ({cluster.memory / 1e9:.3g} GB per device) overrides "
+        f"the memory of --topology {args.topology}"]
+    if args.flops is not None:
+        found.append(f"--flops {args.flops:g} overrides the flops of --topology "
+                     f"{args.topology}")
+    return found
 
 
 def plan_cluster_command(args: argparse.Namespace) -> int:
@@ -94,6 +137,9 @@ def _plan(args: argparse.Namespace) -> int:
     plans = solve(profile, cluster, batch=args.batch, optimizer=args.optimizer,
                   replicate=not args.no_replicas, uniform_replicas=args.uniform_replicas,
                   max_stages=args.devices, keep=args.top)
+    mesh = search_mesh(profile, cluster, batch=args.batch, optimizer=args.optimizer,
+                       keep=args.top)
+    verdict = decide(profile, cluster, mesh, batch=args.batch, optimizer=args.optimizer)
     if not plans:
         print(f"conveyor plan: nothing fits: {profile.name} on {cluster.describe()} with "
               f"batch {args.batch} (memory per device is the limit; more devices, a smaller "
@@ -112,13 +158,17 @@ def _plan(args: argparse.Namespace) -> int:
     if args.save:
         plans[0].save(args.save)
     if args.json:
-        print(json.dumps({"cluster": cluster.to_dict(), "profile": profile.source,
+        print(json.dumps({"cluster": cluster.to_dict(), "overrides": overrides(args, cluster),
+                          "profile": profile.source,
+                          "verdict": verdict.to_dict() if verdict else None,
+                          "candidates": [c.to_dict() for c in mesh],
                           "best": plans[0].to_dict(),
                           "options": [p.to_dict() for p in plans],
                           "verified": {s: {"exact": v.exact, "reason": v.reason}
                                        for s, v in verdicts.items()}}, indent=1))
         return 0
     _print(args, cluster, profile, plans, verdicts)
+    _print_mesh(args, verdict, mesh)
     return 0
 
 
@@ -128,7 +178,10 @@ def _print(args: argparse.Namespace, cluster: Cluster, profile: ModelProfile,
     count = f"{parameters / 1e9:.3g}B" if parameters >= 1e9 else f"{parameters / 1e6:.3g}M"
     print(f"{profile.name}: {len(profile.layers)} layers, {count} parameters "
           f"({profile.source}); batch {args.batch}, {args.optimizer}")
-    print(f"cluster: {cluster.describe()}\n")
+    print(f"cluster: {cluster.describe()}")
+    for note in overrides(args, cluster):
+        print(f"  {note}")
+    print()
     print(plans[0].describe())
     verdict = verdicts.get(plans[0].schedule)
     if verdict is not None:
@@ -148,3 +201,23 @@ def _print(args: argparse.Namespace, cluster: Cluster, profile: ModelProfile,
                          "-".join(map(str, p.replicas)), f"{p.step_time * 1e3:.4g} ms",
                          f"{p.throughput:.4g}", tables.size(p.peak_memory)]
                         for p in plans[:args.top]]))
+
+
+def _print_mesh(args: argparse.Namespace, verdict: Verdict | None,
+                mesh: list[MeshCandidate]) -> None:
+    """The verdict on pipelining at all, with its reasons, and the fastest meshes."""
+    if verdict is None:
+        print("\nno mesh (PP x TP x DP) fits the memory")
+        return
+    print(f"\nverdict: {verdict.headline()}")
+    for reason in verdict.reasons:
+        print(f"  {reason}")
+    print("\nthe fastest meshes (PP x TP x DP, TP inside a node; layout: outermost "
+          "dimension first; predicted step and peak memory per rank):")
+    print(tables.table(
+        ["kind", "PP", "TP", "DP", "sharding", "layout", "schedule", "M", "step", "peak"],
+        [[c.shape.kind, str(c.shape.pp), str(c.shape.tp), str(c.shape.dp), c.shape.sharding,
+          c.shape.order,
+          c.schedule if c.pipelined else "-", str(c.chunks),
+          f"{c.predicted_step_s * 1e3:.4g} ms", tables.size(c.peak_memory_bytes)]
+         for c in mesh[:args.top]]))

@@ -308,7 +308,7 @@ def plan_command(args: argparse.Namespace) -> int:
     parameters = sum(f.parameters for f in figures)
     plans = planning.rank_plans(figures, devices=args.devices, memory=memory,
                                 batch=args.batch, optimizer=args.optimizer,
-                                rematerialize=remat, flops_per_second=args.flops,
+                                rematerialize=remat, flops_per_second=args.flops or 1e14,
                                 offload=args.offload)
     if not plans:
         print(f"no schedule fits {len(figures)} layers on {args.devices} devices",

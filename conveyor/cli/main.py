@@ -155,14 +155,16 @@ def _plan_parser(commands: _Commands) -> None:
     sub.add_argument("--batch", type=int, default=32, help="mini-batch size N")
     sub.add_argument("--devices", "--stages", dest="devices", type=int,
                      help="pipeline ranks K (needed for a family)")
-    sub.add_argument("--memory", help="memory per device, e.g. 16GiB (needed for a family)")
+    sub.add_argument("--memory", help="memory per device, e.g. 16GiB (needed for a family; "
+                                      "beside --topology FILE it overrides the file's)")
     sub.add_argument("--optimizer", default="adam",
                      choices=["sgd", "momentum", "rmsprop", "adam", "adamw"])
     sub.add_argument("--no-rematerialize", action="store_true")
     sub.add_argument("--offload", action="store_true",
                      help="also weigh each plan with its activations offloaded to host "
                           "memory (offload=\"activations\") instead of recomputed")
-    sub.add_argument("--flops", type=float, default=1e14, help="device FLOP/s assumed")
+    sub.add_argument("--flops", type=float,
+                     help="device FLOP/s assumed (default: the --topology file's, else 1e14)")
     sub.add_argument("--top", type=int, default=8, help="options shown")
     sub.add_argument("--json", action="store_true")
     _cluster_arguments(sub)
@@ -181,8 +183,8 @@ def _cluster_arguments(sub: argparse.ArgumentParser) -> None:
     cluster.add_argument("--per-node", type=int, help="devices per node")
     cluster.add_argument("--intra-bandwidth", help="within a node, e.g. 300GB/s")
     cluster.add_argument("--inter-bandwidth", help="between nodes, e.g. 200Gbps")
-    cluster.add_argument("--intra-latency", default="0", help="e.g. 5us")
-    cluster.add_argument("--inter-latency", default="0", help="e.g. 20us")
+    cluster.add_argument("--intra-latency", help="e.g. 5us (default 0)")
+    cluster.add_argument("--inter-latency", help="e.g. 20us (default 0)")
     cluster.add_argument("--uniform-replicas", action="store_true",
                          help="every stage as many replicas: D replicas of the whole "
                               "pipeline, each on its share of the batch")

@@ -104,7 +104,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     weigh = functools.partial(planning.rank_plans, devices=ranks, memory=memory,
                               batch=args.batch, optimizer=args.optimizer,
                               rematerialize=not args.no_rematerialize,
-                              flops_per_second=args.flops, offload=args.offload)
+                              flops_per_second=args.flops or 1e14, offload=args.offload)
     plans = weigh(cuts[ranks], schedules=_SCHEDULES)
     unweighed = ("they cut the model in 2K stages: give --stages K, not --split-at"
                  if split_at is not None else "")

@@ -41,6 +41,7 @@ from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.planning import (
     local_ranks,
     make_schedule,
+    refuse_one_process,
     refuse_replicated,
     table_ranks,
     with_model_edges,
@@ -107,6 +108,8 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
     head = take_head(module, options.loss_fn)  # the cut never sees a split head
     deadlines = Deadlines(options.timeout)
     given = options.topology
+    if given is None:
+        refuse_one_process(options.data_parallel, options.stages, options.plan)
     topology = given or Topology.from_environment(
         data_parallel=options.data_parallel, stages=options.stages, timeout=deadlines.opening)
     if topology is not None and topology.distributed:

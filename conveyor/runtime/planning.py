@@ -3,7 +3,11 @@ table (with a traced model's edges)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
 
 from conveyor.distributed.topology import Topology
 from conveyor.engine.devices import Device
@@ -13,6 +17,37 @@ from conveyor.schedules import build as build_schedule
 from conveyor.schedules.replicas import StageReplicas
 
 __all__: list[str] = []
+
+
+def refuse_one_process(data_parallel: int | Sequence[int], stages: int | None,
+                       plan: Any = None) -> None:
+    """Raises if the options need several processes but this is one plain process (no
+    process group, no torchrun's ``WORLD_SIZE``), before torch is asked to make a group
+    and fails with its "environment variable RANK expected".
+
+    Raises:
+        ConveyorError: data-parallel replicas (``data_parallel=D`` or a plan's) in one
+            process; the message gives the torchrun command that runs them.
+    """
+    if isinstance(data_parallel, int):
+        if data_parallel <= 1:
+            return
+        ranks = plan.devices if plan is not None else data_parallel * (stages or 0)
+    else:
+        if set(data_parallel) == {1}:
+            return
+        ranks = sum(data_parallel)
+    if (dist.is_available() and dist.is_initialized()) or \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    shown = data_parallel if isinstance(data_parallel, int) else list(data_parallel)
+    what = (f"the plan (replicas per stage {list(plan.replicas)})" if plan is not None
+            else f"data_parallel={shown}")
+    count = f"{ranks}" if ranks else "stages x data_parallel"
+    raise ConveyorError(
+        f"{what} runs one process per device, but this is one process without torchrun: "
+        f"launch {count} of them under torchrun (torchrun --nproc-per-node {count} "
+        "your_script.py); in one process, plan with --no-replicas or give data_parallel=1")
 
 
 def local_ranks(stages: int | None, devices: Sequence[Device] | None,

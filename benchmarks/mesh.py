@@ -1,0 +1,332 @@
+"""The mesh planner's predictions against measured steps, for every mesh that fits here.
+
+    python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 2 min)
+    python benchmarks/mesh.py                       # more rounds, and PP=2 x DP=2 (4 processes)
+    python benchmarks/mesh.py --tensor-parallel     # also TP meshes, once Pipeline has them
+
+The model: eight feed-forward blocks (Linear(d, 4d)-GELU-Linear(4d, d)), a batch of 64
+in micro-batches of 16. Each configuration runs as CPU processes over gloo, one
+intra-op thread each: no pipeline (one process), DP=2 replicated, DP=2 FSDP, PP=2
+(1F1B), and without ``--quick`` PP=2 x DP=2. The 2-process meshes run in one torchrun
+launch, their steps timed in turn between barriers.
+
+The prediction is :func:`conveyor.planner.evaluate_shape` (what ``conveyor plan``
+weighs) on this machine's figures:
+
+- the profile (:func:`conveyor.planner.profile_model`, micro-batches of 16), taken alone
+  for the one process and beside a computing thread for the meshes of two (on 2 cores a
+  neighbour slows a stage, as in benchmarks/pipedream.py);
+- the link: gloo's all-reduce between the processes, timed at two sizes in the same
+  launch (its latency and bandwidth fitted to the ring's 2(n-1)(latency + bytes /
+  n / bandwidth)), and the messages between stages held to the same link with
+  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link).
+
+Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
+``predicted_step_s``, ``measured_step_s`` (median), ``prediction_error`` =
+|predicted - measured| / measured, the steps, and ``max_prediction_error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import _common
+
+_common.prepare_process()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import conveyor  # noqa: E402
+from conveyor.engine.transport import emulated_links  # noqa: E402
+from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_model  # noqa: E402
+
+WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
+REFERENCE = "plain model"  # timed beside the configurations: what the profile is scaled to
+
+#: name -> (shape, schedule, the Pipeline's options beside the model and loss)
+CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
+    "no pipeline": (Shape(1, 1, 1), "1f1b", {"stages": 1, "chunks": 4, "schedule": "1f1b"}),
+    "DP=2 replicate": (Shape(1, 1, 2, "replicate"), "1f1b",
+                       {"stages": 1, "chunks": 2, "data_parallel": 2, "schedule": "1f1b"}),
+    "DP=2 fsdp": (Shape(1, 1, 2, "fsdp"), "1f1b",
+                  {"stages": 1, "chunks": 2, "data_parallel": 2, "sharding": "fsdp",
+                   "schedule": "1f1b"}),
+    "PP=2": (Shape(2, 1, 1), "1f1b", {"stages": 2, "chunks": 4, "schedule": "1f1b"}),
+    "PP=2 x DP=2": (Shape(2, 1, 2, "replicate"), "1f1b",
+                    {"stages": 2, "chunks": 2, "schedule": "1f1b", "data_parallel": 2}),
+}
+#: Tensor-parallel meshes, run once ``Pipeline(tensor_parallel=)`` exists (--tensor-parallel).
+TP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # each block: Linear(d, 4d), GELU, Linear(4d, d)
+TP_CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
+    "TP=2": (Shape(1, 2, 1), "1f1b", {"stages": 1, "chunks": 4, "tensor_parallel": 2,
+                                      "tp_plan": TP_PLAN}),
+    "PP=2 x TP=2": (Shape(2, 2, 1), "1f1b", {"stages": 2, "chunks": 4, "schedule": "1f1b",
+                                             "tensor_parallel": 2, "tp_plan": TP_PLAN}),
+}
+
+
+class Block(nn.Sequential):
+    def __init__(self, width: int) -> None:
+        super().__init__(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x + super().forward(x)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+
+def tensor_parallel_available() -> bool:
+    return "tensor_parallel" in inspect.signature(conveyor.Pipeline).parameters
+
+
+@contextlib.contextmanager
+def neighbour_working() -> Iterator[None]:
+    """Another thread computing, as the other process of a 2-process mesh will."""
+    stop = threading.Event()
+
+    def work() -> None:
+        a, b = torch.randn(MICRO * 4, WIDTH), torch.randn(WIDTH, 4 * WIDTH)
+        while not stop.is_set():
+            a @ b
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def calibrate(group_size: int) -> tuple[float, float]:
+    """gloo's all-reduce among the processes: (latency, bandwidth) fitted to the ring's
+    time at 64 KiB and at the model's gradients (16 MiB), each the median of 7."""
+    import torch.distributed as dist
+
+    def timed(elements: int) -> float:
+        tensor = torch.ones(elements)
+        times = []
+        for _ in range(8):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    small, large = 16 * 1024, sum(p.numel() for p in model().parameters())
+    t_small, t_large = timed(small), timed(large)
+    hops = 2 * (group_size - 1)
+    per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n * bandwidth)
+    bandwidth = 1 / (per_byte * group_size)
+    latency = max(0.0, t_small / hops - 4 * small * per_byte)
+    return latency, bandwidth
+
+
+def worker(spec_path: str) -> int:
+    """One process of a torchrun launch: calibrates the link, then times every mesh."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    latency, bandwidth = calibrate(dist.get_world_size())
+    figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
+    latency, bandwidth = figures.tolist()
+    net, (x, y) = model(), batch()
+    steps: dict[str, Callable[[], Any]] = {}
+    for name, options in spec["options"].items():
+        pipe = conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
+                                 timeout=300, recompute="never", **options)
+        share = options.get("data_parallel", 1)  # each replica steps on its share
+        rank = pipe.topology.data_rank if share > 1 else 0
+        steps[name] = (lambda pipe=pipe, xs=x[rank::share], ys=y[rank::share]:
+                       pipe.step(xs, ys))
+    whole = plain_step(copy.deepcopy(net))
+    steps[REFERENCE] = lambda: whole(x, y)
+
+    def between_barriers(step: Callable[[], Any]) -> Callable[[], None]:
+        def timed() -> None:
+            dist.barrier()
+            step()
+            dist.barrier()
+        return timed
+
+    with emulated_links(bandwidth=bandwidth, latency=latency):
+        times = _common.round_robin({name: between_barriers(step)
+                                     for name, step in steps.items()}, spec["rounds"],
+                                    progress=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps({"times": times, "latency": latency,
+                                                 "bandwidth": bandwidth}))
+    dist.destroy_process_group()
+    return 0
+
+
+def launch(options: dict[str, dict[str, Any]], processes: int, rounds: int) -> dict[str, Any]:
+    """Runs this script under torchrun with ``processes`` processes; rank 0's findings."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec = Path(folder) / "spec.json"
+        out = Path(folder) / "times.json"
+        spec.write_text(json.dumps({"options": options, "rounds": rounds, "out": str(out)}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(processes), __file__, "--worker", str(spec)],
+                       env=env, check=True)
+        return dict(json.loads(out.read_text()))
+
+
+def plain_step(net: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The model's forward and backward on the batch, micro-batch by micro-batch,
+    without a pipeline: the compute the profile is scaled to (see :func:`scaled`)."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        for inputs, targets in zip(x.split(MICRO), y.split(MICRO)):
+            nn.functional.mse_loss(net(inputs), targets).backward()
+    return step
+
+
+def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, list[float]]:
+    net, (x, y) = model(), batch()
+    steps = {name: conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
+                                     devices=["cpu"], recompute="never", **opts).step
+             for name, opts in options.items()}
+    steps[REFERENCE] = plain_step(copy.deepcopy(net))
+    return _common.round_robin({name: (lambda step=step: step(x, y))
+                                for name, step in steps.items()}, rounds)
+
+
+def scaled(profile: Any, reference: float) -> Any:
+    """``profile`` with its times scaled so that the whole model's forward and backward
+    on the batch takes ``reference`` seconds, as the plain step measured beside the
+    configurations did: on a shared machine (loads of 10 on 2 cores) the per-layer
+    timings of a profile catch the quiet moments and whole steps do not."""
+    total = BATCH * sum(layer.forward + layer.backward for layer in profile.layers)
+    factor = reference / total
+    layers = tuple(dataclasses.replace(layer, forward=layer.forward * factor,
+                                       backward=layer.backward * factor)
+                   for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers,
+                               source=f"{profile.source}, times x{factor:.2f}")
+
+
+def predict(profile: Any, shape: Shape, schedule: str, chunks: int, processes: int,
+            latency: float, bandwidth: float) -> float:
+    cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12)
+    found = evaluate_shape(profile, cluster, shape, schedule, chunks, batch=BATCH,
+                           optimizer="sgd")
+    assert found is not None  # memory is not the question here
+    return found.predicted_step_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, no 4 processes")
+    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="also the TP meshes (needs Pipeline(tensor_parallel=))")
+    parser.add_argument("--json", metavar="FILE", help="where to write the results")
+    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    torch.set_num_threads(1)
+    rounds = args.rounds or (4 if args.quick else 8)
+    configs = dict(CONFIGS)
+    if args.quick:
+        del configs["PP=2 x DP=2"]
+    if args.tensor_parallel and tensor_parallel_available():
+        configs.update(TP_CONFIGS)
+    else:
+        why = "not asked (--tensor-parallel)" if not args.tensor_parallel else \
+            "Pipeline has no tensor_parallel= on this checkout"
+        print(f"note: TP meshes ({', '.join(TP_CONFIGS)}) skipped: {why}", file=sys.stderr)
+    net, (x, _) = model(), batch()
+    print("profiling, alone and beside a computing thread ...", file=sys.stderr, flush=True)
+    alone = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
+    with neighbour_working():
+        beside = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
+    return report(args, configs, rounds, alone, beside)
+
+
+def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[str, Any]]],
+           rounds: int, alone: Any, beside: Any) -> int:
+    """Runs every configuration, by its number of processes, and writes the results."""
+    by_processes: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, (shape, _, options) in configs.items():
+        by_processes.setdefault(shape.devices, {})[name] = options
+    measured: dict[str, list[float]] = {}
+    link: dict[int, tuple[float, float]] = {}
+    reference: dict[int, list[float]] = {}
+    for processes, options in sorted(by_processes.items()):
+        print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
+        if processes == 1:
+            found = {"times": one_process(options, rounds), "latency": 0.0,
+                     "bandwidth": 1e12}
+        else:
+            found = launch(options, processes, rounds)
+        reference[processes] = found["times"].pop(REFERENCE)
+        measured.update(found["times"])
+        link[processes] = (found["latency"], found["bandwidth"])
+    results = {}
+    for name, (shape, schedule, options) in configs.items():
+        latency, bandwidth = link[shape.devices]
+        profile = scaled(alone if shape.devices == 1 else beside,
+                         _common.median(reference[shape.devices]))
+        predicted = predict(profile, shape, schedule, options["chunks"], shape.devices,
+                            latency, bandwidth)
+        step = _common.median(measured[name])
+        results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
+                         "sharding": shape.sharding, "schedule": schedule,
+                         "chunks": options["chunks"], "processes": shape.devices,
+                         "predicted_step_s": predicted, "measured_step_s": step,
+                         "prediction_error": abs(predicted - step) / step,
+                         "steps_s": measured[name],
+                         "spread": (max(measured[name]) - min(measured[name])) / step}
+    payload = {"model": f"{BLOCKS} blocks Linear({WIDTH}, {4 * WIDTH})-GELU-Linear, residual",
+               "batch": BATCH, "micro_batch": MICRO, "rounds": rounds,
+               "profile_alone": alone.source, "profile_beside": beside.source + ", another "
+               "thread computing", "link": {str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1]}
+                                            for k, v in link.items()},
+               "plain_model_step_s": {str(k): {"median": _common.median(v), "steps": v}
+                                      for k, v in reference.items()},
+               "configurations": results,
+               "max_prediction_error": max(r["prediction_error"] for r in results.values()),
+               "tensor_parallel": "run" if any(r["tp"] > 1 for r in results.values()) else
+               "skipped: Pipeline(tensor_parallel=) not run", "quick": args.quick,
+               "date": time.strftime("%Y-%m-%d")}
+    path = _common.write("mesh", payload, Path(args.json) if args.json else None)
+    print(_common.markdown_table(
+        ["configuration", "processes", "measured ms", "predicted ms", "error", "spread"],
+        [[name, r["processes"], f"{1e3 * r['measured_step_s']:.1f}",
+          f"{1e3 * r['predicted_step_s']:.1f}", f"{100 * r['prediction_error']:.1f}%",
+          f"{100 * r['spread']:.0f}%"] for name, r in results.items()]))
+    print(f"max_prediction_error: {100 * payload['max_prediction_error']:.1f}%  ({path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""conveyor plan's mesh: PP x TP x DP x sharding, the verdict on pipelining, and the
+planner's defects a new user found (flags beside a file, a plan with replicas in one
+process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.cli import main
+from conveyor.errors import ConveyorError
+from conveyor.planner import (Cluster, LayerCost, Level, ModelProfile, PipelinePlan,
+                              StageChoice)
+from conveyor.planner.mesh import Shape, evaluate_shape
+from conveyor.planner.meshsearch import search_mesh
+from conveyor.planner.verdict import decide
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_NODES = str(ROOT / "examples" / "two_nodes.toml")
+SMALL = ["plan", "--model", "transformer", "--layers", "4", "--d-model", "256", "--d-ff",
+         "1024", "--heads", "4", "--vocab", "1000", "--length", "64", "--batch", "8",
+         "--no-replicas"]
+
+
+# ------------------------------------------------------------------ the defects
+
+def test_memory_beside_a_topology_file_overrides_it_and_says_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--topology", TWO_NODES, "--memory", "1GB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["memory"] == 1e9  # not the file's 80 GB
+    assert result["overrides"] == [f"--memory 1GB (1 GB per device) overrides the memory "
+                                   f"of --topology {TWO_NODES}"]
+    assert result["best"]["memory_cap"] == 1e9
+    assert main([*SMALL, "--topology", TWO_NODES, "--memory", "1GB"]) == 0
+    assert "--memory 1GB (1 GB per device) overrides" in capsys.readouterr().out
+    # Without the flag: the file's memory, no note.
+    assert main([*SMALL, "--topology", TWO_NODES, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["memory"] == 80e9 and result["overrides"] == []
+
+
+def test_a_shape_flag_beside_a_topology_file_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--topology", TWO_NODES, "--per-node", "4",
+                 "--inter-bandwidth", "10Gbps"]) == 2
+    err = capsys.readouterr().err
+    assert f"--per-node, --inter-bandwidth given beside --topology {TWO_NODES}" in err
+    assert "edit the file, or drop --topology" in err
+
+
+def _replicated_plan(replicas: int) -> PipelinePlan:
+    stage = StageChoice((0, 0), tuple(range(replicas)), False, 1.0, 3.0, 0.0, 0.0, 1.0)
+    last = StageChoice((1, 1), tuple(range(replicas, 2 * replicas)), False, 1.0, 3.0, 0.0,
+                       0.0, 1.0)
+    return PipelinePlan("toy", 8, "1f1b", 4, "sgd", (stage, last), 1.0, "", 1e9)
+
+
+def test_a_plan_with_replicas_in_one_process_names_the_torchrun_command(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ConveyorError, match=r"the plan \(replicas per stage \[2, 2\]\) runs "
+                       r"one process per device.*torchrun --nproc-per-node 4 your_script"):
+        conveyor.Pipeline(model, plan=_replicated_plan(2), loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ConveyorError, match=r"data_parallel=3 runs one process per device.*"
+                       r"launch 6 of them under torchrun"):
+        conveyor.Pipeline(model, stages=2, chunks=3, data_parallel=3,
+                          loss_fn=nn.functional.mse_loss)
+    # A plan without replicas still runs in one process.
+    pipe = conveyor.Pipeline(model, plan=_replicated_plan(1), loss_fn=nn.functional.mse_loss,
+                             devices=["cpu", "cpu"])
+    loss = pipe.step(torch.randn(8, 2), torch.randn(8, 2))
+    assert torch.isfinite(torch.as_tensor(loss)).all()
+
+
+# ------------------------------------------------------------------ the mesh and the verdict
+
+def _profile() -> ModelProfile:
+    """Eight equal blocks of 25M parameters: 1 ms forward, 2 ms backward per sample."""
+    layers = tuple(LayerCost(f"block{i}", 1e-3, 2e-3, 25_000_000, 1e8, 1e6, 1e5)
+                   for i in range(8))
+    return ModelProfile("toy", layers, 1e5, "written by hand")
+
+
+def _two_nodes(network: float) -> Cluster:
+    return Cluster((Level("node", 4, 1e11, 1e-6), Level("network", 2, network, 1e-5)),
+                   memory=8e9)
+
+
+def test_the_verdict_turns_at_the_crossover_bandwidth_it_names() -> None:
+    profile = _profile()
+    slow = decide(profile, _two_nodes(1e9), search_mesh(profile, _two_nodes(1e9), batch=32),
+                  batch=32)
+    assert slow is not None and slow.pipeline and slow.crossover is not None
+    assert slow.speedup is not None and slow.speedup > 2  # gradients crossing 1 GB/s
+    assert "do not pipeline when they are above" in slow.reasons[0]
+    crossover = slow.crossover
+    assert 1e9 < crossover < 1e12
+    for factor, pipelined in ((0.8, True), (1.25, False)):
+        there = _two_nodes(crossover * factor)
+        verdict = decide(profile, there, search_mesh(profile, there, batch=32), batch=32)
+        assert verdict is not None and verdict.pipeline is pipelined, (factor, verdict)
+    fast = decide(profile, _two_nodes(1e12), search_mesh(profile, _two_nodes(1e12), batch=32),
+                  batch=32)
+    assert fast is not None and not fast.pipeline
+    assert fast.reasons[0].startswith(f"{fast.best.shape.kind} is ")
+    assert "pipeline when they are below" in fast.reasons[0]
+
+
+def test_tp_stays_in_a_node_and_divides_compute_and_parameters() -> None:
+    profile, cluster = _profile(), _two_nodes(1e10)
+    found = search_mesh(profile, cluster, batch=32, keep=1000)
+    assert {c.shape.tp for c in found} <= {1, 2, 4} and any(c.shape.tp == 4 for c in found)
+    one = evaluate_shape(profile, cluster, Shape(1, 1, 1), "1f1b", 32, batch=32)
+    four = evaluate_shape(profile, cluster, Shape(1, 4, 1), "1f1b", 32, batch=32)
+    assert one is not None and four is not None
+    # 8 blocks x 32 samples x 3 ms; over TP=4 a quarter, plus per block and micro-batch
+    # four all-reduces of 1e5 bytes in a ring of 4 at 1e11 B/s and 1 us.
+    assert one.compute_s == pytest.approx(0.768)
+    ring = 2 * 3 * (1e-6 + 1e5 / 4 / 1e11)
+    assert four.tp_comm_s == pytest.approx(32 * 8 * 4 * ring)
+    assert four.compute_s == pytest.approx(0.768 / 4 + four.tp_comm_s)
+    assert four.peak_memory_bytes < one.peak_memory_bytes / 3.5
+
+
+def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:
+    profile, cluster = _profile(), _two_nodes(1e10)
+    replicated = evaluate_shape(profile, cluster, Shape(1, 1, 8, "replicate"), "1f1b", 4,
+                                batch=32, optimizer="adam")
+    sharded = evaluate_shape(profile, cluster, Shape(1, 1, 8, "fsdp"), "1f1b", 4, batch=32,
+                             optimizer="adam")
+    assert replicated is not None and sharded is not None
+    weights = 2e8  # parameters
+    activations = replicated.peak_memory_bytes - 16 * weights
+    assert sharded.peak_memory_bytes == pytest.approx(weights * (16 / 8 + 8) + activations)
+    # One all-gather and one reduce-scatter per layer: an all-reduce's bytes, 8 latencies.
+    assert sharded.dp_comm_s > replicated.dp_comm_s
+    assert "zero-bubble" not in {c.schedule for c in search_mesh(
+        profile, cluster, batch=32, keep=1000) if c.shape.sharding == "fsdp"}
+
+
+def test_plan_json_gives_the_verdict_and_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--topology", TWO_NODES, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    verdict, candidates = result["verdict"], result["candidates"]
+    assert verdict["pipeline"] == (verdict["best"]["pp"] > 1)
+    assert verdict["reasons"] and verdict["kind"] == verdict["best"]["kind"]
+    first = candidates[0]
+    assert {"pp", "tp", "dp", "sharding", "schedule", "chunks", "predicted_step_s",
+            "peak_memory_bytes"} <= set(first)
+    assert first["pp"] * first["tp"] * first["dp"] == 16 and first["tp"] <= 8
+    steps = [c["predicted_step_s"] for c in candidates]
+    assert steps == sorted(steps) and len(steps) > 3
+    assert main([*SMALL, "--topology", TWO_NODES]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: " in out and "the fastest meshes" in out
