@@ -36,6 +36,8 @@ from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing
 from conveyor.runtime.runtime import RunsRuntime
 from conveyor.runtime.steps import clip_gradients, infer, train_step
+from conveyor.runtime.verify import Certificate
+from conveyor.runtime.verify import microbatches as microbatches_of
 from conveyor.schedules import Schedule
 
 __all__ = ["Pipeline"]
@@ -140,6 +142,15 @@ class Pipeline(RunsRuntime):
             (on threads) even under torchrun; a ``Topology`` of process groups (as
             ``Topology.from_environment`` makes) runs one rank of them. Default: read
             from the environment (torchrun's, or one process).
+        verify_every: every N-th :meth:`step` (None: never, the default) is re-run
+            through the unpartitioned computation, stage by stage on the stages' own
+            devices (no schedule, recomputation or accumulation), and its loss and each
+            parameter's gradient compared at the run's precision: logs "verified at
+            step s" (logger "conveyor", INFO) or raises
+            :class:`~conveyor.errors.VerificationError` naming the first tensor that
+            differs. Training state is left as it was; costs about one more forward
+            and backward per N steps. One process only, for now (see
+            ``conveyor.runtime.verify``).
         plan: a :class:`conveyor.planner.PipelinePlan` (``conveyor.planner.solve``, or
             ``PipelinePlan.load`` of ``conveyor plan --save``): its cut, schedule,
             ``chunks``, recomputation per stage and replicas (``data_parallel``) are
@@ -176,6 +187,7 @@ class Pipeline(RunsRuntime):
         weights: Weights | None = None,
         rebalance: BalancePolicy | None = None,
         topology: Topology | None = None,
+        verify_every: int | None = None,
         plan: Any = None,
     ) -> None:
         super().__init__()
@@ -190,6 +202,8 @@ class Pipeline(RunsRuntime):
         self.vocab_shards = placed.vocabulary
         self.schedule = placed.schedule  # before the layers: no layer takes the name
         self._rebalancing: Rebalancing | None = None
+        #: ``verify_every=``'s step counter and checks, or None
+        self.certificate = Certificate(verify_every) if verify_every else None
         self._pending: Pending | None = placed.pending
         if not placed.pending.at_first_call:
             self._build(sample)
@@ -252,6 +266,9 @@ class Pipeline(RunsRuntime):
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
         completed = False
+        certify = self.certificate is not None and self.certificate.due()
+        before = self.certificate.before(list(self.parameters())) \
+            if self.certificate is not None and certify else None
         try:
             loss = train_step(self._runtime, self._training, inputs, targets,
                               loss_fn=self.loss_fn, params=list(self.parameters()),
@@ -260,6 +277,12 @@ class Pipeline(RunsRuntime):
         finally:
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=completed)
+        if self.certificate is not None and before is not None:
+            parts = list(microbatches) if microbatches is not None else \
+                microbatches_of(inputs, targets, self.chunks)
+            self.certificate.verify(self._runtime, before, list(self.named_parameters()),
+                                    parts, loss_fn=self.loss_fn, loss=loss,
+                                    dtype=self._training.dtype, training=self.training)
         return loss
 
     @torch.no_grad()
