@@ -36,8 +36,6 @@ from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy, Rebalancing
 from conveyor.runtime.runtime import RunsRuntime
 from conveyor.runtime.steps import clip_gradients, infer, train_step
-from conveyor.runtime.verify import Certificate
-from conveyor.runtime.verify import microbatches as microbatches_of
 from conveyor.schedules import Schedule
 
 __all__ = ["Pipeline"]
@@ -202,8 +200,6 @@ class Pipeline(RunsRuntime):
         self.vocab_shards = placed.vocabulary
         self.schedule = placed.schedule  # before the layers: no layer takes the name
         self._rebalancing: Rebalancing | None = None
-        #: ``verify_every=``'s step counter and checks, or None
-        self.certificate = Certificate(verify_every) if verify_every else None
         self._pending: Pending | None = placed.pending
         if not placed.pending.at_first_call:
             self._build(sample)
@@ -217,6 +213,12 @@ class Pipeline(RunsRuntime):
         self.schedule, self._runtime, self._training = built.schedule, built.runtime, \
             built.training
         self._rebalancing = built.rebalancing
+
+    @property
+    def certificate(self) -> Any:
+        """``verify_every=``'s :class:`~conveyor.runtime.verify.Certificate` (its
+        ``verified`` steps), or None."""
+        return None if self._pending is not None else self._training.certificate
 
     @property
     def rebalancing(self) -> Rebalancing | None:
@@ -266,9 +268,9 @@ class Pipeline(RunsRuntime):
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
         completed = False
-        certify = self.certificate is not None and self.certificate.due()
-        before = self.certificate.before(list(self.parameters())) \
-            if self.certificate is not None and certify else None
+        certificate = self._training.certificate  # verify_every=
+        before = certificate.before(list(self.parameters())) \
+            if certificate is not None and certificate.due() else None
         try:
             loss = train_step(self._runtime, self._training, inputs, targets,
                               loss_fn=self.loss_fn, params=list(self.parameters()),
@@ -277,12 +279,11 @@ class Pipeline(RunsRuntime):
         finally:
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=completed)
-        if self.certificate is not None and before is not None:
-            parts = list(microbatches) if microbatches is not None else \
-                microbatches_of(inputs, targets, self.chunks)
-            self.certificate.verify(self._runtime, before, list(self.named_parameters()),
-                                    parts, loss_fn=self.loss_fn, loss=loss,
-                                    dtype=self._training.dtype, training=self.training)
+        if certificate is not None and before is not None:
+            certificate.verify(self._runtime, before, list(self.named_parameters()),
+                               (inputs, targets) if microbatches is None else microbatches,
+                               loss_fn=self.loss_fn, loss=loss, dtype=self._training.dtype,
+                               training=self.training)
         return loss
 
     @torch.no_grad()

@@ -48,6 +48,7 @@ from conveyor.runtime.planning import (
 from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.steps import TrainingStep
+from conveyor.runtime.verify import Certificate
 from conveyor.runtime.vocabranks import (
     VocabRanks,
     refuse_across_processes,
@@ -218,8 +219,10 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         check_rebalance(runtime, options.rebalance, sharded=pending.sharded)
         assert layout.source is not None  # check_rebalance refuses a traced model
         rebalancing = Rebalancing(options.rebalance, len(layout.source.names))
+    certificate = Certificate(options.verify_every, options.chunks) \
+        if options.verify_every else None
     training = TrainingStep(options.chunks, options.mode, options.check_finite,
-                            compute_dtype(options.precision), scaler, sharding)
+                            compute_dtype(options.precision), scaler, sharding, certificate)
     return Built(schedule, runtime, training, rebalancing)
 
 

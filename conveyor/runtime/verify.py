@@ -73,8 +73,8 @@ class Before:
 class Certificate:
     """Counts the steps and verifies every ``every``-th (see the module's docstring)."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, chunks: int) -> None:
+        self.every, self.chunks = every, chunks
         self.steps = 0  # steps begun
         self.verified = 0  # steps verified
 
@@ -92,11 +92,12 @@ class Certificate:
                              for p in params})
 
     def verify(self, runtime: Runtime, before: Before,
-               named: Sequence[tuple[str, nn.Parameter]], parts: Sequence[tuple[Any, Any]],
-               *, loss_fn: LossFn, loss: torch.Tensor, dtype: torch.dtype | None,
-               training: bool) -> None:
-        """Re-runs the step's micro-batches (``parts``: each ``(inputs, targets)``)
-        through the unpartitioned computation and compares; logs "verified at step s".
+               named: Sequence[tuple[str, nn.Parameter]],
+               batch: tuple[Any, Any] | Sequence[tuple[Any, Any]], *, loss_fn: LossFn,
+               loss: torch.Tensor, dtype: torch.dtype | None, training: bool) -> None:
+        """Re-runs the step's micro-batches (``batch``: the step's ``(inputs, targets)``,
+        split as the step splits it, or the micro-batches it was given) through the
+        unpartitioned computation and compares; logs "verified at step s".
 
         Raises:
             VerificationError: the loss or a gradient differs beyond the tolerance.
@@ -107,6 +108,8 @@ class Certificate:
             raise ConfigError("verify_every needs every stage in this process (one process, "
                               "stages on threads); under torchrun it is not available yet")
         params = [p for _, p in named]
+        parts = (list(zip(split(batch[0], self.chunks), split(batch[1], self.chunks)))
+                 if isinstance(batch, tuple) else list(batch))
         devices = [stage.device for stage in runtime.stages.values()]
         with _kept_state(runtime, devices):
             with autocast(runtime.devices, dtype):
@@ -194,11 +197,6 @@ def _reference(runtime: Runtime, params: Sequence[nn.Parameter],
         scales = {k: s / count for k, s in scales.items()}
         total, magnitude = total / count, magnitude / count
     return _Reference(total, magnitude, grads, scales, [batch_size(y) for _, y in parts])
-
-
-def microbatches(inputs: Any, targets: Any, chunks: int) -> list[tuple[Any, Any]]:
-    """A batch's micro-batches as the step splits it, each ``(inputs, targets)``."""
-    return list(zip(split(inputs, chunks), split(targets, chunks)))
 
 
 def _through_stages(runtime: Runtime, x: Any, m: int, step_seed: int | None) -> Any:
