@@ -168,13 +168,13 @@ def check(
         pipe = run.pipe
         if cut:  # as given, or chosen among the model's blocks
             split_at = pipe.split_at
-        before = copy.deepcopy(plain)
+        before, again = copy.deepcopy(plain), float64(inputs)  # as yet unchanged
         indices = [layer.index for layer in run.layers]
         reference = run_plain(plain, indices, inputs, targets, loss_fn=loss_fn,
                               chunks=chunks, seed=seed, split_at=split_at)
-        floor = noise_floor(before, reference, indices, inputs, targets, loss_fn=loss_fn,
+        floor = noise_floor(before, reference, indices, again, targets, loss_fn=loss_fn,
                             chunks=chunks, seed=seed, split_at=split_at,
-                            call=lambda m: forward_whole(m, inputs, cut))
+                            call=lambda m: forward_whole(m, float64(again), cut))
         comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
                                 chunks=chunks, rows=batch_size(inputs),
                                 rtol=floor.rtol(rtol), atol=atol,

@@ -42,6 +42,10 @@ __all__: list[str] = []
 MARGIN = 10.0
 #: A floor below this is float64's own: the model computes in float64 throughout.
 FLOAT64_LEVEL = 1e-12
+#: A floor above this is not rounding (float16's ulp is 1e-3): the model differs from
+#: itself for another reason (state a forward changes, an input changed in place,
+#: draws the check cannot replay), which the check's findings name; it is not a floor.
+ROUNDING_LEVEL = 1e-3
 #: The scale a scalar loss is seeded with in the floor's run (not a power of two, as a
 #: micro-batch's share of the batch often is not).
 _SCALAR_SEED = 3.0
@@ -64,8 +68,9 @@ class Floor:
 
     @property
     def elevated(self) -> bool:
-        """Whether the model's own rounding is above float64's."""
-        return self.relative > FLOAT64_LEVEL
+        """Whether the model's own rounding is above float64's: it differs from itself
+        by a rounding's size and computes below float64 inside."""
+        return FLOAT64_LEVEL < self.relative <= ROUNDING_LEVEL and bool(self.lower)
 
     def rtol(self, rtol: float) -> float:
         """The tolerance to judge the pipeline with: ``rtol`` or the floor's margin."""
@@ -146,7 +151,7 @@ def noise_floor(before: nn.Module, reference: PlainRun, indices: Sequence[int], 
         want = reference.grads.get(name)
         if want is not None and grad is not None:
             _widen(floor, repr(name), grad, want)
-    if floor.elevated:
+    if FLOAT64_LEVEL < floor.relative <= ROUNDING_LEVEL:
         floor.lower = lower_precision(before, call)
     return floor
 
