@@ -6,6 +6,7 @@ micro-batch."""
 from __future__ import annotations
 
 import copy
+import re
 import logging
 from typing import Any
 
@@ -138,3 +139,24 @@ def test_the_broken_accumulation_passes_unverified(monkeypatch: pytest.MonkeyPat
 def test_verify_every_is_a_number_of_steps(every: Any) -> None:
     with pytest.raises(ConfigError, match="verify_every"):
         pipeline(noisy_mlp(torch.float64), verify_every=every)
+
+
+def test_conveyor_train_verifies_every_n_steps(tmp_path: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support.training import train
+
+    assert train(tmp_path / "run", "--steps", "4", "--verify-every", "2") == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"verified at step \d+", out) == ["verified at step 2",
+                                                       "verified at step 4"]
+
+
+def test_conveyor_train_stops_on_a_step_that_does_not_verify(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support.training import train
+
+    keep_only_the_last_microbatch(monkeypatch)
+    assert train(tmp_path / "run", "--steps", "2", "--verify-every", "1") == 1
+    err = capsys.readouterr().err
+    assert "conveyor train: error: verify_every: step 1's gradient of" in err

@@ -77,10 +77,12 @@ class Certificate:
         self.every, self.chunks = every, chunks
         self.steps = 0  # steps begun
         self.verified = 0  # steps verified
+        self.due_now = False  # whether the last step begun was verified
 
     def due(self) -> bool:
         """Counts a step; whether it is one to verify."""
         self.steps += 1
+        self.due_now = False
         return self.steps % self.every == 0
 
     def before(self, params: Sequence[nn.Parameter]) -> Before:
@@ -119,6 +121,7 @@ class Certificate:
         tol = eps * 2 * (len(reference.parts) + schedule.num_stages)
         self._compare(before, named, loss, reference, tol)
         self.verified += 1
+        self.due_now = True
         logger.info("conveyor: verified at step %d (loss and %d gradients within %.2g of "
                     "the unpartitioned computation)", self.steps, len(named), tol)
 
