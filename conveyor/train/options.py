@@ -106,11 +106,9 @@ class TrainConfig:
                                   f"got {getattr(self, name)}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.verify_every < 0:
-            raise ConfigError(f"--verify-every must be at least 0, got {self.verify_every}")
         if self.sample_bytes < 0:
             raise ConfigError(f"--sample-bytes must be at least 0, got {self.sample_bytes}")
-        for name in ("lr", "time_limit", "timeout"):
+        for name in ("lr", "time_limit", "timeout", "verify_every"):
             value = getattr(self, name)
             if not (value > 0 or (value == 0 and name != "lr")) or value != value:
                 least = "greater than 0" if name == "lr" else "at least 0"
