@@ -135,7 +135,9 @@ def check(
         loss_fn: as for ``Pipeline``: a mean over the micro-batch's samples, or
             ``(loss_sum, count)``.
         seed: seeds the step's random streams (dropout) in both runs.
-        rtol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``.
+        rtol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``;
+            where the plain model differs from itself by more (a model that computes in
+            float32 inside, :mod:`conveyor.checking.floor`), 10x that noise floor.
         atol: see ``rtol``.
 
     Returns:
