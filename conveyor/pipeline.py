@@ -279,7 +279,8 @@ class Pipeline(RunsRuntime):
         finally:
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=completed)
-        if certificate is not None and before is not None:
+        if certificate is not None and before is not None and not (
+                self.scaler is not None and self.scaler.found_inf):  # (a dropped step)
             certificate.verify(self._runtime, before, list(self.named_parameters()),
                                (inputs, targets) if microbatches is None else microbatches,
                                loss_fn=self.loss_fn, loss=loss, dtype=self._training.dtype,
