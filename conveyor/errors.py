@@ -18,6 +18,7 @@ __all__ = [
     "SkipError",
     "StageError",
     "StepTimeout",
+    "VerificationError",
 ]
 
 
@@ -113,6 +114,21 @@ class ConfigError(ConveyorError, ValueError):
     """A command's option (``conveyor train``, ``conveyor simulate``) is out of range or
     contradicts another one, or ``--out`` cannot be used (a file, not writable, or in use
     by another run); or the ranks of a job were started with different pipelines."""
+
+
+class VerificationError(ConveyorError, ArithmeticError):
+    """A step of the user's own run, re-run through the unpartitioned computation
+    (``Pipeline(verify_every=N)``), differs from what the pipeline computed; the message
+    names the step and the first tensor that differs, by how much, and the tolerance.
+
+    Attributes:
+        step: the step (counted from 1) that was verified.
+        tensor: the name of the first tensor that differs ("loss", or a parameter's).
+    """
+
+    def __init__(self, message: str, *, step: int, tensor: str) -> None:
+        super().__init__(message)
+        self.step, self.tensor = step, tensor
 
 
 def add_note(exc: BaseException, note: str) -> None:

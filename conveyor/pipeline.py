@@ -140,6 +140,15 @@ class Pipeline(RunsRuntime):
             (on threads) even under torchrun; a ``Topology`` of process groups (as
             ``Topology.from_environment`` makes) runs one rank of them. Default: read
             from the environment (torchrun's, or one process).
+        verify_every: every N-th :meth:`step` (None: never, the default) is re-run
+            through the unpartitioned computation, stage by stage on the stages' own
+            devices (no schedule, recomputation or accumulation), and its loss and each
+            parameter's gradient compared at the run's precision: logs "verified at
+            step s" (logger "conveyor", INFO) or raises
+            :class:`~conveyor.errors.VerificationError` naming the first tensor that
+            differs. Training state is left as it was; costs about one more forward
+            and backward per N steps. One process only, for now (see
+            ``conveyor.runtime.verify``).
         plan: a :class:`conveyor.planner.PipelinePlan` (``conveyor.planner.solve``, or
             ``PipelinePlan.load`` of ``conveyor plan --save``): its cut, schedule,
             ``chunks``, recomputation per stage and replicas (``data_parallel``) are
@@ -176,6 +185,7 @@ class Pipeline(RunsRuntime):
         weights: Weights | None = None,
         rebalance: BalancePolicy | None = None,
         topology: Topology | None = None,
+        verify_every: int | None = None,
         plan: Any = None,
     ) -> None:
         super().__init__()
@@ -203,6 +213,12 @@ class Pipeline(RunsRuntime):
         self.schedule, self._runtime, self._training = built.schedule, built.runtime, \
             built.training
         self._rebalancing = built.rebalancing
+
+    @property
+    def certificate(self) -> Any:
+        """``verify_every=``'s :class:`~conveyor.runtime.verify.Certificate` (its
+        ``verified`` steps), or None."""
+        return None if self._pending is not None else self._training.certificate
 
     @property
     def rebalancing(self) -> Rebalancing | None:
@@ -252,6 +268,9 @@ class Pipeline(RunsRuntime):
         if self._rebalancing is not None:  # between two steps: may move layers
             self._runtime = self._rebalancing.before_step(self._runtime, self)
         completed = False
+        certificate = self._training.certificate  # verify_every=
+        before = certificate.before(list(self.parameters())) \
+            if certificate is not None and certificate.due() else None
         try:
             loss = train_step(self._runtime, self._training, inputs, targets,
                               loss_fn=self.loss_fn, params=list(self.parameters()),
@@ -260,6 +279,12 @@ class Pipeline(RunsRuntime):
         finally:
             if self._rebalancing is not None:
                 self._rebalancing.after_step(self._runtime, completed=completed)
+        if certificate is not None and before is not None and not (
+                self.scaler is not None and self.scaler.found_inf):  # (a dropped step)
+            certificate.verify(self._runtime, before, list(self.named_parameters()),
+                               (inputs, targets) if microbatches is None else microbatches,
+                               loss_fn=self.loss_fn, loss=loss, dtype=self._training.dtype,
+                               training=self.training)
         return loss
 
     @torch.no_grad()

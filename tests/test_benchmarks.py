@@ -196,3 +196,10 @@ def test_mesh_script_predicts_every_configuration_and_knows_when_tp_runs(
     assert steps["DP=2 replicate"] == pytest.approx(0.25 + 2e-4 + 32000 / 1e8)
     assert steps["DP=2 fsdp"] > steps["DP=2 replicate"]
     assert 0.25 < steps["PP=2"] < 0.5
+
+
+def test_verify_cost_script_times_both_steps() -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "verify_cost.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"a verified step \d+ ms: \+-?\d+% per verified step", result.stdout)

@@ -344,3 +344,55 @@ def test_check_cuts_any_module_among_its_blocks_as_pipeline_does(
                     r"micro-batches, recompute 'never'", setup), setup
     assert main(["check", "--model", "tests.test_check:encoder_decoder", "--stages", "5"]) == 2
     assert "'blocks' holds 4 blocks, fewer than the 5 stages" in capsys.readouterr().err
+
+
+def _llama(length: int) -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    """A tiny Llama (its RMSNorm and rotary table compute in float32 inside a float64
+    model) and a batch of ``length`` tokens."""
+    transformers = require("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=64))
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (4, length), generator=generator)
+    return model, {"input_ids": ids}, torch.randint(3, 64, (4, length), generator=generator)
+
+
+def test_float32_inside_a_float64_model_is_judged_against_its_own_noise_floor() -> None:
+    """At 12 tokens a (loss_sum, count) loss's count is 24 per micro-batch: the pipeline
+    seeds backward with the sum and divides by 48 after, the plain model seeds 1/48; the
+    gradients reaching the float32 RMSNorm round one float32 ulp apart (was: DIFFERS at
+    1.1e-7 relative, blaming a custom backward)."""
+    from conveyor.cli.checking import default_loss
+
+    model, inputs, targets = _llama(12)
+    report = conveyor.check(model, inputs, targets, loss_fn=default_loss, stages=2, chunks=2)
+    assert report.ok, str(report)
+    assert report.floor.elevated and 1e-9 < report.floor.relative < 1e-5
+    assert "float32 inside the model" in str(report) and "LlamaRMSNorm" in str(report)
+    assert report.rtol == pytest.approx(10 * report.floor.relative)
+    plain = conveyor.check(cases.mlp(), *cases.batch(), loss_fn=F.mse_loss, balance=[3, 3],
+                           chunks=4)
+    assert not plain.floor.elevated and plain.rtol == 1e-7  # float64 throughout
+
+
+def test_a_defect_is_still_found_above_the_noise_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the last micro-batch's gradient kept: found, though the floor is float32's."""
+    from conveyor.cli.checking import default_loss
+    from conveyor.engine.actions import StageActions
+
+    original = StageActions.backward_one
+
+    def last_only(self: StageActions, microbatch: int, *args: Any, **kwargs: Any) -> Any:
+        for param in self.trainable_parameters():
+            param.grad = None
+        return original(self, microbatch, *args, **kwargs)
+
+    monkeypatch.setattr(StageActions, "backward_one", last_only)
+    model, inputs, targets = _llama(11)
+    report = conveyor.check(model, inputs, targets, loss_fn=default_loss, stages=2, chunks=2)
+    assert not report.ok and report.floor.elevated
+    first = report.findings[0]
+    assert first.kind == "gradient" and first.max_rel is not None and first.max_rel > 0.05

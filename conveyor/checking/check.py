@@ -20,6 +20,7 @@ gradient and every buffer. The first difference beyond ``rtol`` gets a likely ca
 
 from __future__ import annotations
 
+import copy
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from conveyor.engine.microbatch import batch_size, split
 from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.graph.source import LayerBuilder
-from conveyor.checking.plain import float64, plain_model, run_plain
+from conveyor.checking.floor import Floor, noise_floor
+from conveyor.checking.plain import float64, forward_whole, plain_model, run_plain
 from conveyor.checking.runs import build_pipeline, traced
 from conveyor.checking.compare import Comparison, Finding
 from conveyor.schedules import Schedule
@@ -48,13 +50,17 @@ class CheckReport:
         setup: the pipeline that was checked, in words.
         compared: what was compared, in words.
         findings: the first difference of each kind, in the order a step runs.
-        rtol: the relative tolerance the values were compared with.
+        rtol: the relative tolerance the values were compared with: the one asked
+            for, or the plain model's own noise floor times its margin where the model
+            computes below float64 inside (see :mod:`conveyor.checking.floor`).
+        floor: how far the plain model differs from itself, and why.
     """
 
     setup: str
     compared: str
     findings: list[Finding] = field(default_factory=list)
     rtol: float = 0.0
+    floor: Floor = field(default_factory=Floor)
 
     @property
     def ok(self) -> bool:
@@ -63,6 +69,8 @@ class CheckReport:
     def __str__(self) -> str:
         lines = [f"conveyor check: {self.setup}", f"compared with the plain model on the "
                  f"whole batch (float64, rtol {self.rtol:g}): {self.compared}"]
+        if self.floor.elevated:
+            lines.append(_indent("the plain model's own noise floor: " + self.floor.cause()))
         if self.ok:
             return "\n".join([*lines, "MATCH: the pipeline computes what the plain model does"])
         first, *rest = self.findings
@@ -127,7 +135,9 @@ def check(
         loss_fn: as for ``Pipeline``: a mean over the micro-batch's samples, or
             ``(loss_sum, count)``.
         seed: seeds the step's random streams (dropout) in both runs.
-        rtol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``.
+        rtol: a value differs when ``|pipeline - plain| > atol + rtol * max|plain|``;
+            where the plain model differs from itself by more (a model that computes in
+            float32 inside, :mod:`conveyor.checking.floor`), 10x that noise floor.
         atol: see ``rtol``.
 
     Returns:
@@ -160,10 +170,16 @@ def check(
         pipe = run.pipe
         if cut:  # as given, or chosen among the model's blocks
             split_at = pipe.split_at
-        reference = run_plain(plain, [layer.index for layer in run.layers], inputs, targets,
-                              loss_fn=loss_fn, chunks=chunks, seed=seed, split_at=split_at)
+        before, again = copy.deepcopy(plain), float64(inputs)  # as yet unchanged
+        indices = [layer.index for layer in run.layers]
+        reference = run_plain(plain, indices, inputs, targets, loss_fn=loss_fn,
+                              chunks=chunks, seed=seed, split_at=split_at)
+        floor = noise_floor(before, reference, indices, again, targets, loss_fn=loss_fn,
+                            chunks=chunks, seed=seed, split_at=split_at,
+                            call=lambda m: forward_whole(m, float64(again), cut))
         comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
-                                chunks=chunks, rows=batch_size(inputs), rtol=rtol, atol=atol,
+                                chunks=chunks, rows=batch_size(inputs),
+                                rtol=floor.rtol(rtol), atol=atol,
                                 traced=cut, declared=[tuple(g) for g in tie_weights],
                                 builder=builder)
         findings = comparison.findings()
@@ -172,7 +188,7 @@ def check(
              else f"{count} stages")
     setup = (f"{shape}, {where}, {pipe.schedule.name}, {chunks} micro-batches, "
              f"recompute {mode!r}; one CPU thread per rank")
-    return CheckReport(setup, comparison.compared(), findings, rtol)
+    return CheckReport(setup, comparison.compared(), findings, floor.rtol(rtol), floor)
 
 
 def _stage_count(stages: int | None, balance: Sequence[int] | str | None,

@@ -78,6 +78,7 @@ class PlainRun:
         per_microbatch: layer indices run micro-batch by micro-batch (random draws).
         final: the model's output on the whole batch, detached.
         loss: the loss of the whole batch.
+        grads: every parameter's gradient after the step, by name (None: it has none).
     """
 
     outputs: dict[int, Leaves] = field(default_factory=dict)
@@ -85,14 +86,21 @@ class PlainRun:
     per_microbatch: set[int] = field(default_factory=set)
     final: Any = None
     loss: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+#: How a run seeds its backward: from ``loss_fn``'s value on the whole batch and the
+#: whole loss, the tensor to call backward on and what to divide the gradients by after.
+Seeding = Callable[[Any, torch.Tensor], tuple[torch.Tensor, float]]
 
 
 def run_plain(plain: nn.Module, indices: Sequence[int], inputs: Any, targets: Any, *,
               loss_fn: Callable[[Any, Any], Any], chunks: int, seed: int,
-              split_at: Sequence[str] | None) -> PlainRun:
+              split_at: Sequence[str] | None, seeded: Seeding | None = None) -> PlainRun:
     """Forward and backward of the plain model on the whole batch (see the module's
     docstring for random layers). ``indices`` are the pipeline's layer indices (a
-    traced model: its stages'), under which the outputs are kept."""
+    traced model: its stages'), under which the outputs are kept. ``seeded``: how to
+    seed the backward (default: from the whole loss, as a user's step does)."""
     torch.default_generator.manual_seed(seed)
     step_seed = draw_step_seed()
     result = PlainRun()
@@ -121,13 +129,25 @@ def run_plain(plain: nn.Module, indices: Sequence[int], inputs: Any, targets: An
             h = _call(plain, inputs)
         result.outputs[indices[-1]] = leaves(h)
     result.final = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, h)
-    result.loss = whole_loss(loss_fn, h, targets)
+    value = loss_fn(h, targets)
+    result.loss = whole_loss(lambda *_: value, h, targets)
+    start, divisor = seeded(value, result.loss) if seeded else (result.loss, 1.0)
     try:
-        result.loss.backward()
+        start.backward()
     except RuntimeError as exc:
         raise ModelError(f"the plain model's backward fails on this batch, so there is "
                          f"nothing to compare the pipeline with: {exc}") from exc
+    for name, param in plain.named_parameters():
+        if param.grad is not None and divisor != 1.0:
+            param.grad.div_(divisor)
+        result.grads[name] = None if param.grad is None else param.grad.detach().clone()
     return result
+
+
+def forward_whole(plain: nn.Module, inputs: Any, traced: bool) -> Any:
+    """The plain model's forward on ``inputs``: called as a traced pipeline calls it,
+    or (an ``nn.Sequential``) on the batch."""
+    return _call(plain, inputs) if traced else plain(inputs)
 
 
 def whole_loss(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any) -> torch.Tensor:

@@ -63,7 +63,10 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
                      help="batch-norm running statistics over the whole batch")
     sub.add_argument("--seed", type=int, metavar="N",
                      help="seed of the random streams (default 0)")
-    sub.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default 1e-7)")
+    sub.add_argument("--rtol", type=float, metavar="X",
+                     help="relative tolerance (default 1e-7; a model that computes in float32 "
+                          "inside is judged against 10x its own noise floor where that is "
+                          "larger)")
     sub.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.set_defaults(run=run)
 

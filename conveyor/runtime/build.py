@@ -27,7 +27,7 @@ from conveyor.engine.devices import resolve_devices
 from conveyor.engine.executor import thread_devices
 from conveyor.engine.loss import LossScaler, compute_dtype
 from conveyor.engine.offload import offloaded_stages
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConfigError, ConveyorError
 from conveyor.engine.recompute.replay import check_stage_modes
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import (
@@ -49,6 +49,7 @@ from conveyor.runtime.planning import (
 from conveyor.runtime.rebalance.rebalancing import Rebalancing, check_rebalance
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.steps import TrainingStep
+from conveyor.runtime.verify import Certificate
 from conveyor.runtime.vocabranks import (
     VocabRanks,
     refuse_across_processes,
@@ -221,9 +222,28 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
         check_rebalance(runtime, options.rebalance, sharded=pending.sharded)
         assert layout.source is not None  # check_rebalance refuses a traced model
         rebalancing = Rebalancing(options.rebalance, len(layout.source.names))
+    certificate = _certificate(options, runtime)
     training = TrainingStep(options.chunks, options.mode, options.check_finite,
-                            compute_dtype(options.precision), scaler, sharding)
+                            compute_dtype(options.precision), scaler, sharding, certificate)
     return Built(schedule, runtime, training, rebalancing)
+
+
+def _certificate(options: PipelineOptions, runtime: Runtime) -> Certificate | None:
+    """``verify_every=``'s certificate (None: off).
+
+    Raises:
+        ConfigError: not every stage runs in this process.
+    """
+    if not options.verify_every:
+        return None
+    stages = runtime.schedule.num_stages
+    if set(runtime.stages) != set(range(stages)):
+        raise ConfigError(
+            f"verify_every={options.verify_every}: this process runs stages "
+            f"{sorted(runtime.stages)} of {stages}; the certificate re-runs every stage in "
+            "one process, not yet across torchrun's ranks (drop verify_every there, or "
+            "check the pipeline with conveyor check)")
+    return Certificate(options.verify_every, options.chunks)
 
 
 def _offloaded(options: PipelineOptions, stages: int, *, sharded: bool) -> frozenset[int]:

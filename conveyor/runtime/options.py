@@ -29,6 +29,7 @@ from conveyor.engine.step import check_options
 from conveyor.errors import ConveyorError
 from conveyor.graph.weights import InitFn, Weights
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy
+from conveyor.runtime.verify import check_every
 from conveyor.schedules import Schedule
 
 __all__: list[str] = []
@@ -94,6 +95,7 @@ class PipelineOptions:
     rebalance: BalancePolicy | None = _option(
         None, agreed=lambda policy: None if policy is None else repr(policy))
     topology: Topology | None = _option(None)
+    verify_every: int | None = _option(None, agreed=True)
     plan: Any = _option(None)
 
     @classmethod
@@ -116,6 +118,7 @@ class PipelineOptions:
         check_options(chunks=options.chunks, recompute=options.recompute,
                       checkpoint=options.checkpoint)
         check_offload(options.offload)
+        check_every(options.verify_every)
         return options
 
     @property

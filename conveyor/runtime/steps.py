@@ -39,6 +39,7 @@ from conveyor.engine.step import StepState, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.errors import ConveyorError, MicroBatchError
 from conveyor.runtime.runtime import Runtime
+from conveyor.runtime.verify import Certificate
 from conveyor.schedules import Kind
 
 __all__: list[str] = []
@@ -57,6 +58,7 @@ class TrainingStep:
         dtype: the autocast dtype of ``precision=`` (None: none).
         scaler: float16's loss scaler (None: no loss scaling).
         sharding: FSDP2's shards of the stages (None: whole copies).
+        certificate: ``verify_every=``'s checks of every N-th step (None: off).
     """
 
     chunks: int
@@ -65,6 +67,7 @@ class TrainingStep:
     dtype: torch.dtype | None
     scaler: LossScaler | None
     sharding: Sharding | None
+    certificate: Certificate | None = None
 
 
 def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *,

@@ -272,6 +272,8 @@ class _Training:
                 loss = pipe.step(inputs, targets)
         except NonFiniteLossError as exc:  # raised on every rank, before any weight moved
             return self._not_finite(exc, str(exc).split(";")[0])
+        if pipe.certificate is not None and pipe.certificate.due_now:  # --verify-every
+            print(f"verified at step {self.step + 1}", flush=True)
         norm = float(pipe.clip_grad_norm_(1.0))  # the same on every rank
         if not math.isfinite(norm):
             stages = stages_not_finite(pipe)

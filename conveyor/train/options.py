@@ -73,6 +73,10 @@ class TrainConfig:
                                      "(0: none)")
     timeout: float = _option(0.0, "seconds a stage may take for one action, and the pipeline "
                                   "without progress (0: fitted to the step time)")
+    verify_every: int = _option(0, "re-run every N-th step through the unpartitioned model, "
+                                   "stage by stage, and stop the run if its loss or a "
+                                   "gradient differs from the pipeline's (about one more "
+                                   "forward and backward per N steps; 0: never)")
     sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
     out: str = _option("runs/default", "output directory")
 
@@ -104,7 +108,7 @@ class TrainConfig:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.sample_bytes < 0:
             raise ConfigError(f"--sample-bytes must be at least 0, got {self.sample_bytes}")
-        for name in ("lr", "time_limit", "timeout"):
+        for name in ("lr", "time_limit", "timeout", "verify_every"):
             value = getattr(self, name)
             if not (value > 0 or (value == 0 and name != "lr")) or value != value:
                 least = "greater than 0" if name == "lr" else "at least 0"

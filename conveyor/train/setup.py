@@ -33,7 +33,7 @@ def build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimiz
                     devices=stage_devices(config), data_parallel=config.replicas() or config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_byte_loss, check_finite=True,
-                    timeout=config.timeout or None,
+                    timeout=config.timeout or None, verify_every=config.verify_every or None,
                     rebalance=Rebalance() if config.rebalance else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tests.zoo import families
 from tests.zoo.families import BATCH, CHUNKS, FAMILIES
 from tests.zoo.harness import (AUTO, BF16_TOLERANCE, SCHEDULES, Outcome, bf16_run,
                                pipelined, prepare, tolerance)
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path,
                         help="write the rows as JSON here; with --family, replace those "
                              "families' rows in the file and keep the others")
+    parser.add_argument("--length", type=int, default=families.LENGTH,
+                        help="tokens per sample (default 8; 9, 11 or 12 make a token "
+                             "count that is no power of two)")
     args = parser.parse_args(argv)
+    families.LENGTH = args.length
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.precision:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
               "date": time.strftime("%Y-%m-%d"), "seconds": round(seconds),
               "machine": f"{platform.machine()}, {platform.system()}, {os.cpu_count()} cores",
               "torch": torch.__version__, "transformers": transformers_version(),
-              "batch": BATCH, "chunks": CHUNKS, "stages": 2, "schedules": SCHEDULES,
+              "batch": BATCH, "length": families.LENGTH, "chunks": CHUNKS, "stages": 2, "schedules": SCHEDULES,
               "families": rows}
     if args.json and args.family and args.json.exists():
         record = merged(json.loads(args.json.read_text()), record)
