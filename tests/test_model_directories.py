@@ -53,8 +53,27 @@ def assert_equals_from_pretrained(pipe: nn.Module, folder: Path) -> None:
 
 
 @pytest.mark.timeout(300)  # one traced Llama, slow on a busy machine
-def test_a_sharded_directory_gives_from_pretrained_s_weights(sharded: Path) -> None:
-    assert_equals_from_pretrained(pipeline_of(sharded, sharded), sharded)
+def test_a_sharded_directory_gives_from_pretrained_s_weights_and_saves_them_back(
+        sharded: Path, tmp_path: Path) -> None:
+    pipe = pipeline_of(sharded, sharded)
+    assert_equals_from_pretrained(pipe, sharded)
+    # Trained a step, then handed back: from_pretrained reads the trained weights.
+    _, _, inputs, targets = llama()
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    pipe.step(inputs, targets)
+    optimizer.step()
+    trained = tmp_path / "trained"
+    assert pipe.save_pretrained(trained) == trained
+    assert sorted(p.name for p in trained.iterdir()) == [
+        "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert_equals_from_pretrained(pipe, trained)
+    before = sorted(trained.iterdir())
+    with pytest.raises(conveyor.SaveError, match=r"^cannot export into .*trained: the folder "
+                                                 r"exists and is not empty \(nothing was "
+                                                 r"written\); name a new or empty folder$"):
+        pipe.save_pretrained(trained)
+    assert sorted(trained.iterdir()) == before
     index = sharded / "model.safetensors.index.json"  # the index file, named itself
     assert_equals_from_pretrained(conveyor.initialize(meta_llama(sharded), weights=index),
                                   sharded)
@@ -133,3 +152,29 @@ def test_a_missing_or_mismatched_tensor_is_named_with_its_file(sharded: Path,
         conveyor.initialize(meta_llama(sharded), weights=empty)
     with pytest.raises(ModelError, match=r"weights='.*nowhere' does not exist"):
         conveyor.initialize(meta_llama(sharded), weights=tmp_path / "nowhere")
+
+
+def test_a_user_model_is_saved_as_a_state_dict_by_plain_names(tmp_path: Path) -> None:
+    """No config: one safetensors file per stage by the plain model's names, and the
+    index, which ``weights=`` reads back."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = conveyor.GPipe(model, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
+    pipe.save_pretrained(tmp_path / "mine")
+    files = sorted(p.name for p in (tmp_path / "mine").iterdir())
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
+    saved = {**load_file(tmp_path / "mine" / files[0]), **load_file(tmp_path / "mine" / files[1])}
+    assert set(load_file(tmp_path / "mine" / files[0])) == {"0.weight", "0.bias"}
+    assert saved.keys() == plain.keys()
+    assert all(torch.equal(saved[k], v) for k, v in plain.items())
+    with torch.device("meta"):
+        again = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    conveyor.initialize(again, weights=tmp_path / "mine")
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in plain.items())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(conveyor.SaveError, match=r"cannot export into .*file: it is a file"):
+        pipe.save_pretrained(tmp_path / "file")

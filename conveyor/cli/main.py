@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True,
                                      parser_class=_CommandParser)
     for add_command in (_demo_parser, _train_parser, _simulate_parser, _trace_parser,
-                        _plan_parser, _check_parser):
+                        _plan_parser, _check_parser, _export_parser):
         add_command(commands)
     return parser
 
@@ -222,6 +222,13 @@ def _check_parser(commands: _Commands) -> None:
     from conveyor.cli.checking import add_parser  # torch-free
 
     add_parser(commands, _lazy("conveyor.cli.checking", "check_command"))
+
+
+def _export_parser(commands: _Commands) -> None:
+    """``conveyor export``; its flags and body are in ``conveyor.cli.exporting``."""
+    from conveyor.cli.exporting import add_parser  # torch-free
+
+    add_parser(commands, _lazy("conveyor.cli.exporting", "export_command"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -130,7 +130,7 @@ def save_pretrained(pipe: nn.Module, runtime: Any, directory: str | Path, *,
         tensors = {n: _whole(state[n]) for n in local[stage] if keep.get(n) == stage}
         if writer[stage] == rank:
             directory.mkdir(parents=True, exist_ok=True)
-            _save_file(tensors, directory / file_of(stage, count))
+            write_tensors(tensors, directory / file_of(stage, count))
         del tensors
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def write_metadata(directory: Path, weight_map: Mapping[str, str], sizes: Mappin
             part.save_pretrained(directory)
 
 
-def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """One safetensors file, with the metadata transformers looks for."""
     try:
         from safetensors.torch import save_file
