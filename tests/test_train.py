@@ -384,7 +384,7 @@ def test_a_run_exports_its_model_and_conveyor_export_writes_a_checkpoint_s(
     for file in sorted((tmp_path / "exported").glob("*.safetensors")):
         exported.update(load_file(file))
     tied = set(saved) - set(exported)  # the head shares the embedding's weight: once
-    assert len(tied) == 1 and torch.equal(saved[tied.pop()], saved["0.weight"])
+    assert len(tied) == 1 and torch.equal(saved[tied.pop()], saved["0.tokens.weight"])
     for name, value in exported.items():
         assert torch.equal(value, saved[name]), name
     capsys.readouterr()
