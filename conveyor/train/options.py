@@ -79,6 +79,9 @@ class TrainConfig:
                                    "forward and backward per N steps; 0: never)")
     sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
     out: str = _option("runs/default", "output directory")
+    export: str = _option("", "at the end, also write the trained model into this new or "
+                              "empty folder as a model directory (safetensors files by the "
+                              "plain model's names and their index; '': none)")
 
     def check(self) -> None:
         """Raises ConfigError (one line) for options that cannot work together. A
@@ -270,7 +273,9 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "resume", False):
         saved = Path(values.get("out", TrainConfig.out)) / OPTIONS_FILE
         if saved.exists():  # the run's own options, under what this command line says
-            values = {**_read_config(saved), **values}
+            kept = {k: v for k, v in _read_config(saved).items()
+                    if k != "export"}  # a folder written at the end: the run's, not kept
+            values = {**kept, **values}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or under_torchrun():
         values = plan_layout({**asdict(TrainConfig()), **values}, given=given, world=world)
