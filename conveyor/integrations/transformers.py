@@ -84,7 +84,8 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
                 self.args.world_size > 1 and "stages" in options:
             options["data_parallel"] = self.args.world_size // int(options["stages"])
         #: the pipeline: ``self.model`` stays the model given, for its config and name
-        self.pipe = Pipeline(self.model, loss_fn=self._loss_fn(), chunks=self.chunks * accumulated,
+        model: Any = self.model
+        self.pipe = Pipeline(model, loss_fn=self._loss_fn(), chunks=self.chunks * accumulated,
                              **options)
         self.model_wrapped = self.pipe
         self._waiting: list[dict[str, Any]] = []
@@ -94,14 +95,17 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     def _loss_fn(self) -> Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """``loss_fn(output, labels)``: the loss summed over a micro-batch's items, and
         their count as the ``Trainer`` counts them (a causal LM's shifted labels)."""
-        custom, model = self.compute_loss_func, self.model
+        custom: Any = self.compute_loss_func
+        model: Any = self.model
         if custom is None and not self.model_accepts_loss_kwargs:
             raise ConfigError(
                 f"{type(model).__name__} takes no num_items_in_batch, so its loss cannot be "
                 "summed over micro-batches: pass compute_loss_func=(outputs, labels, "
                 "num_items_in_batch) that divides a summed loss by num_items_in_batch")
-        shifts, vocabulary = self._loss_shifts_labels, getattr(model.config, "vocab_size", None)
-        own = model.loss_function if custom is None else None
+        shifts = getattr(self, "_loss_shifts_labels",
+                         getattr(model, "loss_type", None) == "ForCausalLM")
+        vocabulary = getattr(model.config, "vocab_size", None)
+        own: Any = model.loss_function if custom is None else None
 
         def loss_fn(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             counted = labels[..., 1:] if shifts else labels
@@ -116,7 +120,8 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     def _sample(self) -> Any:
         """One example of the training set as the collator makes it, without labels."""
         collate = self._get_collator_with_removed_columns(self.data_collator, "sample")
-        batch = collate([self.train_dataset[0]])
+        dataset: Any = self.train_dataset
+        batch = collate([dataset[0]])
         return {k: v for k, v in batch.items() if k not in self.label_names}
 
     def _split(self, batch: Mapping[str, Any]) -> list[tuple[Any, Any]]:
@@ -149,8 +154,9 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
         self.pipe.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
+        optimizer: Any = self.optimizer
+        if hasattr(optimizer, "train") and callable(optimizer.train):
+            optimizer.train()
         batches, self._waiting = self._waiting, []
         microbatches = [pair for batch in batches for pair in self._split(batch)]
         loss = self.pipe.step(microbatches=microbatches)
@@ -181,7 +187,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         topology = self.pipe.topology
         if not topology.distributed:
             return loader
-        sampler = getattr(loader, "batch_sampler", None)
+        sampler: Any = getattr(loader, "batch_sampler", None)
         if not hasattr(sampler, "process_index"):
             raise ConfigError(
                 f"{type(loader).__name__} cannot be shared out by replica: the pipelined "
@@ -221,7 +227,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A standard model directory (``from_pretrained`` loads it) from the stages."""
-        output_dir = output_dir or self.args.output_dir
+        output_dir = str(output_dir or self.args.output_dir)
         gather = getattr(self.pipe, "save_pretrained", None)
         if gather is not None:
             gather(output_dir)
@@ -254,19 +260,22 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The optimizer's state of each pipeline rank (replica 0's), and the schedule."""
+        optimizer: Any = self.optimizer
+        schedule: Any = self.lr_scheduler
         if self.pipe.topology.data_rank == 0:
-            torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
+            torch.save(optimizer.state_dict(), self._optimizer_file(output_dir))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(schedule.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The state :meth:`_save_optimizer_and_scheduler` wrote, on every rank."""
         if checkpoint is None:
             return
-        self.optimizer.load_state_dict(torch.load(self._optimizer_file(checkpoint),
-                                                  weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"),
-                                                     weights_only=True))
+        optimizer: Any = self.optimizer
+        schedule: Any = self.lr_scheduler
+        optimizer.load_state_dict(torch.load(self._optimizer_file(checkpoint), weights_only=True))
+        schedule.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"),
+                                            weights_only=True))
 
 
 def _logits(output: Any) -> Any:
