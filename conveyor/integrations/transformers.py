@@ -214,7 +214,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         if output is not None:
             total, _ = self.pipe.loss_fn(output, labels)
             loss = (total / count * self.accelerator.num_processes).detach().to(loss)
-        loss = self.pipe.from_last_stage(loss).float()
+        loss = self.pipe.from_last_stage(loss)
         if prediction_loss_only:
             return loss, None, None
         if self.pipe.topology.distributed:
