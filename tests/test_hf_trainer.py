@@ -59,10 +59,11 @@ def test_the_pipelined_trainer_is_the_plain_one(reference: Any, tmp_path: Path) 
     assert runs.history(resumed) == runs.history(trainer)  # the first two from the checkpoint
 
 
+@pytest.mark.timeout(400)
 def test_under_torchrun_two_stages_by_two_replicas(tmp_path: Path) -> None:
     """Four processes: each replica reads its own half of the data; together they are
     the plain Trainer with batches twice as large."""
-    outcome = launch("", 4, tmp_path, launcher="torchrun", timeout=240,
+    outcome = launch("", 4, tmp_path, launcher="torchrun", timeout=360,
                      module="tests.support.hf_trainer", args=[str(tmp_path), "2"])
     assert outcome.returncodes == [0], outcome.outputs
     reference = runs.plain(tmp_path / "plain", replicas=2)

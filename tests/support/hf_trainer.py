@@ -74,11 +74,13 @@ def history(trainer: Any) -> list[tuple[float, float]]:
 
 
 def plain(folder: str | Path, *, replicas: int = 1, **changes: Any) -> Any:
-    """The plain Trainer, trained: ``replicas`` data-parallel ranks' batches as one."""
+    """The plain Trainer, trained: ``replicas`` data-parallel ranks' batches as one (for
+    evaluation too: the Trainer counts an evaluation batch's tokens over the replicas)."""
     transformers = quiet()
     batch = ARGS["per_device_train_batch_size"] * replicas
     trainer = transformers.Trainer(
-        model=gpt2(), args=arguments(folder, per_device_train_batch_size=batch, **changes),
+        model=gpt2(), args=arguments(folder, per_device_train_batch_size=batch,
+                                     per_device_eval_batch_size=batch, **changes),
         train_dataset=tokens(48), eval_dataset=tokens(16, seed=2), compute_loss_func=loss64)
     trainer.train()
     return trainer
