@@ -57,7 +57,6 @@ _PUBLIC = {
     "where": "conveyor.observe.where",
     "report_on_signal": "conveyor.observe.where",
     "CheckpointError": "conveyor.train.errors",
-    "SaveError": "conveyor.train.errors",
 }
 
 # Families of names with a module of their own, as torchgpipe's: ``conveyor.balance``

@@ -14,6 +14,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NonFiniteLossError",
     "PeerFailure",
+    "SaveError",
     "ScheduleError",
     "SkipError",
     "StageError",
@@ -127,3 +128,10 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     else:  # Python 3.10: keep the note where 3.11 would
         exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+
+
+class SaveError(ConveyorError, RuntimeError):
+    """What was to be written could not be (a checkpoint or a run's summary, e.g. on a
+    full disk: the message says which checkpoint is still intact, the ``OSError`` is the
+    ``__cause__``), or would replace what is there (an export into a folder that is not
+    empty): nothing is written."""

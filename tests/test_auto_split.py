@@ -317,3 +317,33 @@ def test_blocks_of_one_class_may_include_some_without_parameters() -> None:
             self.blocks = nn.ModuleList(Block(w) for w in (True, False, True, True))
 
     assert find_blocks(Model()).names == [f"blocks.{i}" for i in range(4)]
+
+
+def test_a_funnel_model_s_lists_of_layers_are_its_blocks() -> None:
+    """Funnel keeps its layers in a list of lists (``encoder.blocks.i.j``): the inner
+    lists are never called, so their layers are the blocks (it was told "use at most 0
+    stages"); cut by stages=2, its gradients are the plain model's."""
+    from tests.support.any_models import quiet_transformers
+
+    t = quiet_transformers()
+    config = t.FunnelConfig(vocab_size=50, block_sizes=[1, 1, 1], d_model=16, n_head=2,
+                            d_head=8, d_inner=32, hidden_dropout=0.0, attention_dropout=0.0,
+                            activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = t.FunnelModel(config).double()
+    reference = copy.deepcopy(model)
+    assert find_blocks(model).names == ["encoder.blocks.0.0", "encoder.blocks.1.0",
+                                        "encoder.blocks.2.0"]
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.randn(4, 8, 16, dtype=torch.float64)
+
+    def loss_fn(output: object, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(getattr(output, "last_hidden_state"), target)
+
+    pipe = conveyor.Pipeline(model, stages=2, sample=ids[:2], devices=["cpu"] * 2, chunks=2,
+                             loss_fn=loss_fn)
+    loss = pipe.step(ids, targets)
+    expected = loss_fn(reference(ids), targets)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * expected.item()
+    assert_model_grads(pipe, reference)

@@ -229,3 +229,23 @@ def test_the_command_runs_and_simulate_needs_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip().endswith("no torch")
+
+
+def test_options_are_matched_whole_and_a_command_s_own_usage_is_shown(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data DIR`` is not read as ``--data-parallel DIR``; an unknown option of a
+    command shows that command's usage, not the top-level one."""
+    for argv, command in ((["train", "--data", "corpus"], "train"),
+                          (["train", "--bogus"], "train"),
+                          (["simulate", "--stag", "2", "--stages", "2", "--chunks", "4"],
+                           "simulate")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"usage: conveyor {command} " in err, err
+        assert f"conveyor {command}: error: unrecognized arguments: {argv[1]}" in err, err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"conveyor {conveyor.__version__}"

@@ -41,6 +41,18 @@ def test_more_stages_than_layers() -> None:
         conveyor.balance.balance_by_params(model8(), 9)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="this machine has a cuda:7")
+def test_a_cuda_device_that_is_not_here_is_named() -> None:
+    """Not torch's 'Torch not compiled with CUDA enabled' assertion: the CLI's sentence."""
+    for devices in (["cuda:0", "cuda:7"], ["cuda", "cuda"]):
+        wanted = "cuda:7" if torch.cuda.is_available() else "cuda(:0)?"
+        with pytest.raises(conveyor.BalanceError, match=rf"devices=: there is no {wanted} here \("):
+            conveyor.Pipeline(model8(), balance=[4, 4], devices=devices, chunks=2,
+                              loss_fn=torch.nn.functional.mse_loss)
+        if torch.cuda.is_available():
+            break
+
+
 def test_devices_must_match_balance() -> None:
     with pytest.raises(conveyor.BalanceError,
                        match=r"devices lists 3 devices but balance has 2 stages"):

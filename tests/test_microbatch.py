@@ -120,3 +120,12 @@ def test_gather_rejects_scalars_and_disagreeing_constants() -> None:
         gather([{"t": torch.ones(1), "k": "a"}, {"t": torch.ones(1), "k": "b"}])
     with pytest.raises(MicroBatchError, match=r"micro-batch 1 returned a different structure"):
         gather([(torch.ones(1),), [torch.ones(1)]])
+
+
+def test_a_python_list_as_a_batch_is_named_by_its_type_not_its_numbers() -> None:
+    numbers = [[0.123456 * i, 7.654321] for i in range(1000)]
+    with pytest.raises(MicroBatchError) as raised:
+        split(numbers, 2)
+    message = str(raised.value)
+    assert "got list[1000] of list[2] of float: pass a tensor" in message
+    assert "0.123456" not in message and "7.654321" not in message and len(message) < 250

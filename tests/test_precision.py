@@ -116,17 +116,23 @@ def test_an_overflowing_fp16_step_is_dropped_and_the_optimizer_skips_it() -> Non
     assert all(p.grad is None for p in pipe.parameters())  # as before the step
     assert not pipe.scaler.step(optimizer)
     assert all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
-    pipe.scaler.scale = 2.0**8
+    pipe.scaler.update()  # torch.amp.GradScaler's loop: step(optimizer), then update()
+    assert pipe.scaler.get_scale() == 2.0**119  # set by the step already, not halved again
+    pipe.scaler.update(2.0**8)  # a new scale, as torch's update(new_scale) sets it
     pipe.step(x, y)
     assert not pipe.scaler.found_inf
+    pipe.scaler.unscale_(optimizer)  # the gradients come back unscaled: nothing to do
     assert pipe.scaler.step(optimizer)
+    pipe.scaler.update()
+    assert pipe.scaler.get_scale() == 2.0**8
     assert not all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
 
 
 def test_the_scale_grows_after_growth_interval_good_steps_and_is_saved() -> None:
     scaler = LossScaler(init_scale=8.0, growth_interval=3)
-    for found in (False, False, True, False, False, False):
-        scaler.update(found)
+    for found in (False, False, True, False, False):
+        scaler.record(found)
+    scaler.update(False)  # a bool alone: the rule for one step, as earlier versions took it
     assert scaler.scale == 8.0  # halved once, then doubled after three good steps
     restored = LossScaler()
     restored.load_state_dict(scaler.state_dict())

@@ -363,3 +363,39 @@ def test_data_parallel_pipelines_under_torchrun_match_one_pipeline(tmp_path: Pat
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert [e["loss"] for e in replicas["history"]] == pytest.approx(
         [e["loss"] for e in one["history"]], rel=1e-5)
+
+
+def test_a_run_exports_its_model_and_conveyor_export_writes_a_checkpoint_s(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--export DIR`` at the end of a run, and ``conveyor export CHECKPOINT DIR``: the
+    trained weights by plain names, bit-exact; a folder that is not empty is refused
+    with one line, nothing written."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    assert train(tmp_path / "run", "--steps", "2", "--export", str(tmp_path / "taken")) == 2
+    assert "--export: cannot export into" in one_error_line(capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    assert train(tmp_path / "run", "--steps", "2", "--sample-bytes", "0",
+                 "--export", str(tmp_path / "exported")) == 0
+    saved = saving.load_weights(tmp_path / "run")
+    exported: dict[str, torch.Tensor] = {}
+    for file in sorted((tmp_path / "exported").glob("*.safetensors")):
+        exported.update(load_file(file))
+    tied = set(saved) - set(exported)  # the head shares the embedding's weight: once
+    assert len(tied) == 1 and torch.equal(saved[tied.pop()], saved["0.tokens.weight"])
+    for name, value in exported.items():
+        assert torch.equal(value, saved[name]), name
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "cli")]) == 0
+    cli = load_file(tmp_path / "cli" / "model.safetensors")
+    assert set(exported) <= set(cli) <= set(saved)
+    assert all(torch.equal(value, saved[name]) for name, value in cli.items())
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"conveyor export: error: cannot export into {tmp_path / 'taken'}: the "
+                   "folder exists and is not empty (nothing was written); name a new or "
+                   "empty folder"]
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["x"]

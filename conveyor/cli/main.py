@@ -32,14 +32,37 @@ def _lazy(module: str, function: str) -> Any:
     return run
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that matches options whole, never by a prefix (``--data`` is not
+    ``--data-parallel``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+class _CommandParser(_Parser):
+    """A sub-command's parser: an option it does not know is refused with its own
+    usage (``conveyor train --bogus`` shows train's, not the top-level one)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``conveyor`` parser: one sub-command each for demo, train, simulate, trace,
-    plan and check."""
-    parser = argparse.ArgumentParser(prog="conveyor",
-                                     description="GPipe for PyTorch: pipeline training.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    plan, check and export; options matched whole."""
+    from conveyor import __version__
+
+    parser = _Parser(prog="conveyor", description="GPipe for PyTorch: pipeline training.")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     parser_class=_CommandParser)
     for add_command in (_demo_parser, _train_parser, _simulate_parser, _trace_parser,
-                        _plan_parser, _check_parser):
+                        _plan_parser, _check_parser, _export_parser):
         add_command(commands)
     return parser
 
@@ -199,6 +222,13 @@ def _check_parser(commands: _Commands) -> None:
     from conveyor.cli.checking import add_parser  # torch-free
 
     add_parser(commands, _lazy("conveyor.cli.checking", "check_command"))
+
+
+def _export_parser(commands: _Commands) -> None:
+    """``conveyor export``; its flags and body are in ``conveyor.cli.exporting``."""
+    from conveyor.cli.exporting import add_parser  # torch-free
+
+    add_parser(commands, _lazy("conveyor.cli.exporting", "export_command"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

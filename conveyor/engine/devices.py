@@ -57,11 +57,31 @@ def resolve_devices(devices: Sequence[Device] | None, count: int, *, what: str,
     if len(resolved) != count:
         raise BalanceError(f"devices lists {len(resolved)} devices but {what}; give one "
                            f"device per {per} (devices may repeat)")
+    for device in resolved:
+        if (missing := absent(device)) is not None:
+            raise BalanceError(f"devices=: {missing}; pass devices that exist (devices "
+                               "may repeat, e.g. devices=['cpu', 'cpu'])")
     return [
         torch.device("cuda", torch.cuda.current_device())
         if d.type == "cuda" and d.index is None else d
         for d in resolved
     ]
+
+
+def absent(device: torch.device) -> str | None:
+    """Why ``device`` is not on this machine (a CUDA device beyond those there, or any
+    on a torch built without CUDA), or None where it is: what the command line and
+    ``devices=`` both say, before torch's own assertion would.
+    """
+    if device.type != "cuda":
+        return None
+    if not torch.backends.cuda.is_built():
+        return (f"there is no {device} here (this torch, {torch.__version__}, is built "
+                "without CUDA)")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (device.index or 0) >= count:
+        return f"there is no {device} here ({count} CUDA devices)"
+    return None
 
 
 class KeepsPlacement(nn.Module):

@@ -146,8 +146,9 @@ class LossScaler:
             agree(found)
         return bool(found.item())
 
-    def update(self, found_inf: bool) -> None:
-        """The scale for the next step, after one that did (or did not) overflow."""
+    def record(self, found_inf: bool) -> None:
+        """The scale for the next step, after one that did (or did not) overflow: what
+        the pipeline calls once its step's gradients are checked."""
         self.found_inf = found_inf
         if found_inf:
             self.scale *= self.backoff_factor
@@ -157,6 +158,30 @@ class LossScaler:
         if self._good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self._good_steps = 0
+
+    def update(self, new_scale: float | torch.Tensor | None = None, *,
+               found_inf: bool | None = None) -> None:
+        """``torch.amp.GradScaler.update``'s place in a loop (``scaler.step(opt)`` then
+        ``scaler.update()``): the pipeline has already set the next step's scale when it
+        checked the step's gradients, so with no argument this changes nothing;
+        ``new_scale`` sets the scale, as torch's does. ``found_inf`` (or a bool given
+        alone, as earlier versions took it) applies the rule for a step that did (or did
+        not) overflow, as :meth:`record`.
+        """
+        if isinstance(new_scale, bool):
+            new_scale, found_inf = None, new_scale
+        if found_inf is not None:
+            self.record(found_inf)
+        if new_scale is not None:
+            self.scale = float(new_scale)
+
+    def get_scale(self) -> float:
+        """The scale the next step's losses are multiplied by (as torch's GradScaler)."""
+        return self.scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to do: the pipeline hands back gradients already unscaled (torch's
+        ``scaler.unscale_(optimizer)`` before clipping may stay in a loop)."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last step overflowed; whether it stepped."""

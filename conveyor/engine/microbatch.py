@@ -61,8 +61,9 @@ def batch_size(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     raise MicroBatchError(
-        "the batch holds no tensor with a batch dimension (dim 0) to split "
-        f"into micro-batches; got {_summary(batch)}"
+        "the batch holds no tensor with a batch dimension (dim 0) to split into "
+        f"micro-batches; got {_summary(batch)}: pass a tensor (torch.tensor(...) of a "
+        "list of numbers), or a tuple or dict of tensors"
     )
 
 
@@ -163,7 +164,16 @@ def gather(outputs: Sequence[Any]) -> Any:
     return pytree.tree_unflatten(gathered, spec)
 
 
-def _summary(batch: Any) -> str:
-    text = repr(pytree.tree_map(lambda x: f"Tensor{tuple(x.shape)}"
-                                if isinstance(x, torch.Tensor) else x, batch))
-    return text if len(text) < 120 else text[:117] + "..."
+def _summary(batch: Any, depth: int = 0) -> str:
+    """What ``batch`` is made of, by types and shapes, never its values (a list of a
+    thousand numbers is ``list[1000] of float``)."""
+    if isinstance(batch, torch.Tensor):
+        return f"Tensor{tuple(batch.shape)}"
+    if isinstance(batch, (list, tuple)) and depth < 3:
+        kinds = sorted({_summary(item, depth + 1) for item in batch})
+        inner = kinds[0] if len(kinds) == 1 else " or ".join(kinds[:3])
+        return f"{type(batch).__name__}[{len(batch)}]" + (f" of {inner}" if inner else "")
+    if isinstance(batch, dict) and depth < 3:
+        text = ", ".join(f"{k!r}: {_summary(v, depth + 1)}" for k, v in list(batch.items())[:4])
+        return "{" + text + (", ...}" if len(batch) > 4 else "}")
+    return "None" if batch is None else type(batch).__name__

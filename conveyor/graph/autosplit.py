@@ -100,7 +100,8 @@ class AutoCut:
 
 def find_blocks(model: nn.Module) -> Blocks:
     """The children of ``model``'s largest ``nn.ModuleList`` or ``nn.Sequential`` of
-    blocks of one kind: all of one class, two or more holding parameters (a ``Sequential(conv,
+    blocks of one kind (of a list of ``nn.ModuleList`` objects, their children in
+    order): all of one class, two or more holding parameters (a ``Sequential(conv,
     tanh)`` is a block, not a list of blocks; a feed-forward's ``ModuleList([Linear,
     Dropout, Linear])`` is not a list of blocks either): the most children, then the most
     parameters, then the first found.
@@ -113,6 +114,11 @@ def find_blocks(model: nn.Module) -> Blocks:
         if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = [(key, child) for key, child in module._modules.items() if child is not None]
+        if children and all(type(c) is nn.ModuleList for _, c in children):
+            # A list of lists (Funnel's encoder.blocks): the lists are never called, their
+            # modules are; the blocks are those, in order.
+            children = [(f"{key}.{inner}", block) for key, c in children
+                        for inner, block in c._modules.items() if block is not None]
         if len(children) < 2:
             continue
         holding = sum(any(True for _ in c.parameters()) for _, c in children)

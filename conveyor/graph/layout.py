@@ -317,6 +317,10 @@ def adopt(owner: nn.Module, model: nn.Module) -> None:
     for name, buffer in buffers.items():
         owner.register_buffer(name, buffer,
                               persistent=name not in model._non_persistent_buffers_set)
+    for what in ("config", "generation_config"):  # a Hugging Face model's: save_pretrained
+        if callable(getattr(getattr(model, what, None), "save_pretrained", None)):
+            owner.__dict__[f"_model_{what}" if what == "config" else f"_{what}"] = \
+                getattr(model, what)
 
 
 def _check_layer_names(owner: nn.Module, names: Sequence[str]) -> None:

@@ -3,9 +3,11 @@
 Built under ``torch.device("meta")``, a model costs no memory; each rank of a pipeline
 then gives storage only to the tensors its stages read. Their values come, in this order:
 
-1. from ``weights``: a plain model's ``state_dict``, or a file of one (``.safetensors``,
-   read key by key; or ``torch.save``, memory-mapped), looked up under any of the
-   tensor's names (a tied head is found under its embedding's name);
+1. from ``weights``: a plain model's ``state_dict``, a file of one, or a model directory
+   as stored (sharded safetensors and their index, ``pytorch_model.bin``: each shard
+   opened only when one of this process's tensors is in it, see
+   :mod:`conveyor.graph.modeldir`), looked up under any of the tensor's names (a tied
+   head is found under its embedding's name);
 2. else from the user's ``init_fn(module)``, called on each module that owns such a
    tensor;
 3. else from the model's own initialiser (Hugging Face's ``_init_weights(module)``);
@@ -23,22 +25,22 @@ model to compare with).
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
 from conveyor.engine.recompute.rng import derive_seed
 from conveyor.errors import ModelError
+from conveyor.graph.modeldir import Weights as Weights
+from conveyor.graph.modeldir import stored
 
 __all__ = ["initialize"]
 
 InitFn = Callable[[nn.Module], None]
-Weights = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
 _INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-batch seeds
 
 
@@ -224,7 +226,8 @@ def reset_of(module: nn.Module) -> Callable[[], Any] | None:
 
 
 def _load(model: nn.Module, placement: Placement, meta: set[int], weights: Weights) -> None:
-    """Copies the held meta tensors' values from ``weights``, under any of their names."""
+    """Copies the held meta tensors' values from ``weights``, under any of their names
+    (and, for a Hugging Face model, with or without its base model's prefix)."""
     names: dict[int, list[str]] = {}
     persistent: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -234,42 +237,34 @@ def _load(model: nn.Module, placement: Placement, meta: set[int], weights: Weigh
         names.setdefault(id(tensor), []).append(name)
     for key, more in placement.aliases.items():
         names.setdefault(key, []).extend(more)
-    with _reader(weights) as read:
+    prefix = getattr(model, "base_model_prefix", "")
+    with stored(weights) as read:
         for tensor in [*model.parameters(), *model.buffers()]:  # each once
             if id(tensor) not in meta or not placement.holds(tensor):
                 continue
-            aliases = names.get(id(tensor), [])
-            value = next((v for v in map(read, aliases) if v is not None), None)
+            aliases = list(dict.fromkeys(names.get(id(tensor), [])))
+            value = next((v for v in map(read.get, _prefixed(aliases, prefix))
+                          if v is not None), None)
             if value is None:
                 if id(tensor) not in persistent:
                     continue  # a non-persistent buffer: the initialiser made it
-                raise ModelError(f"weights= has no tensor {' or '.join(map(repr, aliases))}; "
-                                 "give the plain model's state_dict or a file of it")
+                raise ModelError(f"weights= has no tensor {' or '.join(map(repr, aliases))} "
+                                 f"(looked for in {read.file_of(aliases[0])}); give the plain "
+                                 "model's state_dict, a file of it or its model directory")
             if value.shape != tensor.shape:
-                raise ModelError(f"weights= gives {aliases[0]!r} shape {tuple(value.shape)}, "
-                                 f"but the model's is {tuple(tensor.shape)}")
+                raise ModelError(f"weights= gives {aliases[0]!r} shape {tuple(value.shape)} "
+                                 f"in {read.file_of(aliases[0])}, but the model's is "
+                                 f"{tuple(tensor.shape)}")
             tensor.copy_(value)
 
 
-@contextlib.contextmanager
-def _reader(weights: Weights) -> Iterator[Callable[[str], torch.Tensor | None]]:
-    """``read(name)``: the tensor under ``name`` in ``weights``, or None; a file is read
-    one tensor at a time."""
-    if isinstance(weights, Mapping):
-        yield weights.get
-        return
-    path = os.fspath(weights)
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as file:
-            keys = set(file.keys())
-            yield lambda name: file.get_tensor(name) if name in keys else None
-        return
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(state, Mapping):
-        raise ModelError(f"{path} holds a {type(state).__name__}, not a state_dict")
-    yield state.get
+def _prefixed(names: list[str], prefix: str) -> list[str]:
+    """``names``, then each without the base model's prefix where it has it (a
+    ``LlamaModel``'s file read into a ``LlamaForCausalLM``), or with it where not."""
+    if not isinstance(prefix, str) or not prefix:
+        return names
+    start = prefix + "."
+    return [*names, *(n[len(start):] if n.startswith(start) else start + n for n in names)]
 
 
 def tensor_slots(model: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:

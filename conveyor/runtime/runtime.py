@@ -16,6 +16,7 @@ is in them, so that a hang report says where each rank stood.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from conveyor.engine.transport import Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.graph.firstcall import not_cut
 from conveyor.graph.layout import Layout
+from conveyor.runtime.export import save_pretrained
 from conveyor.runtime.vocabranks import VocabRanks
 from conveyor.runtime.vocabulary import VocabShards, hidden_of, replace_hidden
 from conveyor.runtime.wiring import Wiring
@@ -254,6 +256,30 @@ class RunsRuntime(KeepsPlacement):
     def runtime(self) -> Runtime:
         """The layout, schedule table, transport and executor this process runs."""
         return self._runtime
+
+    def save_pretrained(self, directory: str | Path, *, tokenizer: Any = None,
+                        config: Any = None) -> Path:
+        """Writes the model's weights as a standard model directory: safetensors files
+        (one per stage) by the plain model's names and their index, a Hugging Face
+        model's ``config.json`` (and generation config), and ``tokenizer`` when given;
+        ``from_pretrained(directory)`` (or ``weights=directory``) reads them back
+        bit-exact. Stage by stage, from any layout; every rank of a torchrun job calls it.
+
+        Args:
+            directory: a new or empty folder.
+            tokenizer: anything with ``save_pretrained(directory)`` (a tokenizer).
+            config: the model's config, when it is not the Hugging Face model's own.
+
+        Returns:
+            The folder.
+
+        Raises:
+            SaveError: the folder is a file or is not empty (nothing written).
+        """
+        model_config = config if config is not None else self.__dict__.get("_model_config")
+        return save_pretrained(self, self._runtime, directory, config=model_config,
+                               generation_config=self.__dict__.get("_generation_config"),
+                               tokenizer=tokenizer)
 
     @property
     def balance(self) -> list[int]:

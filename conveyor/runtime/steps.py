@@ -249,7 +249,7 @@ def overflowed_on_any_rank(scaler: LossScaler, params: Sequence[nn.Parameter],
 
     found = scaler.unscale([p.grad for p in params if p.grad is not None],
                            agree if topology.distributed else None)
-    scaler.update(found)
+    scaler.record(found)
     return found
 
 

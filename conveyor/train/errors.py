@@ -3,16 +3,10 @@ exported from ``conveyor`` beside the library's own (:mod:`conveyor.errors`)."""
 
 from __future__ import annotations
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, SaveError
 
-__all__ = ["CheckpointError", "SaveError"]
+__all__ = ["CheckpointError"]  # and SaveError, from conveyor.errors (export raises it too)
 
 
 class CheckpointError(ConveyorError, RuntimeError):
     """A checkpoint is missing, unreadable, or made for another model."""
-
-
-class SaveError(ConveyorError, RuntimeError):
-    """A run's output (a checkpoint, its summary) could not be written, e.g. on a full
-    disk; the message says which checkpoint is still intact. The ``OSError`` is the
-    ``__cause__``."""

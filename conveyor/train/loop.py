@@ -34,6 +34,7 @@ from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, 
 from conveyor.observe.recording import record
 from conveyor.schedules.timeline import Timeline
 from conveyor.pipeline import Pipeline
+from conveyor.runtime.export import refusal
 from conveyor.train import saving
 from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
@@ -106,6 +107,8 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     """
     config.check()
     check_usable(Path(config.out))
+    if config.export and (refused := refusal(Path(config.export))) is not None:
+        raise ConfigError(f"--export: {refused}")
     join_world(processes=config.processes(), timeout=Deadlines.first)
     if dist.is_initialized():  # every option that shapes the run, before any work
         agree_options({**asdict(config), "resume": resume, "check": check}, seconds=Deadlines.first,
@@ -369,3 +372,7 @@ class _Training:
                 write_report(self.out, config, self.history, self.unigram, self.timeline,
                              sample, time.monotonic() - self.began,
                              (self.step - self.start) * config.batch * config.length)
+        if config.export:  # every rank: each writes its stages
+            self.pipe.save_pretrained(config.export)
+            if self.show:
+                print(f"exported the model to {config.export}")

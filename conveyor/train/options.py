@@ -75,6 +75,9 @@ class TrainConfig:
                                   "without progress (0: fitted to the step time)")
     sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
     out: str = _option("runs/default", "output directory")
+    export: str = _option("", "at the end, also write the trained model into this new or "
+                              "empty folder as a model directory (safetensors files by the "
+                              "plain model's names and their index; '': none)")
 
     def check(self) -> None:
         """Raises ConfigError (one line) for options that cannot work together. A

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.engine.devices import absent
 from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.rebalance.policy import Rebalance
@@ -75,9 +76,7 @@ def stage_devices(config: TrainConfig) -> list[torch.device] | None:
         except RuntimeError as exc:
             raise ConfigError(f"--devices: {name!r} is not a device (cpu, cuda, cuda:1, "
                               "...)") from exc
-        if device.type == "cuda" and (not torch.cuda.is_available() or (
-                device.index or 0) >= torch.cuda.device_count()):
-            raise ConfigError(f"--devices: there is no {device} here ("
-                              f"{torch.cuda.device_count()} CUDA devices)")
+        if (missing := absent(device)) is not None:
+            raise ConfigError(f"--devices: {missing}")
         devices.append(device)
     return devices
