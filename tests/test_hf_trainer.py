@@ -46,8 +46,8 @@ def test_the_pipelined_trainer_is_the_plain_one(reference: Any, tmp_path: Path) 
         reference.evaluate()["eval_loss"], rel=1e-12)
 
     # save_model: a model directory from_pretrained loads, the pipeline's weights
-    trainer.save_model(str(tmp_path / "saved"))
-    loaded = runs.quiet().GPT2LMHeadModel.from_pretrained(tmp_path / "saved",
+    trainer.save_model()  # into the run's folder, beside its checkpoints
+    loaded = runs.quiet().GPT2LMHeadModel.from_pretrained(tmp_path / "run",
                                                           dtype=torch.float64)
     for name, value in trainer.pipe.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
@@ -62,7 +62,8 @@ def test_the_pipelined_trainer_is_the_plain_one(reference: Any, tmp_path: Path) 
 @pytest.mark.timeout(400)
 def test_under_torchrun_two_stages_by_two_replicas(tmp_path: Path) -> None:
     """Four processes: each replica reads its own half of the data; together they are
-    the plain Trainer with batches twice as large."""
+    the plain Trainer with batches twice as large. The same launch saves the model (read
+    back by from_pretrained) and resumes from a checkpoint bit-exact."""
     outcome = launch("", 4, tmp_path, launcher="torchrun", timeout=360,
                      module="tests.support.hf_trainer", args=[str(tmp_path), "2"])
     assert outcome.returncodes == [0], outcome.outputs
@@ -77,4 +78,10 @@ def test_under_torchrun_two_stages_by_two_replicas(tmp_path: Path) -> None:
         _same_history(runs.history(reference), [tuple(h) for h in logged["history"]])
         assert logged["eval_loss"] == pytest.approx(reference.evaluate()["eval_loss"],
                                                     rel=1e-12)
+        assert logged["resumed_exactly"] is True
+        assert logged["resumed_history"] == logged["history"]
     assert set(held) == set(expected)  # the two stages hold the whole model
+    loaded = runs.quiet().GPT2LMHeadModel.from_pretrained(tmp_path / "run",
+                                                          dtype=torch.float64)
+    for name, value in held.items():
+        assert torch.equal(loaded.state_dict()[name], value), name

@@ -22,15 +22,16 @@ Where it differs from the plain ``Trainer``:
   cross-entropy) or ``compute_loss_func``, called per micro-batch with
   ``num_items_in_batch=1`` (a sum) and divided by the tokens the ``Trainer`` counts.
   A subclass's ``compute_loss`` is not called.
-* **Saving** writes a standard model directory (``Pipeline.save_pretrained`` when the
-  pipeline has it; in one process, the stages' ``state_dict`` through the model's own
-  ``save_pretrained``); a checkpoint adds one optimizer file per pipeline rank.
+* **Saving** writes a standard model directory (``Pipeline.save_pretrained``: one
+  safetensors file per stage and their index, the config, the tokenizer); a checkpoint
+  holds one optimizer file per pipeline rank, and resuming reads each rank's stages
+  back from the checkpoint's model directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ from transformers import Trainer
 from conveyor.engine.microbatch import split
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.pipeline import Pipeline
+from conveyor.runtime.reload import load_pretrained
 
 __all__ = ["PipelineTrainer"]
 
@@ -226,31 +228,26 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     # ----------------------------------------------------------------- saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A standard model directory (``from_pretrained`` loads it) from the stages."""
-        output_dir = str(output_dir or self.args.output_dir)
-        gather = getattr(self.pipe, "save_pretrained", None)
-        if gather is not None:
-            gather(output_dir)
-            if self.args.should_save:
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        elif self.pipe.topology.distributed:
-            raise ConveyorError("saving a model from a pipeline over processes needs "
-                                "Pipeline.save_pretrained, which this conveyor lacks")
-        else:
-            self._save(output_dir, state_dict={k: v.detach().clone()
-                                               for k, v in self.pipe.state_dict().items()})
+        """A standard model directory (``from_pretrained`` loads it), gathered from the
+        stages by ``Pipeline.save_pretrained``; as the ``Trainer`` does, into a folder
+        that may hold other files (checkpoints), replacing a model saved there before."""
+        folder = Path(str(output_dir or self.args.output_dir))
+        fresh = folder / f".pipelined-{self.state.global_step}"
+        self.pipe.save_pretrained(fresh, tokenizer=self.processing_class)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            for old in [*folder.glob("model*.safetensors"), *folder.glob("pytorch_model*.bin"),
+                        *folder.glob("model.safetensors.index.json")]:
+                old.unlink()
+            for made in fresh.iterdir():
+                made.replace(folder / made.name)
+            fresh.rmdir()
+            torch.save(self.args, folder / "training_args.bin")
+        self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """This rank's stages' weights from a checkpoint's model directory."""
-        own = self.pipe.state_dict()
-        found = _read_model_directory(resume_from_checkpoint, set(own))
-        missing = sorted(set(own) - set(found))
-        if missing:
-            raise ConveyorError(f"the checkpoint {resume_from_checkpoint} has no weights for "
-                                f"{missing[:3]} ({len(missing)} missing)")
-        self.pipe.load_state_dict(found, strict=False)
+        load_pretrained(self.pipe, self.pipe.runtime, resume_from_checkpoint)
 
     def _optimizer_file(self, folder: str) -> str:
         topology = self.pipe.topology
@@ -283,23 +280,3 @@ def _logits(output: Any) -> Any:
     if output is None or isinstance(output, torch.Tensor):
         return output
     return output["logits"] if hasattr(output, "keys") else output[0]
-
-
-def _read_model_directory(folder: str, names: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of a ``save_pretrained`` directory (safetensors, sharded
-    or not), reading only the files and tensors asked for."""
-    from safetensors import safe_open
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as file:
-            where = json.load(file)["weight_map"]
-        files = sorted({where[name] for name in names if name in where})
-    else:
-        files = ["model.safetensors"]
-    found = {}
-    for file_name in files:
-        with safe_open(os.path.join(folder, file_name), framework="pt") as tensors:
-            for name in names & set(tensors.keys()):
-                found[name] = tensors.get_tensor(name)
-    return found

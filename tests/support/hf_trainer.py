@@ -3,7 +3,8 @@
 
 Under torchrun (``python -m tests.support.hf_trainer OUT_DIR STAGES``) each rank trains
 pipelined and writes its stages' weights, the logged history and its evaluation to
-OUT_DIR, for the parent to compare with the plain Trainer in one process.
+OUT_DIR, saves the model into the run's folder, resumes from the step-2 checkpoint and
+says whether it ended bit-exact where the whole run did.
 """
 
 from __future__ import annotations
@@ -103,12 +104,17 @@ def pipelined(folder: str | Path, *, stages: int = 2, resume: str | None = None,
 def main() -> None:
     out, stages = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
-    trainer = pipelined(out / "run", stages=stages)
+    trainer = pipelined(out / "run", stages=stages, save_strategy="steps", save_steps=2)
     rank = int(os.environ["RANK"])
     evaluation = trainer.evaluate()
+    trainer.save_model()  # into the folder of the checkpoints, as the Trainer does
     torch.save(trainer.pipe.state_dict(), out / f"weights{rank}.pt")
+    resumed = pipelined(out / "again", stages=stages, resume=str(out / "run" / "checkpoint-2"))
+    exact = all(torch.equal(resumed.pipe.state_dict()[k], v)
+                for k, v in trainer.pipe.state_dict().items())
     (out / f"history{rank}.json").write_text(json.dumps(
-        {"history": history(trainer), "eval_loss": evaluation["eval_loss"]}))
+        {"history": history(trainer), "eval_loss": evaluation["eval_loss"],
+         "resumed_exactly": exact, "resumed_history": history(resumed)}))
     torch.distributed.destroy_process_group()
 
 
