@@ -85,3 +85,18 @@ def test_under_torchrun_two_stages_by_two_replicas(tmp_path: Path) -> None:
                                                           dtype=torch.float64)
     for name, value in held.items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"pipeline": {"stages": 2, "loss_fn": runs.loss64}}, "the trainer's loss is the model's"),
+    ({"pipeline": {"stages": 2}, "label_smoothing_factor": 0.1}, "label_smoothing_factor")])
+def test_what_the_pipeline_cannot_keep_is_refused(given: dict[str, Any], match: str,
+                                                  tmp_path: Path) -> None:
+    from conveyor import ConfigError
+    from conveyor.integrations.transformers import PipelineTrainer
+
+    smoothing = given.pop("label_smoothing_factor", 0.0)
+    with pytest.raises(ConfigError, match=match):
+        PipelineTrainer(model=runs.gpt2(), train_dataset=runs.tokens(8),
+                        args=runs.arguments(tmp_path, label_smoothing_factor=smoothing),
+                        **given)
