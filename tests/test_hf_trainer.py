@@ -38,6 +38,7 @@ def _same_history(expected: list[tuple[float, float]], got: list[tuple[float, fl
     assert max(e[1] for e in expected) > 2 * runs.ARGS["max_grad_norm"]  # clipping acts
 
 
+@pytest.mark.timeout(300)  # three Trainer runs on GPT-2 (the reference in the fixture)
 def test_the_pipelined_trainer_is_the_plain_one(reference: Any, tmp_path: Path) -> None:
     trainer = runs.pipelined(tmp_path / "run", save_strategy="steps", save_steps=2)
     _same_history(runs.history(reference), runs.history(trainer))

@@ -45,6 +45,7 @@ from conveyor.runtime.reload import load_pretrained
 
 __all__ = ["PipelineTrainer"]
 
+
 class PipelineTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` whose model runs as a ``conveyor.Pipeline``.
 
@@ -53,7 +54,8 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         pipeline: ``conveyor.Pipeline``'s options (``stages``, ``split_at``,
             ``schedule``, ``chunks``, ``plan``, ``data_parallel``, ``devices``, ...):
             ``chunks`` micro-batches per batch of ``per_device_train_batch_size``
-            (default 1). ``loss_fn`` is the trainer's (see the module's docstring);
+            (default 1; a plan's own, with one batch per optimizer step). ``loss_fn``
+            is the trainer's (see the module's docstring);
             ``sample`` defaults to the first example of the training set, collated.
             Under torchrun ``data_parallel`` defaults to the world size over ``stages``.
         **kwargs: as ``Trainer``'s.
@@ -73,8 +75,15 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         if self.args.label_smoothing_factor:
             raise ConfigError("label_smoothing_factor is not pipelined yet; pass a "
                               "compute_loss_func= that smooths instead")
-        self.chunks = int(options.pop("chunks", 1))
         accumulated = max(1, self.args.gradient_accumulation_steps)
+        plan = options.get("plan")
+        if plan is not None and accumulated > 1:
+            raise ConfigError(
+                f"plan= sets the micro-batches of one pipeline step, which here holds "
+                f"gradient_accumulation_steps={accumulated} batches: plan for "
+                f"{accumulated} times as many (conveyor plan --chunks), or accumulate 1")
+        self.chunks = int(options.pop("chunks", 1) if plan is None
+                          else plan.pipeline_options()["chunks"])
         if "sample" not in options and self.train_dataset is not None:
             options["sample"] = self._sample()
         if "data_parallel" not in options and "plan" not in options and \
@@ -82,8 +91,9 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
             options["data_parallel"] = self.args.world_size // int(options["stages"])
         #: the pipeline: ``self.model`` stays the model given, for its config and name
         model: Any = self.model
-        self.pipe = Pipeline(model, loss_fn=self._loss_fn(), chunks=self.chunks * accumulated,
-                             **options)
+        if plan is None:
+            options["chunks"] = self.chunks * accumulated
+        self.pipe = Pipeline(model, loss_fn=self._loss_fn(), **options)
         self.model_wrapped = self.pipe
         self._waiting: list[dict[str, Any]] = []
 
