@@ -134,7 +134,9 @@ class Pipeline(RunsRuntime):
             ``_init_weights`` if it has one, as Hugging Face models do, else each
             module's ``reset_parameters()``).
         weights: with ``split_at``, a ``state_dict`` or a checkpoint file of the plain
-            model (``.safetensors`` or ``torch.save``); each rank reads its own tensors.
+            model (``.safetensors`` or ``torch.save``), or a model directory as stored
+            (sharded safetensors and their index, ``pytorch_model.bin``); each rank
+            opens only the files holding its own tensors and reads only those.
         topology: where the pipeline's ranks are, given rather than read from the
             environment: ``Topology(pipeline_size=K)`` runs every stage in this process
             (on threads) even under torchrun; a ``Topology`` of process groups (as

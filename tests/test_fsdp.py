@@ -125,6 +125,28 @@ def test_a_nan_loss_raises_on_every_rank_and_leaves_the_shards_clean(sharded) ->
             "stage 0 is a traced graph" in result["traced"]), rank
 
 
+def test_save_pretrained_gathers_each_stage_s_shards_and_writes_the_tie_once(
+        sharded) -> None:  # type: ignore[no-untyped-def]
+    """2 stages x 2 replicas under FSDP: the model directory holds the stepped weights,
+    whole, by plain names, one file per stage; the tied head is written once."""
+    import json
+
+    from safetensors.torch import load_file
+
+    out, results = sharded
+    stepped = _merged(results, "stepped")
+    index = json.loads((out / "exported" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    exported: dict[str, torch.Tensor] = {}
+    for file in files:
+        exported.update(load_file(out / "exported" / file))
+    assert sorted(exported) == sorted(index["weight_map"])
+    assert len(set(stepped) - set(exported)) == 1  # the tie: once
+    for name, value in exported.items():
+        assert torch.equal(value, stepped[name]), name
+
+
 def test_a_sharded_checkpoint_resumes_on_one_replica(sharded) -> None:  # type: ignore[no-untyped-def]
     out, results = sharded
     outcome = launch("fsdp_resume", 2, out, timeout=240)

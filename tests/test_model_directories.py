@@ -178,3 +178,42 @@ def test_a_user_model_is_saved_as_a_state_dict_by_plain_names(tmp_path: Path) ->
     (tmp_path / "file").write_text("x")
     with pytest.raises(conveyor.SaveError, match=r"cannot export into .*file: it is a file"):
         pipe.save_pretrained(tmp_path / "file")
+
+
+@pytest.mark.timeout(600)
+def test_under_torchrun_each_rank_reads_its_shards_and_both_save_the_model(
+        tmp_path: Path) -> None:
+    """Two processes, one stage each, of a Llama whose head is tied to its embedding:
+    each rank opens only the shards holding its stage's tensors (the head's value found
+    under the embedding's name), equal to from_pretrained; trained a step and saved by
+    both, from_pretrained reads the trained weights bit-exact, the tie written once."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.any_models import tied_llama
+    from tests.support.launch import launch
+
+    tied_llama().save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    outcome = launch("model_directories", 2, tmp_path, timeout=540)
+    assert outcome.returncodes == [0, 0], "\n".join(outcome.outputs)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").state_dict()
+    weight_map = index["weight_map"]
+    assert "lm_head.weight" not in weight_map and "lm_head.weight" in results[1]["loaded"]
+    for result in results:
+        stored = {weight_map.get(name, weight_map["model.embed_tokens.weight"])
+                  for name in result["loaded"]}
+        assert set(result["opened"]) == stored
+        assert len(stored) < len(set(weight_map.values()))
+        for key, value in result["loaded"].items():
+            assert torch.equal(value, reference[key]), key
+    saved_index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in saved_index["weight_map"]
+    assert set(saved_index["weight_map"].values()) == {"model-00001-of-00002.safetensors",
+                                                       "model-00002-of-00002.safetensors"}
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    trained = {**results[1]["trained"], **results[0]["trained"]}
+    assert saved.keys() == trained.keys()
+    for key, value in saved.items():
+        assert torch.equal(value, trained[key]), key
+    assert sum(not torch.equal(value, reference[key]) for key, value in saved.items()) > 20

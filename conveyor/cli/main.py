@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from conveyor.engine.allocator import tune_malloc
 
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="conveyor", description="GPipe for PyTorch: pipeline training.")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True,
-                                     parser_class=_CommandParser)
+    commands = cast("_Commands", parser.add_subparsers(dest="command", required=True,
+                                                        parser_class=_CommandParser))
     for add_command in (_demo_parser, _train_parser, _simulate_parser, _trace_parser,
                         _plan_parser, _check_parser, _export_parser):
         add_command(commands)

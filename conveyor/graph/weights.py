@@ -93,7 +93,8 @@ def initialize(model: nn.Module, *, device: torch.device | str = "cpu",
         model: the model, built on the meta device (its real tensors are moved).
         device: where the tensors get storage.
         init_fn: how the tensors are initialised (see the module's docstring).
-        weights: a state dict or checkpoint file to load them from instead.
+        weights: a state dict, a file of one, or a model directory as stored (see
+            :mod:`conveyor.graph.modeldir`) to load them from instead.
         seed: the seed of the whole model (default: torch's seed, as the last
             ``torch.manual_seed`` set it, which a pipeline uses too).
 

@@ -269,7 +269,9 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "resume", False):
         saved = Path(values.get("out", TrainConfig.out)) / OPTIONS_FILE
         if saved.exists():  # the run's own options, under what this command line says
-            values = {**_read_config(saved), **values}
+            kept = {k: v for k, v in _read_config(saved).items()
+                    if k != "export"}  # a folder written at the end: the run's, not kept
+            values = {**kept, **values}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or under_torchrun():
         values = plan_layout({**asdict(TrainConfig()), **values}, given=given, world=world)

@@ -59,6 +59,17 @@ def llama() -> tuple[nn.Module, list[str], Any, Any]:
             {"input_ids": ids, "use_cache": False}, targets)
 
 
+def tied_llama() -> nn.Module:
+    """:func:`llama`'s model with its head tied to its embedding, as saved models of
+    this kind often are (the head is then stored once, under the embedding's name)."""
+    model, *_ = llama()
+    model.config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    tied = type(model)(model.config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    return tied
+
+
 def bert() -> tuple[nn.Module, list[str], Any, Any]:
     t = quiet_transformers()
     config = t.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,

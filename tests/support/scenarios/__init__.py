@@ -3,7 +3,8 @@
 A scenario is a function ``(rank, world, out_dir) -> None``, recorded in
 :data:`SCENARIOS` by the :func:`scenario` decorator of the module that defines it:
 ``pipeline`` (equivalence, data parallel, faults, models nobody here wrote, direct
-sends), ``replicated`` (stages with replicas), ``fsdp``, ``hang`` and ``rebalance``. A
+sends), ``replicated`` (stages with replicas), ``fsdp``, ``hang``, ``rebalance`` and
+``modeldir`` (model directories read and saved). A
 test starts one with ``tests.support.launch.launch(NAME, world, out_dir)``; each of its
 processes runs ``python -m tests.support.scenarios NAME OUT_DIR`` (``__main__.py``),
 which imports those modules and calls ``SCENARIOS[NAME]``.

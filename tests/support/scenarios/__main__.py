@@ -22,13 +22,14 @@ from tests.support.scenarios import (
     fsdp,
     generated,
     hang,
+    modeldir,
     pipeline,
     rebalance,
     replicated,
 )
 
 #: Importing these modules registers their scenarios in SCENARIOS.
-MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated)
+MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated, modeldir)
 
 
 def main() -> None:

@@ -136,6 +136,7 @@ def fsdp(rank: int, world: int, out_dir: Path) -> None:
     result["stepped"] = _params(pipe)
     result["moments"] = _moments(pipe, optimizer)
     saving.save(out_dir / "run", model=pipe, optimizer=optimizer, extra={"step": 1})
+    pipe.save_pretrained(out_dir / "exported")  # each stage's shards gathered, written once
     pipe.loss_fn = nan_on_marker(loss_fn)
     bad = y.clone()
     bad[6:8, 0] = -1  # a NaN loss in micro-batch 1 of both replicas, after 1B0

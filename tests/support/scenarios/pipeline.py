@@ -293,8 +293,6 @@ def any_model(rank: int, world: int, out_dir: Path) -> None:
     loss = pipe.step(inputs, targets)
     torch.save({"loss": loss, "grads": _grads(pipe), "state": pipe.state_dict()},
                out_dir / f"gpt2-meta-rank{rank}.pt")
-    pipe.save_pretrained(out_dir / "gpt2-saved")  # a tie across the ranks, written once
-    _sharded_llama(rank, out_dir)
     model, _, inputs, _ = llama()
     with torch.device("meta"):
         meta = type(model)(model.config)
@@ -307,44 +305,6 @@ def any_model(rank: int, world: int, out_dir: Path) -> None:
                              sample=inputs[:2].detach(), loss_fn=F.mse_loss, timeout=60)
     loss = pipe.step(inputs.detach(), targets)
     torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"skip-rank{rank}.pt")
-
-
-def _sharded_llama(rank: int, out_dir: Path) -> None:
-    """Llama on the meta device with its weights from a sharded model directory (each
-    rank noting the shards it opened), trained a step and saved back as one."""
-    import logging
-
-    from tests.support.any_models import ANY_MODEL_SPLITS, CHUNKS, llama, loss_of, sample_of
-
-    opened: list[str] = []
-
-    class Opened(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("weights: opening "):
-                opened.append(Path(str(record.args[0])).name)  # type: ignore[index]
-
-    model, _, inputs, targets = llama()
-    with torch.device("meta"):
-        meta = type(model)(model.config)
-    logger, handler = logging.getLogger("conveyor"), Opened(logging.DEBUG)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        pipe = conveyor.Pipeline(meta, split_at=ANY_MODEL_SPLITS["llama"],
-                                 sample=sample_of(inputs), chunks=CHUNKS,
-                                 loss_fn=loss_of("llama"), weights=out_dir / "llama-sharded",
-                                 timeout=60)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    loaded = {k: v.clone() for k, v in pipe.state_dict().items()}
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    pipe.step(inputs, targets)
-    optimizer.step()
-    pipe.save_pretrained(out_dir / "llama-saved")
-    torch.save({"opened": opened, "loaded": loaded, "trained": pipe.state_dict()},
-               out_dir / f"llama-sharded-rank{rank}.pt")
 
 
 @scenario("mismatch")
