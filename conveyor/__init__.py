@@ -16,6 +16,7 @@ The package is layered; each part imports only those listed above it::
     checking/     conveyor.check: the pipeline against the plain model
     train/        conveyor train: options, data, reference models, saving
     cli/          the conveyor command
+    integrations/ thin adapters to where users train: the Hugging Face Trainer (an extra)
 
 The names below load on first use, so ``import conveyor`` and ``conveyor.schedules``
 (and the simulator, ``conveyor.schedules.simulate``) work without importing torch.

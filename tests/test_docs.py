@@ -102,6 +102,7 @@ def test_json_blocks_parse() -> None:
                 json.loads(block.code)
 
 
+@pytest.mark.timeout(300)  # a page's blocks together (the README's train two models)
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                            capsys: pytest.CaptureFixture[str]) -> None:

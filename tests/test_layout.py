@@ -17,9 +17,9 @@ PACKAGE = Path(conveyor.__file__).parent
 # modules ``gpipe`` and ``pipeline``, stand side by side on one layer.
 LAYERS = ["errors|torchprivate", "schedules", "engine", "graph", "distributed", "runtime",
           "gpipe|pipeline|decoding|balance|skip", "observe", "planner", "checking", "train",
-          "cli"]
+          "cli|integrations"]
 ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "planner",
-         "checking", "train", "cli"]
+         "checking", "train", "cli", "integrations"]
 
 
 def _modules() -> dict[str, Path]:
@@ -265,7 +265,7 @@ def test_errors_live_in_the_errors_modules() -> None:
 # Modules whose names users import; elsewhere __all__ lists only names of ``conveyor``.
 PUBLIC_MODULES = {"conveyor", "conveyor.errors", "conveyor.train.errors", "conveyor.cli",
                   "conveyor.cli.main", "conveyor.balance", "conveyor.skip",
-                  "conveyor.graph.source"} | {
+                  "conveyor.graph.source", "conveyor.integrations.transformers"} | {
     name for name in _modules() if name.startswith(("conveyor.schedules", "conveyor.planner"))} | {
     f"conveyor.{short}" for short in ("observe.simulate", "observe.trace", "observe.plan",
                                       "train.models", "train.data", "train.saving")}
