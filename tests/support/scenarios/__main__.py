@@ -25,10 +25,11 @@ from tests.support.scenarios import (
     pipeline,
     rebalance,
     replicated,
+    tensor,
 )
 
 #: Importing these modules registers their scenarios in SCENARIOS.
-MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated)
+MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated, tensor)
 
 
 def main() -> None:
