@@ -182,4 +182,4 @@ def process_group_named(name: str) -> Any:
     custom op, whose arguments are strings and tensors, finds its tensor group."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(name)  # type: ignore[arg-type]

@@ -16,6 +16,8 @@ from conveyor.errors import TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
 from tests.support.launch import launch
 
+#: The shared launch's tests wait for it (4 minutes on 2 cores shared by a few jobs; more when they are busier).
+LAUNCH = pytest.mark.timeout(1000)
 #: A group of 2 that no collective ever uses: plans are checked before anything runs.
 GROUP = Group("unused", 2, 0, 1.0)
 
@@ -23,11 +25,12 @@ GROUP = Group("unused", 2, 0, 1.0)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("tensor")
-    outcome = launch("tensor_parallel", 4, out, timeout=420)
+    outcome = launch("tensor_parallel", 4, out, timeout=900)
     assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@LAUNCH
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_llama_stages_2_tensor_2_give_the_plain_gradients(
         results: list[dict[str, Any]], schedule: str) -> None:
@@ -40,6 +43,7 @@ def test_llama_stages_2_tensor_2_give_the_plain_gradients(
         assert rank[f"llama-{schedule}-full"][1] is True
 
 
+@LAUNCH
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_qwen3_with_its_float32_norms_is_within_its_own_floor(
         results: list[dict[str, Any]], schedule: str) -> None:
@@ -55,12 +59,14 @@ def test_qwen3_with_its_float32_norms_is_within_its_own_floor(
         assert rank[f"qwen3-{schedule}-full"][1] is True
 
 
+@LAUNCH
 def test_a_users_block_with_a_dict_plan_on_a_sequential(results: list[dict[str, Any]]) -> None:
     for rank in results:
         worst, count = rank["block"]
         assert count >= 8 and worst <= 1e-10, (worst, count)
 
 
+@LAUNCH
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_when_built(
         results: list[dict[str, Any]]) -> None:
     for rank in results:

@@ -45,12 +45,12 @@ def check_sizes(model: nn.Module, planned: Mapping[str, tuple[str, str]], size: 
     if config is None or not any(s in ("colwise", "rowwise") for s, _ in planned.values()):
         return
     for attribute in _HEADS:
-        value = getattr(config, attribute, None)
-        if isinstance(value, int) and value % size:
+        heads = getattr(config, attribute, None)
+        if isinstance(heads, int) and heads % size:
             raise TensorParallelError(
                 f"tensor_parallel={size} does not divide the model's heads (config."
-                f"{attribute}={value}), which its attention projections split; use "
-                f"tensor_parallel in {_divisors(value)}")
+                f"{attribute}={heads}), which its attention projections split; use "
+                f"tensor_parallel in {_divisors(heads)}")
 
 
 def _divisors(value: int) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,7 +20,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
     Under a pipeline each rank holds only its stages: this gives those stages' tensors.
     """
-    groups = {id(param): sub._tp for sub in module.modules() if hasattr(sub, "_tp")
+    groups: dict[int, Any] = {id(param): sub._tp for sub in module.modules() if hasattr(sub, "_tp")
               for param in sub.parameters(recurse=False)}
     whole: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
