@@ -5,6 +5,7 @@ plans conveyor cannot honour are refused by name."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,20 @@ def test_a_split_linear_holds_its_shard_and_a_torch_style_maps_to_its_name() -> 
         from torch.distributed.tensor import Shard
         apply_plan(nn.Sequential(nn.Linear(4, 4)),
                    {"0": RowwiseParallel(output_layouts=Shard(1))}, group=GROUP)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(os.environ.get("CONVEYOR_MESH_8") != "1",
+                    reason="8 processes: make mesh (CONVEYOR_MESH_8=1) runs it")
+def test_pipeline_data_and_tensor_dimensions_on_8_processes(tmp_path: Path) -> None:
+    """2 stages x 2 replicas x 2 tensor ranks, each global rank (k·D + d)·T + t, with
+    replicated and FSDP-sharded replicas: the plain model's gradients on the whole
+    batch."""
+    outcome = launch("tensor_mesh", 8, tmp_path, timeout=1100)
+    assert outcome.returncodes == [0] * 8, "\n".join(outcome.outputs)
+    for rank in range(8):
+        found = json.loads((tmp_path / f"mesh{rank}.json").read_text())
+        for sharding in ("replicate", "fsdp"):
+            worst, count, place = found[sharding]
+            assert count >= 6 and worst <= 1e-10, (sharding, rank, worst)
+            assert (place[0] * 2 + place[1]) * 2 + place[2] == rank
