@@ -161,3 +161,15 @@ def test_pipeline_data_and_tensor_dimensions_on_8_processes(tmp_path: Path) -> N
             worst, count, place = found[sharding]
             assert count >= 6 and worst <= 1e-10, (sharding, rank, worst)
             assert (place[0] * 2 + place[1]) * 2 + place[2] == rank
+
+
+def test_options_tensor_parallelism_does_not_take_yet_are_refused_by_name() -> None:
+    from conveyor.distributed.topology import Topology
+    from conveyor.tensor.mesh import split_model
+
+    topology = Topology(pipeline_size=1, tensor_size=2)
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel=2 does not take "
+                                                  r"rebalance= yet"):
+        split_model(nn.Linear(2, 2), topology, "auto", 1.0, untried={"rebalance=": True})
+    with pytest.raises(TensorParallelError, match=r"give the nn.Module"):
+        split_model(lambda i: nn.Linear(2, 2), topology, "auto", 1.0)

@@ -185,7 +185,10 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
         sample = first_microbatch(sample, options.chunks, pending.module)
-    split = split_model(pending.module, topology, options.tp_plan, pending.deadlines.opening)
+    split = split_model(pending.module, topology, options.tp_plan, pending.deadlines.opening,
+                        untried={"rebalance=": options.rebalance is not None,
+                                 "a VocabParallelCrossEntropy head": pending.vocabulary
+                                 is not None})
     layout = cut(
         owner, pending.module, stages=schedule.num_stages,
         devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},

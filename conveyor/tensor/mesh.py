@@ -31,16 +31,23 @@ class TensorSplit:
 
 
 def split_model(module: Any, topology: Topology, tp_plan: str | Mapping[str, Any] | None,
-                seconds: float) -> TensorSplit | None:
+                seconds: float, *, untried: Mapping[str, bool] | None = None
+                ) -> TensorSplit | None:
     """Splits ``module`` over ``topology``'s tensor group as ``tp_plan`` says, in place,
-    before the cut (None: no tensor parallelism).
+    before the cut (None: no tensor parallelism). ``untried`` names the options given
+    that tensor parallelism does not take yet (each refused by name).
 
     Raises:
-        TensorParallelError: the model is a layer function, or the plan cannot split it
-            (see :func:`conveyor.tensor.apply.apply_plan`).
+        TensorParallelError: the model is a layer function, an untried option is given,
+            or the plan cannot split it (see :func:`conveyor.tensor.apply.apply_plan`).
     """
     if topology.tensor_size == 1:
         return None
+    given = [name for name, on in (untried or {}).items() if on]
+    if given:
+        raise TensorParallelError(
+            f"tensor_parallel={topology.tensor_size} does not take {', '.join(given)} yet; "
+            "leave it out, or use tensor_parallel=1")
     if not isinstance(module, nn.Module):
         raise TensorParallelError("tensor_parallel splits a model's modules: give the "
                                   "nn.Module (possibly on the meta device), not a function "
