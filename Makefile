@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz fuzz-compile zoo clean
+.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz fuzz-compile zoo mesh clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -49,6 +49,11 @@ chaos: $(VENV)/.installed
 # stages=2 and by a named split, under 1f1b and zero-bubble; CI runs a sample (test_zoo).
 zoo: $(VENV)/.installed
 	$(BIN)/python -m tests.zoo --json benchmarks/results/zoo.json
+
+# Pipeline x data x tensor parallelism on 8 processes (2 x 2 x 2, replicated and FSDP
+# replicas): too costly for CI's launch budget, which runs 2 stages x 2 tensor ranks.
+mesh: $(VENV)/.installed
+	CONVEYOR_MESH_8=1 $(BIN)/python -m pytest tests/test_tensor_parallel.py -k 8_processes
 
 # The documentation site (docs/, mkdocs.yml) in site/; --strict fails on a broken link,
 # anchor or API reference. CI builds it too.

@@ -19,6 +19,7 @@ __all__ = [
     "SkipError",
     "StageError",
     "StepTimeout",
+    "TensorParallelError",
     "VerificationError",
 ]
 
@@ -109,6 +110,11 @@ class NonFiniteLossError(ConveyorError, FloatingPointError):
 class NonFiniteGradientError(ConveyorError, FloatingPointError):
     """A step's gradients are NaN or infinite (``conveyor train`` checks before every
     optimizer step); the message names the stages that hold them."""
+
+
+class TensorParallelError(ModelError):
+    """A tensor-parallel plan cannot split the model as asked: a style conveyor does
+    not implement, a module it does not fit, or a size the tensor group does not divide."""
 
 
 class ConfigError(ConveyorError, ValueError):

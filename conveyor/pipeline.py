@@ -18,7 +18,7 @@ and is divided by the whole batch's count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,19 @@ class Pipeline(RunsRuntime):
         sharding: how the D replicas hold a stage: "replicate" (a whole copy each,
             gradients all-reduced) or "fsdp" (torch's FSDP2: 1/D of the parameters,
             gradients and optimizer state each; see ``conveyor.distributed.sharding``).
+        tensor_parallel: T processes per stage, its planned modules split over them
+            (under torchrun, world = K·D·T on one (pipeline, data, tensor) mesh, tensor
+            innermost: global rank (k·D + d)·T + t; see ``conveyor.tensor``). Each
+            rank's ``parameters()``, ``state_dict()`` and gradients are its shards
+            (plain tensors, the plain model's names); ``conveyor.tensor.full.full_state_dict``
+            puts the whole tensors together, and ``weights=`` reads each rank's slice.
+        tp_plan: with ``tensor_parallel``: "auto" (a Hugging Face model's own plan) or
+            ``{pattern: style}`` over the model's qualified names (``*``: one name),
+            a style being "colwise", "rowwise", "colwise_gather_output",
+            "embedding_rowwise", "replicated_with_grad_allreduce", "replicated" or a
+            torch ``ColwiseParallel()``/``RowwiseParallel()``; any other style is
+            refused by name (``TensorParallelError``), as is a size T that does not
+            divide a split dimension or the model's heads.
         tie_weights: groups of parameter names that are one weight (needed when the
             model is a function or on the meta device; a model whose layers share a
             Parameter object is tied automatically).
@@ -176,6 +189,8 @@ class Pipeline(RunsRuntime):
         offload: str | Sequence[str | None] | None = None,
         data_parallel: int | Sequence[int] = 1,
         sharding: str = "replicate",
+        tensor_parallel: int = 1,
+        tp_plan: str | Mapping[str, Any] | None = None,
         tie_weights: Sequence[Sequence[str]] = (),
         check_finite: bool = False,
         precision: str | None = None,

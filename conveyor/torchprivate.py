@@ -175,3 +175,11 @@ def _fsdp_param_groups(root: torch.nn.Module) -> list[Any]:
 def default_store() -> dist.Store:
     """The key-value store of the default process group (torchrun's or env://)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def process_group_named(name: str) -> Any:
+    """The process group torch registered as ``name`` (``group.group_name``): how a
+    custom op, whose arguments are strings and tensors, finds its tensor group."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)  # type: ignore[arg-type]

@@ -15,11 +15,11 @@ import conveyor
 PACKAGE = Path(conveyor.__file__).parent
 # Each layer may import the ones before it, never one after it. The two faces, the
 # modules ``gpipe`` and ``pipeline``, stand side by side on one layer.
-LAYERS = ["errors|torchprivate", "schedules", "engine", "graph", "distributed", "runtime",
-          "gpipe|pipeline|decoding|balance|skip", "observe", "planner", "checking", "train",
-          "cli|integrations"]
-ROOMS = ["schedules", "engine", "graph", "distributed", "runtime", "observe", "planner",
-         "checking", "train", "cli", "integrations"]
+LAYERS = ["errors|torchprivate", "schedules", "engine", "graph", "distributed", "tensor",
+          "runtime", "gpipe|pipeline|decoding|balance|skip", "observe", "planner", "checking",
+          "train", "cli|integrations"]
+ROOMS = ["schedules", "engine", "graph", "distributed", "tensor", "runtime", "observe",
+         "planner", "checking", "train", "cli", "integrations"]
 
 
 def _modules() -> dict[str, Path]:

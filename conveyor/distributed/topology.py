@@ -12,6 +12,13 @@ r0 + r1 + ... processes is one pipeline in which stage s is held by r_s processe
 global ranks numbered stage by stage; replica j of stage s runs the micro-batches m with
 m % r_s == j (:class:`~conveyor.schedules.replicas.StageReplicas`), and the replicas of a
 stage sum their gradients.
+
+With ``tensor_parallel=T`` each stage's modules are split over T processes too
+(:mod:`conveyor.tensor`): the world of K·D·T processes is a DeviceMesh of shape
+(pipeline K, data D, tensor T), tensor innermost so a stage's tensor group stays on one
+node's fast links: global rank g = (k·D + d)·T + t. Tensor rank t of stage k talks to
+tensor rank t of stage k+1, and FSDP shards over the "data" dimension of each tensor
+rank's own shards.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ class Topology:
             ``replica_group`` sums their gradients.
         replica_group: the process group of this stage's replicas (None: not
             replicated, or only one).
+        tensor_size: T, the processes each stage's modules are split over.
+        tensor_rank: t, this process's part of its stage.
+        tensor_group: the process group of this stage's T parts (None: T = 1).
     """
 
     pipeline_size: int
@@ -69,6 +79,9 @@ class Topology:
     timeout: float | None = None
     replicas: StageReplicas | None = None
     replica_group: Any = None
+    tensor_size: int = 1
+    tensor_rank: int = 0
+    tensor_group: Any = None
 
     @property
     def table_rank(self) -> int:
@@ -98,13 +111,16 @@ class Topology:
 
     @classmethod
     def from_environment(cls, *, data_parallel: int | Sequence[int], stages: int | None,
-                         timeout: float) -> Topology | None:
+                         timeout: float, tensor_parallel: int = 1) -> Topology | None:
         """The layout of an initialised (or torchrun-launched) world; None in one process.
 
         Raises:
-            ConveyorError: the world size is not a multiple of ``data_parallel`` (or
-                not the sum of its replicas per stage), or disagrees with ``stages``.
+            ConveyorError: the world size is not a multiple of ``data_parallel`` times
+                ``tensor_parallel`` (or not the sum of its replicas per stage), or
+                disagrees with ``stages``.
         """
+        if tensor_parallel != 1:
+            return cls._meshed(data_parallel, stages, timeout, tensor_parallel)
         if not dist.is_available():
             return None
         if not isinstance(data_parallel, int) and set(data_parallel) == {1}:
@@ -149,6 +165,42 @@ class Topology:
         )
 
     @classmethod
+    def _meshed(cls, data_parallel: int | Sequence[int], stages: int | None, timeout: float,
+                tensor_parallel: int) -> Topology:
+        """The (pipeline, data, tensor) mesh of a world with ``tensor_parallel`` > 1."""
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ConveyorError(f"tensor_parallel={tensor_parallel!r}: give a positive integer")
+        if not isinstance(data_parallel, int):
+            raise ConveyorError(f"data_parallel={list(data_parallel)} (replicated stages) "
+                                "with tensor_parallel is not supported; give an integer")
+        if not dist.is_initialized():
+            if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                raise ConveyorError(
+                    f"tensor_parallel={tensor_parallel} splits each stage over processes: "
+                    f"launch (stages x data_parallel x {tensor_parallel}) of them under "
+                    "torchrun --nproc-per-node N")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        inner = data_parallel * tensor_parallel
+        if world % inner or (stages is not None and stages * inner != world):
+            raise ConveyorError(
+                f"{world} processes cannot hold stages={stages} x data_parallel="
+                f"{data_parallel} x tensor_parallel={tensor_parallel}; launch "
+                f"{(stages or 1) * inner} processes, or sizes whose product is {world}")
+        size = world // inner
+        device = _process_device()
+        mesh = _mesh(size, data_parallel, device, timeout, tensor_parallel)
+        k, d, t = rank // inner, (rank // tensor_parallel) % data_parallel, rank % tensor_parallel
+        return cls(
+            pipeline_size=size, data_size=data_parallel, pipeline_rank=k, data_rank=d,
+            pipeline_ranks=tuple((j * data_parallel + d) * tensor_parallel + t
+                                 for j in range(size)),
+            pipeline_group=mesh.get_group("pipeline"), data_group=mesh.get_group("data"),
+            device=device, mesh=mesh, timeout=timeout, tensor_size=tensor_parallel,
+            tensor_rank=t, tensor_group=mesh.get_group("tensor"))
+
+    @classmethod
     def _replicated(cls, replicas: StageReplicas, stages: int | None,
                     timeout: float) -> Topology:
         """One pipeline of the whole world, its stages replicated as ``replicas`` says."""
@@ -183,8 +235,10 @@ def _process_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _mesh(pipeline: int, data: int, device: torch.device, timeout: float) -> Any:
-    """The (pipeline, data) DeviceMesh. The data group's collectives (FSDP's among
+def _mesh(pipeline: int, data: int, device: torch.device, timeout: float,
+          tensor: int = 1) -> Any:
+    """The (pipeline, data) DeviceMesh, or (pipeline, data, tensor) with ``tensor`` > 1
+    (the tensor group's collectives bounded as the data group's). The data group's collectives (FSDP's among
     them, which conveyor does not wait on itself) are bounded by ``timeout`` inside the
     backend; the pipeline group's receives are waited on as long as the pipeline makes
     progress (:mod:`conveyor.engine.watchdog.liveness`), under torch's own bound."""
@@ -194,5 +248,11 @@ def _mesh(pipeline: int, data: int, device: torch.device, timeout: float) -> Any
     options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
                else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
     options._timeout = datetime.timedelta(seconds=timeout)
-    return init_device_mesh(device.type, (pipeline, data), mesh_dim_names=("pipeline", "data"),
-                            backend_override={"data": (backend, options)})
+    if tensor == 1:
+        return init_device_mesh(device.type, (pipeline, data),
+                                mesh_dim_names=("pipeline", "data"),
+                                backend_override={"data": (backend, options)})
+    return init_device_mesh(device.type, (pipeline, data, tensor),
+                            mesh_dim_names=("pipeline", "data", "tensor"),
+                            backend_override={"data": (backend, options),
+                                              "tensor": (backend, options)})

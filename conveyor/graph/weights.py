@@ -41,6 +41,10 @@ from conveyor.graph.modeldir import stored
 __all__ = ["initialize"]
 
 InitFn = Callable[[nn.Module], None]
+#: The attribute of a parameter that is one rank's shard of a tensor-parallel weight
+#: (:mod:`conveyor.tensor`): (dimension, index, parts) of the whole tensor; ``weights=``
+#: reads that slice of the whole tensor it holds.
+SHARD = "_conveyor_shard"
 _INIT_STREAM = 1 << 40  # keeps initialisation seeds apart from dropout's micro-batch seeds
 
 
@@ -196,6 +200,8 @@ def _materialize(model: nn.Module, placement: Placement) -> dict[int, torch.Tens
             table[name] = replaced[id(tensor)] = (
                 nn.Parameter(empty, requires_grad=tensor.requires_grad)
                 if isinstance(tensor, nn.Parameter) else empty)
+            if hasattr(tensor, SHARD):
+                setattr(replaced[id(tensor)], SHARD, getattr(tensor, SHARD))
         elif tensor.device != device:
             tensor.data = tensor.data.to(device)
     for key, new in replaced.items():
@@ -252,6 +258,10 @@ def _load(model: nn.Module, placement: Placement, meta: set[int], weights: Weigh
                 raise ModelError(f"weights= has no tensor {' or '.join(map(repr, aliases))} "
                                  f"(looked for in {read.file_of(aliases[0])}); give the plain "
                                  "model's state_dict, a file of it or its model directory")
+            shard = getattr(tensor, SHARD, None)
+            if shard is not None and value.shape != tensor.shape:
+                dim, index, parts = shard
+                value = value.chunk(parts, dim)[index]
             if value.shape != tensor.shape:
                 raise ModelError(f"weights= gives {aliases[0]!r} shape {tuple(value.shape)} "
                                  f"in {read.file_of(aliases[0])}, but the model's is "

@@ -63,6 +63,7 @@ from conveyor.runtime.vocabulary import (
 )
 from conveyor.runtime.wiring import Ranks, Threads, Wiring
 from conveyor.schedules import Schedule
+from conveyor.tensor.mesh import split_model
 
 __all__: list[str] = []
 
@@ -112,7 +113,8 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
     if given is None:
         refuse_one_process(options.data_parallel, options.stages, options.plan)
     topology = given or Topology.from_environment(
-        data_parallel=options.data_parallel, stages=options.stages, timeout=deadlines.opening)
+        data_parallel=options.data_parallel, stages=options.stages, timeout=deadlines.opening,
+        tensor_parallel=options.tensor_parallel)
     if topology is not None and topology.distributed:
         agree({"ranks": topology.pipeline_size, **options.agreed(),
                "model": model_shapes(module)}, seconds=deadlines.opening)
@@ -187,6 +189,10 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
         sample = first_microbatch(sample, options.chunks, pending.module)
+    split = split_model(pending.module, topology, options.tp_plan, pending.deadlines.opening,
+                        untried={"rebalance=": options.rebalance is not None,
+                                 "a VocabParallelCrossEntropy head": pending.vocabulary
+                                 is not None})
     layout = cut(
         owner, pending.module, stages=schedule.num_stages,
         devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},
@@ -194,6 +200,8 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
                if not distributed or schedule.stage_ranks[s] == topology.table_rank],
         concurrent=thread_devices(devices if not distributed else devices[:1]),
         sample=sample, decide=_from_rank_zero(topology, pending.deadlines), **options.cut())
+    if split is not None:
+        split.after_cut(owner)
     if layout.edges:
         schedule = with_model_edges(schedule, layout.edges)
     if distributed:

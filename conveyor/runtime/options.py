@@ -15,7 +15,7 @@ docstring to these fields::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -31,6 +31,7 @@ from conveyor.graph.weights import InitFn, Weights
 from conveyor.runtime.rebalance.rebalancing import BalancePolicy
 from conveyor.runtime.verify import check_every
 from conveyor.schedules import Schedule
+from conveyor.tensor.plan import plan_shown
 
 __all__: list[str] = []
 
@@ -82,6 +83,8 @@ class PipelineOptions:
     offload: str | Sequence[str | None] | None = _option(None, agreed=_listed)
     data_parallel: int | Sequence[int] = _option(1, agreed=_listed)
     sharding: str = _option("replicate", agreed=True)
+    tensor_parallel: int = _option(1, agreed=True)
+    tp_plan: str | Mapping[str, Any] | None = _option(None, agreed=lambda plan: plan_shown(plan))
     tie_weights: Sequence[Sequence[str]] = _option(
         (), agreed=lambda groups: [list(group) for group in groups], cut=True)
     check_finite: bool = _option(False, agreed=True)

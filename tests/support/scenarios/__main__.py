@@ -26,10 +26,11 @@ from tests.support.scenarios import (
     pipeline,
     rebalance,
     replicated,
+    tensor,
 )
 
 #: Importing these modules registers their scenarios in SCENARIOS.
-MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated, modeldir)
+MODULES = (pipeline, fsdp, hang, rebalance, generated, replicated, modeldir, tensor)
 
 
 def main() -> None:

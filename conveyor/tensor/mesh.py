@@ -1,0 +1,57 @@
+"""A stage's tensor group, from the mesh built where the ranks are wired, and the
+split of a model over it before the cut (what the stage builder calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from conveyor.distributed.topology import Topology
+from conveyor.errors import TensorParallelError
+from conveyor.tensor.apply import Group, apply_plan, sum_gradients
+
+__all__: list[str] = []
+
+
+@dataclass
+class TensorSplit:
+    """A model split over its stage's tensor group: the group and each planned
+    module's style (to hook the gradients of those kept whole once the model is cut)."""
+
+    group: Group
+    styles: dict[str, str]
+
+    def after_cut(self, owner: nn.Module) -> None:
+        """Sums over the group the gradients of the weights kept whole whose gradient
+        each rank sees a part of, among those ``owner`` now holds."""
+        sum_gradients(owner, self.styles, self.group)
+
+
+def split_model(module: Any, topology: Topology, tp_plan: str | Mapping[str, Any] | None,
+                seconds: float, *, untried: Mapping[str, bool] | None = None
+                ) -> TensorSplit | None:
+    """Splits ``module`` over ``topology``'s tensor group as ``tp_plan`` says, in place,
+    before the cut (None: no tensor parallelism). ``untried`` names the options given
+    that tensor parallelism does not take yet (each refused by name).
+
+    Raises:
+        TensorParallelError: the model is a layer function, an untried option is given,
+            or the plan cannot split it (see :func:`conveyor.tensor.apply.apply_plan`).
+    """
+    if topology.tensor_size == 1:
+        return None
+    given = [name for name, on in (untried or {}).items() if on]
+    if given:
+        raise TensorParallelError(
+            f"tensor_parallel={topology.tensor_size} does not take {', '.join(given)} yet; "
+            "leave it out, or use tensor_parallel=1")
+    if not isinstance(module, nn.Module):
+        raise TensorParallelError("tensor_parallel splits a model's modules: give the "
+                                  "nn.Module (possibly on the meta device), not a function "
+                                  "that builds layers")
+    group = Group(topology.tensor_group.group_name, topology.tensor_size,
+                  topology.tensor_rank, seconds)
+    return TensorSplit(group, apply_plan(module, tp_plan, group=group))

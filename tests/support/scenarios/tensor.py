@@ -1,0 +1,231 @@
+"""Multi-process scenarios of tensor parallelism inside the stages (see
+tests/test_tensor_parallel.py): 2 stages x 2 tensor ranks, every rank comparing its
+gradient shards with the plain model's on the whole batch, in float64."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conveyor
+from conveyor.errors import TensorParallelError
+from conveyor.graph.weights import SHARD
+from conveyor.tensor.full import full_state_dict
+from tests.support.scenarios import scenario
+
+CHUNKS = 4
+
+
+def _quiet() -> Any:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def hf_model(family: str, **sizes: int) -> nn.Module:
+    """A small Llama or Qwen3 causal LM, float64, built the same on every rank."""
+    t = _quiet()
+    common = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                  tie_word_embeddings=False, use_cache=False)
+    common.update(sizes)
+    torch.manual_seed(0)
+    if family == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**common)).double()
+    return t.Qwen3ForCausalLM(t.Qwen3Config(head_dim=8, **common)).double()
+
+
+def batch() -> tuple[dict[str, Any], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (8, 6), generator=generator)
+    return {"input_ids": ids, "use_cache": False}, torch.randint(0, 64, (8, 6),
+                                                                generator=generator)
+
+
+def token_loss(result: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = result.logits if hasattr(result, "logits") else result[0]
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return total, torch.tensor(targets.numel())
+
+
+def plain_grads(model: nn.Module, inputs: Any, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    total, count = token_loss(model(**inputs), targets)
+    (total / count).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def difference(pipe: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """The largest relative difference of this rank's gradient shards from the plain
+    model's slices, and how many parameters were compared."""
+    worst, count = 0.0, 0
+    for name, param in pipe.named_parameters():
+        expected = reference[name]
+        shard = getattr(param, SHARD, None)
+        if shard is not None:
+            dim, index, parts = shard
+            expected = expected.chunk(parts, dim)[index]
+        assert param.grad is not None, name
+        worst = max(worst, float((param.grad - expected).norm() / expected.norm()))
+        count += 1
+    return worst, count
+
+
+def float64_norms(family: str) -> Any:
+    """Makes the family's RMSNorm compute in float64 (its own casts to float32 removed),
+    until the returned function undoes it."""
+    t = _quiet()
+    norm = (t.models.llama.modeling_llama.LlamaRMSNorm if family == "llama"
+            else t.models.qwen3.modeling_qwen3.Qwen3RMSNorm)
+    own = norm.forward
+
+    def forward(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    norm.forward = forward
+    return lambda: setattr(norm, "forward", own)
+
+
+def floor(family: str, model: nn.Module, inputs: Any, targets: torch.Tensor,
+          reference: dict[str, torch.Tensor]) -> float:
+    """The plain model's own noise: how far its gradients with its float32 norms are
+    from those it gives computing them in float64."""
+    undo = float64_norms(family)
+    try:
+        exact = plain_grads(copy.deepcopy(model), inputs, targets)
+    finally:
+        undo()
+    return max(float((exact[n] - r).norm() / r.norm()) for n, r in reference.items())
+
+
+@scenario("tensor_parallel")
+def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
+    """Llama and Qwen3 (1F1B, zero-bubble; Qwen3 built on meta, read from weights=), a
+    user's block with a dict plan on an nn.Sequential, and a refusal at build time."""
+    results: dict[str, Any] = {}
+    inputs, targets = batch()
+    sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
+    for family in ("llama", "qwen3"):
+        plain = hf_model(family)
+        if family == "llama":  # float64 throughout: exact to 1e-10
+            undo = float64_norms(family)
+        else:  # its own float32 norms: exact to the plain model's own floor
+            results[f"{family}-floor"] = floor(family, plain, inputs, targets,
+                                               plain_grads(plain, inputs, targets))
+        reference = plain_grads(plain, inputs, targets)
+        for schedule in ("1f1b", "zero-bubble"):
+            if family == "qwen3":
+                with torch.device("meta"):
+                    model = type(plain)(plain.config).double()
+                weights: Any = plain.state_dict()
+            else:
+                model, weights = copy.deepcopy(plain), None
+            pipe = conveyor.Pipeline(model, split_at=["model.layers.1"], sample=sample,
+                                     chunks=CHUNKS, schedule=schedule, loss_fn=token_loss,
+                                     tensor_parallel=2, tp_plan="auto", weights=weights,
+                                     timeout=120)
+            loss = pipe.step(inputs, targets)
+            with torch.no_grad():
+                total, count = token_loss(plain(**inputs), targets)
+            results[f"{family}-{schedule}-loss"] = abs(float(loss) - float(total / count))
+            results[f"{family}-{schedule}-recompute"] = pipe.recompute
+            results[f"{family}-{schedule}"] = difference(pipe, reference)
+            whole = full_state_dict(pipe)
+            own = plain.state_dict()
+            results[f"{family}-{schedule}-full"] = [
+                len(whole), all(torch.equal(v, own[k]) for k, v in whole.items())]
+        if family == "llama":
+            undo()
+    results["block"] = _block()
+    results["refused"] = _refused()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+class Block(nn.Module):
+    """A user's residual MLP block, split by a dict plan."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.tanh(self.up(x))))
+
+
+def _block() -> list[Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    torch.manual_seed(3)
+    plain = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 6)).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    plain.zero_grad()
+    F.mse_loss(plain(x), y).backward()
+    reference = {n: p.grad.detach().clone() for n, p in plain.named_parameters()}
+    plan = {"*.up": "colwise", "*.down": "rowwise", "3": ColwiseParallel(
+        output_layouts=Replicate())}
+    pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=[2, 2], chunks=CHUNKS,
+                             schedule="1f1b", loss_fn=F.mse_loss, tensor_parallel=2,
+                             tp_plan=plan, timeout=120)
+    pipe.step(x, y)
+    return list(difference(pipe, reference))
+
+
+def _refused() -> str:
+    """A tensor size that does not divide the model's heads, refused when built."""
+    model = hf_model("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    inputs, _ = batch()
+    try:
+        conveyor.Pipeline(model, split_at=["model.layers.1"],
+                          sample={"input_ids": inputs["input_ids"][:2], "use_cache": False},
+                          chunks=CHUNKS, loss_fn=token_loss, tensor_parallel=2,
+                          tp_plan="auto", timeout=120)
+    except TensorParallelError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@scenario("tensor_mesh")
+def tensor_mesh(rank: int, world: int, out_dir: Path) -> None:
+    """8 processes: 2 stages x 2 replicas x 2 tensor ranks, a user's block with a dict
+    plan, replicated and FSDP-sharded replicas, each on its half of the batch."""
+    torch.manual_seed(3)
+    plain = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 6)).double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    y = torch.randn(16, 6, dtype=torch.float64)
+    F.mse_loss(plain(x), y).backward()
+    reference = {n: p.grad.detach().clone() for n, p in plain.named_parameters()}
+    plan = {"*.up": "colwise", "*.down": "rowwise", "3": "colwise_gather_output"}
+    results: dict[str, Any] = {}
+    for sharding in ("replicate", "fsdp"):
+        pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=[2, 2], chunks=2,
+                                 schedule="1f1b", loss_fn=F.mse_loss, data_parallel=2,
+                                 tensor_parallel=2, tp_plan=plan, sharding=sharding,
+                                 timeout=300)
+        topology = pipe.topology
+        half = slice(8 * topology.data_rank, 8 * topology.data_rank + 8)
+        pipe.step(x[half], y[half])
+        worst, count = 0.0, 0
+        for name, param in pipe.named_parameters():
+            grad = param.grad
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            expected = reference[name]
+            if grad.shape != expected.shape:  # this tensor rank's shard
+                dim = next(i for i in range(grad.dim()) if grad.shape[i] != expected.shape[i])
+                expected = expected.chunk(2, dim)[topology.tensor_rank]
+            worst = max(worst, float((grad - expected).norm() / expected.norm()))
+            count += 1
+        results[sharding] = [worst, count, [topology.pipeline_rank, topology.data_rank,
+                                            topology.tensor_rank]]
+    (out_dir / f"mesh{rank}.json").write_text(json.dumps(results))
