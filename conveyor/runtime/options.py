@@ -83,7 +83,7 @@ class PipelineOptions:
     sharding: str = _option("replicate", agreed=True)
     tie_weights: Sequence[Sequence[str]] = _option(
         (), agreed=lambda groups: [list(group) for group in groups], cut=True)
-    check_finite: bool = _option(False, agreed=True)
+    check_finite: bool = _option(True, agreed=True)
     precision: str | None = _option(None, agreed=True)
     compile: bool = _option(False, agreed=True)
     cuda_graphs: bool = _option(False, agreed=True)

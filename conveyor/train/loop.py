@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -286,8 +287,10 @@ class _Training:
                 self.timeline, self.bubble = timeline, f"{100 * timeline.mean_bubble:.0f}%"
             else:
                 loss = pipe.step(inputs, targets)
-        except NonFiniteLossError as exc:  # raised on every rank, before any weight moved
-            return self._not_finite(exc, str(exc).split(";")[0])
+        except (NonFiniteLossError, NonFiniteGradientError) as exc:  # every rank, no weight moved
+            # the run's step is said by the run: not the pipeline's own count
+            return self._not_finite(exc, re.sub(r",? (in )?step \d+ of this pipeline", "",
+                                                str(exc).split(";")[0]))
         norm = float(pipe.clip_grad_norm_(1.0))  # the same on every rank
         if not math.isfinite(norm):
             stages = stages_not_finite(pipe)
