@@ -52,6 +52,8 @@ from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where
 
 __all__: list[str] = []
 
+_JOIN_AT_LEAST = 15.0  # seconds the rendezvous waits at least: processes start unevenly
+
 
 def train_command(args: argparse.Namespace) -> int:
     """``conveyor train``: errors end it with one line on stderr and a non-zero code: 2
@@ -113,7 +115,8 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False,
     """
     config.check()
     check_usable(Path(config.out))
-    join_world(processes=config.processes(), timeout=Deadlines.first)
+    join_world(processes=config.processes(), timeout=Deadlines.first,
+               within=max(config.timeout, _JOIN_AT_LEAST) if config.timeout else None)
     if dist.is_initialized():  # every option that shapes the run, before any work
         agree_options({**asdict(config), "resume": resume, "check": check}, seconds=Deadlines.first,
                       what="options")
