@@ -58,3 +58,18 @@ def _first_bad(stage: object) -> str:
             if parameter.grad is not None and not bool(torch.isfinite(parameter.grad).all()):
                 return name
     return "a parameter"
+
+
+def check_output_gradients(grads: Sequence[Sequence[torch.Tensor | None]], step: int) -> None:
+    """Raises where the gradient that reaches the pipeline's output (``GPipe``: from the
+    caller's loss) of a micro-batch holds a NaN or an infinity, before any backward runs.
+
+    Raises:
+        NonFiniteGradientError: naming the micro-batch and the step.
+    """
+    for m, leaves in enumerate(grads):
+        if any(g is not None and not bool(torch.isfinite(g).all()) for g in leaves):
+            raise NonFiniteGradientError(
+                f"the gradient of the output of micro-batch {m} is not finite in call {step} "
+                "of this pipeline (a loss that is NaN or inf?); stopping before it reaches "
+                "the weights: .grad is as it was (check_finite=False lets it through)")
