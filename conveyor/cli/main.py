@@ -214,7 +214,7 @@ def command() -> NoReturn:
     ``conveyor.distributed.watch.exit_process`` ends it)."""
     code = main()
     watch = sys.modules.get("conveyor.distributed.watch")  # loaded: a group may have run
-    if watch is not None:
+    if watch is not None and (watch.group_ran() or not _launched()):
         watch.exit_process(code)
     if _launched():
         _end_now(code)
