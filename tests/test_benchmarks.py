@@ -149,3 +149,10 @@ def test_gpu_runs_merge_part_by_part_each_with_its_commit(tmp_path: Path) -> Non
     refused = subprocess.run([*script, earlier, other, "--out", str(tmp_path / "no")],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "not comparable" in refused.stderr
+
+
+def test_check_finite_script_times_both_ways() -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "check_finite.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "check_finite costs" in result.stdout

@@ -212,7 +212,13 @@ def command() -> NoReturn:
     """The ``conveyor`` program (the console script and ``python -m conveyor``): ``main``,
     then the process ends with its code (after a process group, as
     ``conveyor.distributed.watch.exit_process`` ends it)."""
-    code = main()
+    end_command(main())
+
+
+def end_command(code: int) -> NoReturn:
+    """Ends the process of a ``conveyor`` command with ``code``: after a process group as
+    ``conveyor.distributed.watch.exit_process`` ends it; a rank that a launcher started
+    at once (:func:`_end_now`); else through ``sys.exit``."""
     watch = sys.modules.get("conveyor.distributed.watch")  # loaded: a group may have run
     if watch is not None and (watch.group_ran() or not _launched()):
         watch.exit_process(code)
