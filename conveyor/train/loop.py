@@ -77,8 +77,11 @@ def _run_command(args: argparse.Namespace) -> int:
                        check=getattr(args, "check", False),
                        allow_change=allowed_changes(getattr(args, "allow_change", "")))
     except (ConfigError, saving.CheckpointError) as exc:
-        if rank == 0:  # every rank read the same options and checkpoint
-            print(f"conveyor train: error: {exc}", file=sys.stderr)
+        # Once the group exists every rank has read the same options and checkpoint;
+        # before it, a rank's own refusal (its --out) may be its alone: it says so.
+        if rank == 0 or not dist.is_initialized():
+            where = f" (rank {rank})" if rank else ""
+            print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
         return 2
     except ConveyorError as exc:
         where = f" (rank {rank})" if dist.is_initialized() else ""
