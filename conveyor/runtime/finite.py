@@ -3,8 +3,9 @@ infinity in any stage's gradients is refused on every rank before ``.grad`` take
 so that it never reaches an optimizer.
 
 Its cost is one ``isfinite().all()`` per gradient, one host sync per stage, and under
-torchrun one small all-reduce: about 2 % of a step of the bundled Transformer on a CPU
-(``python -m benchmarks.check_finite``), less where steps are larger.
+torchrun one small all-reduce: 18 ms, 0.3 % of a step of the bundled Transformer
+T(4, 512, 4) width 128 on 2 CPU threads (``python benchmarks/check_finite.py``, a busy
+2-core machine, 2026-11-29); the loss's check is one ``float()`` per micro-batch.
 """
 
 from __future__ import annotations
