@@ -121,6 +121,10 @@ def _newest_checkpoint_good(case: Case, out: Path) -> list[str]:
         done = [s for s in range(2, step, 2)]
         newest = done[-1] if done else None
     latest = manifest.latest(root)
+    partial = sorted(p.name for p in root.glob("step-*")
+                     if not (p / manifest.MANIFEST).exists())
+    if partial:  # a failed save leaves no partial folder (torchrun's too)
+        return [f"a failed save left {', '.join(partial)} without a manifest"]
     if newest is None:
         return [] if latest is None else [f"a checkpoint {latest} where none was due"]
     if latest is None or manifest.order(latest)[0] != newest:
