@@ -14,6 +14,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NonFiniteLossError",
     "PeerFailure",
+    "RendezvousError",
     "SaveError",
     "ScheduleError",
     "SkipError",
@@ -101,6 +102,11 @@ class StepTimeout(StageError, TimeoutError):
     than the pipeline's timeout. In one process the stuck rank's thread is left
     running and the pipeline refuses further steps; ``where`` says where each rank
     stood."""
+
+
+class RendezvousError(ConveyorError, ConnectionError):
+    """The process group could not be joined in time: the store's address did not answer
+    or refused, or a rank did not arrive; the message names the address and the rank."""
 
 
 class NonFiniteLossError(ConveyorError, FloatingPointError):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.runtime.finite import check_gradients, check_output_gradients
 from conveyor.runtime.runtime import Runtime, RunsRuntime
 from conveyor.runtime.wiring import Threads
 from conveyor.distributed.topology import Topology
@@ -98,6 +99,10 @@ class GPipe(RunsRuntime):
             stage stood (the stuck thread is left running, and the pipeline refuses
             further calls); None (default) allows 300 s in the first call and then
             10 x the slowest call (at least 30 s).
+        check_finite: refuse, in ``backward()``, a gradient of the output (of a micro-
+            batch) or of a stage's weights that holds a NaN or an infinity
+            (:class:`~conveyor.NonFiniteGradientError`, naming the micro-batch or
+            stage), leaving ``.grad`` as it was; default True, False lets it through.
 
     Raises:
         ModelError: ``module`` is not an ``nn.Module``, cannot be traced or cut where
@@ -125,6 +130,7 @@ class GPipe(RunsRuntime):
         init_fn: InitFn | None = None,
         weights: Weights | None = None,
         timeout: float | None = None,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -134,6 +140,7 @@ class GPipe(RunsRuntime):
         mode = check_options(chunks=chunks, recompute=recompute, checkpoint=checkpoint)
         self.training = getattr(module, "training", True)  # the model's mode
         self.chunks: int = chunks
+        self.check_finite, self._calls = check_finite, 0
         self.recompute: str | tuple[str, ...] = mode
         count = _stage_count(module, balance, split_at, stages, devices)
         check_stage_modes(mode, count)
@@ -182,8 +189,9 @@ class GPipe(RunsRuntime):
         grad_enabled = torch.is_grad_enabled() and bool(params or wrt_inputs)
         state = new_step(microbatches, chunks=count, recompute=self.recompute,
                          grad_enabled=grad_enabled, training=self.training)
+        self._calls += 1
         step = _Step(runtime, state, leaves=leaves, wrt_inputs=wrt_inputs, params=params,
-                     ties=runtime.layout.ties)
+                     ties=runtime.layout.ties, checked=self._calls if self.check_finite else 0)
         if not grad_enabled:
             return step.forward()
         token = _PipelineFunction.apply(step, *[leaves[i] for i in wrt_inputs], *params)
@@ -202,8 +210,10 @@ class _Step:
         wrt_inputs: list[int],
         params: list[nn.Parameter],
         ties: list[TiedParameter],
+        checked: int = 0,
     ) -> None:
         self.runtime = runtime
+        self.checked = checked  # the call's number, whose gradients are checked (0: none)
         self.state = state
         self.leaves = leaves
         self.wrt_inputs = wrt_inputs
@@ -264,6 +274,9 @@ class _Step:
         for m in range(num_microbatches):
             state.output_grads[m] = [parts[m] if parts is not None else None
                                      for parts in split_grads]
+        if self.checked:
+            check_output_gradients([state.output_grads[m] for m in range(num_microbatches)],
+                                   self.checked)
         # Let the stages accumulate into fresh .grad fields, then hand the totals to
         # autograd: backward() adds them to the .grad set aside here, and
         # autograd.grad() returns them without touching .grad at all.
@@ -272,6 +285,8 @@ class _Step:
             self.runtime.run([Kind.BACKWARD], state, commit=False,
                              microbatches=num_microbatches)
             sum_tied_gradients(self.ties)
+            if self.checked:
+                check_gradients(self.runtime, self.params, self.checked)
             param_grads = [p.grad for p in self.params]
         finally:
             earlier.restore()

@@ -203,3 +203,10 @@ def test_verify_cost_script_times_both_steps() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert re.search(r"a verified step \d+ ms: \+-?\d+% per verified step", result.stdout)
+
+
+def test_check_finite_script_times_both_ways() -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "check_finite.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "check_finite costs" in result.stdout

@@ -120,7 +120,8 @@ def test_an_infinite_gradient_with_a_finite_loss_names_the_stages(
     assert train(tmp_path, *FLAGS, "--stages", "3") == 1
     line = capsys.readouterr().err.strip().splitlines()[0]
     # Upstream of the poison, and the head: a copy of the embedding, its gradient summed.
-    assert "step 2: the gradients of stages 0, 1, 2 are not finite (norm nan); the run " \
+    assert "step 2: the gradients of stage 0 (" in line and "stage 2 (" in line
+    assert "are not finite (the loss of every micro-batch was finite); the run " \
         "stopped before it reached the weights, which are those of step 1" in line, line
     assert finite_weights(tmp_path)
 

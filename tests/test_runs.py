@@ -16,7 +16,11 @@ SAMPLE = [Case("torchrun", True, "freeze", 3, 0, "tie"),  # frozen in the tie al
           Case("one", True, "disk_full", 4, 0),
           Case("env", True, "kill", 3, 1),
           Case("env", True, "options", 1, 1, "seed"),
-          Case("torchrun", False, "bitflip", 4, 1)]
+          Case("torchrun", False, "bitflip", 4, 1),
+          # issue 49: an empty pointer, a silent store, a refusal before the group
+          Case("one", True, "pointer", 4, 0, "empty"),
+          Case("env", True, "silent", 0, 1),
+          Case("torchrun", True, "refusal", 0, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -250,7 +250,8 @@ def test_a_config_file_sets_options_and_flags_win(tmp_path: Path,
 
 @pytest.mark.parametrize("damage, flags, message", [
     ("none", [], "already holds a checkpoint; pass --resume"),
-    ("none", ["--resume", "--width", "32"], "does not fit this model"),
+    ("none", ["--resume", "--width", "32"],
+     "was written for another model: it was written with --width 16, this run has --width 32"),
     ("garbage", ["--resume"], "is damaged: state.pt changed since it was written"),
     ("truncated", ["--resume"], "is damaged: state.pt changed since it was written"),
 ])

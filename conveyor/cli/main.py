@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -243,11 +244,35 @@ def command() -> NoReturn:
     """The ``conveyor`` program (the console script and ``python -m conveyor``): ``main``,
     then the process ends with its code (after a process group, as
     ``conveyor.distributed.watch.exit_process`` ends it)."""
-    code = main()
+    end_command(main())
+
+
+def end_command(code: int) -> NoReturn:
+    """Ends the process of a ``conveyor`` command with ``code``: after a process group as
+    ``conveyor.distributed.watch.exit_process`` ends it; a rank that a launcher started
+    at once (:func:`_end_now`); else through ``sys.exit``."""
     watch = sys.modules.get("conveyor.distributed.watch")  # loaded: a group may have run
-    if watch is not None:
+    if watch is not None and (watch.group_ran() or not _launched()):
         watch.exit_process(code)
+    if _launched():
+        _end_now(code)
     sys.exit(code)
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun, or env:// by hand) started this process as a rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _end_now(code: int) -> NoReturn:
+    """Ends a rank's process with ``code`` at once, its output flushed. Without a process
+    group (a refusal before it existed) the interpreter's finalization of torch can take
+    seconds, and torchrun, seeing another rank end, kills this one meanwhile (-15 in
+    place of the code the command returned)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,7 @@ class Topology:
                         f"data_parallel={list(data_parallel)} replicates stages over "
                         f"processes: launch {sum(data_parallel)} of them under torchrun "
                         "(in one process, give one replica per stage)")
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+            _join("nccl" if torch.cuda.is_available() else "gloo", timeout)
         if not isinstance(data_parallel, int):
             return cls._replicated(StageReplicas(tuple(data_parallel)), stages, timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -225,6 +224,18 @@ class Topology:
                 mine = group
         return dataclasses.replace(topology, pipeline_group=pipeline_group,
                                    replica_group=mine)
+
+
+def _join(backend: str, timeout: float) -> None:
+    """Opens the default process group, over within ``timeout`` (a silent store, a rank
+    that never arrives: one line naming the address, never a hang).
+
+    Raises:
+        RendezvousError: it could not be joined in time.
+    """
+    from conveyor.distributed.faults.rendezvous import join
+
+    join(backend, seconds=timeout, timeout=timeout)
 
 
 def _process_device() -> torch.device:

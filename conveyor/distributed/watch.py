@@ -135,6 +135,12 @@ _exit_code: int | None = None  # what the command ending the process returns, if
 _group_ended = False  # whether a command ended a process group in this process
 
 
+def group_ran() -> bool:
+    """Whether a command of this process ran a process group (ended by
+    :func:`end_process_group`)."""
+    return _group_ended
+
+
 def exit_process(code: int) -> NoReturn:
     """Ends the process of a ``conveyor`` command with ``code``.
 

@@ -222,8 +222,10 @@ class StageActions:
         value = loss.detach().reshape(())
         if state.check_finite and not math.isfinite(float(value)):
             raise NonFiniteLossError(f"the loss of micro-batch {m} is {float(value)} "
-                                     f"(stage {self.index}); stopping before it reaches the "
-                                     "weights")
+                                     f"(stage {self.index}"
+                                     + (f", step {state.step} of this pipeline" if state.step
+                                        else "")
+                                     + "); stopping before it reaches the weights")
         state.losses[m] = value
         if count is None:
             return loss.reshape(()) * (state.loss_scale[m] * state.grad_scale)

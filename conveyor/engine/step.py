@@ -39,6 +39,7 @@ class StepState:
         grad_scale: what each micro-batch's loss is multiplied by before its backward
             (float16 loss scaling); gradients come out multiplied by it.
         check_finite: raise if a micro-batch's loss is NaN or infinite.
+        step: which step of its pipeline this is, from 1 (0: not counted), for messages.
         outputs: the last stage's output per micro-batch (without a loss).
         losses: the last stage's unscaled loss per micro-batch, detached (for a
             ``(loss_sum, count)`` pair, the sum).
@@ -59,6 +60,7 @@ class StepState:
     loss_scale: Sequence[float] = ()
     grad_scale: float = 1.0
     check_finite: bool = False
+    step: int = 0
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     counts: dict[int, torch.Tensor] = field(default_factory=dict)

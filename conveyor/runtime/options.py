@@ -87,7 +87,7 @@ class PipelineOptions:
     tp_plan: str | Mapping[str, Any] | None = _option(None, agreed=lambda plan: plan_shown(plan))
     tie_weights: Sequence[Sequence[str]] = _option(
         (), agreed=lambda groups: [list(group) for group in groups], cut=True)
-    check_finite: bool = _option(False, agreed=True)
+    check_finite: bool = _option(True, agreed=True)
     precision: str | None = _option(None, agreed=True)
     compile: bool = _option(False, agreed=True)
     cuda_graphs: bool = _option(False, agreed=True)

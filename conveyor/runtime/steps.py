@@ -38,6 +38,7 @@ from conveyor.engine.microbatch import (
 from conveyor.engine.step import StepState, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.errors import ConveyorError, MicroBatchError
+from conveyor.runtime.finite import check_gradients
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.verify import Certificate
 from conveyor.schedules import Kind
@@ -68,6 +69,7 @@ class TrainingStep:
     scaler: LossScaler | None
     sharding: Sharding | None
     certificate: Certificate | None = None
+    steps: int = 0  # the steps begun, for messages
 
 
 def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *,
@@ -84,6 +86,7 @@ def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *
         NonFiniteLossError: with ``check_finite``, a loss was not finite (every rank).
         ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
     """
+    how.steps += 1
     if microbatches is None:
         state, count = _new_state(runtime, how, inputs, targets, loss_fn, training), None
     else:
@@ -94,6 +97,8 @@ def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *
             runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state,
                         microbatches=count)
         loss, overflowed = finish_step(runtime, how, state, params)
+        if how.check_finite and not overflowed:
+            check_gradients(runtime, params, how.steps)
     except BaseException as exc:
         if how.sharding is not None:
             how.sharding.discard()
@@ -117,7 +122,7 @@ def _new_state(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any,
     stages = runtime.stages
     state = new_step(split(inputs, how.chunks) if 0 in stages else [], chunks=how.chunks,
                      recompute=how.recompute, grad_enabled=True, training=training,
-                     loss_fn=loss_fn, check_finite=how.check_finite,
+                     loss_fn=loss_fn, check_finite=how.check_finite, step=how.steps,
                      grad_scale=how.scaler.scale if how.scaler else 1.0)
     if runtime.schedule.num_stages - 1 in stages:
         batch = batch_size(targets)
@@ -155,7 +160,7 @@ def _given_state(runtime: Runtime, how: TrainingStep, given: Sequence[tuple[Any,
                               f"rank {count}: every rank passes the same micro-batches")
     state = new_step([x for x, _ in pairs] if 0 in runtime.stages else [], chunks=count,
                      recompute=how.recompute, grad_enabled=True, training=training,
-                     loss_fn=loss_fn, check_finite=how.check_finite,
+                     loss_fn=loss_fn, check_finite=how.check_finite, step=how.steps,
                      grad_scale=how.scaler.scale if how.scaler else 1.0)
     if runtime.schedule.num_stages - 1 in runtime.stages:
         rows = [batch_size(y) for _, y in pairs]

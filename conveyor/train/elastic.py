@@ -19,8 +19,8 @@ Kept free of torch at import, like the options: the plan is arithmetic on intege
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
+from pathlib import Path
 from typing import Any, Protocol
 
 from conveyor.errors import ConfigError, ConveyorError
@@ -121,15 +121,22 @@ def _fitting_chunks(values: dict[str, Any], stages: int, replicas: int) -> int |
     return None
 
 
-def join_world(*, processes: int, timeout: float) -> None:
+def join_world(*, processes: int, timeout: float, within: float | None = None) -> None:
     """Opens the process group of a run of several processes (under torchrun, or
     launched by hand with env://), before anything else, so that the processes can
     compare their options first; under torchrun even for a world of one process, so
     that the run saves the same kind of checkpoint at every size it shrinks or grows
     to. Does nothing where the group is open already, or where the layout's
     ``processes`` are not the world's (which :func:`plan_layout` refuses under torchrun,
-    and the pipeline itself otherwise).
+    and the pipeline itself otherwise). The join itself ends within ``within`` seconds
+    (default ``timeout``, the process group's own).
+
+    Raises:
+        RendezvousError: the group could not be joined in time (one line: the address,
+            the rank, what did not answer).
     """
+    from conveyor.distributed.faults.rendezvous import join
+
     import torch
     import torch.distributed as dist
 
@@ -138,7 +145,7 @@ def join_world(*, processes: int, timeout: float) -> None:
             or dist.is_initialized() or processes != world):
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    join(backend, seconds=timeout if within is None else within, timeout=timeout)
 
 
 def world_size() -> int:
@@ -182,3 +189,13 @@ def describe_replan(saved: dict[str, Any], config: PipelineShape, *,
         changes.append(f"{old_chunks} micro-batches -> {config.chunks}")
     restart = f"restart {restart_count()} of torchrun: " if restart_count() else ""
     return f"{restart}world {old_world} -> {world}: " + ", ".join(changes)
+
+
+def check_resumable(out: Path, resume: bool, holds_checkpoint: bool) -> None:
+    """Raises ConfigError where the run would overwrite a checkpoint (``out`` holds one)
+    or resume from none."""
+    if holds_checkpoint and not resume:
+        raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
+                          f"or choose another --out{restart_hint()}")
+    if resume and not holds_checkpoint:
+        raise ConfigError(f"--resume: there is no checkpoint in {out}")

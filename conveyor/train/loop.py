@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -36,12 +37,14 @@ from conveyor.schedules.timeline import Timeline
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.export import refusal
 from conveyor.train import saving
+from conveyor.train.checkpoints import fit
 from conveyor.train.checkstep import check_first_step
 from conveyor.train.data import TextCorpus, text_corpus
-from conveyor.train.elastic import (RESUME_AUTO, describe_replan, join_world, restart_hint,
+from conveyor.train.elastic import (RESUME_AUTO, check_resumable, describe_replan, join_world,
                                     world_size)
 from conveyor.train.language import evaluate, generate
-from conveyor.train.options import OPTIONS_FILE, TrainConfig, from_arguments
+from conveyor.train.options import (OPTIONS_FILE, TrainConfig, allowed_changes,
+                                     from_arguments)
 from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress, verbose
 from conveyor.train.setup import build
@@ -49,6 +52,8 @@ from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where_on_usr1
 
 __all__: list[str] = []
+
+_JOIN_AT_LEAST = 15.0  # seconds the rendezvous waits at least: processes start unevenly
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -70,10 +75,14 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         with verbose(getattr(args, "verbose", False)):
             return run(from_arguments(args), resume=args.resume,
-                       check=getattr(args, "check", False))
+                       check=getattr(args, "check", False),
+                       allow_change=allowed_changes(getattr(args, "allow_change", "")))
     except (ConfigError, saving.CheckpointError) as exc:
-        if rank == 0:  # every rank read the same options and checkpoint
-            print(f"conveyor train: error: {exc}", file=sys.stderr)
+        # Once the group exists every rank has read the same options and checkpoint;
+        # before it, a rank's own refusal (its --out) may be its alone: it says so.
+        if rank == 0 or not dist.is_initialized():
+            where = f" (rank {rank})" if rank else ""
+            print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
         return 2
     except ConveyorError as exc:
         where = f" (rank {rank})" if dist.is_initialized() else ""
@@ -85,14 +94,17 @@ def _run_command(args: argparse.Namespace) -> int:
         return 1
 
 
-def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False) -> int:
+def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False,
+        allow_change: frozenset[str] = frozenset()) -> int:
     """Trains as ``config`` says; returns the process exit code. With ``check``, one
     step of the pipeline is first compared with the plain model (``conveyor check``).
     ``resume="auto"`` continues the run in ``--out`` if it has a checkpoint, else starts
     it: the same command then serves torchrun's first start and its restarts.
 
     Ctrl-C (SIGINT) or SIGTERM stops the run after the step in flight, saves a
-    checkpoint to resume from, and returns 128 + the signal's number.
+    checkpoint to resume from, and returns 128 + the signal's number. A resume refuses
+    a checkpoint of another model or data (:mod:`conveyor.train.checkpoints.fit`) unless
+    ``allow_change`` names the options that differ.
 
     ``--out`` is checked before any work, and locked while the run lasts: in one
     process at once, under torchrun by rank 0 once every process has joined.
@@ -109,7 +121,8 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     check_usable(Path(config.out))
     if config.export and (refused := refusal(Path(config.export))) is not None:
         raise ConfigError(f"--export: {refused}")
-    join_world(processes=config.processes(), timeout=Deadlines.first)
+    join_world(processes=config.processes(), timeout=Deadlines.first,
+               within=max(config.timeout, _JOIN_AT_LEAST) if config.timeout else None)
     if dist.is_initialized():  # every option that shapes the run, before any work
         agree_options({**asdict(config), "resume": resume, "check": check}, seconds=Deadlines.first,
                       what="options")
@@ -129,10 +142,11 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
     try:
         if one_process:
             lock.acquire()
-        _check_checkpoint(Path(config.out), bool(resume))
+        check_resumable(Path(config.out), bool(resume), saving.exists(config.out))
         if check:
             check_first_step(config)
-        training = _Training.set_up(config, resume=bool(resume), lock=lock)
+        training = _Training.set_up(config, resume=bool(resume), lock=lock,
+                                    allow=allow_change)
         training.announce()
         with StopSignals() as signals, where_on_usr1(training.pipe):
             stopped_by = training.train(signals)
@@ -142,15 +156,6 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False)
         return 0
     finally:
         lock.release()
-
-
-def _check_checkpoint(out: Path, resume: bool) -> None:
-    """Raises ConfigError where the run would overwrite a checkpoint or resume from none."""
-    if saving.exists(out) and not resume:
-        raise ConfigError(f"{out} already holds a checkpoint; pass --resume to continue it "
-                          f"or choose another --out{restart_hint()}")
-    if resume and not saving.exists(out):
-        raise ConfigError(f"--resume: there is no checkpoint in {out}")
 
 
 @dataclass
@@ -175,6 +180,8 @@ class _Training:
     saved: int | None = None  # the step of the newest checkpoint in --out
     skipped: int = 0  # steps skipped for a loss or gradient that was not finite
     replan: str | None = None  # how the layout differs from the resumed checkpoint's
+    identity: dict[str, Any] = field(default_factory=dict)  # the model and data (fit)
+    notes: list[str] = field(default_factory=list)  # said on resume (pointer, changes)
 
     @property
     def intact(self) -> str:  # what a failed save leaves, for its message
@@ -186,16 +193,21 @@ class _Training:
         return Path(self.config.out)
 
     @classmethod
-    def set_up(cls, config: TrainConfig, *, resume: bool, lock: RunLock) -> _Training:
-        """Builds the model, pipeline and optimizer; resuming, loads the checkpoint.
-        Under torchrun, takes ``lock`` once the processes can agree on it."""
+    def set_up(cls, config: TrainConfig, *, resume: bool, lock: RunLock,
+               allow: frozenset[str] = frozenset()) -> _Training:
+        """Builds the model, pipeline and optimizer; resuming, checks that the checkpoint
+        is of this model and data, then loads it. Under torchrun, takes ``lock`` once
+        the processes can agree on it."""
         corpus = text_corpus()
+        identity = fit.identity(asdict(config), fit.corpus_identity(corpus.train))
+        notes = fit.resume_notes(Path(config.out), asdict(config), identity,
+                                 allow) if resume else []
         model, pipe, optimizer, scheduler = build(config)
         show = not dist.is_initialized() or dist.get_rank() == 0
         if dist.is_initialized():
             lock.acquire_together(writer=show, agree=lambda value: agree(pipe, value)[0])
         training = cls(config, corpus, model, pipe, optimizer, scheduler, show,
-                       corpus.unigram_bits_per_byte())
+                       corpus.unigram_bits_per_byte(), identity=identity, notes=notes)
         if resume:
             extra = saving.load(training.out, model=pipe, optimizer=optimizer)
             training.start = training.step = training.saved = int(extra["step"])
@@ -215,6 +227,8 @@ class _Training:
         if stale:
             print(f"removed {len(stale)} temporary file{'s' * (len(stale) > 1)} of an "
                   f"interrupted save: {', '.join(p.name for p in stale)}", flush=True)
+        for note in self.notes:
+            print(note, flush=True)
         if self.replan:
             print(f"re-planned ({self.replan}); resuming from the checkpoint of step "
                   f"{self.start}", flush=True)
@@ -273,8 +287,10 @@ class _Training:
                 self.timeline, self.bubble = timeline, f"{100 * timeline.mean_bubble:.0f}%"
             else:
                 loss = pipe.step(inputs, targets)
-        except NonFiniteLossError as exc:  # raised on every rank, before any weight moved
-            return self._not_finite(exc, str(exc).split(";")[0])
+        except (NonFiniteLossError, NonFiniteGradientError) as exc:  # every rank, no weight moved
+            # the run's step is said by the run: not the pipeline's own count
+            return self._not_finite(exc, re.sub(r",? (in )?step \d+ of this pipeline", "",
+                                                str(exc).split(";")[0]))
         if pipe.certificate is not None and pipe.certificate.due_now:  # --verify-every
             print(f"verified at step {self.step + 1}", flush=True)
         norm = float(pipe.clip_grad_norm_(1.0))  # the same on every rank
@@ -347,6 +363,7 @@ class _Training:
                         extra={"step": self.step, "history": self.history,
                                "scheduler": self.scheduler.state_dict(),
                                "rng": torch.get_rng_state(), "config": asdict(self.config),
+                               "identity": self.identity,
                                "world": world_size(), "balance": list(self.pipe.balance)})
         self.saved = self.step
 

@@ -233,6 +233,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="auto",
                         help="continue the run whose checkpoint is in --out; --resume auto: "
                              "if there is one, else start it (for torchrun --max-restarts)")
+    parser.add_argument("--allow-change", default="", metavar="OPTIONS",
+                        help="with --resume: the options of the model or data (comma-"
+                             "separated: heads,length,seed,...) that may differ from the "
+                             "checkpoint's, on purpose; without it a resume refuses them")
     parser.add_argument("--verbose", action="store_true",
                         help="log every action of the pipeline to stderr (the 'conveyor' "
                              "logger at DEBUG)")
@@ -302,3 +306,20 @@ def _read_config(path: str | Path) -> dict[str, Any]:
                               f"got {value!r}")
         values[name] = kind(value)
     return values
+
+
+def allowed_changes(text: str) -> frozenset[str]:
+    """``--allow-change heads,length`` as option names (``all``: any).
+
+    Raises:
+        ConfigError: a name that is not an option of the model or the data.
+    """
+    names = frozenset(n.strip().replace("-", "_") for n in text.split(",") if n.strip())
+    known = {"layers", "width", "hidden", "heads", "length", "tie", "vocab", "corpus", "seed",
+             "all"}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ConfigError(f"--allow-change {text}: {', '.join(unknown)} "
+                          f"{'is' if len(unknown) == 1 else 'are'} not an option of the model "
+                          f"or data; choose from {', '.join(sorted(known))}")
+    return names

@@ -19,9 +19,12 @@ Three promises, each kept by mechanism:
 
 * **a save loses nothing**: it is written beside the newest and becomes the newest only
   once complete (a crash mid-write leaves the previous one as it was; a process killed
-  mid-write also leaves a temporary, which :func:`remove_temporaries` clears), and
-  retention keeps the newest two, the one ``latest`` names and the newest with finite
-  weights; a state whose weights are not finite is refused, never written;
+  mid-write also leaves a temporary, which :func:`remove_temporaries` clears); every
+  file and the pointer are flushed to disk with their folder; the newest checkpoint is
+  the newest verified step folder, whatever ``latest`` says
+  (:mod:`~conveyor.train.checkpoints.folder`); retention keeps the newest two verified,
+  and the newest with finite weights, and deletes nothing while the pointer disagrees
+  with the folders; a state whose weights are not finite is refused, never written;
 * **a damaged checkpoint is refused**: loading verifies the manifest, every file and
   every tensor, and names what changed;
 * **loading runs no code**: tensors are read with ``weights_only=True``, metadata is
@@ -40,10 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.train.checkpoints import dcpfiles, manifest
+from conveyor.train.checkpoints import dcpfiles, durable, folder, manifest
 from conveyor.train.errors import CheckpointError, SaveError
 
-__all__ = ["CheckpointError", "exists", "load", "load_weights", "remove_temporaries", "save"]
+__all__ = ["CheckpointError", "exists", "load", "load_weights", "pointer_note",
+           "remove_temporaries", "save"]
 
 _DIRECTORY = "checkpoint"
 _STATE = "state.pt"
@@ -59,9 +63,23 @@ def _distributed() -> bool:
 
 
 def exists(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a checkpoint (of any format conveyor wrote)."""
+    """Whether ``directory`` holds a checkpoint (of any format conveyor wrote), or a step
+    folder with a manifest (a damaged one is refused on resume, never started over)."""
     directory = Path(directory)
-    return _latest_directory(directory) is not None or (directory / _LEGACY).exists()
+    root = directory / _DIRECTORY
+    return (directory / _LEGACY).exists() or any(
+        (p / manifest.MANIFEST).exists() for p in root.glob("step-*")
+        if folder.is_name(p.name))
+
+
+def pointer_note(directory: str | Path) -> str | None:
+    """One line where ``checkpoint/latest`` in ``directory`` disagrees with the verified
+    checkpoints (empty, damaged, outside the folder, stale), else None."""
+    root = Path(directory) / _DIRECTORY
+    if not root.is_dir():
+        return None
+    found = folder.newest(root)
+    return found.note if found.name is not None else None
 
 
 def save(directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -106,26 +124,48 @@ def _save_file(root: Path, step: int, tensors: dict[str, Any], meta: Any) -> Pat
     temporary = Path(tempfile.mkdtemp(dir=root, prefix=prefix, suffix=suffix))
     try:
         with open(temporary / _STATE, "wb") as file:
-            torch.save(tensors, file)
+            _write_tensors(tensors, file)
             file.flush()
             os.fsync(file.fileno())  # on disk before it takes the name
         manifest.write(temporary, step=step, finite=True, meta=meta,
                        tensors=manifest.digests(tensors))
         target = root / manifest.new_name(root, step)[0]
-        os.replace(temporary, target)
-        manifest.point_to(root, target.name)
+        durable.replace(temporary, target)
+        folder.point_to(root, target.name)
     finally:
         if temporary.exists():
             shutil.rmtree(temporary)
     return target
 
 
+def _write_tensors(tensors: dict[str, Any], file: Any) -> None:
+    """``torch.save`` into ``file``; a failed write is its ``OSError`` (torch's zip writer
+    raises a RuntimeError in its ``__exit__`` after the write's ``OSError``).
+
+    Raises:
+        OSError: the write failed (a full disk, ...).
+    """
+    try:
+        torch.save(tensors, file)
+    except RuntimeError as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise cause from exc
+
+
 def _retain(root: Path) -> None:
-    """Removes the checkpoints older than the newest that none of the rules keeps: the
-    newest ``_KEEP``, the one ``latest`` names, and the newest whose weights are finite."""
-    latest = manifest.latest(root)
-    names = sorted((p.name for p in root.glob("step-*") if p.is_dir()), key=manifest.order)
-    keep = set(names[-_KEEP:]) | {latest}
+    """Removes the verified checkpoints older than the newest verified one that none of
+    the rules keeps: the newest ``_KEEP`` and the newest whose weights are finite.
+    Nothing is removed while ``latest`` disagrees with the folders: that is a state to
+    look at, not to tidy."""
+    found = folder.newest(root)
+    if found.name is None or not found.agrees:
+        return
+    names = folder.verified(root)
+    keep = set(names[-_KEEP:]) | {found.name}
     for name in reversed(names):
         try:
             if manifest.read(root / name)["finite"]:
@@ -133,9 +173,9 @@ def _retain(root: Path) -> None:
                 break
         except CheckpointError:
             continue
-    newest = manifest.order(latest) if latest else None
+    newest = manifest.order(found.name)
     for name in names:
-        if name not in keep and (newest is None or manifest.order(name) < newest):
+        if name not in keep and manifest.order(name) < newest:
             shutil.rmtree(root / name, ignore_errors=True)
 
 
@@ -152,6 +192,7 @@ def remove_temporaries(directory: str | Path) -> list[Path]:
     stale = sorted([*root.glob(f"{prefix}*{suffix}"), *root.glob(manifest.POINTER_TEMPORARY)])
     latest = _latest_directory(Path(directory))
     stale += sorted(p for p in root.glob("step-*") if p.is_dir() and p != latest
+                    and folder.is_name(p.name)
                     and not (p / manifest.MANIFEST).exists())  # a save killed before its end
     for path in stale:
         if path.is_dir():
@@ -174,6 +215,7 @@ def load(directory: str | Path, *, model: nn.Module,
             cannot be read, or it does not fit the model.
     """
     target, found = _verified_latest(Path(directory))
+    _check_kind(target)
     meta = manifest.from_json(found["meta"])
     if _distributed():
         tensors, values = dcpfiles.load(target, found, model, optimizer)
@@ -188,6 +230,21 @@ def load(directory: str | Path, *, model: nn.Module,
     return dict(meta["extra"])
 
 
+def _check_kind(target: Path) -> None:
+    """Raises CheckpointError where the checkpoint in ``target`` was written by the
+    other kind of launch than this one (torchrun's files in one process, or the reverse)."""
+    ranks = len(list(target.glob("rank-*.json")))
+    if not _distributed() and ranks and not (target / _STATE).exists():
+        raise CheckpointError(
+            f"the checkpoint {target} was written under torchrun by {ranks} process"
+            f"{'es' * (ranks > 1)}; resume it with `torchrun --nproc-per-node {ranks}` "
+            "(any number of processes loads it)")
+    if _distributed() and (target / _STATE).exists():
+        raise CheckpointError(
+            f"the checkpoint {target} was written by one process; resume it without "
+            "torchrun (conveyor train --resume ...)")
+
+
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """The weights of the newest checkpoint (either kind) by plain-model name, verified,
     for any model."""
@@ -199,14 +256,22 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _verified_latest(directory: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest verified checkpoint and its manifest.
+
+    Raises:
+        CheckpointError: there is none: the first format, a damaged manifest (read
+            again to name the damage), or nothing.
+    """
     target = _latest_directory(directory)
     if target is None:
         if (directory / _LEGACY).exists():
             manifest.read(directory)  # raises: the first format, which has none
+        for candidate in sorted((p for p in (directory / _DIRECTORY).glob("step-*")
+                                 if folder.is_name(p.name)),
+                                key=lambda p: manifest.order(p.name), reverse=True):
+            if (candidate / manifest.MANIFEST).exists():
+                manifest.check_files(candidate, manifest.read(candidate))  # raises
         raise CheckpointError(f"no checkpoint in {directory}")
-    if not target.exists():
-        raise CheckpointError(f"the checkpoint {target} that {directory / _DIRECTORY} / "
-                              "latest names is missing")
     return target, manifest.read(target)
 
 
@@ -225,8 +290,8 @@ def _read_verified(target: Path, found: dict[str, Any]) -> dict[str, Any]:
 
 
 def _latest_directory(directory: Path) -> Path | None:
-    """The newest complete checkpoint in ``directory``, if any."""
-    name = manifest.latest(directory / _DIRECTORY)
+    """The newest verified checkpoint in ``directory``, if any (not the pointer's)."""
+    name = folder.newest(directory / _DIRECTORY).name
     return directory / _DIRECTORY / name if name else None
 
 

@@ -22,14 +22,22 @@ bitflip,   SIGTERM at the step (saved, stopped), then bytes  the resume refuses,
 truncate   of the newest checkpoint flipped or cut           the file; nothing changed
 slow       one stage 1.2 s per forward from the step on,     the reference state
            against a 2 s timeout, under GPipe
+pointer    SIGTERM at the step (saved), then ``latest``      the resume says so and
+           emptied, naming a folder outside, or stale        ends as the reference
+drift      SIGTERM at the step (saved), then resumed with    every rank refuses (2),
+           ``--heads 4`` (same shapes, another model)        naming both; nothing changed
+silent     before the process group: the rank's store port   every rank ends in time
+           held by a listener that never answers             (1), naming the address
+refusal    before the process group: the rank's ``--out``    that rank exits 2 (not
+           on a read-only file system                        killed), nothing written
 =========  ================================================  =========================
 
 The reference is the same launch without a fault (bit equality holds within one kind
 of launch). ``python -m tests.runs`` runs every case, ``--seed N`` one; tests/test_runs.py
 a fixed sample.
 
-What it does not draw: more than one fault per run, faults during a resume or during
-start-up, data-parallel replicas and FSDP, GPUs, two torchrun agents, a fault in the
+What it does not draw: more than one fault per run, faults during a resume (but a
+damaged pointer and another model before it), data-parallel replicas and FSDP, GPUs, two torchrun agents, a fault in the
 evaluation or the final sample, a disk that fills up slowly, clocks.
 """
 
@@ -51,7 +59,8 @@ from tests.support.sampling import most_varied
 
 LAUNCHERS = ("one", "torchrun", "env")
 FAULTS = ("none", "kill", "freeze", "nan", "disk_full", "options", "bitflip", "truncate",
-          "slow")
+          "slow", "pointer", "drift", "silent", "refusal")
+READ_ONLY = "/proc/sys/conveyor/run"  # an --out that cannot be created (read-only)
 STEPS, SAVE_EVERY = 6, 2
 TIMEOUT = 4.0  # the fitted timeouts' floor; the first two steps get twice it
 GRACE = 10.0  # a survivor ends within the timeout and this
@@ -90,16 +99,19 @@ def every_case() -> list[Case]:
     for launcher in LAUNCHERS:
         for tie in (True, False):
             for fault in FAULTS:
-                if fault == "options" and launcher == "one":
-                    continue  # one process reads one command line
+                if fault in ("options", "silent") and launcher == "one":
+                    continue  # one process reads one command line, joins no group
                 steps = {"none": [STEPS], "disk_full": [2, 4], "slow": [3], "options": [1],
-                         "bitflip": [4], "truncate": [4]}.get(fault, [1, 3, STEPS])
+                         "bitflip": [4], "truncate": [4], "pointer": [4], "drift": [4],
+                         "silent": [0], "refusal": [0]}.get(fault, [1, 3, STEPS])
                 variants = {"options": ("seed", "lr", "steps"),
+                            "pointer": ("empty", "outside", "stale"),
                             "freeze": ("step", "tie") if tie and launcher != "one"
                             else ("step",)}.get(fault, ("",))
-                # A whole-process fault in one process has no rank to choose.
-                whole = fault == "none" or launcher == "one" and fault in (
-                    "kill", "disk_full", "bitflip", "truncate")
+                # A whole-process fault in one process has no rank to choose; a damaged
+                # folder and another model are every rank's.
+                whole = fault in ("none", "pointer", "drift") or launcher == "one" and \
+                    fault in ("kill", "disk_full", "bitflip", "truncate", "refusal")
                 for step in steps:
                     for rank in (0,) if whole else (0, 1):
                         for variant in variants:
@@ -125,11 +137,15 @@ def _traits(case: Case) -> set[tuple[str, Any]]:
 
 # ------------------------------------------------------------------ running a case
 
-def launch_run(case: Case, out: Path, phase: str, *, timeout: float = 180.0) -> Outcome:
+def launch_run(case: Case, out: Path, phase: str, *, timeout: float = 180.0,
+               silent_port: int | None = None) -> Outcome:
     """One launch of the case's run (``phase``: "first", with the fault planted, or
-    "resume"); a frozen process is killed once the others have ended."""
+    "resume"); a frozen process is killed once the others have ended. ``silent_port``:
+    a port that accepts and never answers (the ``silent`` fault's)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {"CONVEYOR_RUN_CASE": json.dumps(asdict(case))}
+    if silent_port is not None:
+        env["CONVEYOR_RUN_SILENT_PORT"] = str(silent_port)
     world = 1 if case.launcher == "one" else 2
 
     def release() -> None:

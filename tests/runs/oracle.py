@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import torch
 
 from conveyor.train import saving
 from conveyor.train.checkpoints import manifest
-from tests.runs import GRACE, STEPS, TIMEOUT, Case, launch_run, logs
+from tests.runs import GRACE, READ_ONLY, STEPS, TIMEOUT, Case, launch_run, logs
 
 
 def problems(case: Case, out: Path, reference: Callable[[], dict[str, torch.Tensor]]
@@ -22,6 +24,8 @@ def problems(case: Case, out: Path, reference: Callable[[], dict[str, torch.Tens
     weights of the same run without a fault."""
     if out.exists():
         shutil.rmtree(out)
+    if case.fault in ("silent", "refusal"):
+        return _before_the_group(case, out)
     first = launch_run(case, out, "first")
     if any(code is None for code in first.returncodes):
         return [f"still running after {first.seconds:.0f} s: a hang", logs(first)]
@@ -33,6 +37,10 @@ def problems(case: Case, out: Path, reference: Callable[[], dict[str, torch.Tens
         return _refused_options(case, out, first.returncodes)
     if fault in ("bitflip", "truncate"):
         return _damaged_refused(case, out)
+    if fault == "pointer":
+        return _pointer_damaged(case, out, reference)
+    if fault == "drift":
+        return _another_model_refused(case, out)
     found = _stopped_in_time(case, out, first.returncodes)
     found += _newest_checkpoint_good(case, out)
     if found:
@@ -113,6 +121,10 @@ def _newest_checkpoint_good(case: Case, out: Path) -> list[str]:
         done = [s for s in range(2, step, 2)]
         newest = done[-1] if done else None
     latest = manifest.latest(root)
+    partial = sorted(p.name for p in root.glob("step-*")
+                     if not (p / manifest.MANIFEST).exists())
+    if partial:  # a failed save leaves no partial folder (torchrun's too)
+        return [f"a failed save left {', '.join(partial)} without a manifest"]
     if newest is None:
         return [] if latest is None else [f"a checkpoint {latest} where none was due"]
     if latest is None or manifest.order(latest)[0] != newest:
@@ -165,3 +177,97 @@ def _damaged_refused(case: Case, out: Path) -> list[str]:
 
 def _files(root: Path) -> dict[str, Any]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _stopped_at(case: Case, out: Path) -> list[str]:
+    """Saved and stopped at the case's step (SIGTERM)."""
+    latest = manifest.latest(out / "run" / "checkpoint")
+    if latest != f"step-{case.step:08d}":
+        return [f"stopped at step {case.step}, the newest checkpoint is {latest}: "
+                f"{_errors(out, 'first')[-1500:]}"]
+    return []
+
+
+def _pointer_damaged(case: Case, out: Path,
+                     reference: Callable[[], dict[str, torch.Tensor]]) -> list[str]:
+    """``latest`` emptied, naming a folder outside, or an older checkpoint: the resume
+    says so, loses nothing and ends as the run without a fault."""
+    found = _stopped_at(case, out)
+    if found:
+        return found
+    pointer = out / "run" / "checkpoint" / manifest.POINTER
+    pointer.write_text({"empty": "", "outside": "../../elsewhere",
+                        "stale": f"step-{case.step - 2:08d}"}[case.variant])
+    again = launch_run(case, out, "again")
+    found = _ended_as_the_reference(out, "again", again.returncodes, reference())
+    said = "\n".join(again.outputs)
+    if "(the pointer is only a hint)" not in said:
+        found.append(f"the resume did not report the {case.variant} pointer: {said[-1500:]}")
+    return found + ([logs(again)] if found else [])
+
+
+def _another_model_refused(case: Case, out: Path) -> list[str]:
+    """Resumed with ``--heads 4`` on a checkpoint of 2 heads (the same shapes): every rank
+    refuses, naming both values; nothing changes, ``options.json`` neither."""
+    found = _stopped_at(case, out)
+    if found:
+        return found
+    before = _files(out / "run")
+    again = launch_run(case, out, "again")
+    if not all(code == 2 for code in again.returncodes) and not (
+            case.launcher == "torchrun" and all(again.returncodes)):
+        found.append(f"the resume exited {again.returncodes}, not 2")
+    said = "it was written with --heads 2, this run has --heads 4"
+    if said not in _errors(out, "again"):
+        found.append(f"the resume did not say {said!r}: {_errors(out, 'again')[-1500:]}")
+    if _files(out / "run") != before:
+        found.append("the refused resume changed the run's files")
+    return found
+
+
+def _before_the_group(case: Case, out: Path) -> list[str]:
+    """A fault before the process group: every rank ends in time, none hangs; the rank
+    of a silent store names its address (1), the refused rank exits 2, not killed."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: _accept(listener, held), daemon=True).start()
+    try:
+        first = launch_run(case, out, "first", silent_port=listener.getsockname()[1])
+    finally:
+        listener.close()
+    if any(code is None for code in first.returncodes):
+        return [f"still running after {first.seconds:.0f} s: a hang", logs(first)]
+    found = []
+    fired = json.loads((out / "fault.json").read_text())["time"]
+    ended = {int(p.name[4:p.name.index(".")]): json.loads(p.read_text())
+             for p in out.glob("rank*.first.json")}
+    mine = ended.get(case.rank)
+    wanted = 1 if case.fault == "silent" else 2
+    if mine is None or mine["code"] != wanted:
+        found.append(f"rank {case.rank} ended {mine}, not with {wanted}")
+    for rank, end in sorted(ended.items()):
+        if end["time"] - fired > 2 * TIMEOUT + GRACE:
+            found.append(f"rank {rank} ended {end['time'] - fired:.1f} s after the fault")
+    said = {"silent": "could not join the process group at 127.0.0.1:",
+            "refusal": f"--out {READ_ONLY} cannot be created"}[case.fault]
+    if said not in _errors(out, "first"):
+        found.append(f"no process said {said!r}: {_errors(out, 'first')[-1500:]}")
+    codes = "\n".join(first.outputs)
+    if case.launcher == "torchrun" and case.fault == "refusal" and "exitcode: 2" not in codes:
+        found.append("torchrun did not see the refused rank exit 2")
+    elif case.launcher != "torchrun" and first.returncodes[case.rank] != wanted:
+        found.append(f"the processes exited {first.returncodes}")
+    if saving.exists(out / "run"):
+        found.append("a checkpoint was written")
+    return found + ([logs(first)] if found else [])
+
+
+def _accept(listener: socket.socket, held: list[socket.socket]) -> None:
+    """Accepts every connection and never answers (a silent store)."""
+    while True:
+        try:
+            held.append(listener.accept()[0])
+        except OSError:
+            return

@@ -27,7 +27,7 @@ from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.pipeline import Pipeline
 from conveyor.train import setup
 from conveyor.train.checkpoints import dcpfiles
-from tests.runs import TIMEOUT
+from tests.runs import READ_ONLY, TIMEOUT
 
 
 class _Tee:
@@ -113,7 +113,7 @@ def plant(case: dict[str, Any], rank: int, out: Path, flags: list[str]) -> None:
         if chosen.due() and fault == "kill" and chosen.one:
             chosen.note()
             os.kill(os.getpid(), signal.SIGKILL)
-        if chosen.due() and fault in ("bitflip", "truncate"):
+        if chosen.due() and fault in ("bitflip", "truncate", "pointer", "drift"):
             chosen.note()
             signal.raise_signal(signal.SIGTERM)  # this step, then saved and stopped
         return stepping(self, inputs, targets)
@@ -158,6 +158,19 @@ def plant(case: dict[str, Any], rank: int, out: Path, flags: list[str]) -> None:
                   "steps": ["--steps", "5"]}[case["variant"]]
 
 
+def before_the_group(case: dict[str, Any], rank: int, out: Path, flags: list[str]) -> None:
+    """Faults before the process group exists, on the case's rank: its store's port
+    answered by a listener that never replies (``silent``), or an ``--out`` on a
+    read-only file system (``refusal``)."""
+    if rank != case["rank"] or case["fault"] not in ("silent", "refusal"):
+        return
+    Plant(case, rank, out).note()
+    if case["fault"] == "silent":
+        os.environ["MASTER_PORT"] = os.environ["CONVEYOR_RUN_SILENT_PORT"]
+    else:
+        flags += ["--out", READ_ONLY]
+
+
 def run() -> int:
     out, phase = Path(sys.argv[1]), sys.argv[2]
     case = json.loads(os.environ["CONVEYOR_RUN_CASE"])
@@ -171,9 +184,12 @@ def run() -> int:
     flags = [*Case(**case).flags(), "--out", str(out / "run")]
     if phase == "first":
         plant(case, rank, out, flags)
+        before_the_group(case, rank, out, flags)
     else:  # nothing fires: no step is the fault's
         with_poisons(Plant({**case, "step": -1}, rank, out))
         flags += ["--resume", "auto"]
+        if case["fault"] == "drift":  # another model on the same checkpoint
+            flags += ["--heads", "4"]
     errors = open(out / f"rank{rank}.{phase}.err", "w")
     sys.stderr = _Tee(sys.__stderr__, errors)  # type: ignore[assignment]
     code = 1
@@ -187,6 +203,6 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    from conveyor.distributed.watch import exit_process
+    from conveyor.cli.main import end_command
 
-    exit_process(run())  # as the conveyor command ends its process
+    end_command(run())  # as the conveyor command ends its process

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import sys
 import threading
 import warnings
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.train.checkpoints import manifest
+from conveyor.train.checkpoints import durable, folder, manifest
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
@@ -68,14 +69,16 @@ def save(root: Path, tensors: dict[str, Any], meta: Any, model: nn.Module, step:
         _bounded(lambda: _write(tensors, target), model, f"the checkpoint {name}")
         own = {"tensors": manifest.digests(tensors),
                "values": meta["optimizer"]["values"]}
-        (target / _rank_file(rank)).write_text(json.dumps(own))
+        durable.write_bytes(target / _rank_file(rank), json.dumps(own).encode())
         barrier(model, "the barrier after a checkpoint's writes")
     except Exception as exc:
+        if rank == 0:  # a failed save leaves no partial folder (it has no manifest)
+            shutil.rmtree(target, ignore_errors=True)
         _failed_save(exc, model, name)
         raise
     if rank == 0:
         manifest.write(target, step=step, finite=True, meta=meta, tensors={})
-        manifest.point_to(root, name)
+        folder.point_to(root, name)
     return target
 
 

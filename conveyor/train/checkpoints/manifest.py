@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.train.checkpoints import durable
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
@@ -139,8 +139,8 @@ def write(directory: Path, *, step: int, finite: bool, meta: Any,
                       if p.is_file() and p.name != MANIFEST},
             "tensors": dict(sorted(tensors.items())), "meta": meta}
     text = json.dumps(body, sort_keys=True)
-    (directory / MANIFEST).write_text(json.dumps(
-        {"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}, indent=1))
+    durable.write_bytes(directory / MANIFEST, json.dumps(
+        {"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}, indent=1).encode())
 
 
 def read(directory: Path) -> dict[str, Any]:
@@ -256,16 +256,16 @@ def new_name(root: Path, step: int) -> tuple[str, int]:
     return name_of(step, again), again
 
 
-def point_to(root: Path, name: str) -> None:
-    """Makes checkpoint ``name`` the newest, in one move."""
-    pointer = root / POINTER_TEMPORARY
-    pointer.write_text(name)
-    os.replace(pointer, root / POINTER)
-
-
 def latest(root: Path) -> str | None:
+    """The text of the ``latest`` pointer (None: there is none); only a hint, see
+    :mod:`conveyor.train.checkpoints.folder`."""
     pointer = root / POINTER
-    return pointer.read_text().strip() if pointer.exists() else None
+    try:
+        return pointer.read_bytes().decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError:  # a folder, unreadable: damaged
+        return "?"
 
 
 # ------------------------------------------------------------------ optimizer state

@@ -1,0 +1,76 @@
+"""The check of a step's gradients (``check_finite=True``, the default): a NaN or an
+infinity in any stage's gradients is refused on every rank before ``.grad`` takes it,
+so that it never reaches an optimizer.
+
+Its cost is one ``isfinite().all()`` per gradient, one host sync per stage, and under
+torchrun one small all-reduce: 18 ms, 0.3 % of a step of the bundled Transformer
+T(4, 512, 4) width 128 on 2 CPU threads (``python benchmarks/check_finite.py``, a busy
+2-core machine, 2026-11-29); the loss's check is one ``float()`` per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.errors import NonFiniteGradientError
+from conveyor.runtime.runtime import Runtime
+
+__all__: list[str] = []
+
+
+def check_gradients(runtime: Runtime, params: Sequence[nn.Parameter], step: int) -> None:
+    """Raises on every rank where any stage's gradients of this step hold a NaN or an
+    infinity (a collective under torchrun: every rank calls it).
+
+    Raises:
+        NonFiniteGradientError: naming the step, the stages and a parameter of each.
+    """
+    flags = torch.zeros(runtime.schedule.num_stages, dtype=torch.float32, device=runtime.device)
+    named: dict[int, str] = {}
+    for index, stage in runtime.stages.items():
+        grads = [p.grad for p in stage.trainable_parameters() if p.grad is not None]
+        if not grads or bool(torch.stack([torch.isfinite(g).all().to(grads[0].device)
+                                          for g in grads]).all()):
+            continue
+        flags[index] = 1.0
+        named[index] = _first_bad(stage)
+    if runtime.topology.distributed:
+        runtime.all_reduce(flags, None, "the agreement that a step's gradients are finite",
+                           dist.ReduceOp.MAX)
+    bad = [index for index, flag in enumerate(flags.tolist()) if flag]
+    if not bad:
+        return
+    where = ", ".join(f"stage {s}" + (f" ({named[s]})" if s in named else "") for s in bad)
+    raise NonFiniteGradientError(
+        f"the gradients of {where} are not finite in step {step} of this pipeline (the "
+        "loss of every micro-batch was finite); stopping before they reach the weights: "
+        ".grad is as it was before the step (check_finite=False lets them through)")
+
+
+def _first_bad(stage: object) -> str:
+    """The name of a parameter of ``stage`` whose gradient is not finite."""
+    layers = getattr(stage, "layers", None)
+    if isinstance(layers, nn.Module):
+        for name, parameter in layers.named_parameters():
+            if parameter.grad is not None and not bool(torch.isfinite(parameter.grad).all()):
+                return name
+    return "a parameter"
+
+
+def check_output_gradients(grads: Sequence[Sequence[torch.Tensor | None]], step: int) -> None:
+    """Raises where the gradient that reaches the pipeline's output (``GPipe``: from the
+    caller's loss) of a micro-batch holds a NaN or an infinity, before any backward runs.
+
+    Raises:
+        NonFiniteGradientError: naming the micro-batch and the step.
+    """
+    for m, leaves in enumerate(grads):
+        if any(g is not None and not bool(torch.isfinite(g).all()) for g in leaves):
+            raise NonFiniteGradientError(
+                f"the gradient of the output of micro-batch {m} is not finite in call {step} "
+                "of this pipeline (a loss that is NaN or inf?); stopping before it reaches "
+                "the weights: .grad is as it was (check_finite=False lets it through)")
