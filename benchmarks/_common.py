@@ -8,8 +8,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +109,27 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextmanager
+def neighbour_working(rows: int, width: int) -> Iterator[None]:
+    """Another thread computing (products of ``rows`` x ``width`` by ``width`` x 4
+    ``width``) while the body runs, as the other stage of a two-process run will: on 2
+    cores sharing caches and memory bandwidth a stage is up to ~10% slower then, and a
+    profile taken alone would not see it (see docs/measured.md, "under load")."""
+    import torch
+
+    stop = threading.Event()
+
+    def work() -> None:
+        a, b = torch.randn(rows, width), torch.randn(width, 4 * width)
+        while not stop.is_set():
+            a @ b
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

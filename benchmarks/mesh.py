@@ -29,7 +29,6 @@ Reported (``--json FILE``, default benchmarks/results/mesh.json): each configura
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import inspect
@@ -39,9 +38,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,25 +99,6 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def tensor_parallel_available() -> bool:
     return "tensor_parallel" in inspect.signature(conveyor.Pipeline).parameters
-
-
-@contextlib.contextmanager
-def neighbour_working() -> Iterator[None]:
-    """Another thread computing, as the other process of a 2-process mesh will."""
-    stop = threading.Event()
-
-    def work() -> None:
-        a, b = torch.randn(MICRO * 4, WIDTH), torch.randn(WIDTH, 4 * WIDTH)
-        while not stop.is_set():
-            a @ b
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def calibrate(group_size: int) -> tuple[float, float]:
@@ -267,7 +246,7 @@ def main() -> int:
     net, (x, _) = model(), batch()
     print("profiling, alone and beside a computing thread ...", file=sys.stderr, flush=True)
     alone = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
-    with neighbour_working():
+    with _common.neighbour_working(MICRO * 4, WIDTH):
         beside = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
     return report(args, configs, rounds, alone, beside)
 

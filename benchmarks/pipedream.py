@@ -24,16 +24,14 @@ the top-level figures are the headline link's between processes (threads, with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,28 +73,6 @@ class Block(nn.Module):
 def model(width: int, wide: int) -> nn.Sequential:
     return nn.Sequential(*[Block(width) for _ in range(3)], Block(width, widen=wide),
                          Block(width, narrow=wide), *[Block(width) for _ in range(3)])
-
-
-@contextlib.contextmanager
-def neighbour_working(width: int) -> Iterator[None]:
-    """Another thread computing as the other stage will while the pipeline runs: on 2
-    cores sharing caches and memory bandwidth a stage is up to ~10% slower then, and a
-    profile taken alone would not see it (see docs/measured.md, "under load")."""
-    stop = threading.Event()
-
-    def work() -> None:
-        a = torch.randn(256, width)
-        b = torch.randn(width, 4 * width)
-        while not stop.is_set():
-            a @ b
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def plans_for(profile: Any, slowness: float, batch: int, processes: bool
@@ -222,7 +198,7 @@ def main() -> int:
     net = model(width, wide)
     x, y = torch.randn(micro * CHUNKS, width), torch.randn(micro * CHUNKS, width)
     print("profiling ...", file=sys.stderr, flush=True)
-    with neighbour_working(width):
+    with _common.neighbour_working(256, width):
         profile = profile_model(net, x[:micro], name="widening", repeat=10)
     runs = [compare(net, profile, slowness, x, y, rounds, processes=False)
             for slowness in ((HEADLINE,) if args.quick else (0.25, 1.0, HEADLINE))]

@@ -30,13 +30,12 @@ A stage's all-reduce counts after its last backward (not overlapped), as the sol
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from conveyor.observe.plan import OPTIMIZER_BYTES
 from conveyor.planner.machines import Cluster
-from conveyor.planner.plans import StageChoice, readable_time
+from conveyor.planner.plans import StageChoice
 from conveyor.planner.profiles import ModelProfile
 from conveyor.planner.simulation import simulate_cut
 
