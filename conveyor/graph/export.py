@@ -59,7 +59,8 @@ from conveyor.engine.ties import TiedParameter, equalize
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.binding import Binder
 from conveyor.graph.calls import CallForm
-from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram
+from conveyor.graph.tracedstage import (CutPlan, GraphStage, StageProgram,
+                                        refuse_state_across_stages)
 from conveyor.graph.tracing import traced_call
 from conveyor.graph.weights import (
     InitFn,
@@ -252,6 +253,7 @@ def _cut(program: ExportedProgram, form: CallForm, split_at: list[str],
                 uses.setdefault(used.name, set()).add(stage_of[node])
             else:
                 used_on.setdefault(used, set()).add(stage_of[node])
+    refuse_state_across_stages(program, stage_of, uses)
     live_in: list[list[fx.Node]] = [[] for _ in range(stages)]
     sends: list[dict[int, list[fx.Node]]] = [{} for _ in range(stages)]
     for node in graph.nodes:  # in graph order

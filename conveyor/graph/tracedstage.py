@@ -75,6 +75,12 @@ class StageProgram:
         self.sends = {j: [node.name for node in nodes] for j, nodes in plan.sends[k].items()}
         made = list(dict.fromkeys(node for nodes in plan.sends[k].values() for node in nodes))
         self.made = [node.name for node in made]
+        # Values sent that are a buffer written in place (or a view of one): sent as
+        # copies, so that a later stage reads the value of its micro-batch, not of the
+        # micro-batch this stage runs when that stage gets to it.
+        buffers = {spec.arg.name for spec in signature.input_specs
+                   if spec.kind == InputKind.BUFFER}
+        self.state_values = [i for i, node in enumerate(made) if _state_of(node) in buffers]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         placeholders = {node.name: node for node in program.graph.nodes
@@ -134,6 +140,8 @@ class StageProgram:
                 # tensor its forward read.
                 owner._buffers[attribute] = value.detach()
         results = results[len(self.mutations):]
+        for i in self.state_values:
+            results[i] = results[i].clone()
         if self.last:
             return pytree.tree_unflatten(results, self.out_spec)
         return dict(zip(self.made, results))
@@ -179,6 +187,51 @@ class StageProgram:
                         f"input {index} has size {leaf.shape[d]} in dim {d}, but the model's "
                         f"trace fixed it to {size} (the model's code depends on it); give "
                         "inputs of that size, or trace on a sample of the size you will use")
+
+
+def _state_of(node: fx.Node) -> str | None:
+    """The placeholder of which ``node`` is an alias (written in place or viewed), if
+    any: its name."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return node.name if node.op == "placeholder" else None
+
+
+def refuse_state_across_stages(program: ExportedProgram, stage_of: dict[fx.Node, int],
+                               uses: dict[str, set[int]]) -> None:
+    """Refuses a buffer that one stage writes in place and another reads as it is
+    (each stage runs its micro-batches at its own time: the reader would see it as
+    some other micro-batch left it). A value computed from the buffer, the written
+    one included, goes to later stages with its micro-batch (``state_values``).
+
+    Raises:
+        ModelError: naming the buffer, the stages and what to do.
+    """
+    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+               if spec.kind == InputKind.BUFFER}
+    writers: dict[str, set[int]] = {}
+    for node, stage in stage_of.items():
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.arguments and \
+                schema.arguments[0].alias_info is not None and \
+                schema.arguments[0].alias_info.is_write:
+            name = _state_of(node)
+            if name in targets:
+                writers.setdefault(name, set()).add(stage)
+    for name, written in writers.items():
+        readers = uses.get(name, set()) - written
+        if readers:
+            raise ModelError(
+                f"the buffer {targets[name]} is written in place by stage "
+                f"{min(written)} and read by stage {min(readers)} of the cut: each stage "
+                "runs its micro-batches at its own time, so that stage would read it as "
+                "some other micro-batch left it, not in the plain model's order. Choose "
+                "split_at so that the module holding it runs in one stage, or cut an "
+                "nn.Sequential with balance=")
 
 
 def _read(binding: Binding) -> Any:
