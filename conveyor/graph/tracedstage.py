@@ -220,7 +220,7 @@ def refuse_state_across_stages(program: ExportedProgram, stage_of: dict[fx.Node,
                 schema.arguments[0].alias_info is not None and \
                 schema.arguments[0].alias_info.is_write:
             name = _state_of(node)
-            if name in targets:
+            if name is not None and name in targets:
                 writers.setdefault(name, set()).add(stage)
     for name, written in writers.items():
         readers = uses.get(name, set()) - written

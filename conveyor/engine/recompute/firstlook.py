@@ -107,7 +107,8 @@ def _state(module: nn.Module) -> list[tuple[str, Any]]:
     it is one of torch's own modules) its tensor, generator and container attributes,
     but those it declares harmless."""
     harmless = set(getattr(module, HARMLESS, ()))
-    held = [(k, v) for k, v in module._buffers.items() if v is not None]
+    held: list[tuple[str, Any]] = [(k, v) for k, v in module._buffers.items()
+                                   if v is not None]
     if _watches_attributes(module):
         held += [(k, v) for k, v in module.__dict__.items()
                  if k not in _INTERNAL and isinstance(v, (torch.Tensor, torch.Generator,
