@@ -333,3 +333,32 @@ def test_the_first_look_costs_nothing_after_the_first_step() -> None:
     stages = pipe.runtime.stages.values()  # type: ignore[attr-defined]
     assert all(not stage.first_look.due(True, False) for stage in stages)
     assert F is not None
+
+
+class Sizes(Logging):
+    """Logs its input's size (a traced forward cannot take a tensor's value)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        self.counts["calls"] = self.counts.get("calls", 0) + 1
+        return torch.tanh(self.f(x) * (1 + 0.1 * len(self.seen)))
+
+
+class LoggingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Sizes()
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.first(x))
+
+
+def test_a_traced_forward_that_changes_a_container_is_refused_naming_it() -> None:
+    # Silent before: torch.export keeps no record of a list appended to; the traced
+    # stages read its length at trace time for ever.
+    with pytest.raises(conveyor.ModelError, match=r"first\.seen \(a container changed in "
+                       r"place\), first\.counts \(a container changed in place\)"):
+        conveyor.Pipeline(LoggingModel().double(), split_at=["head"], devices=["cpu"] * 2,
+                          chunks=2, loss_fn=loss_fn,
+                          sample=torch.randn(2, WIDTH, dtype=torch.float64))
