@@ -362,3 +362,44 @@ def test_a_traced_forward_that_changes_a_container_is_refused_naming_it() -> Non
         conveyor.Pipeline(LoggingModel().double(), split_at=["head"], devices=["cpu"] * 2,
                           chunks=2, loss_fn=loss_fn,
                           sample=torch.randn(2, WIDTH, dtype=torch.float64))
+
+
+class SharedTraced(nn.Module):
+    """One buffer held by a writer and a reader, in the order ``order`` gives."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        state = torch.zeros(WIDTH, dtype=torch.float64)
+        self.order = order
+        self.a = Writer(state) if order == "write-read" else Reader(state)
+        self.b = Reader(state) if order == "write-read" else Writer(state)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_a_traced_buffer_written_then_read_by_the_next_stage_crosses_with_its_micro_batch(
+        recompute: str) -> None:
+    # Silent before: the write (inside torch.no_grad()) went to stage 1 as the buffer
+    # itself, which stage 0's later micro-batches kept changing.
+    model = SharedTraced("write-read").double()
+    reference = copy.deepcopy(model)
+    x, y = _data()
+    pipe = conveyor.Pipeline(model, split_at=["b"], devices=["cpu"] * 2, chunks=4,
+                             schedule="1f1b", recompute=recompute, loss_fn=loss_fn,
+                             sample=x[:2])
+    loss = pipe.step(x, y)
+    assert relative_error(loss, micro_batch_reference(reference, x, y, 4)) <= 1e-12
+    assert_same_grads(model.named_parameters(), reference.named_parameters())
+    assert torch.equal(model.a.state, reference.a.state)
+
+
+def test_a_traced_buffer_read_by_one_stage_and_written_by_a_later_one_is_refused() -> None:
+    with pytest.raises(conveyor.ModelError, match=r"the buffer a\.state = b\.state is written "
+                       r"in place by stage 1 and read by stage 0(.|\n)*split_at"):
+        conveyor.Pipeline(SharedTraced("read-write").double(), split_at=["b"],
+                          devices=["cpu"] * 2, chunks=2, loss_fn=loss_fn,
+                          sample=torch.randn(2, WIDTH, dtype=torch.float64))

@@ -143,6 +143,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
             if plans:
                 model.train(training)
             plans[training] = _cut(*traced_call(model, sample), split_at, count)
+            refuse_state_across_stages(model, plans[training])
     finally:
         for module, training in modes.items():
             module.training = training
@@ -253,7 +254,6 @@ def _cut(program: ExportedProgram, form: CallForm, split_at: list[str],
                 uses.setdefault(used.name, set()).add(stage_of[node])
             else:
                 used_on.setdefault(used, set()).add(stage_of[node])
-    refuse_state_across_stages(program, stage_of, uses)
     live_in: list[list[fx.Node]] = [[] for _ in range(stages)]
     sends: list[dict[int, list[fx.Node]]] = [{} for _ in range(stages)]
     for node in graph.nodes:  # in graph order

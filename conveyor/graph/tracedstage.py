@@ -11,6 +11,7 @@ call (a batch norm's running statistics are current; a recomputation reads the c
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,44 +191,93 @@ class StageProgram:
 
 
 def _state_of(node: fx.Node) -> str | None:
-    """The placeholder of which ``node`` is an alias (written in place or viewed), if
-    any: its name."""
+    """The placeholder of the program of which ``node`` is an alias (written in place or
+    viewed, also inside a ``torch.no_grad()`` block's subgraph), if any: its name."""
+    root = _alias_root(node)
+    return root.name if root is not None else None
+
+
+def _alias_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder (of ``node``'s graph) that ``node`` aliases, or None."""
     while node.op == "call_function":
+        body = _body(node.args[0]) if node.target is operator.getitem and node.args \
+            and isinstance(node.args[0], fx.Node) else None
+        if body is not None:  # an output of a subgraph: what it aliases inside
+            graph, inputs = body
+            output = next(n for n in graph.graph.nodes if n.op == "output")
+            inner = _alias_root(output.args[0][node.args[1]])  # type: ignore[index]
+            if inner is None:
+                return None
+            node = inputs[[n for n in graph.graph.nodes if n.op == "placeholder"].index(inner)]
+            continue
         schema = getattr(node.target, "_schema", None)
         if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
                 or not node.args or not isinstance(node.args[0], fx.Node):
             return None
         node = node.args[0]
-    return node.name if node.op == "placeholder" else None
+    return node if node.op == "placeholder" else None
 
 
-def refuse_state_across_stages(program: ExportedProgram, stage_of: dict[fx.Node, int],
-                               uses: dict[str, set[int]]) -> None:
+def _body(node: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]] | None:
+    """A higher-order op's subgraph (``torch.no_grad()``, autocast blocks) and the
+    values it is called with, or None."""
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            graph = getattr(node.graph.owning_module, str(arg.target), None)
+            if isinstance(graph, fx.GraphModule):
+                return graph, [a for a in node.args[i + 1:] if isinstance(a, fx.Node)]
+    return None
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` writes in place, as values of its graph (through a subgraph's)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write and isinstance(node.args[0], fx.Node):
+        return [node]
+    body = _body(node) if node.op == "call_function" else None
+    if body is None:
+        return []
+    graph, inputs = body
+    inner = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    return [inputs[inner.index(root)] for written in graph.graph.nodes
+            for one in _writes(written) for root in [_alias_root(one)]
+            if root is not None and root in inner and inner.index(root) < len(inputs)]
+
+
+def refuse_state_across_stages(model: nn.Module, plan: CutPlan) -> None:
     """Refuses a buffer that one stage writes in place and another reads as it is
     (each stage runs its micro-batches at its own time: the reader would see it as
-    some other micro-batch left it). A value computed from the buffer, the written
-    one included, goes to later stages with its micro-batch (``state_values``).
+    some other micro-batch left it); one tensor held by two modules counts once. A
+    value computed from the buffer, the written one included, goes to later stages
+    with its micro-batch (``state_values``).
 
     Raises:
         ModelError: naming the buffer, the stages and what to do.
     """
-    targets = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
-               if spec.kind == InputKind.BUFFER}
-    writers: dict[str, set[int]] = {}
-    for node, stage in stage_of.items():
-        schema = getattr(node.target, "_schema", None)
-        if node.op == "call_function" and schema is not None and schema.arguments and \
-                schema.arguments[0].alias_info is not None and \
-                schema.arguments[0].alias_info.is_write:
-            name = _state_of(node)
+    targets = {spec.arg.name: spec.target for spec in plan.program.graph_signature.input_specs
+               if spec.kind == InputKind.BUFFER and spec.target is not None}
+    objects: dict[str, int] = {}  # placeholder -> the id of the tensor it is
+    for name, target in targets.items():
+        try:
+            objects[name] = id(model.get_buffer(target))
+        except AttributeError:
+            objects[name] = id(name)
+    writers: dict[int, set[int]] = {}
+    for node, stage in plan.stage_of.items():
+        for value in _writes(node) if node.op == "call_function" else ():
+            name = _state_of(value)
             if name is not None and name in targets:
-                writers.setdefault(name, set()).add(stage)
-    for name, written in writers.items():
-        readers = uses.get(name, set()) - written
+                writers.setdefault(objects[name], set()).add(stage)
+    for tensor, written in writers.items():
+        held = [name for name, object_id in objects.items() if object_id == tensor]
+        readers: set[int] = set().union(*(plan.uses.get(name, set()) for name in held))
+        readers -= written
         if readers:
             raise ModelError(
-                f"the buffer {targets[name]} is written in place by stage "
-                f"{min(written)} and read by stage {min(readers)} of the cut: each stage "
+                f"the buffer {' = '.join(targets[name] for name in held)} is written in "
+                f"place by stage {min(written)} and read by stage {min(readers)} of the "
+                "cut: each stage "
                 "runs its micro-batches at its own time, so that stage would read it as "
                 "some other micro-batch left it, not in the plain model's order. Choose "
                 "split_at so that the module holding it runs in one stage, or cut an "
