@@ -275,7 +275,8 @@ def refuse_state_across_stages(model: nn.Module, plan: CutPlan) -> None:
         readers -= written
         if readers:
             raise ModelError(
-                f"the buffer {' = '.join(targets[name] for name in held)} is written in "
+                f"state shared across stages: the buffer "
+                f"{' = '.join(targets[name] for name in held)} is written in "
                 f"place by stage {min(written)} and read by stage {min(readers)} of the "
                 "cut: each stage "
                 "runs its micro-batches at its own time, so that stage would read it as "

@@ -211,7 +211,8 @@ class FirstLook:
         for shared, snapshot in before["shared"]:
             if not _same(shared.value, snapshot):
                 raise ModelError(
-                    f"{where} changed {shared.describe()}: each stage runs its "
+                    f"state shared across stages: {where} changed {shared.describe()}: "
+                    "each stage runs its "
                     "micro-batches at its own time (in its own process under torchrun), so "
                     "another stage would read it as some other micro-batch left it, not in "
                     "the plain model's order. Put those modules in one stage (balance=[...] "
