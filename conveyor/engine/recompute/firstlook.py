@@ -99,7 +99,10 @@ def _note(found: dict[int, Shared], value: Any, stage: int, where: str) -> None:
 
 
 def _watches_attributes(module: nn.Module) -> bool:
-    return not type(module).__module__.startswith("torch.")
+    """Whether ``module``'s attributes may hold the user's state: not torch's own
+    modules (they keep state in buffers), nor conveyor's (its stages and graphs fill
+    caches of their own at a first call)."""
+    return not type(module).__module__.startswith(("torch.", "conveyor."))
 
 
 def _state(module: nn.Module) -> list[tuple[str, Any]]:
@@ -196,7 +199,8 @@ class FirstLook:
 
     def _look(self, recomputed: bool) -> dict[str, list[tuple[Any, ...]]]:
         modules = list({id(m): m for m in self._modules()}.values())
-        params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
+        params = list({id(p): p for m in modules for p in m.parameters(recurse=False)
+                       if type(p.data) is torch.Tensor}.values())  # (not FSDP's shards)
         with torch.no_grad():
             sums = [p.detach().sum() for p in params]
         containers = [(m, k, v, _snapshot(v)) for m in modules for k, v in _state(m)
