@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import conveyor
@@ -327,12 +326,26 @@ def test_a_traced_batch_norm_with_a_cumulative_average_says_why_and_what_to_do()
                           sample=torch.randn(4, WIDTH, dtype=torch.float64))
 
 
-def test_the_first_look_costs_nothing_after_the_first_step() -> None:
-    pipe = _pipe(logging_model(), "gpipe", "never")
+def test_the_first_look_runs_once_per_stage_and_mode_not_at_every_action(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.engine.recompute.firstlook import FirstLook
+    looks: list[int] = []
+    own = FirstLook._look
+
+    def counted(self: FirstLook, recomputed: bool) -> Any:
+        looks.append(self.stage)
+        return own(self, recomputed)
+
+    monkeypatch.setattr(FirstLook, "_look", counted)
+    pipe = _pipe(logging_model(), "1f1b", "except_last")
+    model_logging = pipe.get_submodule("1")
+    model_logging.conveyor_harmless = ("seen", "counts")
     pipe.step(*_data())
-    stages = pipe.runtime.stages.values()  # type: ignore[attr-defined]
-    assert all(not stage.first_look.due(True, False) for stage in stages)
-    assert F is not None
+    first = sorted(looks)
+    assert first == [0, 0, 1, 1, 2, 2]  # each stage: recomputed, and its last micro-batch
+    pipe.step(*_data())
+    assert sorted(looks) == first
+
 
 
 class Sizes(Logging):
