@@ -29,6 +29,7 @@ from conveyor.engine.offload import Offloader
 from conveyor.engine.layers import (Partition, WholeStage, batch_rows, check_output,
                                     copied_leaves, failure, shares_a_leaf, shares_a_tensor,
                                     writes_into_leaf)
+from conveyor.engine.recompute.firstlook import FirstLook
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects, refuse_on_replicas
 from conveyor.engine.recompute.rng import LayerRandomness
@@ -74,6 +75,8 @@ class Stage(StageActions):
         self.randomness = randomness
         #: what a forward changes in the stage's modules, for its recomputation
         self.module_state = ModuleState(self._modules)
+        #: what its first forward in each mode changed that a pipeline cannot replay
+        self.first_look = FirstLook(index, self._modules)
         self._deferred = [m for m in layers.modules() if isinstance(m, DeferredBatchNorm)]
         # A traced stage: its values go to the stages that use them, not all to the next.
         self._graph = layers[0] if len(layers) == 1 and isinstance(layers[0], WholeStage) \
@@ -189,17 +192,21 @@ class Stage(StageActions):
             outputs = self.layers(x, loop)  # through the module, so that its hooks run
             return outputs if loss_of is None or in_graph else (outputs, loss_of(outputs))
 
+        recomputed = recompute and torch.is_grad_enabled()
+        call: Callable[[Any], Any] = run
+        if self.first_look.due(self.layers.training, recomputed):  # once per mode
+            call = self.first_look.watching(run, self.layers.training, recomputed, microbatch)
         if recompute and torch.is_grad_enabled() and not in_graph:
-            outputs, effects = checkpointed(run, inputs, self.module_state)
+            outputs, effects = checkpointed(call, inputs, self.module_state)
             watched = effects
         elif self.replicated:
             watched, effects = SideEffects(), None
-            outputs = self.module_state.run(run, inputs, watched)
+            outputs = self.module_state.run(call, inputs, watched)
         elif in_graph and loss_of is not None:
-            outputs = run(inputs)
+            outputs = call(inputs)
             return (outputs, checkpointed(loss_of, outputs, self.module_state)[0]), None
         else:
-            return run(inputs), None
+            return call(inputs), None
         if self.replicated:  # what its forward changes would differ between replicas
             refuse_on_replicas(watched, self.layers.named_modules(), self.index, microbatch,
                                pooled=(DeferredBatchNorm,))

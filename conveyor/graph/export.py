@@ -59,7 +59,8 @@ from conveyor.engine.ties import TiedParameter, equalize
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.binding import Binder
 from conveyor.graph.calls import CallForm
-from conveyor.graph.tracedstage import CutPlan, GraphStage, StageProgram
+from conveyor.graph.tracedstage import (CutPlan, GraphStage, StageProgram,
+                                        refuse_state_across_stages)
 from conveyor.graph.tracing import traced_call
 from conveyor.graph.weights import (
     InitFn,
@@ -142,6 +143,7 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
             if plans:
                 model.train(training)
             plans[training] = _cut(*traced_call(model, sample), split_at, count)
+            refuse_state_across_stages(model, plans[training])
     finally:
         for module, training in modes.items():
             module.training = training

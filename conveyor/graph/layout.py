@@ -26,6 +26,7 @@ from torch import nn
 
 from conveyor.engine.batchnorm import convert_deferred_batch_norm
 from conveyor.engine.layers import Partition
+from conveyor.engine.recompute.firstlook import find_shared
 from conveyor.engine.recompute.rng import LayerRandomness
 from conveyor.engine.stage import Stage
 from conveyor.engine.ties import (
@@ -130,9 +131,10 @@ def cut(
         if len(chosen) + 1 != stages:
             raise BalanceError(f"split_at gives {len(chosen) + 1} stages but the schedule "
                                f"has {stages} (ranks x virtual stages)")
-        return _cut_traced(owner, module, chosen, sample, devices, local, concurrent,
-                           balance=balance, deferred_batch_norm=deferred_batch_norm,
-                           init_fn=init_fn, weights=weights)
+        layout = _cut_traced(owner, module, chosen, sample, devices, local, concurrent,
+                             balance=balance, deferred_batch_norm=deferred_batch_norm,
+                             init_fn=init_fn, weights=weights)
+        return _named(owner, layout)
     refuse_initialisation(init_fn, weights)
     source = LayerSource(module, layers)
     resolved = resolve_balance(balance, source, stages, sample, decide)
@@ -142,11 +144,14 @@ def cut(
         assert isinstance(module, nn.Module)
         layout = _cut_traced(owner, module, crossing, sample, devices, local, concurrent)
         layout.balance = resolved
-        return layout
+        return _named(owner, layout)
     # Found on the model as given: materialising gives layers new Parameter objects.
     tied = [tuple(g) for g in tie_weights] + find_ties(source.layers_if_known())
     starts = [sum(resolved[:s]) for s in range(stages + 1)]
     init_seed = draw_init_seed() if source.builds_layers() else 0
+    known = source.layers_if_known()  # as the user holds them: before any copy
+    shared = find_shared({s: known[starts[s]:starts[s + 1]] for s in range(stages)}) \
+        if known else {}
     stage_layers = distinct_per_stage({
         s: [(source.names[i], source.layer(i, devices[s], init_seed))
             for i in range(starts[s], starts[s + 1])]
@@ -158,8 +163,21 @@ def cut(
                          first_layers={s: starts[s] for s in stage_layers},
                          devices=devices, concurrent=concurrent,
                          deferred_batch_norm=deferred_batch_norm)
-    return Layout(built, resolved, None, ties, source=source,
-                  deferred_batch_norm=deferred_batch_norm)
+    for s, stage in built.items():
+        stage.first_look.shared = shared.get(s, [])
+    return _named(owner, Layout(built, resolved, None, ties, source=source,
+                                deferred_batch_norm=deferred_batch_norm))
+
+
+def _named(owner: nn.Module, layout: Layout) -> Layout:
+    """``layout``, its stages given the model's names of modules and parameters, for
+    what their first forwards may refuse (see :mod:`conveyor.engine.recompute.firstlook`)."""
+    names = {id(value): name for name, value in [
+        *owner.named_modules(remove_duplicate=False),
+        *owner.named_parameters(remove_duplicate=False)]}
+    for stage in layout.stages.values():
+        stage.first_look.names = names
+    return layout
 
 
 def resolve_balance(balance: Sequence[int] | str | None, source: LayerSource,

@@ -11,6 +11,7 @@ call (a batch norm's running statistics are current; a recomputation reads the c
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,12 @@ class StageProgram:
         self.sends = {j: [node.name for node in nodes] for j, nodes in plan.sends[k].items()}
         made = list(dict.fromkeys(node for nodes in plan.sends[k].values() for node in nodes))
         self.made = [node.name for node in made]
+        # Values sent that are a buffer written in place (or a view of one): sent as
+        # copies, so that a later stage reads the value of its micro-batch, not of the
+        # micro-batch this stage runs when that stage gets to it.
+        buffers = {spec.arg.name for spec in signature.input_specs
+                   if spec.kind == InputKind.BUFFER}
+        self.state_values = [i for i, node in enumerate(made) if _state_of(node) in buffers]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         placeholders = {node.name: node for node in program.graph.nodes
@@ -134,6 +141,8 @@ class StageProgram:
                 # tensor its forward read.
                 owner._buffers[attribute] = value.detach()
         results = results[len(self.mutations):]
+        for i in self.state_values:
+            results[i] = results[i].clone()
         if self.last:
             return pytree.tree_unflatten(results, self.out_spec)
         return dict(zip(self.made, results))
@@ -179,6 +188,101 @@ class StageProgram:
                         f"input {index} has size {leaf.shape[d]} in dim {d}, but the model's "
                         f"trace fixed it to {size} (the model's code depends on it); give "
                         "inputs of that size, or trace on a sample of the size you will use")
+
+
+def _state_of(node: fx.Node) -> str | None:
+    """The placeholder of the program of which ``node`` is an alias (written in place or
+    viewed, also inside a ``torch.no_grad()`` block's subgraph), if any: its name."""
+    root = _alias_root(node)
+    return root.name if root is not None else None
+
+
+def _alias_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder (of ``node``'s graph) that ``node`` aliases, or None."""
+    while node.op == "call_function":
+        body = _body(node.args[0]) if node.target is operator.getitem and node.args \
+            and isinstance(node.args[0], fx.Node) else None
+        if body is not None:  # an output of a subgraph: what it aliases inside
+            graph, inputs = body
+            output = next(n for n in graph.graph.nodes if n.op == "output")
+            inner = _alias_root(output.args[0][node.args[1]])  # type: ignore[index]
+            if inner is None:
+                return None
+            node = inputs[[n for n in graph.graph.nodes if n.op == "placeholder"].index(inner)]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
+def _body(node: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]] | None:
+    """A higher-order op's subgraph (``torch.no_grad()``, autocast blocks) and the
+    values it is called with, or None."""
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            graph = getattr(node.graph.owning_module, str(arg.target), None)
+            if isinstance(graph, fx.GraphModule):
+                return graph, [a for a in node.args[i + 1:] if isinstance(a, fx.Node)]
+    return None
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` writes in place, as values of its graph (through a subgraph's)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write and isinstance(node.args[0], fx.Node):
+        return [node]
+    body = _body(node) if node.op == "call_function" else None
+    if body is None:
+        return []
+    graph, inputs = body
+    inner = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    return [inputs[inner.index(root)] for written in graph.graph.nodes
+            for one in _writes(written) for root in [_alias_root(one)]
+            if root is not None and root in inner and inner.index(root) < len(inputs)]
+
+
+def refuse_state_across_stages(model: nn.Module, plan: CutPlan) -> None:
+    """Refuses a buffer that one stage writes in place and another reads as it is
+    (each stage runs its micro-batches at its own time: the reader would see it as
+    some other micro-batch left it); one tensor held by two modules counts once. A
+    value computed from the buffer, the written one included, goes to later stages
+    with its micro-batch (``state_values``).
+
+    Raises:
+        ModelError: naming the buffer, the stages and what to do.
+    """
+    targets = {spec.arg.name: spec.target for spec in plan.program.graph_signature.input_specs
+               if spec.kind == InputKind.BUFFER and spec.target is not None}
+    objects: dict[str, int] = {}  # placeholder -> the id of the tensor it is
+    for name, target in targets.items():
+        try:
+            objects[name] = id(model.get_buffer(target))
+        except AttributeError:
+            objects[name] = id(name)
+    writers: dict[int, set[int]] = {}
+    for node, stage in plan.stage_of.items():
+        for value in _writes(node) if node.op == "call_function" else ():
+            name = _state_of(value)
+            if name is not None and name in targets:
+                writers.setdefault(objects[name], set()).add(stage)
+    for tensor, written in writers.items():
+        held = [name for name, object_id in objects.items() if object_id == tensor]
+        readers: set[int] = set().union(*(plan.uses.get(name, set()) for name in held))
+        readers -= written
+        if readers:
+            raise ModelError(
+                f"state shared across stages: the buffer "
+                f"{' = '.join(targets[name] for name in held)} is written in "
+                f"place by stage {min(written)} and read by stage {min(readers)} of the "
+                "cut: each stage "
+                "runs its micro-batches at its own time, so that stage would read it as "
+                "some other micro-batch left it, not in the plain model's order. Choose "
+                "split_at so that the module holding it runs in one stage, or cut an "
+                "nn.Sequential with balance=")
 
 
 def _read(binding: Binding) -> Any:

@@ -5,8 +5,10 @@ the plain model does are not in that graph, and a pipeline built on it would tra
 differently without any error:
 
 * **state rebound in forward** (``self.count = self.count + 1``, ``self.calls += 1``,
-  ``self.cache = x.detach()``): the graph reads the value of trace time for ever (an
-  update in place, ``self.count.add_(1)``, is recorded and kept);
+  ``self.cache = x.detach()``), or a Python container changed in place (a list
+  appended to, a dict counted): the graph reads the value of trace time for ever (an
+  update in place, ``self.count.add_(1)``, is recorded and kept). An attribute a
+  module lists in ``conveyor_harmless`` is left alone;
 * **a custom autograd.Function**: export inlines its forward and drops its backward,
   so the graph's gradient is autograd's derivative of the forward. For a Function whose
   backward is that derivative (a fused or hand-written one, as Bloom's GELU) nothing
@@ -34,6 +36,16 @@ __all__: list[str] = []
 
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))
 _AGREE = 1e-6  # relative difference in float64 below which a backward is the derivative
+_TORCH_OWN = frozenset(nn.Module().__dict__)  # a module's hooks and children
+
+
+def _contents(container: Any) -> Any:
+    """What a list, dict or set holds, by identity (compared after the forward)."""
+    if isinstance(container, dict):
+        return tuple((k, id(v)) for k, v in container.items())
+    if isinstance(container, set):
+        return frozenset(map(id, container))
+    return tuple(map(id, container))
 
 
 class TraceWatch:
@@ -88,16 +100,21 @@ class TraceWatch:
                 "no such change, so the traced stages would read the value it had when "
                 "traced, never updated (the plain model updates it at every call). Update a "
                 "buffer in place (self.count.add_(1), self.average.copy_(...)), keep Python "
-                "counters out of forward, or cut an nn.Sequential with balance= (run as it "
-                "is, not traced)")
+                "counters and containers out of forward, or cut an nn.Sequential with "
+                "balance= (run as it is, not traced); a change that does not matter (a log) "
+                "can be declared harmless: conveyor_harmless = ('name',) on the module")
 
     # ------------------------------------------------------------------ rebinding
 
     @staticmethod
     def _state(module: nn.Module) -> dict[str, Any]:
+        harmless = set(getattr(module, "conveyor_harmless", ()))
         held = {k: v for k, v in module.__dict__.items()
                 if isinstance(v, (torch.Tensor, *_PLAIN)) and not k.startswith("__")}
-        return {**held, **{f"buffer {k}": v for k, v in module._buffers.items()}}
+        contents = {f"contents {k}": _contents(v) for k, v in module.__dict__.items()
+                    if isinstance(v, (list, dict, set)) and k not in _TORCH_OWN}
+        state = {**held, **contents, **{f"buffer {k}": v for k, v in module._buffers.items()}}
+        return {k: v for k, v in state.items() if k.split()[-1] not in harmless}
 
     def _before(self, module: nn.Module, args: Any) -> None:
         self._looked.setdefault(id(module), []).append(self._state(module))
@@ -106,9 +123,11 @@ class TraceWatch:
         old, new = self._looked[id(module)].pop(), self._state(module)
         for key in dict.fromkeys([*old, *new]):  # in the module's order
             a, b = old.get(key), new.get(key)
-            if a is b or (isinstance(a, _PLAIN) and type(a) is type(b) and a == b):
+            if a is b or (isinstance(a, (*_PLAIN, tuple, frozenset)) and type(a) is type(b)
+                          and a == b):
                 continue
             where = f"{self._names.get(id(module), type(module).__name__)}.{key.split()[-1]}"
+            where += " (a container changed in place)" if key.startswith("contents ") else ""
             if where not in self.rebound:
                 self.rebound.append(where)
 

@@ -141,6 +141,15 @@ def _hint(model: nn.Module, module: nn.Module | None, exc: BaseException, messag
         return (f"{name} returns a {kind}, which torch.export cannot take apart: return "
                 "tensors (or tuples, dicts, a ModelOutput of them), or register the class "
                 "with torch.utils._pytree.register_pytree_node")
+    generator = _generator_held(model, module)
+    if generator and ("SymIntArrayRef" in message or "Generator" in message
+                      or module is not None and generator.startswith(_name_of(model, module))):
+        return (f"{generator} is a torch.Generator that the model holds, and torch.export "
+                "cannot trace a draw from a generator object. Draw from torch's own "
+                "generator instead (no generator=: conveyor gives each layer call and "
+                "micro-batch its own stream, replayed in recomputation), or cut an "
+                "nn.Sequential with balance= (run as it is, not traced: a module's own "
+                "generator is then saved and restored around recomputation)")
     if "tree_name" in message:
         return (f"{name}.forward takes its inputs through **kwargs: give forward named "
                 "parameters, or take them as def forward(self, *inputs) and give the sample "
@@ -168,8 +177,30 @@ def _missing_inputs(message: str, form: CallForm) -> list[str]:
                 form.signature.parameters[n].VAR_POSITIONAL)]
 
 
+def _generator_held(model: nn.Module, module: nn.Module | None) -> str:
+    """``name.attribute`` of a torch.Generator held by ``module`` (else by any module
+    of ``model``), or nothing."""
+    candidates = [module] if module is not None else []
+    for holder in [*candidates, *model.modules()]:
+        for key, value in vars(holder).items():
+            if isinstance(value, torch.Generator):
+                return f"{_name_of(model, holder)}.{key}".lstrip(".")
+    return ""
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next((name for name, m in model.named_modules() if m is module), "")
+
+
 def _data_dependent(model: nn.Module, module: nn.Module | None) -> str:
     where = f"{type(module).__name__}.forward" if module is not None else "forward"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+        return (f"{_name_of(model, module)} ({type(module).__name__}) has momentum=None: in "
+                "training it averages its running statistics cumulatively, with the factor "
+                "1 / num_batches_tracked, a Python number taken from a buffer's value, which "
+                "torch.export cannot trace. Give it a momentum (the default 0.1), or cut an "
+                "nn.Sequential with balance= so that the layer runs as it is, not traced "
+                "(its cumulative average is then exact)")
     config = getattr(model, "config", None)
     experts = getattr(config, "_experts_implementation", None)
     if experts == "eager" and hasattr(model, "set_experts_implementation"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,14 +33,17 @@ from conveyor.schedules.table import Action, Kind, Schedule
 from tests.generated.models import (
     CLASSES,
     CONTEXT_FREE,
+    HAZARDS,
+    ORDERED,
     PARAMETERLESS,
-    STATEFUL,
     Block,
     Generated,
     Spec,
     draw_spec,
     loss_fn,
     sequential_model,
+    share_state,
+    with_hazard,
 )
 from tests.support.models import seeded_per_layer
 
@@ -58,6 +62,8 @@ MEMORY_V = ("v-half", "v-min")
 OFFLOADED = GIVEN = 0.3
 #: The schedule names, and "mixed": zero-bubble's table with some I+W pairs run as one B.
 SCHEDULE_NAMES = (*(name for name in SCHEDULES if name not in MEMORY_V), "mixed")
+#: The share of models given one of HAZARDS (not compiled ones), drawn apart.
+HAZARDOUS = 0.25
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,9 @@ def draw_cases(seed: int, *, variants: int = VARIANTS, ranks: int | None = None,
                        positions=False, output="tensor", extra=None, scale=False)
     if ranks is not None:  # enough blocks for two stages per rank, each with parameters
         spec = replace(spec, blocks=spec.blocks + ("linear",) * (2 * ranks))
+    hazards = random.Random(f"{seed}.hazard")  # apart: earlier seeds draw as they did
+    if not compiled and hazards.random() < HAZARDOUS:
+        spec = with_hazard(spec, hazards.choice(sorted(HAZARDS)), hazards)
     return [replace(_draw_variant(rng, seed, v, spec, sequential, ranks), compiled=compiled)
             for v in range(variants)]
 
@@ -217,7 +226,9 @@ def build_model(case: Case) -> nn.Module:
     """The case's model in float64, seeded by the spec."""
     torch.manual_seed(case.spec.weights_seed)
     model = sequential_model(case.spec) if case.cut == "sequential" else Generated(case.spec)
-    return model.double()
+    model = model.double()
+    share_state(model)  # (after double(), which copies each buffer)
+    return model
 
 
 def set_mode(model: nn.Module, case: Case) -> None:
@@ -270,10 +281,30 @@ def make_pipeline(case: Case, model: nn.Module, inputs: Any,
                              offload="activations" if case.offload else None, **options)
 
 
+def expected_refusal(case: Case) -> str | None:
+    """What the pipeline must say to refuse the case's hazard (see HAZARDS), or None
+    where it must be exact."""
+    blocks, traced = case.spec.blocks, case.cut != "sequential"
+    if "noise" in blocks and traced:  # torch.export cannot trace it
+        return r"is a torch\.Generator that the model holds"
+    if "log" in blocks and traced:  # torch.export drops the change
+        return r"a container changed in place"
+    if "log" in blocks and (case.recompute == "always"
+                            or case.recompute == "except_last" and case.chunks > 1):
+        return r"seen \(list, Block\) in place, and the stage recomputes"
+    if "clamp" in blocks:
+        return r"changed the parameter \S+ in place"
+    if "write" in blocks and "read" in blocks and not traced:  # (traced: carried)
+        layers = [blocks.index("write") + 1, blocks.index("read") + 1]
+        stages = {sum(b <= layer for b in case.boundaries) for layer in layers}
+        return r"changed one tensor object held as" if len(stages) > 1 else None
+    return None
+
+
 def _per_microbatch(model: nn.Module) -> bool:
     """Whether the plain model must run micro-batch by micro-batch to be what the
     pipeline promises: it draws random numbers, or its blocks change their buffers."""
-    return any(isinstance(m, Block) and m.kind in STATEFUL for m in model.modules()) or (
+    return any(isinstance(m, Block) and m.kind in ORDERED for m in model.modules()) or (
         model.training and any(
             (isinstance(m, nn.Dropout) and m.p > 0)
             or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
@@ -347,7 +378,13 @@ def _run_on(case: Case, model: nn.Module, device: str) -> Result:
         else:
             loss = pipe.step(inputs, targets)
     except Exception as exc:  # noqa: BLE001 - the generator reports any failure
+        refusal = expected_refusal(case)
+        if refusal and isinstance(exc, conveyor.ModelError) and re.search(refusal, str(exc)):
+            return Result(0.0, "refused as expected")
         return Result(float("inf"), "the pipeline", exc)
+    if expected_refusal(case):
+        return Result(float("inf"), f"the pipeline ran; expected it to refuse with "
+                      f"{expected_refusal(case)!r}")
     torch.manual_seed(case.seed)
     step_seed = draw_step_seed()
     expected = loss_fn(reference_output(case, plain, inputs, pipe.split_at, step_seed), targets)

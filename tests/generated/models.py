@@ -20,12 +20,17 @@ Blocks with side effects and autograd of their own: buffers a forward changes an
 in-place activation writing into the block's input (at a cut, into the stage's input), a
 module called twice, a custom autograd.Function, the user's own torch.utils.checkpoint,
 ``.detach()`` and ``torch.no_grad()`` inside forward.
+
+And, in some cases (:data:`HAZARDS`, drawn apart so that every earlier seed's draws stay
+as they were), what a pipeline makes exact or refuses by name: noise from a generator
+the block holds, a list appended to and read, a weight clamped in forward (WGAN), and
+one buffer written by one block and read by a later one (state that may cross a cut).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,8 +38,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["BLOCKS", "CONTEXT_FREE", "PARAMETERLESS", "STATEFUL", "Generated", "Spec",
-           "draw_spec", "sequential_model"]
+__all__ = ["BLOCKS", "CONTEXT_FREE", "HAZARDS", "ORDERED", "PARAMETERLESS", "STATEFUL",
+           "Generated", "Spec", "draw_spec", "sequential_model", "share_state", "with_hazard"]
 
 #: The menu. Context-free blocks map the hidden state alone; the rest also read what
 #: the model made earlier (memory, positions, the attention bias, a skip).
@@ -47,6 +52,11 @@ PARAMETERLESS = ("dropout", "buffer", "relu_")
 #: runs micro-batch by micro-batch, in order, as the pipeline does.
 STATEFUL = ("counter", "ema", "cache")
 CLASSES = 5
+#: What a case may add (one each): the blocks that make it.
+HAZARDS = {"noise": ("noise",), "log": ("log",), "clamp": ("clamp",),
+           "shared": ("write", "read")}
+#: Blocks whose forward depends on the order of micro-batches, as STATEFUL's.
+ORDERED = STATEFUL + ("noise", "log", "write", "read")
 
 
 @dataclass(frozen=True)
@@ -172,8 +182,15 @@ class Block(nn.Module):
             self.f = nn.Dropout(dropout)
         elif kind == "buffer":
             self.register_buffer("gain", torch.linspace(0.5, 1.5, d))
-        elif kind in ("counter", "ema", "cache", "twice", "function", "detach"):
+        elif kind in ("counter", "ema", "cache", "twice", "function", "detach", "noise",
+                      "log", "clamp", "write", "read"):
             self.f = nn.Linear(d, d)
+            if kind == "noise":
+                self.gen = torch.Generator().manual_seed(d)
+            elif kind == "log":
+                self.seen: list[int] = []
+            elif kind in ("write", "read"):  # one buffer: see share_state
+                self.register_buffer("state", torch.zeros(d))
             if kind == "counter":
                 self.register_buffer("count", torch.zeros(()))
             elif kind in ("ema", "cache"):
@@ -211,8 +228,9 @@ class Block(nn.Module):
             return self.f(h.transpose(1, 2)).transpose(1, 2)
         if kind == "buffer":
             return h * self.gain
-        if kind in STATEFUL or kind in ("relu_", "twice", "function", "checkpointed", "detach"):
-            return self._special(h)
+        if kind in ORDERED or kind in ("relu_", "twice", "function", "checkpointed", "detach",
+                                       "clamp"):
+            return self._special(h) if kind not in HAZARD_BLOCKS else self._hazard(h)
         if kind == "attention":
             return h + self.f(h, h, h, attn_mask=bias, need_weights=False)[0]
         if kind == "cross":  # memory comes sequence-first, as this attention takes it
@@ -224,6 +242,26 @@ class Block(nn.Module):
             return h + self.f(h) * torch.sigmoid(skip)
         return self.f(h)  # layernorm, rmsnorm, dropout
 
+
+    def _hazard(self, h: torch.Tensor) -> torch.Tensor:
+        """The blocks a pipeline makes exact or refuses by name (:data:`HAZARDS`)."""
+        kind = self.kind
+        if kind == "noise":  # a generator of its own
+            noise = torch.randn(h.shape, dtype=h.dtype, generator=self.gen)
+            return h + self.f(h) * (1 + 0.1 * noise)
+        if kind == "log":  # a list appended to, its length read
+            self.seen.append(h.shape[0])
+            return h + self.f(h) * (1 + 0.1 * len(self.seen))
+        if kind == "clamp":  # WGAN's critic
+            with torch.no_grad():
+                self.f.weight.clamp_(-0.3, 0.3)
+            return h + self.f(h)
+        if kind == "write":
+            with torch.no_grad():
+                self.state.add_(h.mean((0, 1)))
+            return h + self.f(h)
+        assert kind == "read"
+        return h + self.f(h) * torch.tanh(self.state)
 
     def _special(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks with side effects or autograd of their own."""
@@ -302,6 +340,35 @@ class Generated(nn.Module):
                 out["extra"] = extra
             return out
         return logits
+
+
+HAZARD_BLOCKS = frozenset(kind for kinds in HAZARDS.values() for kind in kinds)
+
+
+def share_state(model: nn.Module) -> None:
+    """Gives each "read" block the buffer of the "write" block before it, if any (after
+    ``model.double()``, which would give each its own copy)."""
+    writer = None
+    for layer in model.modules():
+        if isinstance(layer, Block) and layer.kind == "write":
+            writer = layer
+        elif isinstance(layer, Block) and layer.kind == "read" and writer is not None:
+            layer.state = writer.state
+
+
+def with_hazard(spec: Spec, hazard: str, rng: random.Random) -> Spec:
+    """``spec`` with the blocks of ``hazard`` in place of context-free blocks (or
+    appended where there are too few)."""
+    kinds = HAZARDS[hazard]
+    blocks = list(spec.blocks)
+    free = [i for i, kind in enumerate(blocks) if kind in CONTEXT_FREE and kind != "relu_"]
+    while len(free) < len(kinds):
+        blocks.append("linear")
+        free.append(len(blocks) - 1)
+    for i, kind in zip(sorted(rng.sample(free, len(kinds))), kinds):
+        blocks[i] = kind
+    return replace(spec, blocks=_unaliased(tuple(blocks), spec.memory_from, spec.skip,
+                                           spec.extra))
 
 
 class _Pool(nn.Module):

@@ -24,8 +24,13 @@ version counter cannot give one after the fact: :class:`ModuleState` keeps one c
 each tensor it watches, refreshed only when the tensor's version moved since the last
 look, so a tensor no forward changes is copied once, and a counter updated by every
 forward once per forward. What cannot be watched this way is documented, not guessed:
-Python containers changed in place (a list appended to), state outside the modules
-(closures of hooks, globals, random generators other than torch's).
+Python containers changed in place (a list appended to: refused at a stage's first
+forward, :mod:`~conveyor.engine.recompute.firstlook`), state outside the modules
+(closures of hooks, globals, random generators that no module holds).
+
+A ``torch.Generator`` a module holds (``self.gen``, drawn from with ``generator=``) is
+state too: its state before the forward is put in place for the recomputation, and its
+state then put back, as :mod:`~conveyor.engine.recompute.rng` replays torch's own.
 """
 
 from __future__ import annotations
@@ -54,11 +59,15 @@ class SideEffects:
     changed nothing."""
 
     changed: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
+    #: each generator the forward drew from, with its state before the forward
+    generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
 
     def put_before(self) -> list[Any]:
         """Puts the values from before the forward in place (a copy of each tensor, so
         that a recomputation's own changes fall on the copy); returns what was there."""
-        current = []
+        current: list[Any] = [generator.get_state() for generator, _ in self.generators]
+        for generator, state in self.generators:
+            generator.set_state(state)
         copies: dict[int, torch.Tensor] = {}  # one per tensor: a tied buffer stays tied
         for holder, key, before in self.changed:
             current.append(holder.get(key, _MISSING))
@@ -74,6 +83,9 @@ class SideEffects:
 
     def put_back(self, current: list[Any]) -> None:
         """Puts back what :meth:`put_before` returned."""
+        for (generator, _), state in zip(self.generators, current):
+            generator.set_state(state)
+        current = current[len(self.generators):]
         for (holder, key, _), value in zip(self.changed, current):
             if value is _MISSING:
                 holder.pop(key, None)
@@ -134,14 +146,17 @@ def _watched(value: Any) -> bool:
 class _Look:
     """One holder (a module's ``__dict__`` or ``_buffers``) before a forward."""
 
-    __slots__ = ("holder", "training", "tensors", "before")
+    __slots__ = ("holder", "training", "tensors", "before", "generators")
 
     def __init__(self, holder: dict[str, Any], training: bool,
-                 tensors: list[tuple[str, torch.Tensor]]) -> None:
+                 tensors: list[tuple[str, torch.Tensor]],
+                 generators: list[torch.Generator]) -> None:
         self.holder = holder
         self.training = training  # its module's training mode
         self.tensors = tensors  # the watched tensors it holds, by key
         self.before = dict(holder)  # a shallow copy
+        # the generators it holds, with their states now
+        self.generators = [(g, g.get_state()) for g in generators]
 
 
 class ModuleState:
@@ -161,14 +176,18 @@ class ModuleState:
         # a forward, and those a forward changes without moving the version counter.
         self._examined: set[tuple[int, str, bool]] = set()
         self._unversioned: set[tuple[int, str, bool]] = set()
-        # By holder id: its values at the last look, and the watched tensors among them.
-        self._seen: dict[int, tuple[list[Any], list[tuple[str, torch.Tensor]]]] = {}
+        # By holder id: its values at the last look, the watched tensors among them and
+        # the generators.
+        self._seen: dict[int, tuple[list[Any], list[tuple[str, torch.Tensor]],
+                                    list[torch.Generator]]] = {}
 
     def run(self, function: Callable[[Any], Any], inputs: Any, effects: SideEffects) -> Any:
         """``function(inputs)``, recording into ``effects`` what it changed."""
         looked = self._look()
         result = function(inputs)
         effects.changed = self._changes(looked)
+        effects.generators = [(g, state) for look in looked for g, state in look.generators
+                              if not torch.equal(g.get_state(), state)]
         return result
 
     def _look(self) -> list[_Look]:
@@ -179,7 +198,7 @@ class ModuleState:
         copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         for module in modules:
             for holder in _holders(module):
-                look = _Look(holder, module.training, self._tensors_in(holder))
+                look = _Look(holder, module.training, *self._tensors_in(holder))
                 for key, value in look.tensors:
                     version = _version(value)
                     if version is None:
@@ -194,17 +213,19 @@ class ModuleState:
         self._copies = copies  # a tensor no longer held takes its copy with it
         return looked
 
-    def _tensors_in(self, holder: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        """The watched tensors of ``holder``, by key; found again only when one of the
-        holder's entries was rebound since the last look (a module's ``__dict__`` holds
-        some thirty entries, almost never a tensor)."""
+    def _tensors_in(self, holder: dict[str, Any]
+                    ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Generator]]:
+        """The watched tensors of ``holder``, by key, and its generators; found again
+        only when one of the holder's entries was rebound since the last look (a
+        module's ``__dict__`` holds some thirty entries, almost never a tensor)."""
         values = list(holder.values())
         seen = self._seen.get(id(holder))
         if seen is not None and len(seen[0]) == len(values) and all(map(is_, seen[0], values)):
-            return seen[1]
+            return seen[1], seen[2]
         tensors = [(key, value) for key, value in holder.items() if _watched(value)]
-        self._seen[id(holder)] = (values, tensors)
-        return tensors
+        generators = [value for value in values if isinstance(value, torch.Generator)]
+        self._seen[id(holder)] = (values, tensors, generators)
+        return tensors, generators
 
     def _changes(self, looked: list[_Look]) -> list[tuple[dict[str, Any], str, Any]]:
         """Each entry rebound, added, removed or changed in place since ``looked``,
