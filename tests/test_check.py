@@ -114,6 +114,34 @@ def test_a_buffer_mutated_in_forward_is_named() -> None:
     assert "it reads a buffer mutated in forward" in first.cause
 
 
+class _WritesCount(nn.Module):
+    def __init__(self, count: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("count", count)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return x
+
+
+class _ReadsCount(_WritesCount):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.count
+
+
+def test_a_buffer_shared_across_stages_is_named_as_such() -> None:
+    inputs, targets = cases.batch()
+    count = torch.zeros((), dtype=torch.float64)  # one object, held by a layer of each stage
+    model = nn.Sequential(nn.Linear(inputs.shape[1], 4), _WritesCount(count),
+                          _ReadsCount(count), nn.Linear(4, targets.shape[1])).double()
+    report = conveyor.check(model, inputs, targets, loss_fn=F.mse_loss, balance=[2, 2],
+                            chunks=2)
+    first = report.findings[0]
+    assert (first.kind, first.stage) == ("forward", 1)
+    assert first.cause.startswith("state shared across stages: one tensor object held as "
+                                  "1.count (stage 0) and 2.count (stage 1)")
+
+
 def test_a_tie_the_pipeline_cannot_see_is_found_and_a_visible_one_matches() -> None:
     inputs, targets = cases.batch(outputs=4)
     report = conveyor.check(cases.tied_by_a_list(), inputs, targets, loss_fn=F.mse_loss,

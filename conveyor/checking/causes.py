@@ -55,6 +55,15 @@ def of_layer(where: str, probe: Probe | None, *, mutated_stage_input: int | None
             "sample's output depend on that sample and the parameters alone")
 
 
+def shared_across_stages(shared: Sequence[Any]) -> str:
+    """The cause where layers of two stages hold one object (``Shared``, from
+    ``conveyor.engine.recompute.firstlook``)."""
+    return (f"state shared across stages: {'; '.join(s.describe() for s in shared[:3])}. "
+            "Each rank holds its own copy of it, so what one stage writes another does not "
+            "see as the plain model's order would (Pipeline refuses it when a forward writes "
+            "it); put its holders in one stage (balance=), or give each its own object")
+
+
 def batch_norm(modules: Sequence[str]) -> str:
     return (f"batch norm in training mode ({_names(modules)}): in the pipeline it "
             "normalises each micro-batch by that micro-batch's mean and variance (as GPipe "

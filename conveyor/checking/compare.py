@@ -144,6 +144,8 @@ class Comparison:
             for fact in ("own_generator", "changed", "batch_norm"):
                 culprit = culprit or next(iter(probe.where(fact)), None)
             culprit = probe.unrepeatable or culprit
+        if self.run.shared:
+            return causes.shared_across_stages(self.run.shared), culprit
         text = causes.of_layer(where, probe, mutated_stage_input=mutated,
                                recomputation=recomputation)
         return text, culprit
@@ -340,6 +342,8 @@ class Comparison:
                     cause = ("batch norm updates its running statistics once per micro-batch, "
                              "from that micro-batch; pass deferred_batch_norm=True to update "
                              "them once per step from the whole batch's statistics")
+                elif self.run.shared:
+                    cause = causes.shared_across_stages(self.run.shared)
                 else:
                     cause = causes.follows(found[0].kind) if found else \
                         "the forward updates this buffer on every call (once per micro-batch)"

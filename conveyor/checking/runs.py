@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from conveyor.engine.recompute.firstlook import Shared, find_shared
 from conveyor.engine.recorder import Recorder
 from conveyor.engine.ties import find_ties
 from conveyor.errors import ConveyorError
@@ -98,6 +99,8 @@ class PipelineRun:
         loss: the step's loss (None: the step failed).
         error: the exception the step raised.
         rank_models: per rank, the model copy its layers came from (None: one model).
+        shared: what the plain model's layers of two stages hold as one object (a buffer,
+            a generator, a container), which the ranks' copies hold apart.
     """
 
     pipe: Pipeline
@@ -108,6 +111,7 @@ class PipelineRun:
     loss: torch.Tensor | None = None
     error: BaseException | None = None
     rank_models: dict[int, nn.Module] | None = None
+    shared: list[Shared] = field(default_factory=list)
 
     def watch(self) -> list[Any]:
         """Puts a recorder on the executor and hooks on every layer; returns the hooks."""
@@ -195,6 +199,8 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
              else build_schedule(schedule, stages, chunks, virtual_stages=virtual_stages))
     counts = resolve_balance(balance, LayerSource(plain, None), table.num_stages, sample)
     stage_of = [s for s, n in enumerate(counts) for _ in range(n)]
+    shared = find_shared({k: [(name, layer) for i, (name, layer) in enumerate(named)
+                              if stage_of[i] == k] for k in range(len(counts))})
     rank_models = {rank: copy.deepcopy(plain) for rank in sorted(set(table.stage_ranks))}
     assembled = nn.Sequential(OrderedDict(
         (name, rank_models[table.stage_ranks[stage_of[i]]].get_submodule(name))
@@ -206,7 +212,8 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
     layers = [Layer(i, name, pipe.get_submodule(name), stage_of[i],
                     i == 0 or stage_of[i - 1] != stage_of[i])
               for i, (name, _) in enumerate(named)]
-    return PipelineRun(pipe, layers, rank_models=rank_models)
+    once = {id(found): found for found in (x for held in shared.values() for x in held)}
+    return PipelineRun(pipe, layers, rank_models=rank_models, shared=list(once.values()))
 
 
 def traced(model: nn.Module, *, builder: bool, balance: Sequence[int] | str | None,
