@@ -22,7 +22,8 @@ import conveyor
 from conveyor.engine.compiled.stages import CompiledCall, EagerLayout, is_compiled
 from conveyor.engine.recompute.rng import draw_step_seed
 from conveyor.checking.plain import traced_per_microbatch
-from tests.generated.cases import draw_case, draw_cases, run_case
+from tests.generated.cases import draw_case, draw_cases
+from tests.generated.running import run_case
 from tests.support import any_models
 from tests.support.cases import packed
 from tests.support.extras import require

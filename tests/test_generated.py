@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.generated.cases import draw_case, draw_cases, run_cases
+from tests.generated.cases import draw_case, draw_cases
+from tests.generated.running import run_cases
 from tests.generated.shrink import shrink
 from tests.support.launch import launch
 
@@ -55,7 +56,8 @@ def test_generated_cases_on_two_processes(tmp_path: Path) -> None:
 
 
 def test_cases_found_on_processes(tmp_path: Path) -> None:
-    from tests.generated.cases import FOUND_ON_PROCESSES, run_case
+    from tests.generated.cases import FOUND_ON_PROCESSES
+    from tests.generated.running import run_case
 
     assert all(run_case(case).ok for case in FOUND_ON_PROCESSES)  # on threads: exact
     outcome = launch("generated_found", 2, tmp_path, timeout=300)

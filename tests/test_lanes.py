@@ -17,7 +17,8 @@ import conveyor
 from conveyor.engine import executor
 from conveyor.schedules import Kind, build
 from conveyor.schedules.table import dependencies
-from tests.generated.cases import TOLERANCE, draw_cases, quiet, run_cases
+from tests.generated.cases import TOLERANCE, draw_cases
+from tests.generated.running import quiet, run_cases
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",

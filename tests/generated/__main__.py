@@ -22,16 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tests.generated.cases import (
-    VARIANTS,
-    Case,
-    Result,
-    draw_cases,
-    run_case,
-    run_cases,
-    quiet,
-    run_seed,
-)
+from tests.generated.cases import VARIANTS, Case, Result, draw_cases
+from tests.generated.running import quiet, run_case, run_cases, run_seed
 from tests.generated.shrink import shrink
 
 

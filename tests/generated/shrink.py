@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from tests.generated.cases import Case, Result, run_case
+from tests.generated.cases import Case, Result
+from tests.generated.running import run_case
 from tests.generated.models import Spec
 
 __all__ = ["shrink"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.generated.cases import draw_cases, run_case
+from tests.generated.cases import draw_cases
+from tests.generated.running import run_case
 from tests.support.scenarios import scenario
 
 
