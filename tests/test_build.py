@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import conveyor
+from conveyor.engine import devices
 from conveyor.engine.devices import resolve_devices
 
 
@@ -68,6 +69,7 @@ def test_deferred_batch_norm_is_converted_alike(builder: Callable[..., nn.Module
 def test_a_bare_cuda_device_becomes_the_current_indexed_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(devices, "absent", lambda device: None)  # as if there were 2 GPUs
     assert resolve_devices(["cuda", "cpu", "cuda:0"], 3, what="balance has 3 stages") == [
         torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 0)]
 
