@@ -153,7 +153,8 @@ def part_tests(sizes: Sizes, device: torch.device) -> dict[str, Any]:
 
 
 def part_equivalence(sizes: Sizes, device: torch.device) -> dict[str, Any]:
-    from tests.generated.cases import TOLERANCE, draw_cases, quiet, run_cases
+    from tests.generated.cases import TOLERANCE, draw_cases
+    from tests.generated.running import quiet, run_cases
 
     quiet()
     worst, failures, count = 0.0, [], 0
