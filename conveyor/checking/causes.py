@@ -75,10 +75,10 @@ def batch_norm(modules: Sequence[str]) -> str:
 
 def own_generator(modules: Sequence[str]) -> str:
     return (f"random numbers drawn from a torch.Generator of its own (generator=...) in "
-            f"{_names(modules)}, which conveyor does not route: their draws depend on the order "
-            "in which micro-batches run, and a recomputation draws new ones. Draw from "
-            "torch's default generator (leave out generator=): conveyor gives each layer "
-            "and micro-batch a stream of its own and replays it when recomputing")
+            f"{_names(modules)}: conveyor replays its state when recomputing, but its draws "
+            "follow the order in which the stage runs micro-batches, which a schedule may "
+            "change. Draw from torch's default generator (leave out generator=): conveyor "
+            "gives each layer and micro-batch a stream of its own")
 
 
 def state(where: str, probe: Probe) -> str:
