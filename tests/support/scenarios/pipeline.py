@@ -381,7 +381,10 @@ class _RaisesInBackward(torch.autograd.Function):
 
 class FailsOnce(nn.Module):
     """Raises on the first call while ``armed`` holds (in forward, or in its backward);
-    then computes as Linear."""
+    then computes as Linear. ``armed`` is the test's switch, shared by every stage's
+    layers: declared harmless, as a user declares state a forward may change."""
+
+    conveyor_harmless = ("armed",)
 
     def __init__(self, armed: list[bool], where: str) -> None:
         super().__init__()
