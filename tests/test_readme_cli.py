@@ -128,7 +128,7 @@ def test_every_command_prints_its_help(command: str,
     option's help said ">10% faster", and argparse formats help text with %. Fixed: the
     options' help is escaped. Every sub-command the parser has is here."""
     commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert set(commands) == {"train", "simulate", "trace", "plan", "check", "demo"}
+    assert set(commands) == {"train", "simulate", "trace", "plan", "check", "demo", "export"}
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args([command, "--help"])
     assert exit.value.code == 0
