@@ -22,7 +22,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor.train.language import summed_next_byte_loss  # noqa: E402
+from conveyor.train.language import summed_next_token_loss  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def pipeline(check: bool, *, width: int, hidden: int, length: int) -> conveyor.P
     torch.manual_seed(0)
     model = transformer_lm(4, width, hidden, 4, vocab=256, max_length=length)
     return conveyor.Pipeline(model, stages=2, devices=["cpu"] * 2, chunks=8, schedule="1f1b",
-                             loss_fn=summed_next_byte_loss, check_finite=check)
+                             loss_fn=summed_next_token_loss, check_finite=check)
 
 
 def main() -> None:

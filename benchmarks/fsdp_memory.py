@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import conveyor
-    from conveyor.train.language import summed_next_byte_loss
+    from conveyor.train.language import summed_next_token_loss
     from conveyor.train.models import transformer_lm
 
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     pipe = conveyor.Pipeline(model, chunks=CHUNKS, schedule="1f1b",
                              data_parallel=args.data_parallel, sharding=args.sharding,
-                             loss_fn=summed_next_byte_loss)
+                             loss_fn=summed_next_token_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     times = []
     for step in range(3):

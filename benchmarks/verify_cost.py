@@ -22,7 +22,7 @@ _common.prepare_process()
 import torch  # noqa: E402
 
 import conveyor  # noqa: E402
-from conveyor.train.language import next_byte_loss  # noqa: E402
+from conveyor.train.language import next_token_loss  # noqa: E402
 from conveyor.train.models import transformer_lm  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main() -> None:
         model = transformer_lm(*size, vocab=256, max_length=length)
         pipes[name] = conveyor.Pipeline(model, stages=2, devices=["cpu", "cpu"],
                                         chunks=chunks, schedule="1f1b",
-                                        loss_fn=next_byte_loss, verify_every=every)
+                                        loss_fn=next_token_loss, verify_every=every)
     x = torch.randint(0, 256, (rows, length))
 
     def step(pipe: conveyor.Pipeline) -> None:

@@ -40,7 +40,7 @@ def build(name: str, layers: int) -> tuple[torch.nn.Module, str]:
         return transformers.LlamaForCausalLM(config), "model.layers"
 
 
-def next_byte_loss(output: transformers.modeling_outputs.CausalLMOutput,
+def next_token_loss(output: transformers.modeling_outputs.CausalLMOutput,
                    targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
 
@@ -66,7 +66,7 @@ def main() -> None:
     pipe = conveyor.Pipeline(model, split_at=split_at, stages=args.stages,
                              sample={"input_ids": inputs, "use_cache": False},
                              chunks=args.chunks, schedule=args.schedule,
-                             loss_fn=next_byte_loss)
+                             loss_fn=next_token_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     show = not pipe.topology.distributed or torch.distributed.get_rank() == 0
     if show:

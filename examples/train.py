@@ -37,7 +37,7 @@ def batch(data: torch.Tensor, size: int, generator: torch.Generator) -> tuple[to
     return windows[:, :-1], windows[:, 1:]
 
 
-def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     model = transformer_lm(layers=4, width=64, hidden=256, heads=4, vocab=256,
                            max_length=LENGTH)
     pipe = conveyor.Pipeline(model, stages=2, chunks=4, schedule="1f1b",
-                             loss_fn=next_byte_loss)
+                             loss_fn=next_token_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     data, generator = corpus(), torch.Generator().manual_seed(1)
     show = not pipe.topology.distributed or torch.distributed.get_rank() == 0

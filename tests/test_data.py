@@ -38,7 +38,7 @@ def test_the_unigram_baseline_is_the_cross_entropy_of_byte_frequencies() -> None
     p = counts / counts.sum()
     heldout = torch.bincount(corpus.heldout.long(), minlength=256).double()
     expected = float(-(heldout * p.log2()).sum() / heldout.sum())
-    assert corpus.unigram_bits_per_byte() == pytest.approx(expected, rel=1e-12)
+    assert corpus.unigram_bits() == pytest.approx(expected, rel=1e-12)
     assert 4 < expected < 5  # code: far from uniform (8 bits), far from predictable
 
 

@@ -314,7 +314,7 @@ def test_a_refusal_before_the_process_group_keeps_its_code_and_skips_finalizatio
     2) while the interpreter finalized torch: a launched rank now ends at once."""
     program = ("import atexit, sys\natexit.register(lambda: print('finalized', flush=True))\n"
                "from conveyor.cli.main import command\n"
-               f"sys.argv = ['conveyor', 'train', '--out', '/proc/sys/conveyor/run']\ncommand()\n")
+               "sys.argv = ['conveyor', 'train', '--out', '/proc/sys/conveyor/run']\ncommand()\n")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           env=_env(TORCHELASTIC_RUN_ID="test", WORLD_SIZE="2", RANK="0",
                                    MASTER_ADDR="127.0.0.1", MASTER_PORT="1"), timeout=200)

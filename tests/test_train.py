@@ -22,7 +22,7 @@ from conveyor.cli import main
 from conveyor.train.data import text_corpus
 from conveyor.train.models import transformer_lm
 from conveyor.pipeline import Pipeline
-from conveyor.train.language import next_byte_loss
+from conveyor.train.language import next_token_loss
 from conveyor.schedules import build
 from tests.support.launch import run_command
 from tests.support.training import (
@@ -97,7 +97,7 @@ def test_a_two_stage_checkpoint_loads_into_four_stages_and_the_plain_model(
     saved = checkpoint_state(tmp_path)
 
     torch.manual_seed(1)  # other initial weights: everything must come from the file
-    four = Pipeline(tiny_model(), stages=4, chunks=2, loss_fn=next_byte_loss)
+    four = Pipeline(tiny_model(), stages=4, chunks=2, loss_fn=next_token_loss)
     optimizer = torch.optim.AdamW(four.parameters())
     extra = saving.load(tmp_path, model=four, optimizer=optimizer)
     assert extra["step"] == 3 and saved["extra"]["config"]["stages"] == 2
@@ -129,11 +129,11 @@ def test_a_plain_model_checkpoint_resumes_both_copies_of_a_tied_weight(
     plain = tiny_model()
     optimizer = torch.optim.AdamW(plain.parameters())
     inputs, targets = text_corpus().batch(0, 4, 16)
-    next_byte_loss(plain(inputs), targets).backward()
+    next_token_loss(plain(inputs), targets).backward()
     optimizer.step()
     saving.save(tmp_path, model=plain, optimizer=optimizer, extra={"step": 1})
 
-    pipe = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_byte_loss)
+    pipe = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_token_loss)
     resumed = torch.optim.AdamW(pipe.parameters())
     saving.load(tmp_path, model=pipe, optimizer=resumed)
     parameters = dict(pipe.named_parameters())
@@ -150,7 +150,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(
     assert train(tmp_path, "--steps", "3") == 0
     before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
               if p.is_file() and "checkpoint" in p.parts}
-    model = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_byte_loss)
+    model = Pipeline(tiny_model(), stages=2, chunks=2, loss_fn=next_token_loss)
     optimizer = torch.optim.AdamW(model.parameters())
 
     def crash_midway(obj: Any, file: Any, *args: Any, **kwargs: Any) -> None:
@@ -288,7 +288,7 @@ def untrained_bpb(config: dict[str, Any]) -> float:
         for index in range(config["eval_batches"]):
             inputs, targets = corpus.batch(index, config["batch"], config["length"],
                                            seed=config["seed"], heldout=True)
-            total += float(next_byte_loss(model(inputs), targets))
+            total += float(next_token_loss(model(inputs), targets))
     return total / config["eval_batches"] / math.log(2)
 
 
@@ -299,7 +299,7 @@ def check_run_directory(out: Path, steps: int) -> dict[str, Any]:
     # after 6 (and 8 bits would be a uniform guess).
     untrained = untrained_bpb(summary["config"])
     assert summary["heldout_bpb"] < untrained - 0.1, (summary["heldout_bpb"], untrained)
-    assert summary["unigram_bpb"] == pytest.approx(text_corpus().unigram_bits_per_byte())
+    assert summary["unigram_bpb"] == pytest.approx(text_corpus().unigram_bits())
     trace = json.loads((out / "step.trace.json").read_text())
     assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"F", "B"}
     for picture in ("step.png", "curve.png"):

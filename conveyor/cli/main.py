@@ -92,7 +92,7 @@ def _train_parser(commands: _Commands) -> None:
     from conveyor.train.options import add_arguments  # torch-free
 
     add_arguments(sub)
-    sub.set_defaults(run=_lazy("conveyor.train.loop", "train_command"))
+    sub.set_defaults(run=_lazy("conveyor.cli.training", "train_command"))
 
 
 def _simulate_parser(commands: _Commands) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conveyor.cli import tables
-from conveyor.cli.loading import load_function
+from conveyor.graph.usercode import load_model
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.checking.plans import verify_plans
 from conveyor.observe import plan as planning
@@ -36,23 +36,6 @@ _SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1))
 #: Two stages per rank, in a V: weighed on the model cut into 2K stages (V-Half needs
 #: K >= 2 ranks, V-Min K >= 3; rank_plans leaves out the sizes a schedule refuses).
 _V_SCHEDULES = (("zb-v", 2), ("v-half", 2), ("v-min", 2))
-
-
-def load_model(spec: str) -> tuple[nn.Module, Any]:
-    """The model (and sample, or None) that ``package.module:function`` returns.
-
-    Raises:
-        ConfigError: the module cannot be imported, has no such name, the name is not a
-            function, or what it returns is not a model.
-    """
-    made = load_function(spec, returning="the model", choices="transformer, convnet, or ")()
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
-        return made[0], made[1]
-    if isinstance(made, nn.Module):
-        return made, None
-    raise ConfigError(f"--model {spec} returned a {type(made).__name__}; return an "
-                      "nn.Module, or (nn.Module, sample) with sample one batch as the model "
-                      "takes it")
 
 
 def token_sample(model: nn.Module, length: int) -> Any:
@@ -95,7 +78,7 @@ def _split_at(args: argparse.Namespace) -> tuple[list[str] | None, int]:
 
 
 def _plan_model(args: argparse.Namespace) -> int:
-    model, sample = load_model(args.model)
+    model, sample = load_model(args.model, choices="transformer, convnet, or ")
     split_at, ranks = _split_at(args)
     if sample is None:
         sample = token_sample(model, args.length)

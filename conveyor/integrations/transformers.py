@@ -42,6 +42,7 @@ from conveyor.engine.microbatch import split
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.reload import load_pretrained
+from conveyor.train.language import logits_of
 
 __all__ = ["PipelineTrainer"]
 
@@ -117,7 +118,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         def loss_fn(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             counted = labels[..., 1:] if shifts else labels
             if own is not None:
-                total = own(logits=_logits(output), labels=labels, vocab_size=vocabulary,
+                total = own(logits=logits_of(output), labels=labels, vocab_size=vocabulary,
                             num_items_in_batch=1)
             else:
                 total = custom(output, labels, num_items_in_batch=1)
@@ -215,7 +216,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         self.pipe.eval()
         output = self.pipe.eval_step(features)
         if labels is None:
-            return None, (None if prediction_loss_only else _logits(output)), None
+            return None, (None if prediction_loss_only else logits_of(output)), None
         count = self._get_num_items_in_batch([inputs], self.args.device)
         loss = torch.zeros((), dtype=torch.float64, device=self.args.device)
         if output is not None:
@@ -228,7 +229,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
             raise ConveyorError("under torchrun the pipelined Trainer evaluates the loss "
                                 "only: set prediction_loss_only=True (logits for "
                                 "compute_metrics are not gathered yet)")
-        return loss, _logits(output).detach(), labels
+        return loss, logits_of(output).detach(), labels
 
     # ----------------------------------------------------------------- saving
 
@@ -278,10 +279,3 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         optimizer.load_state_dict(torch.load(self._optimizer_file(checkpoint), weights_only=True))
         schedule.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"),
                                             weights_only=True))
-
-
-def _logits(output: Any) -> Any:
-    """The logits of a model's output (a ``ModelOutput``, a dict or a tuple)."""
-    if output is None or isinstance(output, torch.Tensor):
-        return output
-    return output["logits"] if hasattr(output, "keys") else output[0]

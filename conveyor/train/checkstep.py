@@ -10,10 +10,10 @@ import torch
 
 from conveyor.errors import ConveyorError
 from conveyor.checking.check import check
-from conveyor.train.data import text_corpus
-from conveyor.train.language import summed_next_byte_loss
-from conveyor.train.models import transformer_lm
+from conveyor.train.language import summed_next_token_loss
 from conveyor.train.options import TrainConfig
+from conveyor.train.userdata import read_data
+from conveyor.train.usermodel import build_model
 
 __all__: list[str] = []
 
@@ -30,13 +30,12 @@ def check_first_step(config: TrainConfig) -> None:
     """
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(config.seed)
-        model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
-                               vocab=256, max_length=config.length, dropout=config.dropout,
-                               tie=config.tie)
-    inputs, targets = text_corpus().batch(0, config.batch, config.length, seed=config.seed)
+        built = build_model(config, materialize=True)
+    inputs, targets = read_data(config, built, show=False).windows(
+        0, config.batch, config.length, seed=config.seed)
     replicas = config.data_parallel
-    report = check(model, inputs[::replicas], targets[::replicas],
-                   loss_fn=summed_next_byte_loss, stages=config.stages, chunks=config.chunks,
+    report = check(built.model, inputs[::replicas], targets[::replicas],
+                   loss_fn=summed_next_token_loss, stages=config.stages, chunks=config.chunks,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
                    checkpoint=config.recompute(), balance=config.balance(), seed=config.seed)
     if os.environ.get("RANK", "0") == "0":

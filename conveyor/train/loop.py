@@ -11,14 +11,12 @@ under ``torchrun --nproc-per-node 2`` runs one stage per process.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.distributed.faults.agreement import agree as agree_options
-from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError, NonFiniteGradientError, NonFiniteLossError
 from conveyor.observe.recording import record
 from conveyor.schedules.timeline import Timeline
@@ -39,59 +35,22 @@ from conveyor.runtime.export import refusal
 from conveyor.train import saving
 from conveyor.train.checkpoints import fit
 from conveyor.train.checkstep import check_first_step
-from conveyor.train.data import TextCorpus, text_corpus
+from conveyor.train.data import TextCorpus
 from conveyor.train.elastic import (RESUME_AUTO, check_resumable, describe_replan, join_world,
                                     world_size)
 from conveyor.train.language import evaluate, generate
-from conveyor.train.options import (OPTIONS_FILE, TrainConfig, allowed_changes,
-                                     from_arguments)
+from conveyor.train.options import (OPTIONS_FILE, TrainConfig)
 from conveyor.train.outdir import RunLock, check_usable, writing
-from conveyor.train.progress import Progress, verbose
+from conveyor.train.progress import Progress
 from conveyor.train.setup import build
+from conveyor.train.userdata import read_data
+from conveyor.train.usermodel import BuiltModel, build_model
 from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where_on_usr1
 
 __all__: list[str] = []
 
 _JOIN_AT_LEAST = 15.0  # seconds the rendezvous waits at least: processes start unevenly
-
-
-def train_command(args: argparse.Namespace) -> int:
-    """``conveyor train``: errors end it with one line on stderr and a non-zero code: 2
-    for options or an ``--out`` that cannot be used (nothing written), 1 for a failure
-    on the way (a stage, a peer, a save that the disk refused). Under torchrun the
-    process group's teardown is bounded: a collective left inside the backend by a
-    frozen rank does not hold the exit."""
-    code = 1
-    try:
-        code = _run_command(args)
-    finally:
-        end_process_group(code)
-    return code
-
-
-def _run_command(args: argparse.Namespace) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        with verbose(getattr(args, "verbose", False)):
-            return run(from_arguments(args), resume=args.resume,
-                       check=getattr(args, "check", False),
-                       allow_change=allowed_changes(getattr(args, "allow_change", "")))
-    except (ConfigError, saving.CheckpointError) as exc:
-        # Once the group exists every rank has read the same options and checkpoint;
-        # before it, a rank's own refusal (its --out) may be its alone: it says so.
-        if rank == 0 or not dist.is_initialized():
-            where = f" (rank {rank})" if rank else ""
-            print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
-        return 2
-    except ConveyorError as exc:
-        where = f" (rank {rank})" if dist.is_initialized() else ""
-        text = str(exc).replace("raise timeout=", "raise --timeout")  # the flag here
-        print(f"conveyor train: error{where}: {text}", file=sys.stderr)
-        report = getattr(exc, "where", None)  # where every rank stood, when a step failed
-        if report:
-            print(report, file=sys.stderr)
-        return 1
 
 
 def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False,
@@ -164,14 +123,15 @@ class _Training:
 
     config: TrainConfig
     corpus: TextCorpus
-    model: nn.Module  # the whole plain model (its layers live in the pipeline's stages)
+    built: BuiltModel  # the whole plain model (its layers live in the pipeline's stages)
     pipe: Pipeline
     optimizer: torch.optim.Optimizer
     scheduler: Any
     show: bool  # this process prints: always in one process, rank 0 under torchrun
-    unigram: float  # held-out bits per byte of the unigram baseline
+    unigram: float  # held-out bits per byte (token) of the unigram baseline
     start: int = 0  # the first step this process takes (after the resumed one)
     step: int = 0  # steps done
+    position: int = 0  # training windows read (the data's place, mid-epoch)
     history: list[dict[str, Any]] = field(default_factory=list)
     timeline: Timeline | None = None  # one recorded step, for the pictures
     rate: float = 0.0  # tokens per second, smoothed
@@ -198,19 +158,23 @@ class _Training:
         """Builds the model, pipeline and optimizer; resuming, checks that the checkpoint
         is of this model and data, then loads it. Under torchrun, takes ``lock`` once
         the processes can agree on it."""
-        corpus = text_corpus()
-        identity = fit.identity(asdict(config), fit.corpus_identity(corpus.train))
+        show = not dist.is_initialized() or dist.get_rank() == 0
+        built = build_model(config)
+        corpus = read_data(config, built, show=show)
+        identity = fit.identity(asdict(config), corpus.identity(), vocab=corpus.vocab,
+                                model=built.identity)
         notes = fit.resume_notes(Path(config.out), asdict(config), identity,
                                  allow) if resume else []
-        model, pipe, optimizer, scheduler = build(config)
-        show = not dist.is_initialized() or dist.get_rank() == 0
+        pipe, optimizer, scheduler = build(config, built)
         if dist.is_initialized():
             lock.acquire_together(writer=show, agree=lambda value: agree(pipe, value)[0])
-        training = cls(config, corpus, model, pipe, optimizer, scheduler, show,
-                       corpus.unigram_bits_per_byte(), identity=identity, notes=notes)
+        training = cls(config, corpus, built, pipe, optimizer, scheduler, show,
+                       corpus.unigram_bits(), identity=identity, notes=notes)
         if resume:
             extra = saving.load(training.out, model=pipe, optimizer=optimizer)
             training.start = training.step = training.saved = int(extra["step"])
+            training.position = int(dict(extra.get("data") or {}).get(
+                "position", training.step * config.batch))  # older checkpoints: by step
             training.history = list(extra["history"])
             scheduler.load_state_dict(extra["scheduler"])
             torch.set_rng_state(extra["rng"])
@@ -235,17 +199,16 @@ class _Training:
         with writing(OPTIONS_FILE, out, self.intact):
             out.mkdir(parents=True, exist_ok=True)
             (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
-        parameters = sum(p.numel() for p in self.model.parameters())  # the whole model's
+        parameters = sum(p.numel() for p in self.built.model.parameters())  # whole model
         replicas = config.data_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
         layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (
             f" x {replicas} {kind}" if replicas > 1 else
             f" of {config.replicas()} replicas" if config.replicas() else "")
-        print(f"training T({config.layers}, {config.hidden}, {config.heads}) width "
-              f"{config.width} ({parameters / 1e6:.2f}M parameters) on "
-              f"{len(self.corpus.train)} bytes of Python; {config.schedule}, {layout}, "
+        print(f"training {self.built.name} ({parameters / 1e6:.2f}M parameters) on "
+              f"{self.corpus.source}; {config.schedule}, {layout}, "
               f"{config.chunks} micro-batches, balance {self.pipe.balance}; held-out unigram "
-              f"{self.unigram:.3f} bits/byte"
+              f"{self.unigram:.3f} bits/{self.corpus.unit}"
               + (f"; resuming at step {self.start}" if self.start else ""), flush=True)
 
     def train(self, signals: StopSignals) -> int:
@@ -276,8 +239,8 @@ class _Training:
         (NaN for a step skipped as not finite)."""
         config, pipe = self.config, self.pipe
         replica, replicas = pipe.topology.data_rank, config.data_parallel
-        inputs, targets = self.corpus.batch(self.step, config.batch, config.length,
-                                            seed=config.seed)
+        inputs, targets = self.corpus.windows(self.position, config.batch, config.length,
+                                              seed=config.seed)
         inputs, targets = inputs[replica::replicas], targets[replica::replicas]
         tick = time.perf_counter()
         try:
@@ -307,6 +270,7 @@ class _Training:
         self.rate = (tokens / seconds if not self.rate
                      else 0.9 * self.rate + 0.1 * tokens / seconds)
         self.step += 1
+        self.position += config.batch
         return float(loss.item())
 
     def _not_finite(self, error: ConveyorError, what: str) -> float:
@@ -322,6 +286,7 @@ class _Training:
         if self.config.on_nonfinite == "skip":
             self.skipped += 1
             self.step += 1
+            self.position += self.config.batch
             if self.show:
                 print(f"step {failed} skipped: {what} ({self.skipped} skipped so far)",
                       flush=True)
@@ -341,12 +306,13 @@ class _Training:
         entry: dict[str, Any] = {"step": self.step, "loss": loss}
         if math.isnan(loss):
             entry["skipped"] = True
+        heldout, unit = f"heldout_{self.corpus.metric}", self.corpus.unit
         if self.step % config.eval_every == 0 or self.step == config.steps:
-            entry["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
-            progress.write(f"step {self.step}: held-out {entry['heldout_bpb']:.3f} bits/byte "
+            entry[heldout] = evaluate(self.pipe, self.corpus, config)
+            progress.write(f"step {self.step}: held-out {entry[heldout]:.3f} bits/{unit} "
                            f"(unigram {self.unigram:.3f})")
         self.history.append(entry)
-        progress.update(self.step, {"bpb": f"{loss / math.log(2):.3f}",
+        progress.update(self.step, {self.corpus.metric: f"{loss / math.log(2):.3f}",
                                     "tok/s": f"{self.rate:.0f}",
                                     "bubble": self.bubble})
         if self.step % config.save_every == 0:
@@ -364,6 +330,8 @@ class _Training:
                                "scheduler": self.scheduler.state_dict(),
                                "rng": torch.get_rng_state(), "config": asdict(self.config),
                                "identity": self.identity,
+                               "data": {"position": self.position, "windows_per_epoch":
+                                        self.corpus.windows_per_epoch(self.config.length)},
                                "world": world_size(), "balance": list(self.pipe.balance)})
         self.saved = self.step
 
@@ -380,9 +348,10 @@ class _Training:
     def complete(self) -> None:
         """Evaluates the last step (if not yet), saves, samples, writes the summary."""
         config = self.config
-        evaluated = bool(self.history) and "heldout_bpb" not in self.history[-1]
+        heldout = f"heldout_{self.corpus.metric}"
+        evaluated = bool(self.history) and heldout not in self.history[-1]
         if evaluated:
-            self.history[-1]["heldout_bpb"] = evaluate(self.pipe, self.corpus, config)
+            self.history[-1][heldout] = evaluate(self.pipe, self.corpus, config)
         if evaluated or self.saved != self.step:  # not the newest checkpoint again, in place
             self.save()
         sample = generate(self.pipe, self.corpus, config) if config.sample_bytes else ""
@@ -390,8 +359,10 @@ class _Training:
             with writing("the summary", self.out, self.intact):
                 write_report(self.out, config, self.history, self.unigram, self.timeline,
                              sample, time.monotonic() - self.began,
-                             (self.step - self.start) * config.batch * config.length)
+                             (self.step - self.start) * config.batch * config.length,
+                             unit=self.corpus.unit)
         if config.export:  # every rank: each writes its stages
-            self.pipe.save_pretrained(config.export)
+            self.pipe.save_pretrained(config.export, tokenizer=self.built.tokenizer,
+                                      config=self.built.config)
             if self.show:
                 print(f"exported the model to {config.export}")

@@ -21,6 +21,8 @@ from conveyor.train.elastic import plan_layout, resume_mode, under_torchrun
 __all__: list[str] = []
 
 OPTIONS_FILE = "options.json"  # in --out: the options of the run, for --resume
+#: The options that shape the bundled Transformer (a ``--model`` of the user's has its own).
+BUNDLED_SHAPE = ("layers", "width", "hidden", "heads", "dropout", "tie")
 
 
 def _option(default: Any, help: str) -> Any:
@@ -31,11 +33,19 @@ def _option(default: Any, help: str) -> Any:
 class TrainConfig:
     """Every option of ``conveyor train`` (the flags, and the keys of ``--config``)."""
 
+    model: str = _option("", "what to train: a Hugging Face model directory or its "
+                             "config.json (its weights and tokenizer when it has them), or "
+                             "package.module:function returning the model; '': the "
+                             "bundled Transformer of --layers, --width, ...")
+    data: str = _option("", "what to train on: a .txt, .md, .jsonl or .parquet file, or a "
+                            "folder of them; '': the bundled Python sources")
+    text_field: str = _option("text", "the key of each JSONL line (the Parquet column) that "
+                                      "holds the text")
     layers: int = _option(4, "Transformer blocks L")
     width: int = _option(128, "model width (embedding and attention)")
     hidden: int = _option(512, "feed-forward width H")
     heads: int = _option(4, "attention heads A")
-    length: int = _option(128, "sequence length in bytes")
+    length: int = _option(128, "sequence length in tokens (bytes without a tokenizer)")
     dropout: float = _option(0.0, "dropout probability")
     tie: bool = _option(True, "the output head shares the token embedding's weight (--no-tie: "
                               "a head of its own)")
@@ -77,7 +87,8 @@ class TrainConfig:
                                    "stage by stage, and stop the run if its loss or a "
                                    "gradient differs from the pipeline's (about one more "
                                    "forward and backward per N steps; 0: never)")
-    sample_bytes: int = _option(240, "bytes of text generated at the end (0: none)")
+    sample_bytes: int = _option(240, "bytes (tokens, with a tokenizer) of text generated at "
+                                     "the end (0: none)")
     out: str = _option("runs/default", "output directory")
     export: str = _option("", "at the end, also write the trained model into this new or "
                               "empty folder as a model directory (safetensors files by the "
@@ -116,7 +127,8 @@ class TrainConfig:
             if not (value > 0 or (value == 0 and name != "lr")) or value != value:
                 least = "greater than 0" if name == "lr" else "at least 0"
                 raise ConfigError(f"{_flag(name)} must be {least}, got {value}")
-        self._check_memory()
+        if not self.model:  # a model of its own has its own heads
+            self._check_memory()
         if self.batch % self.data_parallel:
             raise ConfigError(f"--batch {self.batch} does not split evenly into "
                               f"--data-parallel {self.data_parallel} replicas")
@@ -128,7 +140,7 @@ class TrainConfig:
         if self.width % self.heads:
             raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
         layers = self.layers + 3
-        if self.stages * self.virtual_stages > layers:
+        if not self.model and self.stages * self.virtual_stages > layers:
             raise ConfigError(
                 f"--stages {self.stages} x --virtual-stages {self.virtual_stages} asks for more "
                 f"stages than the model's {layers} layers ({self.layers} blocks, embedding, "
@@ -186,7 +198,7 @@ class TrainConfig:
         except ConveyorError as exc:
             raise ConfigError(f"--plan {self.plan}: {exc}") from None
         layers = self.layers + 3
-        if sum(options.get("balance", [])) != layers:
+        if not self.model and sum(options.get("balance", [])) != layers:
             raise ConfigError(
                 f"--plan {self.plan} cuts {sum(options.get('balance', []))} layers; this "
                 f"run's model has {layers} ({self.layers} blocks, embedding, norm, head): "
@@ -218,6 +230,8 @@ class TrainConfig:
 
 
 _METAVARS = {int: "N", float: "X", str: "NAME"}
+_NAMED_METAVARS = {"out": "DIR", "export": "DIR", "model": "DIR|MODULE:FUNCTION", "data": "PATH",
+                   "text_field": "KEY"}
 
 
 def _flag(name: str) -> str:
@@ -252,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 default=argparse.SUPPRESS, help=text)
             continue
         parser.add_argument(_flag(option.name), type=kind, default=argparse.SUPPRESS,
-                            metavar="DIR" if option.name == "out" else _METAVARS[kind],
+                            metavar=_NAMED_METAVARS.get(option.name, _METAVARS[kind]),
                             help=text)
 
 
@@ -274,6 +288,11 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig)
                    if hasattr(args, f.name)})
     given = set(values)
+    shaping = sorted(given & set(BUNDLED_SHAPE))
+    if values.get("model") and shaping:
+        raise ConfigError(f"{', '.join(map(_flag, shaping))} shape{'s' * (len(shaping) == 1)} "
+                          f"the bundled Transformer; --model {values['model']} brings its "
+                          "own: leave them out")
     if getattr(args, "resume", False):
         saved = Path(values.get("out", TrainConfig.out)) / OPTIONS_FILE
         if saved.exists():  # the run's own options, under what this command line says
@@ -315,8 +334,8 @@ def allowed_changes(text: str) -> frozenset[str]:
         ConfigError: a name that is not an option of the model or the data.
     """
     names = frozenset(n.strip().replace("-", "_") for n in text.split(",") if n.strip())
-    known = {"layers", "width", "hidden", "heads", "length", "tie", "vocab", "corpus", "seed",
-             "all"}
+    known = {"model", "layers", "width", "hidden", "heads", "length", "tie", "vocab", "corpus",
+             "seed", "all"}
     unknown = sorted(names - known)
     if unknown:
         raise ConfigError(f"--allow-change {text}: {', '.join(unknown)} "

@@ -1,6 +1,6 @@
-"""What ``conveyor train`` trains: the reference Transformer language model, its
-pipeline on this machine's devices (or, under torchrun, this process's), AdamW and its
-learning-rate schedule."""
+"""How ``conveyor train`` trains the model it built (:mod:`conveyor.train.usermodel`):
+its pipeline on this machine's devices (or, under torchrun, this process's), AdamW and
+its learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -15,27 +15,27 @@ from conveyor.engine.devices import absent
 from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.rebalance.policy import Rebalance
-from conveyor.train.language import summed_next_byte_loss
-from conveyor.train.models import transformer_lm
+from conveyor.train.language import summed_next_token_loss
 from conveyor.train.options import TrainConfig
+from conveyor.train.usermodel import BuiltModel
 
 __all__: list[str] = []
 
 
-def build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimizer, Any]:
-    """The model, its pipeline, AdamW, and its schedule: linear warm-up, cosine decay."""
-    torch.manual_seed(config.seed)
-    model = transformer_lm(config.layers, config.width, config.hidden, config.heads,
-                           vocab=256, max_length=config.length, dropout=config.dropout,
-                           tie=config.tie)
-    pipe = Pipeline(model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
+def build(config: TrainConfig,
+          built: BuiltModel) -> tuple[Pipeline, torch.optim.Optimizer, Any]:
+    """The model's pipeline (its weights read from its directory, if it has them),
+    AdamW, and its schedule: linear warm-up, cosine decay."""
+    pipe = Pipeline(built.model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
                     virtual_stages=config.virtual_stages, checkpoint=config.recompute(),
                     balance=config.balance(),
                     devices=stage_devices(config), data_parallel=config.replicas() or config.data_parallel,
                     sharding="fsdp" if config.shard else "replicate",
-                    loss_fn=summed_next_byte_loss, check_finite=True,
+                    loss_fn=summed_next_token_loss, check_finite=True,
                     timeout=config.timeout or None, verify_every=config.verify_every or None,
-                    rebalance=Rebalance() if config.rebalance else None)
+                    rebalance=Rebalance() if config.rebalance else None,
+                    weights=str(built.weights) if built.weights is not None else None,
+                    sample=None if isinstance(built.model, nn.Sequential) else sample(config))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr, weight_decay=0.01)
     pipe.attach_optimizer(optimizer)  # re-balancing moves its state with the layers
 
@@ -43,7 +43,14 @@ def build(config: TrainConfig) -> tuple[nn.Module, Pipeline, torch.optim.Optimiz
         warm = min(1.0, (step + 1) / config.warmup)
         return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
 
-    return model, pipe, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    return pipe, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+
+
+def sample(config: TrainConfig) -> torch.Tensor:
+    """One micro-batch of token ids as the run's model takes it, to trace the model by
+    (every rank alike, under torchrun too)."""
+    rows = max(1, config.batch // (config.data_parallel * config.chunks))
+    return torch.zeros(rows, config.length, dtype=torch.long)
 
 
 def stage_devices(config: TrainConfig) -> list[torch.device] | None:

@@ -33,7 +33,7 @@ from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.train import saving
 from conveyor.train.checkpoints import dcpfiles
-from conveyor.train.language import summed_next_byte_loss
+from conveyor.train.language import summed_next_token_loss
 from conveyor.train.models import transformer_lm
 from tests.faults import REPLICAS, REPLICATED, stage_of
 
@@ -132,7 +132,7 @@ def run_pipeline(case: dict[str, Any], rank: int, world: int, out: Path,
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         plant.at("loss", len(layout) - 1)
-        return summed_next_byte_loss(logits, targets)
+        return summed_next_token_loss(logits, targets)
 
     if case.get("prelude") == "config":  # refused by every rank; then the case itself
         try:
@@ -190,9 +190,9 @@ def run_train(case: dict[str, Any], rank: int, out: Path) -> None:
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         plant.at("loss", rank)
-        return summed_next_byte_loss(logits, targets)
+        return summed_next_token_loss(logits, targets)
 
-    setup.summed_next_byte_loss = loss_fn  # type: ignore[assignment]
+    setup.summed_next_token_loss = loss_fn  # type: ignore[assignment]
     original = dcpfiles._write
 
     def write(tensors: dict[str, Any], target: Path) -> None:

@@ -76,3 +76,12 @@ NOT_A_FUNCTION = 3
 
 def returns_a_number() -> int:
     return 3
+
+
+def small_byte_lm() -> nn.Module:
+    """A byte-level language model that is no ``nn.Sequential`` of conveyor's own: for
+    ``conveyor train --model tests.support.user_models:small_byte_lm``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=16, n_layer=2,
+                                      n_head=2, n_inner=32, use_cache=False))

@@ -12,20 +12,18 @@ layout and the schedule (stages, chunks, schedule, ...) may change: they are sai
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from conveyor.train.checkpoints import folder, manifest
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
 
-#: Options that define the model (its function, not only its tensors' shapes).
-MODEL = ("layers", "width", "hidden", "heads", "length", "tie", "vocab")
+#: Options that define the model (its function, not only its tensors' shapes); ``model``
+#: is the user's model (``--model``) with a checksum of its config.
+MODEL = ("model", "layers", "width", "hidden", "heads", "length", "tie", "vocab")
 #: Options that define the data a step reads.
 DATA = ("corpus", "seed")
 #: Options that may change on resume (the same model and data, run another way).
@@ -33,23 +31,19 @@ SAFE = ("schedule", "stages", "chunks", "virtual_stages", "data_parallel", "chec
         "batch", "devices", "shard", "plan")
 
 
-def corpus_identity(train: torch.Tensor) -> str:
-    """A short checksum of the training bytes (the bundled corpus is read from this
-    Python's standard library, which another Python may hold differently)."""
-    data = train.detach().cpu().contiguous().numpy().tobytes()
-    return f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}"
-
-
-def identity(config: Mapping[str, Any], corpus: str, *, vocab: int = 256) -> dict[str, Any]:
-    """What a checkpoint records of the model and data it was written for."""
-    values = {**config, "vocab": vocab, "corpus": corpus}
+def identity(config: Mapping[str, Any], corpus: str, *, vocab: int = 256,
+             model: str = "") -> dict[str, Any]:
+    """What a checkpoint records of the model and data it was written for: ``corpus``
+    (the data's checksum), ``vocab`` and ``model`` (the user's model: ``--model`` and its
+    config's checksum; "" for the bundled one) beside the options."""
+    values = {**config, "vocab": vocab, "corpus": corpus, "model": model}
     return {name: values[name] for name in (*MODEL, *DATA)}
 
 
 def _flag(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
-    if name in ("vocab", "corpus"):
+    if name in ("vocab", "corpus", "model"):
         return f"{name} {value}"
     return f"--{name.replace('_', '-')} {value}"
 
@@ -78,7 +72,8 @@ def check(saved: Mapping[str, Any], current: Mapping[str, Any], *, where: str,
         said = "; ".join(f"it was written with {_flag(n, recorded[n])}, this run has "
                          f"{_flag(n, current[n])}" for n in refused)
         kind = "model" if any(n in MODEL for n in refused) else "data"
-        fix = " ".join(_flag(n, recorded[n]) for n in refused if n not in ("vocab", "corpus"))
+        fix = " ".join(_flag(n, recorded[n]) for n in refused
+                       if n not in ("vocab", "corpus", "model"))
         raise CheckpointError(
             f"the checkpoint {where} was written for another {kind}: {said}; resuming would "
             f"train another {kind} on its weights. Resume with "

@@ -1,4 +1,5 @@
-"""The user's code named on the command line: ``--model package.module:function``."""
+"""The user's code named on the command line: ``--model package.module:function``, the
+function and the model it returns."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from torch import nn
 
 from conveyor.errors import ConfigError
 
@@ -43,3 +46,20 @@ def load_function(spec: str, *, returning: str, choices: str = "") -> Callable[[
         raise ConfigError(f"--model {spec}: {function_name} is a {type(function).__name__}, "
                           f"not a function that returns {returning}")
     return function  # type: ignore[no-any-return]
+
+
+def load_model(spec: str, *, choices: str = "") -> tuple[nn.Module, Any]:
+    """The model (and sample, or None) that ``package.module:function`` returns.
+
+    Raises:
+        ConfigError: the module cannot be imported, has no such name, the name is not a
+            function, or what it returns is not a model.
+    """
+    made = load_function(spec, returning="the model", choices=choices)()
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        return made[0], made[1]
+    if isinstance(made, nn.Module):
+        return made, None
+    raise ConfigError(f"--model {spec} returned a {type(made).__name__}; return an "
+                      "nn.Module, or (nn.Module, sample) with sample one batch as the model "
+                      "takes it")
