@@ -22,6 +22,7 @@ from torch import nn
 import conveyor
 from conveyor.cli.main import build_parser, main
 from tests.support.docs import ROOT, blocks, pages
+from tests.support.user_data import corpus_folder, llama_folder
 
 
 # The first training run of the README, made small: width 128 stays, as a later
@@ -33,6 +34,11 @@ _SMALLER = {"conveyor train": ["--steps", "1", "--layers", "1", "--length", "16"
 _SMALLER["conveyor plan --model mypkg.models:build --stages 4 --memory 80GiB"] = [
     "--no-verify"]
 _REAL = {"mypkg.models:build": "tests.support.user_models:ladder"}
+# The user's model directory and corpus (made in the test's folder: _user_files).
+_SMALLER["conveyor train --model path/to/llama --data corpus/ --length 512 --out runs/llama "
+         "--export trained/"] = [
+    "--steps", "1", "--batch", "8", "--chunks", "2", "--eval-every", "1", "--eval-batches",
+    "1", "--sample-bytes", "0"]
 # Run by `CONVEYOR_README_SLOW=1 pytest tests/test_readme_cli.py`, skipped (visibly) in CI.
 _SLOW = {
     "conveyor plan --model tests.support.user_models:llama_on_meta --stages 2 --batch 32 "
@@ -100,6 +106,9 @@ def test_the_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.syspath_prepend(str(ROOT))  # tests.*, examples.*
     (tmp_path / "notes.txt").write_text("not a folder")
     _record_run(tmp_path / "run.json")
+    llama_folder(tmp_path / "path" / "to" / "llama", positions=512)
+    corpus_folder(tmp_path / "corpus")
+    capsys.readouterr()
     found = examples()
     commands = [command for command, _ in found]
     assert len(commands) >= 15 and set(_NOT_RUN) <= set(commands), commands
