@@ -200,6 +200,8 @@ class _Training:
             out.mkdir(parents=True, exist_ok=True)
             (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
         parameters = sum(p.numel() for p in self.built.model.parameters())  # whole model
+        cut = (f"split at {', '.join(self.pipe.split_at)}" if self.pipe.split_at
+               else f"balance {self.pipe.balance}")
         replicas = config.data_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
         layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (
@@ -207,7 +209,7 @@ class _Training:
             f" of {config.replicas()} replicas" if config.replicas() else "")
         print(f"training {self.built.name} ({parameters / 1e6:.2f}M parameters) on "
               f"{self.corpus.source}; {config.schedule}, {layout}, "
-              f"{config.chunks} micro-batches, balance {self.pipe.balance}; held-out unigram "
+              f"{config.chunks} micro-batches, {cut}; held-out unigram "
               f"{self.unigram:.3f} bits/{self.corpus.unit}"
               + (f"; resuming at step {self.start}" if self.start else ""), flush=True)
 
