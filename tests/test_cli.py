@@ -233,9 +233,9 @@ def test_the_command_runs_and_simulate_needs_no_torch() -> None:
 
 def test_options_are_matched_whole_and_a_command_s_own_usage_is_shown(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """``--data DIR`` is not read as ``--data-parallel DIR``; an unknown option of a
+    """``--data-par 2`` is not read as ``--data-parallel 2``; an unknown option of a
     command shows that command's usage, not the top-level one."""
-    for argv, command in ((["train", "--data", "corpus"], "train"),
+    for argv, command in ((["train", "--data-par", "2"], "train"),
                           (["train", "--bogus"], "train"),
                           (["simulate", "--stag", "2", "--stages", "2", "--chunks", "4"],
                            "simulate")):

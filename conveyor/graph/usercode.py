@@ -9,8 +9,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
-
 from conveyor.errors import ConfigError
 
 __all__: list[str] = []
@@ -48,13 +46,15 @@ def load_function(spec: str, *, returning: str, choices: str = "") -> Callable[[
     return function  # type: ignore[no-any-return]
 
 
-def load_model(spec: str, *, choices: str = "") -> tuple[nn.Module, Any]:
+def load_model(spec: str, *, choices: str = "") -> tuple[Any, Any]:
     """The model (and sample, or None) that ``package.module:function`` returns.
 
     Raises:
         ConfigError: the module cannot be imported, has no such name, the name is not a
             function, or what it returns is not a model.
     """
+    from torch import nn  # here: the commands that load no model start without torch
+
     made = load_function(spec, returning="the model", choices=choices)()
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         return made[0], made[1]
