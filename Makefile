@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train demo test test-torch docs typecheck bench faults chaos fuzz fuzz-compile zoo mesh clean
+.PHONY: train demo test test-all test-torch docs typecheck bench faults chaos fuzz fuzz-compile zoo mesh clean
 
 train: $(VENV)/.installed
 	$(BIN)/conveyor train --out runs/default-$$(date +%Y%m%d-%H%M%S) $(ARGS)
@@ -15,6 +15,11 @@ demo: $(VENV)/.installed
 # Every extra is installed here, so a test that needs one fails rather than skips.
 test: $(VENV)/.installed
 	CONVEYOR_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest
+
+# The whole suite: also the tests marked long (more seeds, other launchers, larger
+# samples of what CI checks). Before a release, and after a change to the runtime.
+test-all: $(VENV)/.installed
+	CONVEYOR_REQUIRE_EXTRAS=1 CONVEYOR_WHOLE_SUITE=1 $(BIN)/python -m pytest
 
 # The suite against another torch, in a venv of its own (.venv-torch-VERSION: torch from
 # pip, a CUDA build of several GB on Linux, which runs on the CPU too). Not part of

@@ -17,7 +17,7 @@ from conveyor.cli import main
 from conveyor.pipeline import Pipeline
 from conveyor.train import saving
 from conveyor.train.data import TextCorpus
-from conveyor.train.userdata import read_corpus
+from conveyor.train.user.corpus import read_corpus
 from tests.support.extras import require
 from tests.support.launch import run_command
 from tests.support.training import checkpoint_state, one_error_line
@@ -76,16 +76,17 @@ def test_parquet_columns_are_read_with_pyarrow(tmp_path: Path) -> None:
             + corpus.decode(corpus.heldout.tolist())).count("document ") == 40
 
 
+@pytest.mark.timeout(400)  # three short runs: about 80 s on a quiet 2-core machine
 def test_a_hugging_face_directory_trains_resumes_mid_epoch_and_exports(
         tmp_path: Path, user: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The model built on meta and filled from its shards, tokens from its tokenizer; a
-    run stopped at step 4 of 7 (mid-epoch: 56 of about 150 windows) and resumed ends
+    run stopped at step 3 of 5 (mid-epoch: 24 of about 125 windows) and resumed ends
     where the whole run ends, bit for bit; the export loads with ``from_pretrained``."""
     import transformers
 
     model, data = user
-    assert train(tmp_path / "whole", model, data, "--steps", "7") == 0
+    assert train(tmp_path / "whole", model, data, "--steps", "5") == 0
     said = capsys.readouterr().out
     assert "training LlamaForCausalLM from" in said and "(its weights)" in said
     assert "bits/token" in said and "tokens of 24 documents" in said
@@ -94,16 +95,16 @@ def test_a_hugging_face_directory_trains_resumes_mid_epoch_and_exports(
     def step_then_ctrl_c(self: Pipeline, inputs: Any, targets: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        if calls == 4:
+        if calls == 3:
             signal.raise_signal(signal.SIGINT)
         return real_step(self, inputs, targets)
 
     monkeypatch.setattr(Pipeline, "step", step_then_ctrl_c)
-    assert train(tmp_path / "split", model, data, "--steps", "7") == 128 + signal.SIGINT
+    assert train(tmp_path / "split", model, data, "--steps", "5") == 128 + signal.SIGINT
     monkeypatch.undo()
     stopped = checkpoint_state(tmp_path / "split")["extra"]
-    assert stopped["step"] == 4 and stopped["data"]["position"] == 32
-    assert stopped["data"]["windows_per_epoch"] > 32  # mid-epoch
+    assert stopped["step"] == 3 and stopped["data"]["position"] == 24
+    assert stopped["data"]["windows_per_epoch"] > 40  # mid-epoch, and still at the end
     assert main(["train", "--resume", "--out", str(tmp_path / "split"),
                  "--export", str(tmp_path / "exported")]) == 0
     whole, split = checkpoint_state(tmp_path / "whole"), checkpoint_state(tmp_path / "split")

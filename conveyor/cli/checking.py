@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from conveyor.graph.usercode import load_function
+from conveyor.train.user.code import load_function
 
 if TYPE_CHECKING:
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]

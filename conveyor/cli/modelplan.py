@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conveyor.cli import tables
-from conveyor.graph.usercode import load_model
+from conveyor.train.user.code import load_model
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.checking.plans import verify_plans
 from conveyor.observe import plan as planning

@@ -12,8 +12,8 @@ from conveyor.errors import ConveyorError
 from conveyor.checking.check import check
 from conveyor.train.language import summed_next_token_loss
 from conveyor.train.options import TrainConfig
-from conveyor.train.userdata import read_data
-from conveyor.train.usermodel import build_model
+from conveyor.train.user.corpus import read_data
+from conveyor.train.user.model import build_model
 
 __all__: list[str] = []
 

@@ -4,7 +4,7 @@
   standard library's Python sources read as bytes (the most common bytes of code; every
   Python has them); files go to the held-out split by a hash of their name, so the split
   is the same on every run and machine with that Python. ``--data`` reads the user's
-  (:mod:`conveyor.train.userdata`).
+  (:mod:`conveyor.train.user.corpus`).
 * Images: scikit-learn's 8x8 digits, when scikit-learn is installed (optional).
 
 Training batches are windows of the stream in epoch order: the stream is cut into

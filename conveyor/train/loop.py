@@ -43,8 +43,8 @@ from conveyor.train.options import (OPTIONS_FILE, TrainConfig)
 from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress
 from conveyor.train.setup import build
-from conveyor.train.userdata import read_data
-from conveyor.train.usermodel import BuiltModel, build_model
+from conveyor.train.user.corpus import read_data
+from conveyor.train.user.model import BuiltModel, build_model
 from conveyor.train.report import write_report
 from conveyor.train.stopping import StopSignals, agree, stages_not_finite, where_on_usr1
 

@@ -127,8 +127,6 @@ class TrainConfig:
             if not (value > 0 or (value == 0 and name != "lr")) or value != value:
                 least = "greater than 0" if name == "lr" else "at least 0"
                 raise ConfigError(f"{_flag(name)} must be {least}, got {value}")
-        if not self.model:  # a model of its own has its own heads
-            self._check_memory()
         if self.batch % self.data_parallel:
             raise ConfigError(f"--batch {self.batch} does not split evenly into "
                               f"--data-parallel {self.data_parallel} replicas")
@@ -137,15 +135,8 @@ class TrainConfig:
             whose = "" if self.data_parallel == 1 else " per replica"
             raise ConfigError(f"--chunks {self.chunks} is more than the batch of {share} "
                               f"sequences{whose}; use --chunks <= {share}")
-        if self.width % self.heads:
-            raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
-        layers = self.layers + 3
-        if not self.model and self.stages * self.virtual_stages > layers:
-            raise ConfigError(
-                f"--stages {self.stages} x --virtual-stages {self.virtual_stages} asks for more "
-                f"stages than the model's {layers} layers ({self.layers} blocks, embedding, "
-                "norm and head); use fewer stages or more --layers"
-            )
+        if not self.model:
+            self._check_bundled()
         try:
             table = build(self.schedule, self.stages, self.chunks,
                           virtual_stages=self.virtual_stages)
@@ -211,6 +202,19 @@ class TrainConfig:
         uneven = not isinstance(options["data_parallel"], int)  # one pipeline: see replicas()
         self.data_parallel = 1 if uneven else options["data_parallel"]
         self.checkpoint_mode = recompute if isinstance(recompute, str) else ",".join(recompute)
+
+    def _check_bundled(self) -> None:
+        """The checks of the bundled Transformer's shape (a ``--model`` has its own)."""
+        if self.width % self.heads:
+            raise ConfigError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        layers = self.layers + 3
+        if self.stages * self.virtual_stages > layers:
+            raise ConfigError(
+                f"--stages {self.stages} x --virtual-stages {self.virtual_stages} asks for more "
+                f"stages than the model's {layers} layers ({self.layers} blocks, embedding, "
+                "norm and head); use fewer stages or more --layers"
+            )
+        self._check_memory()
 
     def _check_memory(self) -> None:
         """Refuses a length whose attention alone would not fit in this machine's memory

@@ -1,4 +1,4 @@
-"""How ``conveyor train`` trains the model it built (:mod:`conveyor.train.usermodel`):
+"""How ``conveyor train`` trains the model it built (:mod:`conveyor.train.user.model`):
 its pipeline on this machine's devices (or, under torchrun, this process's), AdamW and
 its learning-rate schedule."""
 
@@ -17,7 +17,7 @@ from conveyor.pipeline import Pipeline
 from conveyor.runtime.rebalance.policy import Rebalance
 from conveyor.train.language import summed_next_token_loss
 from conveyor.train.options import TrainConfig
-from conveyor.train.usermodel import BuiltModel
+from conveyor.train.user.model import BuiltModel
 
 __all__: list[str] = []
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 from conveyor.graph.modeldir import STORED
-from conveyor.graph.usercode import load_model
+from conveyor.train.user.code import load_model
 from conveyor.train.models import transformer_lm
 from conveyor.train.options import TrainConfig
 

@@ -30,7 +30,7 @@ import torch
 from conveyor.errors import ConfigError
 from conveyor.train.data import TextCorpus, decode_bytes, text_corpus
 from conveyor.train.options import TrainConfig
-from conveyor.train.usermodel import BuiltModel, check_fits
+from conveyor.train.user.model import BuiltModel, check_fits
 
 __all__: list[str] = []
 
@@ -45,7 +45,7 @@ def read_data(config: TrainConfig, built: BuiltModel, *, show: bool = True) -> T
 
     Raises:
         ConfigError: the data cannot be read (:func:`read_corpus`), or the model cannot
-            read it (:func:`~conveyor.train.usermodel.check_fits`).
+            read it (:func:`~conveyor.train.user.model.check_fits`).
     """
     tokenizer = built.tokenizer
     if config.data:
