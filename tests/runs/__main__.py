@@ -3,6 +3,7 @@
     python -m tests.runs --seed 3            # one drawn case
     python -m tests.runs --all               # every case, with the count and time
     python -m tests.runs --all --json out.json
+    python -m tests.runs --all --fault pointer,drift   # every case of these faults
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.runs import check, every_case, pick
+from tests.runs import FAULTS, check, every_case, pick
 
 
 def main() -> int:
@@ -22,8 +23,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, help="run the case drawn from this seed")
     parser.add_argument("--all", action="store_true", help="run every case")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--fault", default="", metavar="NAME,...",
+                        help=f"only the cases of these faults (of {', '.join(FAULTS)})")
     args = parser.parse_args()
     cases = every_case() if args.all else [pick(args.seed or 0)]
+    chosen = {name for name in args.fault.split(",") if name}
+    if chosen - set(FAULTS):
+        parser.error(f"--fault: unknown {', '.join(sorted(chosen - set(FAULTS)))}")
+    cases = [case for case in cases if not chosen or case.fault in chosen]
     start, failed, results = time.monotonic(), 0, []
     with tempfile.TemporaryDirectory() as scratch:
         for index, case in enumerate(cases, 1):
