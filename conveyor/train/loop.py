@@ -89,8 +89,9 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False,
         resume = saving.exists(config.out)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if config.processes() > config.stages and one_process:
-        needs = (f"--data-parallel {config.data_parallel}" if config.data_parallel > 1
-                 else f"--plan {config.plan} (replicas {config.replicas()})")
+        needs = " ".join(f"--{name} {value}" for name, value in (
+            ("data-parallel", config.data_parallel), ("tensor-parallel", config.tensor_parallel))
+            if value > 1) or f"--plan {config.plan} (replicas {config.replicas()})"
         raise ConfigError(f"{needs} needs processes: launch {config.processes()} with "
                           "torchrun")
     if config.shard and one_process:
@@ -202,11 +203,12 @@ class _Training:
         parameters = sum(p.numel() for p in self.built.model.parameters())  # whole model
         cut = (f"split at {', '.join(self.pipe.split_at)}" if self.pipe.split_at
                else f"balance {self.pipe.balance}")
-        replicas = config.data_parallel
+        replicas, tensors = config.data_parallel, config.tensor_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
         layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (
             f" x {replicas} {kind}" if replicas > 1 else
-            f" of {config.replicas()} replicas" if config.replicas() else "")
+            f" of {config.replicas()} replicas" if config.replicas() else "") + (
+            f" x {tensors} tensor ranks" if tensors > 1 else "")
         print(f"training {self.built.name} ({parameters / 1e6:.2f}M parameters) on "
               f"{self.corpus.source}; {config.schedule}, {layout}, "
               f"{config.chunks} micro-batches, {cut}; held-out unigram "

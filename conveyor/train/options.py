@@ -53,6 +53,10 @@ class TrainConfig:
     stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
                                     "batch (under torchrun)")
+    tensor_parallel: int = _option(1, "processes each stage's modules are split over "
+                                      "(Megatron-style, under torchrun): a Hugging Face "
+                                      "model by its own plan, the bundled Transformer's "
+                                      "feed-forward layers")
     shard: bool = _option(False, "hold 1/D of each stage's weights, gradients and AdamW "
                                  "state per replica (FSDP2) instead of a whole copy")
     rebalance: bool = _option(False, "measure the stages while training and move layers "
@@ -113,8 +117,8 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-mode {self.checkpoint_mode} names {len(modes)} "
                               f"modes for {self.stages * self.virtual_stages} stages")
         for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
-                     "data_parallel", "chunks", "virtual_stages", "steps", "warmup", "eval_every",
-                     "eval_batches", "save_every"):
+                     "data_parallel", "tensor_parallel", "chunks", "virtual_stages", "steps",
+                     "warmup", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be at least 1, "
                                   f"got {getattr(self, name)}")
@@ -151,6 +155,7 @@ class TrainConfig:
                           virtual_stages=self.virtual_stages)
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
+        self._check_tensor_parallel()
         if self.shard and self.rebalance:
             raise ConfigError("--rebalance cannot move layers sharded by --shard yet; drop one")
         if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
@@ -181,7 +186,8 @@ class TrainConfig:
     def processes(self) -> int:
         """The processes the run needs."""
         replicas = self.replicas()
-        return sum(replicas) if replicas else self.stages * self.data_parallel
+        return sum(replicas) if replicas else \
+            self.stages * self.data_parallel * self.tensor_parallel
 
     def recompute(self) -> str | list[str]:
         """``--checkpoint-mode`` as the pipeline takes it: one mode, or one per stage."""
@@ -211,6 +217,22 @@ class TrainConfig:
         uneven = not isinstance(options["data_parallel"], int)  # one pipeline: see replicas()
         self.data_parallel = 1 if uneven else options["data_parallel"]
         self.checkpoint_mode = recompute if isinstance(recompute, str) else ",".join(recompute)
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuses what a tensor-parallel run cannot do yet (one line each)."""
+        if self.tensor_parallel == 1:
+            return
+        size = f"--tensor-parallel {self.tensor_parallel}"
+        if self.rebalance:
+            raise ConfigError(f"--rebalance cannot move tensor-parallel layers yet; drop "
+                              f"--rebalance or {size}")
+        if self.replicas():
+            raise ConfigError(f"--plan {self.plan} replicates its stages unevenly, which "
+                              f"{size} cannot split yet; plan even replicas, or drop {size}")
+        if not self.model and self.hidden % self.tensor_parallel:
+            raise ConfigError(f"{size} splits the bundled Transformer's feed-forward layers, "
+                              f"but --hidden {self.hidden} is not divisible by "
+                              f"{self.tensor_parallel}")
 
     def _check_memory(self) -> None:
         """Refuses a length whose attention alone would not fit in this machine's memory
