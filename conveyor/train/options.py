@@ -156,6 +156,10 @@ class TrainConfig:
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
         self._check_tensor_parallel()
+        self._check_shard(table)
+
+    def _check_shard(self, table: Any) -> None:
+        """Refuses what ``--shard`` cannot run with (``table``: the run's schedule)."""
         if self.shard and self.rebalance:
             raise ConfigError("--rebalance cannot move layers sharded by --shard yet; drop one")
         if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
@@ -226,6 +230,10 @@ class TrainConfig:
         if self.rebalance:
             raise ConfigError(f"--rebalance cannot move tensor-parallel layers yet; drop "
                               f"--rebalance or {size}")
+        if self.shard:
+            raise ConfigError(f"--shard beside {size} is not in conveyor train yet: a "
+                              "checkpoint would have to hold FSDP's shards of each tensor "
+                              "rank's part as one tensor; drop --shard or --tensor-parallel")
         if self.replicas():
             raise ConfigError(f"--plan {self.plan} replicates its stages unevenly, which "
                               f"{size} cannot split yet; plan even replicas, or drop {size}")

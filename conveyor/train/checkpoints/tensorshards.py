@@ -57,7 +57,7 @@ def as_whole(state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
         return dict(state)
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = model.topology.mesh["tensor"]  # type: ignore[union-attr,index]
+    mesh: Any = getattr(model, "topology").mesh["tensor"]  # a pipeline's (its shards')
     return _changed(state, split, lambda t, name: DTensor.from_local(
         t, mesh, [Shard(split[name][0])], run_check=False) if t.dim() else t)
 
