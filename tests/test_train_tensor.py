@@ -3,8 +3,8 @@ torchrun launch running every run of tests/support/tensor_train.py) train a Hugg
 Face Llama (tied embedding and head, its own plan) and the bundled Transformer (its
 feed-forward plan) with the losses and gradient norms of one process without tensor
 parallelism; a stopped run resumes bit for bit; its checkpoint holds whole tensors by
-plain names and resumes as 2 stages x 2 replicas. What it cannot do is refused in one
-line."""
+plain names (and its export too) and resumes as 2 stages x 2 replicas. What it cannot do
+is refused in one line."""
 
 from __future__ import annotations
 
@@ -105,6 +105,18 @@ def test_the_checkpoint_holds_whole_tensors_by_plain_names(runs: dict[str, Any])
         assert torch.allclose(value, one[name], atol=1e-4), name
     bundled = saving.load_weights(runs["out"] / "bundled")
     assert bundled["1.feed_forward.0.weight"].shape == (32, 16)
+
+
+@LAUNCH
+def test_the_export_holds_whole_tensors_from_pretrained_reads(runs: dict[str, Any]) -> None:
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(runs["out"] / "exported")
+    state = loaded.state_dict()
+    trained = saving.load_weights(runs["out"] / "whole")
+    assert set(trained) <= set(state)
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
 
 
 @LAUNCH

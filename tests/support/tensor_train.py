@@ -3,7 +3,8 @@ tests/test_train_tensor.py: several runs one after another in the same processes
 process group kept between them), each rank noting the gradient norm of every step.
 
 Run as ``python -m tests.support.tensor_train OUT MODEL DATA`` (torchrun ``-m``). In
-OUT: ``whole`` (a Hugging Face Llama, 2 stages x 2 tensor ranks, 6 steps), ``split``
+OUT: ``whole`` (a Hugging Face Llama, 2 stages x 2 tensor ranks, 6 steps, exported to
+``exported``), ``split``
 (the same stopped by a signal after step 4 and resumed), ``reshaped`` (the checkpoint
 of step 4 resumed as 2 stages x 2 replicas, no tensor parallelism), ``bundled`` (the
 bundled Transformer, 2 stages x 2 tensor ranks), and ``norms-rank<r>.json``.
@@ -62,7 +63,8 @@ def train(run: str, out: Path, *flags: str) -> int:
 def runs(out: Path, model: str, data: str) -> list[int]:
     """The runs, in order; their exit codes."""
     user = ["--model", model, "--data", data, *USER, "--steps", "6"]
-    codes = [train("whole", out / "whole", *user, "--tensor-parallel", "2"),
+    codes = [train("whole", out / "whole", *user, "--tensor-parallel", "2", "--export",
+                   str(out / "exported")),
              train("split", out / "split", *user, "--tensor-parallel", "2")]
     dist.barrier()
     if dist.get_rank() == 0:  # the checkpoint of step 4, to resume at another shape
