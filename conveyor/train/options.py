@@ -50,7 +50,8 @@ class TrainConfig:
     tie: bool = _option(True, "the output head shares the token embedding's weight (--no-tie: "
                               "a head of its own)")
     batch: int = _option(32, "sequences per mini-batch")
-    stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
+    stages: int = _option(2, "pipeline stages (under torchrun: processes / (data-parallel "
+                             "x tensor-parallel))")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
                                     "batch (under torchrun)")
     tensor_parallel: int = _option(1, "processes each stage's modules are split over "
