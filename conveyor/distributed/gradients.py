@@ -72,7 +72,8 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Parameter],
                    max_norm: float, norm_type: float, group: Any,
-                   reduce: Reduce, share: float = 1.0) -> torch.Tensor:
+                   reduce: Reduce, share: float = 1.0, *,
+                   parts: Callable[[nn.Parameter], int] = lambda p: 1) -> torch.Tensor:
     """Scales ``params``' gradients so that their global norm is at most ``max_norm``.
 
     Args:
@@ -87,16 +88,21 @@ def clip_grad_norm(params: Sequence[nn.Parameter], counted: Sequence[nn.Paramete
             wait).
         share: the part of this process's ``norm ** p`` the sum over ``group`` counts:
             1 / r where r processes hold the same gradients (a replicated stage).
+        parts: of a parameter, how many processes hold the same whole gradient that
+            ``reduce`` also sums over (a weight kept whole over a tensor group of T:
+            T; a tensor-parallel shard, or none: 1); each counts 1 / parts of it.
 
     Returns:
         The global norm before clipping.
     """
-    grads = [local_shard(p.grad) for p in counted if p.grad is not None]
-    device = grads[0].device if grads else next(iter(params)).device
+    grads = [(local_shard(p.grad), parts(p)) for p in counted if p.grad is not None]
+    device = grads[0][0].device if grads else next(iter(params)).device
     inf = norm_type == float("inf")
     if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device) for g in grads])
-        local = norms.max() if inf else norms.pow(norm_type).sum()
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device)
+                             for g, _ in grads])
+        counts = norms.new_tensor([1 / count for _, count in grads])
+        local = norms.max() if inf else (norms.pow(norm_type) * counts).sum()
     else:
         local = torch.zeros((), device=device)
     local = local.to(torch.float64)

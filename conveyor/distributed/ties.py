@@ -38,8 +38,8 @@ def connect_ties(ties: Sequence[TiedParameter], topology: Topology,
 
 
 def _tie_group(stages: Sequence[int], stage_ranks: Sequence[int], topology: Topology) -> Any:
-    """The process group of the ranks holding copies, for this data replica (with
-    replicated stages: of every process holding one).
+    """The process group of the ranks holding copies, for this data replica and tensor
+    rank (with replicated stages: of every process holding one).
 
     Every process must create every group, in the same order (a torch.distributed rule),
     so this loops over all replicas and returns the one this process belongs to.
@@ -53,9 +53,12 @@ def _tie_group(stages: Sequence[int], stage_ranks: Sequence[int], topology: Topo
         group = topology.new_group(holders)
         return group if topology.pipeline_rank in holders else None
     mine = None
-    for replica in range(topology.data_size):
-        members = [k * topology.data_size + replica for k in pipeline_ranks]
-        group = topology.new_group(members)
-        if replica == topology.data_rank and topology.pipeline_rank in pipeline_ranks:
-            mine = group
+    size, tensors = topology.data_size, topology.tensor_size
+    for replica in range(size):
+        for part in range(tensors):  # global rank (k·D + d)·T + t
+            members = [(k * size + replica) * tensors + part for k in pipeline_ranks]
+            group = topology.new_group(members)
+            if (replica, part) == (topology.data_rank, topology.tensor_rank) \
+                    and topology.pipeline_rank in pipeline_ranks:
+                mine = group
     return mine

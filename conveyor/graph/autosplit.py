@@ -35,7 +35,7 @@ from torch.export.graph_signature import InputKind
 
 from conveyor.errors import BalanceError, ModelError
 from conveyor.graph.balance import solve_balance, solve_measured_balance, stage_costs
-from conveyor.graph.tracing import export_model, in_mode
+from conveyor.graph.tracing import export_model, in_mode, on_traced_device
 from conveyor.graph.profile import block_times
 
 __all__: list[str] = []
@@ -209,7 +209,7 @@ def block_parameters(model: nn.Module, names: Sequence[str],
         ModelError: tracing fails, or the blocks do not run in their order.
     """
     with in_mode(model, True):
-        program = export_model(model, sample)
+        program = export_model(model, on_traced_device(model, sample))
     index = {name: i for i, name in enumerate(names)}
     segment: dict[str, int] = {}  # node -> the block it runs in or after (-1: before all)
     current = -1

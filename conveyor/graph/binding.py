@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ModelError
 from conveyor.graph.tracedstage import Binding, CutPlan
-from conveyor.graph.weights import Placement
+from conveyor.graph.weights import SHARD, Placement
 
 __all__: list[str] = []
 
@@ -130,6 +130,8 @@ class Binder:
             value = (torch.empty_like(tensor) if tensor.is_meta  # given a value by fill()
                      else tensor.detach().to(self.devices[k], copy=True))
             copy = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            if hasattr(tensor, SHARD):  # a copy of a tensor-parallel shard: the same rows
+                setattr(copy, SHARD, getattr(tensor, SHARD))
             setattr(owner, attribute, copy)
             _copies_of[copy] = tensor
             if COPY_MARK in attribute:

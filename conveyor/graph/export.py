@@ -61,7 +61,7 @@ from conveyor.graph.binding import Binder
 from conveyor.graph.calls import CallForm
 from conveyor.graph.tracedstage import (CutPlan, GraphStage, StageProgram,
                                         refuse_state_across_stages)
-from conveyor.graph.tracing import traced_call
+from conveyor.graph.tracing import on_traced_device, traced_call, traced_device
 from conveyor.graph.weights import (
     InitFn,
     Placement,
@@ -129,10 +129,8 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
             raise ModelError(f"split_at names {name!r}, which is not a submodule of "
                              f"{type(model).__name__}; use names from "
                              "model.named_modules()") from None
-    traced_on = _device_of(model)
-    if traced_on.type == "meta":
-        sample = pytree.tree_map(
-            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, sample)
+    traced_on = traced_device(model)
+    sample = on_traced_device(model, sample)
     # The program of the model's own mode is traced with each module as the user holds
     # it (a batch norm frozen in a model that trains stays frozen); the other mode's,
     # after model.train(). Every module's mode is restored after.
@@ -164,14 +162,6 @@ def split_model(model: nn.Module, sample: Any, split_at: Sequence[str],
     _drop_others(model, binder.placement)
     split.edges = _edges(plans.values())
     return split
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    """The device a model's tensors are on (meta if any is): the one it is traced on."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if any(t.is_meta for t in tensors):
-        return torch.device("meta")
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _move_device_arguments(module: fx.GraphModule, traced_on: torch.device,

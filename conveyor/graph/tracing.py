@@ -48,6 +48,24 @@ _programs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[Any, ExportedProgram
     weakref.WeakKeyDictionary())
 
 
+def traced_device(model: nn.Module) -> torch.device:
+    """The device a model's tensors are on (meta if any is): the one it is traced on."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        return torch.device("meta")
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def on_traced_device(model: nn.Module, sample: Any) -> Any:
+    """``sample`` on the meta device where ``model`` is traced there (a meta model
+    costs no memory to trace, and its code, a split embedding's, never meets a tensor
+    of another device); else as it is."""
+    if traced_device(model).type != "meta":
+        return sample
+    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x,
+                           sample)
+
+
 def export_model(model: nn.Module, sample: Any) -> ExportedProgram:
     """``model``'s forward on ``sample`` (see :func:`traced_call`)."""
     return traced_call(model, sample)[0]

@@ -13,7 +13,8 @@ is what ``transformers`` writes and ``from_pretrained`` reads::
 
 Each stage's tensors are written by the first rank that holds the stage, one stage at
 a time: FSDP's shards of one stage are gathered (over that stage's replicas), written and
-dropped before the next, so no rank holds more than one stage's weights at once. A weight
+dropped before the next, so no rank holds more than one stage's weights at once;
+tensor-parallel shards are put together over their tensor group alike. A weight
 several stages use (tied embeddings) is written once, under the name of the lowest
 stage that holds it, as ``save_pretrained`` writes it once. The ranks agree before
 anything is written: a folder that exists and is not empty is refused on every rank.
@@ -32,6 +33,8 @@ from torch import nn
 from conveyor.distributed.faults.collective import exchange
 from conveyor.engine.layers import WholeStage
 from conveyor.errors import ModelError, SaveError
+from conveyor.graph.weights import SHARD
+from conveyor.tensor.full import tensor_groups, whole_of
 
 __all__: list[str] = []
 
@@ -117,7 +120,7 @@ def save_pretrained(pipe: nn.Module, runtime: Any, directory: str | Path, *,
     rank = torch.distributed.get_rank() if topology.distributed else 0
     mine = {"rank": rank, "refusal": refusal(directory),
             "stages": {str(k): names for k, names in local.items()},
-            "bytes": {n: state[n].numel() * state[n].element_size()
+            "bytes": {n: state[n].numel() * state[n].element_size() * _parts(state[n])
                       for names in local.values() for n in names}}
     reports = _everyone(mine, topology, runtime, "the agreement before an export")
     refused = [r["refusal"] for r in reports if r["refusal"]]
@@ -126,8 +129,10 @@ def save_pretrained(pipe: nn.Module, runtime: Any, directory: str | Path, *,
     keep = written_once(reports, [tuple(t.names) for t in layout.ties])
     writer = {int(k): r["rank"] for r in reversed(reports) for k in r["stages"]}
     count = runtime.schedule.num_stages
+    groups = tensor_groups(pipe)  # tensor-parallel shards: put together over their group
     for stage in sorted(local):  # one stage at a time: gathered, written, dropped
-        tensors = {n: _whole(state[n]) for n in local[stage] if keep.get(n) == stage}
+        tensors = {n: _whole(whole_of(state[n], groups)) for n in local[stage]
+                   if keep.get(n) == stage}
         if writer[stage] == rank:
             directory.mkdir(parents=True, exist_ok=True)
             write_tensors(tensors, directory / file_of(stage, count))
@@ -164,6 +169,11 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise ModelError("save_pretrained writes safetensors files: pip install "
                          "safetensors") from None
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _parts(tensor: torch.Tensor) -> int:
+    """Of how many tensor-parallel shards ``tensor`` is one (1: it is whole)."""
+    return int(getattr(tensor, SHARD, (0, 0, 1))[2])
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

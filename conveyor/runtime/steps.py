@@ -38,6 +38,7 @@ from conveyor.engine.microbatch import (
 from conveyor.engine.step import StepState, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.errors import ConveyorError, MicroBatchError
+from conveyor.graph.weights import SHARD
 from conveyor.runtime.finite import check_gradients
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.verify import Certificate
@@ -283,12 +284,16 @@ def infer(runtime: Runtime, how: TrainingStep, inputs: Any, *, training: bool) -
 def clip_gradients(runtime: Runtime, params: Sequence[nn.Parameter], max_norm: float,
                    norm_type: float, *, sharded: bool) -> torch.Tensor:
     """Clips ``params``' gradients by their norm over every stage and rank (a tied
-    weight counted once; sharded, each stage's norm first summed over its shards);
+    weight counted once; sharded, each stage's norm first summed over its shards; with
+    tensor parallelism, over its tensor group, a weight kept whole counted once);
     returns the norm before clipping."""
     duplicates = {id(d) for tie in runtime.layout.ties for d in tie.duplicates()}
     topology = runtime.topology
     groups = [topology.data_group] if sharded else []
     groups.append(topology.pipeline_group)
+    tensors = topology.tensor_size
+    if tensors > 1:  # a shard's norm is part of its weight's, a whole weight's is T copies
+        groups.append(topology.tensor_group)
 
     def reduce(norm: torch.Tensor, op: Any) -> None:
         for group in groups:
@@ -297,4 +302,5 @@ def clip_gradients(runtime: Runtime, params: Sequence[nn.Parameter], max_norm: f
 
     share = 1 / topology.stage_replicas  # a replicated stage's gradients: counted once
     return clip_grad_norm(params, [p for p in params if id(p) not in duplicates], max_norm,
-                          norm_type, topology.pipeline_group, reduce, share)
+                          norm_type, topology.pipeline_group, reduce, share,
+                          parts=lambda p: 1 if hasattr(p, SHARD) else tensors)

@@ -105,20 +105,30 @@ def apply_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, *, gro
     plan = resolve_plan(model, tp_plan)
     planned = planned_modules(model, plan)
     check_sizes(model, planned, group.size, config or getattr(model, "config", None))
-    owners: dict[int, str] = {}
+    owners: dict[int, tuple[str, Any]] = {}
     for name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
             style = planned.get(name, ("", ""))[0]
-            if owners.setdefault(id(param), style) != style:
+            first, cut = owners.setdefault(id(param), (style, _cut_of(style, attr)))
+            if cut != _cut_of(style, attr):
                 raise TensorParallelError(
                     f"{name}.{attr} is tied to a weight the plan splits otherwise "
-                    f"({owners[id(param)] or 'kept whole'} against {style or 'kept whole'}); "
+                    f"({first or 'kept whole'} against {style or 'kept whole'}); "
                     "give tied modules one style, or untie them")
+    shards: dict[int, nn.Parameter] = {}  # a tied weight: one shard for all its modules
     for name, (style, _) in planned.items():
         module = model.get_submodule(name)
         if style in _SPLITS:
-            _split(module, name, style, group)
+            _split(module, name, style, group, shards)
     return {name: style for name, (style, _) in planned.items()}
+
+
+def _cut_of(style: str, attr: str) -> Any:
+    """How a style holds a module's parameter ``attr``: the dimension it splits (the
+    same rows of a tied weight for an embedding's vocabulary and a head's outputs), or
+    the style itself where it keeps the parameter whole."""
+    dim = _SPLITS[style][1].get(attr) if style in _SPLITS else None
+    return ("split", dim) if dim is not None else style
 
 
 def sum_gradients(owner: nn.Module, styles: Mapping[str, str], group: Group) -> int:
@@ -136,8 +146,10 @@ def sum_gradients(owner: nn.Module, styles: Mapping[str, str], group: Group) -> 
     return count
 
 
-def _split(module: nn.Module, name: str, style: str, group: Group) -> None:
-    """``module``'s parameters as this rank's shards, its class the style's."""
+def _split(module: nn.Module, name: str, style: str, group: Group,
+           shards: dict[int, nn.Parameter]) -> None:
+    """``module``'s parameters as this rank's shards, its class the style's (a weight
+    split before, tied to another module's, takes that one's shard from ``shards``)."""
     kind, dims = _SPLITS[style]
     base = kind.__mro__[1]
     if type(module) is not base:
@@ -149,10 +161,11 @@ def _split(module: nn.Module, name: str, style: str, group: Group) -> None:
         dim = dims.get(attr)
         if dim is None:
             continue
-        shard = param.detach().chunk(group.size, dim)[group.rank].clone()
-        new = nn.Parameter(shard, requires_grad=param.requires_grad)
-        setattr(new, SHARD, (dim, group.rank, group.size))
-        setattr(module, attr, new)
+        if id(param) not in shards:
+            shard = param.detach().chunk(group.size, dim)[group.rank].clone()
+            shards[id(param)] = nn.Parameter(shard, requires_grad=param.requires_grad)
+            setattr(shards[id(param)], SHARD, (dim, group.rank, group.size))
+        setattr(module, attr, shards[id(param)])
     module.__class__ = kind
     module._tp = group  # type: ignore[assignment]
     if isinstance(module, nn.Linear):

@@ -20,17 +20,26 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
     Under a pipeline each rank holds only its stages: this gives those stages' tensors.
     """
-    groups: dict[int, Any] = {id(param): sub._tp for sub in module.modules() if hasattr(sub, "_tp")
-              for param in sub.parameters(recurse=False)}
-    whole: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        shard = getattr(tensor, SHARD, None)
-        group = groups.get(id(tensor))
-        if shard is None or group is None:
-            whole[name] = tensor.detach()
-            continue
-        whole[name] = full_tensor(tensor.detach(), shard, group.name, group.seconds)
-    return whole
+    groups = tensor_groups(module)
+    return {name: whole_of(tensor, groups)
+            for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
+def tensor_groups(module: nn.Module) -> dict[int, Any]:
+    """The tensor group of each split parameter of ``module``, by the parameter's id."""
+    return {id(param): sub._tp for sub in module.modules() if hasattr(sub, "_tp")
+            for param in sub.parameters(recurse=False)}
+
+
+def whole_of(tensor: torch.Tensor, groups: dict[int, Any]) -> torch.Tensor:
+    """``tensor`` whole: a shard (of a parameter in ``groups``, from
+    :func:`tensor_groups`) put together over its group, a collective; any other as it
+    is (detached)."""
+    shard = getattr(tensor, SHARD, None)
+    group = groups.get(id(tensor))
+    if shard is None or group is None:
+        return tensor.detach()
+    return full_tensor(tensor.detach(), shard, group.name, group.seconds)
 
 
 def full_tensor(shard: torch.Tensor, where: tuple[int, int, int], group: str,

@@ -35,6 +35,7 @@ class PipelineShape(Protocol):
 
     stages: int
     data_parallel: int
+    tensor_parallel: int
     chunks: int
 
 RESUME_AUTO = "auto"  # --resume auto: continue the run in --out if it has a checkpoint
@@ -65,11 +66,12 @@ def plan_layout(values: dict[str, Any], *, given: set[str], world: int) -> dict[
     """The options ``values`` with the layout planned for ``world`` processes.
 
     Options in ``given`` (the command line and ``--config``) are kept as they are; the
-    others, such as the stages a resumed run had, give way to the world: ``data_parallel``
-    stays if it divides ``world`` (else 1), ``stages`` is ``world / data_parallel``, and
-    ``chunks`` grows to the fewest the schedule can run on that many stages, if it must.
-    The balance is not an option: the pipeline recomputes it (by parameters) for the
-    new number of stages.
+    others, such as the stages a resumed run had, give way to the world:
+    ``tensor_parallel`` stays if it divides ``world`` (else 1), ``data_parallel`` if it
+    divides what is left (else 1), ``stages`` is ``world / (data_parallel x
+    tensor_parallel)``, and ``chunks`` grows to the fewest the schedule can run on that
+    many stages, if it must. The balance is not an option: the pipeline recomputes it
+    (by parameters) for the new number of stages.
 
     Args:
         values: every option by name (defaults filled in).
@@ -80,30 +82,49 @@ def plan_layout(values: dict[str, Any], *, given: set[str], world: int) -> dict[
         A new dict of options.
 
     Raises:
-        ConfigError: a given ``--data-parallel`` does not divide the world, or a given
-            ``--stages`` does not fit it.
+        ConfigError: a given ``--tensor-parallel`` or ``--data-parallel`` does not divide
+            the world, or a given ``--stages`` does not fit it.
     """
     planned = dict(values)
-    replicas = int(values["data_parallel"])
-    if world % replicas:
-        if "data_parallel" in given:
-            raise ConfigError(f"--data-parallel {replicas} does not divide the {world} "
-                              f"processes torchrun started; use a divisor of {world}, or "
-                              "leave out --data-parallel to let the world decide")
-        replicas = planned["data_parallel"] = 1
+    tensors = _divisor(planned, "tensor_parallel", world, given)
+    replicas = _divisor(planned, "data_parallel", world // tensors, given,
+                        f"process groups of --tensor-parallel {tensors} that the {world} "
+                        "processes torchrun started make" if tensors > 1 else "")
+    inner = replicas * tensors
     if "stages" in given:
         stages = int(values["stages"])
-        if stages * replicas != world:  # one process too: a checkpoint of one kind
-            raise ConfigError(f"--stages {stages} x --data-parallel {replicas} needs "
-                              f"{stages * replicas} processes but torchrun started {world}; "
+        if stages * inner != world:  # one process too: a checkpoint of one kind
+            split = f" x --tensor-parallel {tensors}" if tensors > 1 else ""
+            raise ConfigError(f"--stages {stages} x --data-parallel {replicas}{split} needs "
+                              f"{stages * inner} processes but torchrun started {world}; "
                               "leave out --stages to plan the pipeline for the world "
-                              f"({world // replicas} stages)")
+                              f"({world // inner} stages)")
         return planned
-    stages = planned["stages"] = max(1, world // replicas)
+    stages = planned["stages"] = max(1, world // inner)
     chunks = _fitting_chunks(planned, stages, replicas)
     if chunks is not None:
         planned["chunks"] = chunks
     return planned
+
+
+def _divisor(planned: dict[str, Any], name: str, world: int, given: set[str],
+             what: str = "") -> int:
+    """``planned[name]`` where it divides ``world`` (``what``: processes torchrun
+    started); else 1 (set in ``planned``) unless the user gave it.
+
+    Raises:
+        ConfigError: the user gave it, and it does not divide ``world``.
+    """
+    value = int(planned.get(name, 1))
+    if world % value == 0:
+        return value
+    flag = "--" + name.replace("_", "-")
+    if name in given:
+        raise ConfigError(f"{flag} {value} does not divide the {world} "
+                          f"{what or 'processes torchrun started'}; use a divisor of {world}, "
+                          f"or leave out {flag} to let the world decide")
+    planned[name] = 1
+    return 1
 
 
 def _fitting_chunks(values: dict[str, Any], stages: int, replicas: int) -> int | None:
@@ -171,17 +192,22 @@ def describe_replan(saved: dict[str, Any], config: PipelineShape, *,
     world and balance: the world is then their stages times replicas, and the balance
     is not shown."""
     world, stages, replicas = world_size(), config.stages, config.data_parallel
+    tensors = config.tensor_parallel
     old = saved.get("config", {})
     old_stages = int(old.get("stages", stages))
     old_replicas = int(old.get("data_parallel", replicas))
-    old_world = int(saved.get("world", old_stages * old_replicas))
+    old_tensors = int(old.get("tensor_parallel", 1))
+    old_world = int(saved.get("world", old_stages * old_replicas * old_tensors))
     old_balance = saved.get("balance")
-    if (old_world, old_stages, old_replicas) == (world, stages, replicas) and (
+    if (old_world, old_stages, old_replicas, old_tensors) == (
+            world, stages, replicas, tensors) and (
             old_balance is None or list(old_balance) == balance):
         return None
     changes = [f"{old_stages} stage{'s' * (old_stages != 1)} -> {stages}"]
     if old_replicas != replicas:
         changes.append(f"{old_replicas} replica{'s' * (old_replicas != 1)} -> {replicas}")
+    if old_tensors != tensors:
+        changes.append(f"{old_tensors} tensor rank{'s' * (old_tensors != 1)} -> {tensors}")
     if old_balance is not None:
         changes.append(f"balance {list(old_balance)} -> {balance}")
     old_chunks = int(old.get("chunks", config.chunks))

@@ -89,8 +89,9 @@ def run(config: TrainConfig, *, resume: bool | str = False, check: bool = False,
         resume = saving.exists(config.out)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if config.processes() > config.stages and one_process:
-        needs = (f"--data-parallel {config.data_parallel}" if config.data_parallel > 1
-                 else f"--plan {config.plan} (replicas {config.replicas()})")
+        needs = " ".join(f"--{name} {value}" for name, value in (
+            ("data-parallel", config.data_parallel), ("tensor-parallel", config.tensor_parallel))
+            if value > 1) or f"--plan {config.plan} (replicas {config.replicas()})"
         raise ConfigError(f"{needs} needs processes: launch {config.processes()} with "
                           "torchrun")
     if config.shard and one_process:
@@ -142,6 +143,7 @@ class _Training:
     replan: str | None = None  # how the layout differs from the resumed checkpoint's
     identity: dict[str, Any] = field(default_factory=dict)  # the model and data (fit)
     notes: list[str] = field(default_factory=list)  # said on resume (pointer, changes)
+    parameters: int = 0  # of the whole model (a rank holds its stages, or their shards)
 
     @property
     def intact(self) -> str:  # what a failed save leaves, for its message
@@ -165,11 +167,13 @@ class _Training:
                                 model=built.identity)
         notes = fit.resume_notes(Path(config.out), asdict(config), identity,
                                  allow) if resume else []
+        parameters = sum(p.numel() for p in built.model.parameters())  # before the split
         pipe, optimizer, scheduler = build(config, built)
         if dist.is_initialized():
             lock.acquire_together(writer=show, agree=lambda value: agree(pipe, value)[0])
         training = cls(config, corpus, built, pipe, optimizer, scheduler, show,
-                       corpus.unigram_bits(), identity=identity, notes=notes)
+                       corpus.unigram_bits(), identity=identity, notes=notes,
+                       parameters=parameters)
         if resume:
             extra = saving.load(training.out, model=pipe, optimizer=optimizer)
             training.start = training.step = training.saved = int(extra["step"])
@@ -199,15 +203,15 @@ class _Training:
         with writing(OPTIONS_FILE, out, self.intact):
             out.mkdir(parents=True, exist_ok=True)
             (out / OPTIONS_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
-        parameters = sum(p.numel() for p in self.built.model.parameters())  # whole model
         cut = (f"split at {', '.join(self.pipe.split_at)}" if self.pipe.split_at
                else f"balance {self.pipe.balance}")
-        replicas = config.data_parallel
+        replicas, tensors = config.data_parallel, config.tensor_parallel
         kind = "shards (FSDP)" if config.shard else "replicas"
         layout = f"{config.stages} stage{'s' * (config.stages != 1)}" + (
             f" x {replicas} {kind}" if replicas > 1 else
-            f" of {config.replicas()} replicas" if config.replicas() else "")
-        print(f"training {self.built.name} ({parameters / 1e6:.2f}M parameters) on "
+            f" of {config.replicas()} replicas" if config.replicas() else "") + (
+            f" x {tensors} tensor ranks" if tensors > 1 else "")
+        print(f"training {self.built.name} ({self.parameters / 1e6:.2f}M parameters) on "
               f"{self.corpus.source}; {config.schedule}, {layout}, "
               f"{config.chunks} micro-batches, {cut}; held-out unigram "
               f"{self.unigram:.3f} bits/{self.corpus.unit}"

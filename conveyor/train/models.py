@@ -14,6 +14,7 @@ __all__ = [
     "Cell",
     "Embedding",
     "Residual",
+    "TRANSFORMER_TP_PLAN",
     "TransformerBlock",
     "convnet",
     "convnet_figures",
@@ -127,6 +128,14 @@ def transformer_lm(
         nn.LayerNorm(width),
         head,
     )
+
+
+#: The tensor-parallel plan of :func:`transformer_lm` (``Pipeline(tp_plan=...)``): each
+#: block's feed-forward pair split Megatron's way (the first Linear by its outputs, the
+#: second by its inputs, one sum per block), attention, embedding, norms and head whole
+#: on every rank. Exact: the fused ``qkv`` Linear is never split by its outputs, which
+#: would give each rank a mix of q, k and v rather than its heads.
+TRANSFORMER_TP_PLAN = {"*.feed_forward.0": "colwise", "*.feed_forward.2": "rowwise"}
 
 
 class Cell(nn.Module):

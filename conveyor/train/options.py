@@ -50,9 +50,14 @@ class TrainConfig:
     tie: bool = _option(True, "the output head shares the token embedding's weight (--no-tie: "
                               "a head of its own)")
     batch: int = _option(32, "sequences per mini-batch")
-    stages: int = _option(2, "pipeline stages (under torchrun: processes / data-parallel)")
+    stages: int = _option(2, "pipeline stages (under torchrun: processes / (data-parallel "
+                             "x tensor-parallel))")
     data_parallel: int = _option(1, "replicas of the pipeline, each on a share of the "
                                     "batch (under torchrun)")
+    tensor_parallel: int = _option(1, "processes each stage's modules are split over "
+                                      "(Megatron-style, under torchrun): a Hugging Face "
+                                      "model by its own plan, the bundled Transformer's "
+                                      "feed-forward layers")
     shard: bool = _option(False, "hold 1/D of each stage's weights, gradients and AdamW "
                                  "state per replica (FSDP2) instead of a whole copy")
     rebalance: bool = _option(False, "measure the stages while training and move layers "
@@ -113,8 +118,8 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-mode {self.checkpoint_mode} names {len(modes)} "
                               f"modes for {self.stages * self.virtual_stages} stages")
         for name in ("layers", "width", "hidden", "heads", "length", "batch", "stages",
-                     "data_parallel", "chunks", "virtual_stages", "steps", "warmup", "eval_every",
-                     "eval_batches", "save_every"):
+                     "data_parallel", "tensor_parallel", "chunks", "virtual_stages", "steps",
+                     "warmup", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be at least 1, "
                                   f"got {getattr(self, name)}")
@@ -142,6 +147,11 @@ class TrainConfig:
                           virtual_stages=self.virtual_stages)
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
+        self._check_tensor_parallel()
+        self._check_shard(table)
+
+    def _check_shard(self, table: Any) -> None:
+        """Refuses what ``--shard`` cannot run with (``table``: the run's schedule)."""
         if self.shard and self.rebalance:
             raise ConfigError("--rebalance cannot move layers sharded by --shard yet; drop one")
         if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
@@ -149,7 +159,6 @@ class TrainConfig:
             raise ConfigError(f"--shard cannot run --schedule {self.schedule}, whose split "
                               "backwards compute weight gradients outside FSDP's hooks; use "
                               "1f1b, gpipe or interleaved-1f1b")
-
 
     def balance(self) -> list[int] | None:
         """The layers per stage ``--plan`` cuts (None: the pipeline balances)."""
@@ -172,7 +181,8 @@ class TrainConfig:
     def processes(self) -> int:
         """The processes the run needs."""
         replicas = self.replicas()
-        return sum(replicas) if replicas else self.stages * self.data_parallel
+        return sum(replicas) if replicas else \
+            self.stages * self.data_parallel * self.tensor_parallel
 
     def recompute(self) -> str | list[str]:
         """``--checkpoint-mode`` as the pipeline takes it: one mode, or one per stage."""
@@ -215,6 +225,26 @@ class TrainConfig:
                 "norm and head); use fewer stages or more --layers"
             )
         self._check_memory()
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuses what a tensor-parallel run cannot do yet (one line each)."""
+        if self.tensor_parallel == 1:
+            return
+        size = f"--tensor-parallel {self.tensor_parallel}"
+        if self.rebalance:
+            raise ConfigError(f"--rebalance cannot move tensor-parallel layers yet; drop "
+                              f"--rebalance or {size}")
+        if self.shard:
+            raise ConfigError(f"--shard beside {size} is not in conveyor train yet: a "
+                              "checkpoint would have to hold FSDP's shards of each tensor "
+                              "rank's part as one tensor; drop --shard or --tensor-parallel")
+        if self.replicas():
+            raise ConfigError(f"--plan {self.plan} replicates its stages unevenly, which "
+                              f"{size} cannot split yet; plan even replicas, or drop {size}")
+        if not self.model and self.hidden % self.tensor_parallel:
+            raise ConfigError(f"{size} splits the bundled Transformer's feed-forward layers, "
+                              f"but --hidden {self.hidden} is not divisible by "
+                              f"{self.tensor_parallel}")
 
     def _check_memory(self) -> None:
         """Refuses a length whose attention alone would not fit in this machine's memory

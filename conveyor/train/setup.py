@@ -16,6 +16,7 @@ from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.rebalance.policy import Rebalance
 from conveyor.train.language import summed_next_token_loss
+from conveyor.train.models import TRANSFORMER_TP_PLAN
 from conveyor.train.options import TrainConfig
 from conveyor.train.user.model import BuiltModel
 
@@ -26,10 +27,13 @@ def build(config: TrainConfig,
           built: BuiltModel) -> tuple[Pipeline, torch.optim.Optimizer, Any]:
     """The model's pipeline (its weights read from its directory, if it has them),
     AdamW, and its schedule: linear warm-up, cosine decay."""
-    pipe = Pipeline(built.model, stages=config.stages, chunks=config.chunks, schedule=config.schedule,
-                    virtual_stages=config.virtual_stages, checkpoint=config.recompute(),
+    pipe = Pipeline(built.model, stages=config.stages, chunks=config.chunks,
+                    schedule=config.schedule, virtual_stages=config.virtual_stages,
+                    checkpoint=config.recompute(),
                     balance=config.balance(),
-                    devices=stage_devices(config), data_parallel=config.replicas() or config.data_parallel,
+                    devices=stage_devices(config),
+                    data_parallel=config.replicas() or config.data_parallel,
+                    tensor_parallel=config.tensor_parallel, tp_plan=tensor_plan(config),
                     sharding="fsdp" if config.shard else "replicate",
                     loss_fn=summed_next_token_loss, check_finite=True,
                     timeout=config.timeout or None, verify_every=config.verify_every or None,
@@ -44,6 +48,15 @@ def build(config: TrainConfig,
         return warm * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
 
     return pipe, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+
+
+def tensor_plan(config: TrainConfig) -> str | dict[str, str] | None:
+    """How ``--tensor-parallel`` splits the run's model: the bundled Transformer's
+    feed-forward layers (:data:`~conveyor.train.models.TRANSFORMER_TP_PLAN`), any other
+    model by its own plan (a Hugging Face model's); None without tensor parallelism."""
+    if config.tensor_parallel == 1:
+        return None
+    return "auto" if config.model else dict(TRANSFORMER_TP_PLAN)
 
 
 def sample(config: TrainConfig) -> torch.Tensor:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.distributed.p2p import P2PTransport
+from conveyor.distributed.topology import Topology
 from conveyor.distributed.faults.peerfailure import origin
 from conveyor.distributed.faults.store import outlive_peers_at_exit
 from conveyor.distributed.faults.whereabouts import Whereabouts
@@ -76,9 +77,23 @@ def explain(error: BaseException, executor: Executor, whereabouts: Whereabouts,
         _follow_the_waits(error, snapshots, rank)
     replicas = transport.replicas  # replicated stages: a row per process
     table = executor.schedule if replicas is None else replicas.table(executor.schedule)
-    attach_report(error, render_report(table, executor.kinds, snapshots, notes))
+    attach_report(error, render_report(table, executor.kinds, snapshots, notes,
+                                       place=mesh_place(transport.topology)))
     if hosting == rank:
         outlive_peers_at_exit(GATHER + 1.0)
+
+
+def mesh_place(topology: Topology) -> str:
+    """Which pipeline of a (pipeline, data, tensor) mesh ``topology``'s is, for a
+    report's first line: ``; data replica 1, tensor rank 0: global ranks 2, 6`` ("" for
+    the only pipeline)."""
+    coordinates = [f"{what} {rank}" for what, rank, size in (
+        ("data replica", topology.data_rank, topology.data_size),
+        ("tensor rank", topology.tensor_rank, topology.tensor_size)) if size > 1]
+    if not coordinates:
+        return ""
+    return (f"; {', '.join(coordinates)}: global ranks "
+            f"{', '.join(map(str, topology.pipeline_ranks))}")
 
 
 def own_report(error: BaseException, rank: int) -> dict[str, Any]:

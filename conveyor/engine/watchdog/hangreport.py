@@ -38,7 +38,8 @@ _WINDOW = 8  # ticks drawn on each side of the marked places
 
 def render_report(schedule: Schedule, kinds: Iterable[Kind],
                   snapshots: Mapping[int, dict[str, Any] | None],
-                  notes: Mapping[int, str] = {}, absent: str = "no answer") -> str:
+                  notes: Mapping[int, str] = {}, absent: str = "no answer",
+                  place: str = "") -> str:
     """The report of one run of ``kinds`` of ``schedule``, from each rank's snapshot.
 
     Args:
@@ -46,13 +47,15 @@ def render_report(schedule: Schedule, kinds: Iterable[Kind],
             answer).
         notes: per rank, what to add to its line (why it did not answer, "stuck").
         absent: what a rank without a snapshot is said to be.
+        place: which pipeline of a mesh this is, for the first line ("" for the only one).
     """
     kinds = set(kinds)
     phase = actions_of(schedule, kinds)
     step = next((s["step"] for s in snapshots.values() if s), 0)
     what = "+".join(KIND_WORDS[k] for k in Kind if k in kinds)
     lines = [f"where each rank stood (step {step} of {schedule.name!r}, "
-             f"{schedule.num_ranks} ranks, {schedule.num_microbatches} micro-batches; {what}):"]
+             f"{schedule.num_ranks} ranks, {schedule.num_microbatches} micro-batches; {what}"
+             f"{place}):"]
     for rank in range(schedule.num_ranks):
         snapshot = snapshots.get(rank)
         text = describe(snapshot) if snapshot else absent

@@ -1,7 +1,8 @@
 """Checkpoints under torchrun: torch.distributed.checkpoint, bounded, verified, and read
 without running code.
 
-Each rank writes the tensors of its own stages (a sharded one, its shards) with
+Each rank writes the tensors of its own stages (a sharded one, its shards; a
+tensor-parallel one, its parts of whole tensors: :mod:`.tensorshards`) with
 ``torch.distributed.checkpoint`` (DCP), and a ``rank-<r>.json`` of their checksums and
 of its optimizer's values that are not tensors; once every rank has written, rank 0
 hashes the files into the manifest and moves the ``latest`` pointer.
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.train.checkpoints import durable, folder, manifest
+from conveyor.train.checkpoints import durable, folder, manifest, tensorshards
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
@@ -59,6 +60,7 @@ def save(root: Path, tensors: dict[str, Any], meta: Any, model: nn.Module, step:
         PeerFailure: another rank failed or went silent during the save.
     """
     rank = dist.get_rank()
+    tensors = tensorshards.as_whole(tensors, model)  # a shard: its part of the whole
     # Every rank names it from the folder before any writes into it: they agree.
     suffix = torch.tensor([manifest.new_name(root, step)[1]])
     _all_reduce(model, suffix, "the agreement on a checkpoint's name", dist.ReduceOp.MAX)
@@ -110,6 +112,7 @@ def load(target: Path, found: dict[str, Any], model: nn.Module,
             name: kept for name, state in manifest.optimizer_tensors(model, optimizer).items()
             if (kept := {key: t for key, t in state.items()
                          if f"optimizer.{name}.{key}" in index})}
+    template = tensorshards.as_whole(template, model)  # a shard reads its part
     try:
         dcp.load(template, storage_reader=_Reader(str(target)), planner=_Planner())
     except (Exception, dcp.api.CheckpointException) as exc:  # the latter is a BaseException
@@ -118,7 +121,7 @@ def load(target: Path, found: dict[str, Any], model: nn.Module,
         raise CheckpointError(f"cannot load the checkpoint {target}: "
                               f"{manifest.first_line(exc)}") from exc
     manifest.check_tensors(target, template, digests, damaged)
-    return template, values
+    return tensorshards.as_local(template, model), values
 
 
 def load_weights(target: Path, found: dict[str, Any]) -> dict[str, torch.Tensor]:

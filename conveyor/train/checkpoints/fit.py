@@ -27,8 +27,8 @@ MODEL = ("model", "layers", "width", "hidden", "heads", "length", "tie", "vocab"
 #: Options that define the data a step reads.
 DATA = ("corpus", "seed")
 #: Options that may change on resume (the same model and data, run another way).
-SAFE = ("schedule", "stages", "chunks", "virtual_stages", "data_parallel", "checkpoint_mode",
-        "batch", "devices", "shard", "plan")
+SAFE = ("schedule", "stages", "chunks", "virtual_stages", "data_parallel", "tensor_parallel",
+        "checkpoint_mode", "batch", "devices", "shard", "plan")
 
 
 def identity(config: Mapping[str, Any], corpus: str, *, vocab: int = 256,

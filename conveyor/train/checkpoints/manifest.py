@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.train.checkpoints import durable
+from conveyor.train.checkpoints import durable, tensorshards
 from conveyor.train.errors import CheckpointError
 
 __all__: list[str] = []
@@ -213,7 +213,7 @@ def check_fits(saved: Mapping[str, torch.Size], model: nn.Module, where: Path, *
                partial: bool) -> None:
     """Raises CheckpointError naming the weights that ``model`` lacks, has in another
     shape, or (unless the model holds only some stages) that it does not have."""
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    expected = tensorshards.whole_shapes(model)  # a tensor-parallel shard's: the whole
     problems = [f"{name} is {tuple(saved[name])} in the checkpoint but {tuple(shape)} here"
                 for name, shape in expected.items()
                 if name in saved and saved[name] != shape]
