@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from conveyor.pipeline import Pipeline
-from conveyor.train import saving, setup
+from conveyor.train import saving
+from conveyor.train.user import model as built_model
 from conveyor.train.checkpoints import manifest
 from conveyor.train.errors import CheckpointError, SaveError
 from tests.support.training import latest_checkpoint, one_error_line, train
@@ -50,7 +51,7 @@ class Poison(nn.Module):
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``conveyor train``'s model with a Poison layer after its first block."""
-    build = setup.transformer_lm
+    build = built_model.transformer_lm
 
     def with_poison(*args: Any, **kwargs: Any) -> nn.Sequential:
         model = build(*args, **kwargs)
@@ -62,7 +63,7 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         POISON["step"] += 1
         return stepping(self, inputs, targets)
 
-    monkeypatch.setattr(setup, "transformer_lm", with_poison)
+    monkeypatch.setattr(built_model, "transformer_lm", with_poison)
     monkeypatch.setattr(Pipeline, "step", step)
     monkeypatch.setitem(POISON, "step", 0)
     return POISON

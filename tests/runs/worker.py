@@ -25,7 +25,7 @@ from conveyor.cli import main
 from conveyor.distributed.faults import collective
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.pipeline import Pipeline
-from conveyor.train import setup
+from conveyor.train.user import model as built_model
 from conveyor.train.checkpoints import dcpfiles
 from tests.runs import READ_ONLY, TIMEOUT
 
@@ -87,14 +87,14 @@ class Poison(nn.Module):
 def with_poisons(chosen: Plant) -> None:
     """``conveyor train``'s model with a Poison layer after its embedding and one before
     its head (in every phase: a checkpoint has the same names)."""
-    build = setup.transformer_lm
+    build = built_model.transformer_lm
 
     def poisoned(*args: Any, **kwargs: Any) -> nn.Sequential:
         model = build(*args, **kwargs)
         return nn.Sequential(model[0], Poison(chosen, 0), *model[1:-1], Poison(chosen, 1),
                              model[-1])
 
-    setup.transformer_lm = poisoned  # type: ignore[assignment]
+    built_model.transformer_lm = poisoned  # type: ignore[assignment]
 
 
 def plant(case: dict[str, Any], rank: int, out: Path, flags: list[str]) -> None:
