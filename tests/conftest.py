@@ -3,11 +3,12 @@ tests/support)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
 import pytest
+
+from tests.support.tiers import is_listed, listed, whole_suite
 
 
 @pytest.fixture
@@ -18,20 +19,18 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-#: ``make test-all`` sets it: the long tests run too (``make test`` and CI leave them out).
-WHOLE_SUITE = "CONVEYOR_WHOLE_SUITE"
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leaves out the tests marked ``long`` unless CONVEYOR_WHOLE_SUITE=1: each repeats,
-    at greater cost, what a test that runs in CI checks (another launcher, more seeds, a
-    larger sample); ``make test-all`` runs them all."""
-    if os.environ.get(WHOLE_SUITE) == "1":
+    """Leaves out the long tests (tests/support/tiers.py) unless CONVEYOR_WHOLE_SUITE=1
+    (``make test-all``)."""
+    if whole_suite():
         return
-    long = [item for item in items if item.get_closest_marker("long")]
+    patterns = listed()
+    long = [item for item in items
+            if item.get_closest_marker("long") or is_listed(item.nodeid, patterns)]
     if long:
         config.hook.pytest_deselected(items=long)
-        items[:] = [item for item in items if not item.get_closest_marker("long")]
+        chosen = set(map(id, long))
+        items[:] = [item for item in items if id(item) not in chosen]
         config.stash[_LEFT_OUT] = len(long)
 
 
@@ -41,5 +40,5 @@ _LEFT_OUT = pytest.StashKey[int]()
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     left_out = config.stash.get(_LEFT_OUT, 0)
     if left_out:
-        terminalreporter.write_line(f"{left_out} long tests left out (marked long): "
-                                    "make test-all runs them")
+        terminalreporter.write_line(f"{left_out} long tests left out (tests/long_tests.txt, "
+                                    "marked long): make test-all runs them")

@@ -65,6 +65,7 @@ def _losses(out: Path) -> list[float]:
     return [e["loss"] for e in json.loads((out / "summary.json").read_text())["history"]]
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 def test_each_run_ends_as_it_should(runs: dict[str, Any]) -> None:
     # whole, split (stopped by SIGINT), resumed, reshaped, bundled
@@ -72,6 +73,7 @@ def test_each_run_ends_as_it_should(runs: dict[str, Any]) -> None:
     assert "2 stages x 2 tensor ranks" in runs["said"]
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 @pytest.mark.parametrize(("run", "one"), [("whole", "one"), ("bundled", "bundled-one")])
 def test_two_stages_by_two_tensor_ranks_match_one_process(runs: dict[str, Any], run: str,
@@ -84,6 +86,7 @@ def test_two_stages_by_two_tensor_ranks_match_one_process(runs: dict[str, Any], 
     assert max(runs["one"][one]) > 1.0  # the clipping at 1.0 did scale
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 def test_a_stopped_run_resumes_bit_for_bit_at_the_same_shape(runs: dict[str, Any]) -> None:
     out = runs["out"]
@@ -94,6 +97,7 @@ def test_a_stopped_run_resumes_bit_for_bit_at_the_same_shape(runs: dict[str, Any
     assert len(runs["ranks"][0]["norms"]["resumed"]) == 2  # steps 5 and 6 only
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 def test_the_checkpoint_holds_whole_tensors_by_plain_names(runs: dict[str, Any]) -> None:
     trained = saving.load_weights(runs["out"] / "whole")
@@ -106,6 +110,7 @@ def test_the_checkpoint_holds_whole_tensors_by_plain_names(runs: dict[str, Any])
     assert bundled["1.feed_forward.0.weight"].shape == (32, 16)
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 def test_the_export_holds_whole_tensors_from_pretrained_reads(runs: dict[str, Any]) -> None:
     import transformers
@@ -118,6 +123,7 @@ def test_the_export_holds_whole_tensors_from_pretrained_reads(runs: dict[str, An
         assert torch.equal(state[name], value), name
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
 def test_a_checkpoint_resumes_without_tensor_parallelism(runs: dict[str, Any]) -> None:
     """Stopped at step 4 as 2 stages x 2 tensor ranks, resumed as 2 stages x 2 replicas:

@@ -192,6 +192,7 @@ def test_options_are_matched_whole_never_by_prefix(capsys: pytest.CaptureFixture
     assert "unrecognized arguments: --dat" in capsys.readouterr().err
 
 
+@pytest.mark.long  # a 4-process launch: make test-all
 @pytest.mark.timeout(400)
 def test_two_stages_by_two_replicas_under_torchrun_match_one_process(
         tmp_path: Path, user: Any) -> None:

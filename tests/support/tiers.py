@@ -1,0 +1,73 @@
+"""The suite's two tiers: ``make test`` (CI, within its time budget) and ``make test-all``
+(CONVEYOR_WHOLE_SUITE=1), which also runs the long tests.
+
+A test is long when it is marked ``@pytest.mark.long`` or listed in tests/long_tests.txt,
+which this module writes from a measured run of the whole suite: every test slower than
+``--limit`` seconds there, except those that stand for a capability no quick test covers
+(:data:`KEEP`). Each long test repeats at greater cost what a quick one checks (another
+launcher, more seeds, a larger model or sample); the generators' whole samples are
+``make faults``, ``make chaos``, ``make fuzz``.
+
+    make test-all ARGS="--junitxml=times.xml"     # measure every test
+    python -m tests.support.tiers times.xml --limit 2 > tests/long_tests.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+#: Set by ``make test-all``: the long tests run too.
+WHOLE_SUITE = "CONVEYOR_WHOLE_SUITE"
+LISTED = Path(__file__).parents[1] / "long_tests.txt"
+#: Slow tests CI keeps whatever they cost: each the one check of its capability.
+KEEP = ("tests/test_tensor_parallel.py::*",  # PP x TP under torchrun: the round's principal
+        "tests/test_readme_cli.py::*",  # every command of the README and the guides
+        "tests/test_docs.py::test_python_blocks_run[[]README.md[]]",
+        # A launch shared by the cases of a sample: their tiers are their own markers.
+        "tests/test_runs.py::test_a_faulty_run_*",
+        "tests/test_faults.py::test_a_generated_fault_*")
+
+
+def whole_suite() -> bool:
+    """Whether this run is ``make test-all``'s."""
+    return os.environ.get(WHOLE_SUITE) == "1"
+
+
+def listed() -> list[str]:
+    """The node ids tests/long_tests.txt lists (patterns as fnmatch reads them)."""
+    if not LISTED.exists():
+        return []
+    return [line.strip() for line in LISTED.read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def is_listed(nodeid: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in patterns)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.tiers")
+    parser.add_argument("junit", help="the JUnit XML of a run of the whole suite")
+    parser.add_argument("--limit", type=float, default=2.0,
+                        help="seconds above which a test is long (default 2)")
+    args = parser.parse_args()
+    rows = []
+    for case in ElementTree.parse(args.junit).iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        rows.append((float(case.get("time", 0)), f"{module}::{case.get('name')}"))
+    long = sorted(name for seconds, name in rows
+                  if seconds > args.limit and not is_listed(name, list(KEEP)))
+    print(f"# Written by python -m tests.support.tiers {Path(args.junit).name} --limit "
+          f"{args.limit:g}: the tests over\n# {args.limit:g} s in a measured run of the whole "
+          f"suite ({len(long)} of {len(rows)}). make test-all runs them all.")
+    print("\n".join(name.replace("[", "[[]") for name in long))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
