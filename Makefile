@@ -19,7 +19,7 @@ test: $(VENV)/.installed
 # The whole suite: also the tests marked long (more seeds, other launchers, larger
 # samples of what CI checks). Before a release, and after a change to the runtime.
 test-all: $(VENV)/.installed
-	CONVEYOR_REQUIRE_EXTRAS=1 CONVEYOR_WHOLE_SUITE=1 $(BIN)/python -m pytest
+	CONVEYOR_REQUIRE_EXTRAS=1 CONVEYOR_WHOLE_SUITE=1 $(BIN)/python -m pytest $(ARGS)
 
 # The suite against another torch, in a venv of its own (.venv-torch-VERSION: torch from
 # pip, a CUDA build of several GB on Linux, which runs on the CPU too). Not part of
