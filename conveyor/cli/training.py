@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed as dist
 
+from conveyor.distributed.faults.collective import exchange
 from conveyor.distributed.watch import end_process_group
 from conveyor.errors import ConfigError, ConveyorError
 from conveyor.train import saving
@@ -33,6 +34,16 @@ def train_command(args: argparse.Namespace) -> int:
     return code
 
 
+def _after_rank_0_said_it(seconds: float = 5.0) -> None:
+    """Waits (at most ``seconds``) until every rank, rank 0 among them, has reached the
+    refusal: torchrun ends the others when one rank exits, and rank 0, which alone says
+    why, must not be ended before it has."""
+    try:
+        exchange(None, group=dist.group.WORLD, what="the refusal", seconds=seconds)
+    except (ConveyorError, RuntimeError):  # a rank that refused alone: nothing to wait for
+        pass
+
+
 def _run_command(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -45,7 +56,9 @@ def _run_command(args: argparse.Namespace) -> int:
         # before it, a rank's own refusal (its --out) may be its alone: it says so.
         if rank == 0 or not dist.is_initialized():
             where = f" (rank {rank})" if rank else ""
-            print(f"conveyor train: error{where}: {exc}", file=sys.stderr)
+            print(f"conveyor train: error{where}: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            _after_rank_0_said_it()
         return 2
     except ConveyorError as exc:
         where = f" (rank {rank})" if dist.is_initialized() else ""

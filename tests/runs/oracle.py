@@ -233,8 +233,9 @@ def _before_the_group(case: Case, out: Path) -> list[str]:
     listener.listen(16)
     held: list[socket.socket] = []
     threading.Thread(target=lambda: _accept(listener, held), daemon=True).start()
+    port = listener.getsockname()[1]
     try:
-        first = launch_run(case, out, "first", silent_port=listener.getsockname()[1])
+        first = launch_run(case, out, "first", silent_port=port)
     finally:
         listener.close()
     if any(code is None for code in first.returncodes):
@@ -250,7 +251,9 @@ def _before_the_group(case: Case, out: Path) -> list[str]:
     for rank, end in sorted(ended.items()):
         if end["time"] - fired > 2 * TIMEOUT + GRACE:
             found.append(f"rank {rank} ended {end['time'] - fired:.1f} s after the fault")
-    said = {"silent": "could not join the process group at 127.0.0.1:",
+    # The address as the rank was given it: 127.0.0.1 by hand, torchrun's "localhost".
+    host = "localhost" if case.launcher == "torchrun" else "127.0.0.1"
+    said = {"silent": f"could not join the process group at {host}:{port} ",
             "refusal": f"--out {READ_ONLY} cannot be created"}[case.fault]
     if said not in _errors(out, "first"):
         found.append(f"no process said {said!r}: {_errors(out, 'first')[-1500:]}")

@@ -21,6 +21,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -29,6 +30,9 @@ from conveyor.errors import RendezvousError
 __all__: list[str] = []
 
 _stuck: list[threading.Thread] = []  # joins that never came back
+#: Seconds (at most the join's own) a rank whose store answered gives a missing rank to
+#: say why: processes start seconds apart on a loaded machine.
+_LET_THE_CAUSE_SPEAK = 15.0
 
 
 def address() -> str:
@@ -64,14 +68,50 @@ def join(backend: str, *, seconds: float, timeout: float) -> None:
     thread.join(seconds)
     if thread.is_alive():
         _stuck.append(thread)
+        if not _store_answers(seconds=min(2.0, seconds)):
+            raise RendezvousError(
+                f"could not join the process group at {address()} within {seconds:g} s: the "
+                "store there did not answer (a program that accepts and never replies holds "
+                "the port?); check MASTER_ADDR and MASTER_PORT (a free port, the same for "
+                "every rank)")
+        # The store answers: another rank is missing. Its own error (a silent store, a
+        # refusal) is the one to read: let it out first, as torchrun ends the others
+        # when one rank exits. A rank that arrives meanwhile completes the join.
+        deadline = time.monotonic() + min(seconds, _LET_THE_CAUSE_SPEAK)
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.1)
+        if not thread.is_alive() and not failed:
+            _stuck.remove(thread)
+            return
+        time.sleep(max(0.0, deadline - time.monotonic()))
         raise RendezvousError(
             f"could not join the process group at {address()} within {seconds:g} s: the "
-            "store there did not answer (a program that accepts and never replies holds the "
-            "port?) or another rank did not arrive; check MASTER_ADDR and MASTER_PORT (a free "
-            "port, the same for every rank) and that every rank was started")
+            "store answered, but not every rank arrived; check that every rank was started "
+            "(and the errors of the others)")
     if failed:
         raise RendezvousError(f"could not join the process group at {address()}: "
                               f"{_said(failed[0])}") from failed[0]
+
+
+def _store_answers(*, seconds: float) -> bool:
+    """Whether the job's store answers a client within ``seconds`` (a connection on a
+    thread of its own: a silent listener would hold it past any timeout)."""
+    answered: list[bool] = []
+
+    def ask() -> None:
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False,
+                                  timeout=datetime.timedelta(seconds=seconds))
+            store.check(["conveyor-probe"])
+            answered.append(True)
+        except Exception:  # noqa: BLE001 - no answer is the answer
+            pass
+
+    asking = threading.Thread(target=ask, daemon=True, name="conveyor-store-probe")
+    asking.start()
+    asking.join(seconds + 0.5)
+    return bool(answered)
 
 
 def _said(exc: BaseException) -> str:
