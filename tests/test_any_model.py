@@ -158,6 +158,7 @@ def assert_rank_grads(results: list[dict[str, Any]], reference: nn.Module) -> No
     assert held == {id(p) for p in reference.parameters()}
 
 
+@pytest.mark.long  # one launch of every model under torchrun (~2 min): make test-all
 @pytest.mark.timeout(600)  # the first one waits for the launch
 @pytest.mark.parametrize("case", ANY_MODEL_CASES, ids=lambda case: f"{case[0]}-{case[1]}")
 def test_under_torchrun_each_rank_holds_its_stage(torchrun: Path, case: tuple[Any, ...]) -> None:

@@ -143,6 +143,7 @@ def test_a_function_named_as_package_module_function_trains_on_bytes(
     assert summary["unit"] == "byte" and "heldout_bpb" in summary
 
 
+@pytest.mark.long  # two more runs of the Llama: make test-all
 def test_a_config_without_weights_is_initialised_from_the_seed(tmp_path: Path,
                                                                user: Any) -> None:
     _, data = user
