@@ -177,6 +177,7 @@ def test_under_torchrun_each_rank_holds_its_stage(torchrun: Path, case: tuple[An
         assert result["state"] == [key for key in keys if key in result["state"]]
 
 
+@pytest.mark.long  # the same launch of every model under torchrun: make test-all
 @pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_meta_model_reads_its_rank_s_weights(torchrun: Path) -> None:
     _, reference, _, inputs, targets = build("gpt2")

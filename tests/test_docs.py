@@ -30,13 +30,13 @@ from tests.support.docs import ROOT, Block, blocks, pages
 #: Commands of shell blocks that are not ``conveyor ...``: a pattern, and where it runs
 #: or why it does not run here.
 SHELL = {
-    r"make (demo|train|test|docs|bench|faults|chaos|fuzz|zoo|typecheck)( .*)?":
+    r"make (demo|train|test|test-all|docs|bench|faults|chaos|fuzz|zoo|typecheck)( .*)?":
         "the Makefile's targets: .ci/run runs make test and make docs",
     r"make test-torch( .*)?": "the suite on another torch: by hand before a release, as "
                               "its CUDA wheels are several GB",
     r"pip install .*": "installation: what make does on a fresh machine",
     r"git clone .*|cd conveyor": "getting the code",
-    r"(PYTHONPATH=\. )?python -m (tests\.\w+|conveyor)( .*)?":
+    r"(PYTHONPATH=\. |\.venv/bin/)?python -m (tests\.[\w.]+|conveyor)( .*)?":
         "the generators' and the package's entry points, run by their own tests",
     r"(PYTHONPATH=\. )?python (examples|benchmarks)/\w+\.py( .*)?":
         "the examples (tests/test_examples.py) and benchmarks (make bench)",

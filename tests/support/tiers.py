@@ -9,7 +9,7 @@ launcher, more seeds, a larger model or sample); the generators' whole samples a
 ``make faults``, ``make chaos``, ``make fuzz``.
 
     make test-all ARGS="--junitxml=times.xml"     # measure every test
-    python -m tests.support.tiers times.xml --limit 2 > tests/long_tests.txt
+    python -m tests.support.tiers times.xml --limit 1.5 > tests/long_tests.txt
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def is_listed(nodeid: str, patterns: list[str]) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.support.tiers")
     parser.add_argument("junit", help="the JUnit XML of a run of the whole suite")
-    parser.add_argument("--limit", type=float, default=2.0,
-                        help="seconds above which a test is long (default 2)")
+    parser.add_argument("--limit", type=float, default=1.5,
+                        help="seconds above which a test is long (default 1.5)")
     args = parser.parse_args()
     rows = []
     for case in ElementTree.parse(args.junit).iter("testcase"):
