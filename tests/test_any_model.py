@@ -195,6 +195,7 @@ def test_under_torchrun_a_meta_model_reads_its_rank_s_weights(torchrun: Path) ->
     assert "lm_head.weight" in results[1]["state"]
 
 
+@pytest.mark.long  # the same launch of every model under torchrun: make test-all
 @pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Path) -> None:
     model, *_ = llama()
@@ -211,6 +212,7 @@ def test_under_torchrun_a_meta_model_starts_as_initialize_gives_it(torchrun: Pat
     assert found["model.layers.0.mlp.up_proj.weight"].std() > 0.01  # not left empty
 
 
+@pytest.mark.long  # the same launch of every model under torchrun: make test-all
 @pytest.mark.timeout(600)  # the first one waits for the launch
 def test_under_torchrun_a_skip_of_a_layer_list_crosses_ranks(torchrun: Path) -> None:
     _, reference, inputs, targets = long_skip()
