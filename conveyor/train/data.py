@@ -32,7 +32,8 @@ __all__ = ["TextCorpus", "digits", "text_corpus"]
 _SKIP = ("site-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "__pycache__")
 
 
-def decode_bytes(ids: list[int]) -> str:
+def decode_bytes(ids: list[int] | bytes) -> str:
+    """Byte ids as text (a broken UTF-8 sequence as the replacement character)."""
     return bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -82,8 +83,7 @@ class TextCorpus:
                              f"than one window of {length} + 1")
         starts = [int(_epoch_order(count, seed, p // count)[p % count]) * length
                   for p in range(position, position + size)]
-        rows = torch.stack([self.train[s:s + length + 1] for s in starts]).long()
-        return rows[:, :-1], rows[:, 1:]
+        return _inputs_and_targets(self.train, starts, length)
 
     def batch(self, step: int, size: int, length: int, *, seed: int = 0,
               heldout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +97,7 @@ class TextCorpus:
             return self.windows(step * size, size, length, seed=seed)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + 1)
         starts = torch.randint(0, len(self.heldout) - length - 1, (size,), generator=generator)
-        rows = torch.stack([self.heldout[s:s + length + 1] for s in starts.tolist()]).long()
-        return rows[:, :-1], rows[:, 1:]
+        return _inputs_and_targets(self.heldout, starts.tolist(), length)
 
     def prompt(self, length: int) -> torch.Tensor:
         """A prompt to sample from: the first ``length`` ids of the held-out text (of
@@ -123,6 +122,13 @@ class TextCorpus:
         data = self.train.detach().cpu().contiguous().numpy().tobytes()
         return (f"{len(self.train)} {self.unit}s, sha256 "
                 f"{hashlib.sha256(data).hexdigest()[:16]}")
+
+
+def _inputs_and_targets(data: torch.Tensor, starts: list[int],
+                        length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of ``length`` + 1 ids at ``starts``: inputs, and targets one ahead."""
+    rows = torch.stack([data[s:s + length + 1] for s in starts]).long()
+    return rows[:, :-1], rows[:, 1:]
 
 
 @functools.lru_cache(maxsize=4)  # one epoch's order at a time, and the next

@@ -39,7 +39,7 @@ from conveyor.train.data import TextCorpus
 from conveyor.train.elastic import (RESUME_AUTO, check_resumable, describe_replan, join_world,
                                     world_size)
 from conveyor.train.language import evaluate, generate
-from conveyor.train.options import (OPTIONS_FILE, TrainConfig)
+from conveyor.train.options import OPTIONS_FILE, TrainConfig
 from conveyor.train.outdir import RunLock, check_usable, writing
 from conveyor.train.progress import Progress
 from conveyor.train.setup import build

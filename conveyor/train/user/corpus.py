@@ -54,7 +54,8 @@ def read_data(config: TrainConfig, built: BuiltModel, *, show: bool = True) -> T
     else:
         corpus = text_corpus()
         if tokenizer is not None:  # the bundled text, as the model's tokenizer reads it
-            train, heldout = (torch.cat(_encoded([decode_bytes(part.tolist())], tokenizer))
+            train, heldout = (torch.cat(_encoded([decode_bytes(part.numpy().tobytes())],
+                                                 tokenizer))
                               for part in (corpus.train, corpus.heldout))
             corpus = TextCorpus(train, heldout, vocab=len(tokenizer), unit="token",
                                 decode=_decoder(tokenizer),
