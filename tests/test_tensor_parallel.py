@@ -16,6 +16,7 @@ from torch import nn
 from conveyor.errors import TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
 from tests.support.launch import launch
+from tests.support.scenarios.tensor import CHUNKS
 
 #: The shared launch's tests wait for it (4 minutes on 2 cores shared by a few jobs; more when they are busier).
 LAUNCH = pytest.mark.timeout(1000)
@@ -42,6 +43,36 @@ def test_llama_stages_2_tensor_2_give_the_plain_gradients(
         assert rank[f"llama-{schedule}-loss"] <= 1e-12
         assert rank[f"llama-{schedule}-recompute"] == "except_last"
         assert rank[f"llama-{schedule}-full"][1] is True
+
+
+@LAUNCH
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_what_the_tensor_group_holds_alike_crosses_a_boundary_as_pieces(
+        results: list[dict[str, Any]], schedule: str) -> None:
+    """Llama's hidden states (and the position embeddings beside them; not its boolean
+    mask, which the group does not gather) go 1/2 per tensor rank, activations and
+    gradients alike: each rank sends half the bytes it would send whole (the 2 x 6 x 32
+    hidden states of a micro-batch: 3072 bytes)."""
+    for rank in results:
+        crossing = rank[f"llama-{schedule}-crossing"]
+        if rank["stage"] == 0:
+            assert crossing["alike"]["activation-0-1"], crossing
+            sent = crossing["bytes"]["activation-0-1"]
+        else:
+            assert crossing["alike"]["gradient-1-0"] == [0], crossing
+            sent = crossing["bytes"]["gradient-1-0"]
+            assert sent == CHUNKS * 3072 // 2, crossing  # the hidden states' gradient
+        assert sent < CHUNKS * 3072, crossing
+
+
+@LAUNCH
+def test_a_cut_between_column_and_row_parallel_layers_sends_each_ranks_own_part(
+        results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        worst, count, crossing = rank["sharded-cut"]
+        assert count >= 2 and worst <= 1e-10, (worst, count)
+        assert all(places == [] for places in crossing["alike"].values()), crossing
+        assert crossing["alike"], crossing
 
 
 @LAUNCH

@@ -22,7 +22,7 @@ import datetime
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,16 @@ __all__: list[str] = []
 
 SETTLE = 5.0  # seconds a failed rank waits for its posted receives to be answered
 FLUSH = 1.0  # seconds a failed rank waits for its abort reports to leave
+
+
+class Crossing(Protocol):
+    """How a value crosses between two stages' tensor groups, rank t to rank t."""
+
+    def cut(self, kind: str, source: int, stage: int, value: Any) -> Any:
+        """What this rank sends of ``value``."""
+
+    def join(self, value: Any) -> Any:
+        """``value`` whole again, from what this rank received."""
 
 
 class P2PTransport(Receiving):
@@ -108,6 +118,9 @@ class P2PTransport(Receiving):
         self._arrives: dict[tuple[str, int, int, int], float] = {}  # emulated links
         self._link_free: dict[int, float] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
+        #: under tensor parallelism, how a value crosses to the same tensor rank of
+        #: another stage (:class:`conveyor.tensor.boundary.Boundary`); None: whole
+        self.boundary: Crossing | None = None
         self._reports: list[Any] = []  # the sends of this rank's abort reports
         self._aborted = False
 
@@ -169,6 +182,8 @@ class P2PTransport(Receiving):
         if destination == self.topology.pipeline_rank:
             self.local.send(kind, stage, microbatch, value, source=source)  # counts it
             return
+        if self.boundary is not None:
+            value = self.boundary.cut(kind, source, stage, value)
         header, pieces = _encode(_CODES[kind], stage, microbatch, value, source)
         links = emulated()
         if links is not None:  # a testing aid: the receiver takes it no earlier

@@ -85,6 +85,7 @@ class Receiving:
     _stash: dict[tuple[str, int, int, int], Any]
     _arrives: dict[tuple[str, int, int, int], float]  # on emulated links: when, by key
     _aborted: bool
+    boundary: Any  # a Crossing: what other stages' tensor groups sent, whole again
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The pipeline rank that runs ``stage`` on ``microbatch``."""
@@ -153,7 +154,8 @@ class Receiving:
             self._poll_after(what)
         if self._arrives:  # sent over an emulated link: taken no earlier than it arrives
             time.sleep(max(0.0, self._arrives.pop(key, 0.0) - time.monotonic()))
-        return self._stash.pop(key)
+        value = self._stash.pop(key)
+        return value if self.boundary is None else self.boundary.join(value)
 
     def _advance(self, peer: int, *, wait: bool, what: str = "a message",
                  stopped: str | None = None) -> None:

@@ -6,7 +6,9 @@ The runtime is one for both; what differs is its wiring, chosen once from the to
                        threads (one process)         ranks (torchrun, env://)
 =====================  ============================  ==================================
 transport              ``LocalTransport``            ``P2PTransport`` (ranks' step
-                                                     count carried over a rebuild)
+                                                     count carried over a rebuild;
+                                                     under TP, 1/T of a value per
+                                                     rank: ``tensor.boundary``)
 columns run here       every rank's                  this rank's, after the transport
                                                      learned every column
 a failure's report     the executor's, of its        gathered from every rank through
@@ -32,6 +34,7 @@ from conveyor.engine.executor import Executor
 from conveyor.engine.transport import LocalTransport, Transport
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.schedules import Action, Kind, Schedule
+from conveyor.tensor.boundary import Boundary
 
 __all__: list[str] = []
 
@@ -110,6 +113,11 @@ class Ranks:
             transport.step = previous.step  # messages carry it; reports ask by it
         transport.locate_ranks = self.whereabouts.locate
         transport.announce = self.whereabouts.announce
+        topology, whereabouts = self.topology, self.whereabouts
+        if topology.tensor_size > 1:  # 1/T of each value held alike crosses per rank
+            transport.boundary = Boundary(topology.tensor_group, topology.tensor_size,
+                                          topology.tensor_rank, deadlines.within,
+                                          lambda: whereabouts.notice(transport.step))
         return transport
 
     def columns(self, transport: Transport, columns: Columns) -> Columns:

@@ -4,9 +4,9 @@ torch's collectives wait as long as the process group's timeout (set once, at st
 and then fail with the backend's words ("Timed out waiting 20000ms for send",
 "Connection closed by peer"). A pipeline's collectives (the step's loss, the tied
 weights' gradients, the replicas' averaging, the clipping norm, the agreement to stop)
-go through :func:`all_reduce` and :func:`broadcast` here instead (and plain data, such
-as one rank's balance or every rank's timeline, through :func:`exchange`): they run
-asynchronously, and this rank waits at most ``seconds``, then raises
+go through :func:`all_reduce`, :func:`broadcast` and :func:`all_gather` here instead
+(and plain data, such as one rank's balance or every rank's timeline, through
+:func:`exchange`): they run asynchronously, and this rank waits at most ``seconds``, then raises
 :class:`~conveyor.PeerFailure` naming the collective. On gloo the wait itself is done
 by a watcher thread (see :mod:`conveyor.distributed.watch`), so giving up does not
 close the group's connections.
@@ -71,6 +71,18 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     if joined is not None:
         joined()
+    _wait(work, group, what, seconds, notice)
+
+
+def all_gather(pieces: list[torch.Tensor], piece: torch.Tensor, *, group: Any, what: str,
+               seconds: float, notice: Notice | None = None) -> None:
+    """``dist.all_gather`` of every rank's ``piece`` into ``pieces`` (one per rank of
+    ``group``, each shaped as ``piece``), waiting at most ``seconds``.
+
+    Raises:
+        PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
+    """
+    work = dist.all_gather(pieces, piece, group=group, async_op=True)
     _wait(work, group, what, seconds, notice)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 import conveyor
 from conveyor.errors import TensorParallelError
 from conveyor.graph.weights import SHARD
+from conveyor.tensor import boundary
 from conveyor.tensor.full import full_state_dict
 from tests.support.scenarios import scenario
 
@@ -109,7 +110,11 @@ def floor(family: str, model: nn.Module, inputs: Any, targets: torch.Tensor,
 @scenario("tensor_parallel")
 def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
     """Llama and Qwen3 (1F1B, zero-bubble; Qwen3 built on meta, read from weights=), a
-    user's block with a dict plan on an nn.Sequential, and a refusal at build time."""
+    user's block with a dict plan on an nn.Sequential, a cut between a column- and a
+    row-parallel layer, and a refusal at build time. Every tensor crossing a boundary
+    that the tensor group holds alike crosses as pieces (however small: the threshold
+    is lowered), so each exact gradient is also that of the pieces gathered."""
+    boundary.SLICED_FROM = 0
     results: dict[str, Any] = {}
     inputs, targets = batch()
     sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
@@ -133,6 +138,7 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
                                      tensor_parallel=2, tp_plan="auto", weights=weights,
                                      timeout=120)
             loss = pipe.step(inputs, targets)
+            results[f"{family}-{schedule}-crossing"] = crossing(pipe)
             with torch.no_grad():
                 total, count = token_loss(plain(**inputs), targets)
             results[f"{family}-{schedule}-loss"] = abs(float(loss) - float(total / count))
@@ -145,6 +151,8 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
         if family == "llama":
             undo()
     results["block"] = _block()
+    results["sharded-cut"] = _sharded_cut()
+    results["stage"] = rank // 2
     results["refused"] = _refused()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -180,6 +188,32 @@ def _block() -> list[Any]:
                              tp_plan=plan, timeout=120)
     pipe.step(x, y)
     return list(difference(pipe, reference))
+
+
+def crossing(pipe: Any) -> dict[str, Any]:
+    """What crossed between the stages: for each kind of message, the tensors the
+    group held alike (by place) and the bytes this rank sent."""
+    transport = pipe.runtime.transport
+    return {"alike": {"-".join(map(str, key)): sorted(places)
+                      for key, (_, places) in transport.boundary.alike.items()},
+            "bytes": {"-".join(map(str, key)): flow.bytes
+                      for key, flow in transport.traffic.flows.items()}}
+
+
+def _sharded_cut() -> list[Any]:
+    """A cut between a column- and a row-parallel layer: each tensor rank sends its own
+    columns (held apart, so never cut into pieces), and the gradients stay exact."""
+    torch.manual_seed(4)
+    plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8), nn.Linear(8, 6)).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    F.mse_loss(plain(x), y).backward()
+    reference = {n: p.grad.detach().clone() for n, p in plain.named_parameters()}
+    pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=[2, 2], chunks=CHUNKS,
+                             schedule="1f1b", loss_fn=F.mse_loss, tensor_parallel=2,
+                             tp_plan={"0": "colwise", "2": "rowwise"}, timeout=120)
+    pipe.step(x, y)
+    return [*difference(pipe, reference), crossing(pipe)]
 
 
 def _refused() -> str:
