@@ -2,13 +2,16 @@
 
     python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 2 min)
     python benchmarks/mesh.py                       # more rounds, and PP=2 x DP=2 (4 processes)
-    python benchmarks/mesh.py --tensor-parallel     # also TP meshes, once Pipeline has them
+    python benchmarks/mesh.py --tensor-parallel     # also TP=2, TP=4, PP=4, PP=2 x TP=2
 
 The model: eight feed-forward blocks (Linear(d, 4d)-GELU-Linear(4d, d)), a batch of 64
 in micro-batches of 16. Each configuration runs as CPU processes over gloo, one
 intra-op thread each: no pipeline (one process), DP=2 replicated, DP=2 FSDP, PP=2
-(1F1B), and without ``--quick`` PP=2 x DP=2. The 2-process meshes run in one torchrun
-launch, their steps timed in turn between barriers.
+(1F1B), and without ``--quick`` PP=2 x DP=2; with ``--tensor-parallel`` TP=2, and on 4
+processes TP=4, PP=4 and PP=2 x TP=2 (its boundary whole, then as 1/2 pieces per
+tensor rank). The meshes of one size run in one torchrun launch, their steps timed in
+turn between barriers. On 2 cores, 4 processes share them: the plain model's step,
+timed by every process at once, carries that sharing into the prediction.
 
 The prediction is :func:`conveyor.planner.evaluate_shape` (what ``conveyor plan``
 weighs) on this machine's figures:
@@ -23,7 +26,9 @@ weighs) on this machine's figures:
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s``, ``measured_step_s`` (median), ``prediction_error`` =
-|predicted - measured| / measured, the steps, and ``max_prediction_error``.
+|predicted - measured| / measured, the steps, and ``max_prediction_error``; for a
+pipeline, ``boundary_bytes``: per boundary, the bytes every rank sent across it in one
+step (activations and gradients), beside ``predicted_boundary_bytes``, the planner's.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import inspect
 import json
 import os
 import statistics
@@ -51,6 +55,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
+import conveyor.tensor  # noqa: E402
 from conveyor.engine.transport import emulated_links  # noqa: E402
 from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_model  # noqa: E402
 
@@ -69,13 +74,22 @@ CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
     "PP=2 x DP=2": (Shape(2, 1, 2, "replicate"), "1f1b",
                     {"stages": 2, "chunks": 2, "schedule": "1f1b", "data_parallel": 2}),
 }
-#: Tensor-parallel meshes, run once ``Pipeline(tensor_parallel=)`` exists (--tensor-parallel).
+#: Tensor-parallel meshes (--tensor-parallel), and PP=4 beside them: the same 4
+#: processes as pipeline stages, tensor ranks, or both. "pieces" sends each boundary's
+#: activation 1/T per tensor rank (conveyor.tensor.SLICED_FROM lowered to 0: this
+#: model's 16 KiB activations go whole by default).
 TP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # each block: Linear(d, 4d), GELU, Linear(4d, d)
 TP_CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
     "TP=2": (Shape(1, 2, 1), "1f1b", {"stages": 1, "chunks": 4, "tensor_parallel": 2,
                                       "tp_plan": TP_PLAN}),
+    "TP=4": (Shape(1, 4, 1), "1f1b", {"stages": 1, "chunks": 4, "tensor_parallel": 4,
+                                      "tp_plan": TP_PLAN}),
+    "PP=4": (Shape(4, 1, 1), "1f1b", {"stages": 4, "chunks": 4, "schedule": "1f1b"}),
     "PP=2 x TP=2": (Shape(2, 2, 1), "1f1b", {"stages": 2, "chunks": 4, "schedule": "1f1b",
                                              "tensor_parallel": 2, "tp_plan": TP_PLAN}),
+    "PP=2 x TP=2, pieces": (Shape(2, 2, 1), "1f1b", {
+        "stages": 2, "chunks": 4, "schedule": "1f1b", "tensor_parallel": 2,
+        "tp_plan": TP_PLAN, "sliced_from": 0}),
 }
 
 
@@ -95,10 +109,6 @@ def model() -> nn.Sequential:
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
     return torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-
-
-def tensor_parallel_available() -> bool:
-    return "tensor_parallel" in inspect.signature(conveyor.Pipeline).parameters
 
 
 def calibrate(group_size: int) -> tuple[float, float]:
@@ -138,13 +148,17 @@ def worker(spec_path: str) -> int:
     latency, bandwidth = figures.tolist()
     net, (x, y) = model(), batch()
     steps: dict[str, Callable[[], Any]] = {}
+    pipes: dict[str, Any] = {}
     for name, options in spec["options"].items():
-        pipe = conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
-                                 timeout=300, recompute="never", **options)
+        options = dict(options)
+        sliced_from = options.pop("sliced_from", conveyor.tensor.SLICED_FROM)
+        pipe = pipes[name] = conveyor.Pipeline(copy.deepcopy(net),
+                                               loss_fn=nn.functional.mse_loss, timeout=300,
+                                               recompute="never", **options)
         share = options.get("data_parallel", 1)  # each replica steps on its share
         rank = pipe.topology.data_rank if share > 1 else 0
-        steps[name] = (lambda pipe=pipe, xs=x[rank::share], ys=y[rank::share]:
-                       pipe.step(xs, ys))
+        steps[name] = (lambda pipe=pipe, xs=x[rank::share], ys=y[rank::share],
+                       sliced_from=sliced_from: sliced(sliced_from, pipe.step, xs, ys))
     whole = plain_step(copy.deepcopy(net))
     steps[REFERENCE] = lambda: whole(x, y)
 
@@ -159,11 +173,45 @@ def worker(spec_path: str) -> int:
         times = _common.round_robin({name: between_barriers(step)
                                      for name, step in steps.items()}, spec["rounds"],
                                     progress=dist.get_rank() == 0)
+        crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, crossed)
     if dist.get_rank() == 0:
+        boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
+                      for name in pipes}
         Path(spec["out"]).write_text(json.dumps({"times": times, "latency": latency,
-                                                 "bandwidth": bandwidth}))
+                                                 "bandwidth": bandwidth,
+                                                 "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
+
+
+def sliced(sliced_from: int, step: Callable[..., Any], *args: Any) -> Any:
+    """``step(*args)`` with tensors from ``sliced_from`` bytes crossing as pieces."""
+    kept, conveyor.tensor.SLICED_FROM = conveyor.tensor.SLICED_FROM, sliced_from
+    try:
+        return step(*args)
+    finally:
+        conveyor.tensor.SLICED_FROM = kept
+
+
+def crossing(pipe: Any, step: Callable[[], Any]) -> dict[str, int]:
+    """The bytes this rank sends to another stage in one step, by "kind k->j"."""
+    traffic = pipe.runtime.transport.traffic
+    traffic.clear()
+    step()
+    return {f"{kind} {source}->{stage}": flow.bytes
+            for (kind, source, stage), flow in traffic.flows.items() if source != stage}
+
+
+def boundary_bytes(ranks: list[dict[str, int]]) -> dict[str, int]:
+    """Per boundary "k|k+1": the bytes every rank sent across it in one step, each way."""
+    total: dict[str, int] = {}
+    for sent in ranks:
+        for what, count in sent.items():
+            low, high = sorted(int(s) for s in what.split()[1].split("->"))
+            total[f"{low}|{high}"] = total.get(f"{low}|{high}", 0) + count
+    return total
 
 
 def launch(options: dict[str, dict[str, Any]], processes: int, rounds: int) -> dict[str, Any]:
@@ -226,7 +274,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no 4 processes")
     parser.add_argument("--rounds", type=int, help="timed steps per configuration")
     parser.add_argument("--tensor-parallel", action="store_true",
-                        help="also the TP meshes (needs Pipeline(tensor_parallel=))")
+                        help="also the TP meshes and PP=4 (4 processes)")
     parser.add_argument("--json", metavar="FILE", help="where to write the results")
     parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,12 +285,11 @@ def main() -> int:
     configs = dict(CONFIGS)
     if args.quick:
         del configs["PP=2 x DP=2"]
-    if args.tensor_parallel and tensor_parallel_available():
+    if args.tensor_parallel:
         configs.update(TP_CONFIGS)
     else:
-        why = "not asked (--tensor-parallel)" if not args.tensor_parallel else \
-            "Pipeline has no tensor_parallel= on this checkout"
-        print(f"note: TP meshes ({', '.join(TP_CONFIGS)}) skipped: {why}", file=sys.stderr)
+        print(f"note: TP meshes ({', '.join(TP_CONFIGS)}) skipped: not asked "
+              "(--tensor-parallel)", file=sys.stderr)
     net, (x, _) = model(), batch()
     print("profiling, alone and beside a computing thread ...", file=sys.stderr, flush=True)
     alone = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
@@ -258,6 +305,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     for name, (shape, _, options) in configs.items():
         by_processes.setdefault(shape.devices, {})[name] = options
     measured: dict[str, list[float]] = {}
+    crossed: dict[str, dict[str, int]] = {}
     link: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
     for processes, options in sorted(by_processes.items()):
@@ -269,14 +317,16 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
         measured.update(found["times"])
+        crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
     results = {}
     for name, (shape, schedule, options) in configs.items():
         latency, bandwidth = link[shape.devices]
         profile = scaled(alone if shape.devices == 1 else beside,
                          _common.median(reference[shape.devices]))
-        predicted = predict(profile, shape, schedule, options["chunks"], shape.devices,
-                            latency, bandwidth)
+        predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
+                           profile, shape, schedule, options["chunks"], shape.devices,
+                           latency, bandwidth)
         step = _common.median(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
@@ -285,6 +335,13 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                          "prediction_error": abs(predicted - step) / step,
                          "steps_s": measured[name],
                          "spread": (max(measured[name]) - min(measured[name])) / step}
+        if name in crossed and shape.pp > 1:
+            pieces = "sliced_from" in options and shape.tp > 1
+            results[name]["boundary_bytes"] = crossed[name]
+            # what the planner counts: a micro-batch's activation and its gradient, 1/T
+            # per tensor rank as pieces, else whole from each
+            results[name]["predicted_boundary_bytes"] = \
+                2 * BATCH * WIDTH * 4 * (1 if pieces else shape.tp)
     payload = {"model": f"{BLOCKS} blocks Linear({WIDTH}, {4 * WIDTH})-GELU-Linear, residual",
                "batch": BATCH, "micro_batch": MICRO, "rounds": rounds,
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
@@ -295,14 +352,18 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                "configurations": results,
                "max_prediction_error": max(r["prediction_error"] for r in results.values()),
                "tensor_parallel": "run" if any(r["tp"] > 1 for r in results.values()) else
-               "skipped: Pipeline(tensor_parallel=) not run", "quick": args.quick,
+               "skipped: not asked (--tensor-parallel)", "quick": args.quick,
                "date": time.strftime("%Y-%m-%d")}
     path = _common.write("mesh", payload, Path(args.json) if args.json else None)
     print(_common.markdown_table(
-        ["configuration", "processes", "measured ms", "predicted ms", "error", "spread"],
+        ["configuration", "processes", "measured ms", "predicted ms", "error", "spread",
+         "bytes per boundary (predicted)"],
         [[name, r["processes"], f"{1e3 * r['measured_step_s']:.1f}",
           f"{1e3 * r['predicted_step_s']:.1f}", f"{100 * r['prediction_error']:.1f}%",
-          f"{100 * r['spread']:.0f}%"] for name, r in results.items()]))
+          f"{100 * r['spread']:.0f}%",
+          ", ".join(f"{k}: {v / 1024:.0f} KiB" for k, v in r.get("boundary_bytes", {}).items())
+          + (f" ({r['predicted_boundary_bytes'] / 1024:.0f} KiB)"
+             if "predicted_boundary_bytes" in r else "")] for name, r in results.items()]))
     print(f"max_prediction_error: {100 * payload['max_prediction_error']:.1f}%  ({path})")
     return 0
 

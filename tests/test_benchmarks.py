@@ -169,20 +169,18 @@ def test_host_overhead_script_times_both_pipelines_per_action(tmp_path: Path) ->
     assert "conveyor / torch" in report["table"]
 
 
-def test_mesh_script_predicts_every_configuration_and_knows_when_tp_runs(
+def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/mesh.py's logic without its runs: the profile scaled to the plain step,
-    a prediction for each configuration, and TP meshes only with Pipeline(tensor_parallel=)."""
-    import inspect
-
-    import conveyor
+    a prediction for each configuration (pieces across the boundary too), and each boundary's bytes summed over the ranks, both ways."""
     from conveyor.planner import LayerCost, ModelProfile
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import mesh
 
-    has_tp = "tensor_parallel" in inspect.signature(conveyor.Pipeline).parameters
-    assert mesh.tensor_parallel_available() is has_tp
+    assert mesh.boundary_bytes([{"activation 0->1": 10, "gradient 1->0": 10},
+                                {"activation 0->1": 5, "activation 1->2": 7}]) == \
+        {"0|1": 25, "1|2": 7}
     layers = tuple(LayerCost(f"{i}", 1e-4, 2e-4, 1000, 4000.0, 100.0, 50.0)
                    for i in range(mesh.BLOCKS))
     profile = mesh.scaled(ModelProfile("blocks", layers, 50.0, "by hand"), 0.5)
@@ -196,6 +194,10 @@ def test_mesh_script_predicts_every_configuration_and_knows_when_tp_runs(
     assert steps["DP=2 replicate"] == pytest.approx(0.25 + 2e-4 + 32000 / 1e8)
     assert steps["DP=2 fsdp"] > steps["DP=2 replicate"]
     assert 0.25 < steps["PP=2"] < 0.5
+    shape, schedule, options = mesh.TP_CONFIGS["PP=2 x TP=2, pieces"]
+    whole, pieces = (mesh.sliced(sliced_from, mesh.predict, profile, shape, schedule,
+                                 options["chunks"], 4, 1e-4, 1e6) for sliced_from in (1 << 20, 0))
+    assert pieces != whole  # one link for both: the gather costs what the pieces save
 
 
 def test_verify_cost_script_times_both_steps() -> None:

@@ -184,7 +184,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "barrier", "monitored_barrier", "all_g
                "send", "recv", "isend", "irecv", "batch_isend_irecv"}
 #: Where they may be called: the bounded collectives, and the wire, whose receives a
 #: watcher bounds (sends complete or fail with their receive).
-BOUNDED = {"conveyor.distributed.faults.collective": {"all_reduce", "broadcast"},
+BOUNDED = {"conveyor.distributed.faults.collective": {"all_reduce", "broadcast", "all_gather"},
            "conveyor.distributed.p2p": {"isend"},
            "conveyor.distributed.receiving": {"irecv"}}
 

@@ -129,6 +129,23 @@ def test_tp_stays_in_a_node_and_divides_compute_and_parameters() -> None:
     assert four.peak_memory_bytes < one.peak_memory_bytes / 3.5
 
 
+def test_a_boundary_between_nodes_sends_pieces_from_the_size_the_runtime_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP=2 x TP=4 over two nodes: each tensor rank sends 1/4 of the 1e5-byte activation
+    over the network and the receiving node gathers the rest, once it is at least
+    conveyor.tensor.SLICED_FROM bytes (1 MiB by default: this one goes whole)."""
+    import conveyor.tensor
+
+    profile, cluster = _profile(), _two_nodes(1e9)
+    whole = evaluate_shape(profile, cluster, Shape(2, 4, 1), "1f1b", 32, batch=32)
+    monkeypatch.setattr(conveyor.tensor, "SLICED_FROM", 0)
+    pieces = evaluate_shape(profile, cluster, Shape(2, 4, 1), "1f1b", 32, batch=32)
+    assert whole is not None and pieces is not None
+    assert whole.p2p_s == pytest.approx(1e-5 + 1e5 / 1e9)
+    assert pieces.p2p_s == pytest.approx(1e-5 + 2.5e4 / 1e9 + 1e-6 + 7.5e4 / 1e11)
+    assert pieces.predicted_step_s < whole.predicted_step_s
+
+
 def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:
     profile, cluster = _profile(), _two_nodes(1e10)
     replicated = evaluate_shape(profile, cluster, Shape(1, 1, 8, "replicate"), "1f1b", 4,

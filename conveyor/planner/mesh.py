@@ -22,7 +22,8 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
   reduce-scatter, ring by ring up the levels the group spans;
 - pipeline: the schedule's simulation (:func:`conveyor.planner.simulation.simulate_cut`)
   of the stages, each boundary sending 1/T of the activation per TP rank and gathering
-  it on the receiver's node.
+  it on the receiver's node (whole under ``conveyor.tensor.SLICED_FROM`` bytes, as the
+  runtime sends it).
 
 A stage's all-reduce counts after its last backward (not overlapped), as the solver's.
 """
@@ -38,6 +39,7 @@ from conveyor.planner.machines import Cluster
 from conveyor.planner.plans import StageChoice
 from conveyor.planner.profiles import ModelProfile
 from conveyor.planner.simulation import simulate_cut
+from conveyor import tensor
 
 __all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "balanced", "bound_at", "evaluate_shape",
            "group_ring"]
@@ -228,9 +230,10 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
         send = 0.0
         if not last:
             first = k * pipeline_apart
-            send = cluster.transfer(micro * c.output[j] / tp,
+            pieces = tp if micro * c.output[j] >= tensor.SLICED_FROM else 1
+            send = cluster.transfer(micro * c.output[j] / pieces,
                                     cluster.level_of(first, first + pipeline_apart))
-            if tp > 1:  # the receiver's TP group gathers the slices
+            if pieces > 1:  # the receiver's TP group gathers them
                 send += cluster.transfer(micro * c.output[j] * (tp - 1) / tp, 0)
         saved = (c.whole[j] - c.whole[i]) + (c.split[j] - c.split[i]) / tp
         stages.append(_Stage(

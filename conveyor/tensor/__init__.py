@@ -8,3 +8,9 @@ traced stage and a stage of layers run the same split modules.
 """
 
 __all__: list[str] = []
+
+#: The smallest tensor (bytes) that crosses a stage boundary as 1/T pieces, gathered on
+#: the receiving group (:mod:`conveyor.tensor.boundary`): below it the gather's latency
+#: (tens of microseconds on NVLink, hundreds on gloo) outweighs the bytes it saves.
+#: Here, without torch, for the planner, which counts boundaries as the runtime sends them.
+SLICED_FROM = 1 << 20

@@ -17,7 +17,7 @@ and a checksum of its bytes (one exchange of plain data), and slices only those 
 rank holds bit for bit; a tensor each rank holds its own part of (a cut between a
 column- and a row-parallel layer) goes whole, as before. The pieces are the sender's
 own bytes in its memory order, so what is gathered equals what was sent bit for bit.
-Tensors under :data:`SLICED_FROM` bytes go whole: there the gather's latency costs more
+Tensors under :data:`conveyor.tensor.SLICED_FROM` bytes go whole: there the gather's latency costs more
 than the bytes it saves.
 """
 
@@ -31,14 +31,12 @@ from typing import Any
 import torch
 
 from conveyor.distributed.envelope import _memory_order
+import conveyor.tensor
 from conveyor.distributed.faults import collective
 from conveyor.torchprivate import pytree
 
 __all__: list[str] = []
 
-#: The smallest tensor (bytes) sent as pieces: below it the gather's latency (tens of
-#: microseconds on NVLink, a few hundred on gloo) outweighs the bytes it saves.
-SLICED_FROM = 1 << 20
 #: What the group can gather (gloo and NCCL alike).
 _GATHERED = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
              torch.int32, torch.uint8}
@@ -100,7 +98,7 @@ class Boundary:
         cut = False
         for place in known[1]:
             leaf = leaves[tensors[place]]
-            if leaf.numel() * leaf.element_size() >= SLICED_FROM and leaf.numel() >= self.size:
+            if leaf.numel() * leaf.element_size() >= conveyor.tensor.SLICED_FROM and leaf.numel() >= self.size:
                 leaves[tensors[place]] = self._piece(leaf)
                 cut = True
         return pytree.tree_unflatten(leaves, spec) if cut else value

@@ -16,7 +16,7 @@ from torch import nn
 import conveyor
 from conveyor.errors import TensorParallelError
 from conveyor.graph.weights import SHARD
-from conveyor.tensor import boundary
+import conveyor.tensor
 from conveyor.tensor.full import full_state_dict
 from tests.support.scenarios import scenario
 
@@ -114,7 +114,7 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
     row-parallel layer, and a refusal at build time. Every tensor crossing a boundary
     that the tensor group holds alike crosses as pieces (however small: the threshold
     is lowered), so each exact gradient is also that of the pieces gathered."""
-    boundary.SLICED_FROM = 0
+    conveyor.tensor.SLICED_FROM = 0
     results: dict[str, Any] = {}
     inputs, targets = batch()
     sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
