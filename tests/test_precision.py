@@ -167,3 +167,19 @@ def test_a_transformer_trains_in_bf16_close_to_float32() -> None:
             losses[precision] = pipe.step(ids, ids).item()
             optimizer.step()
     assert abs(losses["bf16"] - losses[None]) < 0.1 * losses[None]
+
+
+def test_all_finite_reads_sums_and_checks_elements_only_where_a_sum_overflows() -> None:
+    """The finiteness check of gradients (check_finite, the float16 scaler): a NaN or an
+    infinity anywhere is found; finite elements whose sum overflows are finite."""
+    from conveyor.engine.loss import all_finite
+
+    ones = torch.ones(1000)
+    assert all_finite([ones, torch.full((10,), 3e38)])  # the sum overflows, no element does
+    assert all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])
+    assert all_finite([torch.tensor([1e308, 1e308], dtype=torch.float64), torch.tensor([1, 2])])
+    assert all_finite([])
+    assert not all_finite([ones, torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([float("inf"), -float("inf")])])  # a sum of nan
+    assert not all_finite([torch.full((10,), 3e38), torch.tensor([float("inf")])])
+    assert not all_finite([torch.tensor([1 + 1j, complex("nan")])])

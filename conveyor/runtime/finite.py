@@ -2,10 +2,10 @@
 infinity in any stage's gradients is refused on every rank before ``.grad`` takes it,
 so that it never reaches an optimizer.
 
-Its cost is one ``isfinite().all()`` per gradient, one host sync per stage, and under
-torchrun one small all-reduce: 18 ms, 0.3 % of a step of the bundled Transformer
-T(4, 512, 4) width 128 on 2 CPU threads (``python benchmarks/check_finite.py``, a busy
-2-core machine, 2026-11-29); the loss's check is one ``float()`` per micro-batch.
+Its cost is one sum per gradient (:func:`conveyor.engine.loss.all_finite`), one host
+sync per stage and device, and under torchrun one small all-reduce (see
+``python benchmarks/check_finite.py``); the loss's check is one ``float()`` per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.engine.loss import all_finite, by_device
 from conveyor.errors import NonFiniteGradientError
 from conveyor.runtime.runtime import Runtime
 
@@ -33,8 +34,7 @@ def check_gradients(runtime: Runtime, params: Sequence[nn.Parameter], step: int)
     named: dict[int, str] = {}
     for index, stage in runtime.stages.items():
         grads = [p.grad for p in stage.trainable_parameters() if p.grad is not None]
-        if not grads or bool(torch.stack([torch.isfinite(g).all().to(grads[0].device)
-                                          for g in grads]).all()):
+        if all(all_finite(same) for same in by_device(grads)):
             continue
         flags[index] = 1.0
         named[index] = _first_bad(stage)
@@ -69,7 +69,7 @@ def check_output_gradients(grads: Sequence[Sequence[torch.Tensor | None]], step:
         NonFiniteGradientError: naming the micro-batch and the step.
     """
     for m, leaves in enumerate(grads):
-        if any(g is not None and not bool(torch.isfinite(g).all()) for g in leaves):
+        if not all(all_finite(same) for same in by_device([g for g in leaves if g is not None])):
             raise NonFiniteGradientError(
                 f"the gradient of the output of micro-batch {m} is not finite in call {step} "
                 "of this pipeline (a loss that is NaN or inf?); stopping before it reaches "
