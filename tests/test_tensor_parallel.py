@@ -16,7 +16,7 @@ from torch import nn
 from conveyor.errors import TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
 from tests.support.launch import launch
-from tests.support.scenarios.tensor import CHUNKS
+from tests.support.scenarios.tensor import CHUNKS, SCHEDULES
 
 #: The shared launch's tests wait for it (4 minutes on 2 cores shared by a few jobs; more when they are busier).
 LAUNCH = pytest.mark.timeout(1000)
@@ -104,6 +104,28 @@ def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_when_built(
     for rank in results:
         assert "config.num_attention_heads=3" in rank["refused"]
         assert "use tensor_parallel in [1, 3]" in rank["refused"]
+
+
+@pytest.fixture(scope="module")
+def schedules(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("schedules")
+    outcome = launch("tensor_schedules", 4, out, timeout=900)
+    assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
+    return [json.loads((out / f"schedules{r}.json").read_text()) for r in range(4)]
+
+
+@LAUNCH
+@pytest.mark.long
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_family_under_tensor_parallelism_gives_the_plain_gradients(
+        schedules: list[dict[str, Any]], name: str) -> None:
+    """Interleaved and the V shapes put two stages on each pipeline rank (4 stages, 2
+    ranks, 2 tensor ranks each); GPipe and 1F1B with recomputation's other modes."""
+    for rank in schedules:
+        worst, count, loss, recompute = rank[name]
+        assert count >= 5 and worst <= 1e-10, (worst, count)
+        assert loss <= 1e-12
+        assert recompute == SCHEDULES[name].get("recompute", recompute)
 
 
 def _quiet() -> Any:

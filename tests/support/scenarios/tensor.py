@@ -263,3 +263,42 @@ def tensor_mesh(rank: int, world: int, out_dir: Path) -> None:
         results[sharding] = [worst, count, [topology.pipeline_rank, topology.data_rank,
                                             topology.tensor_rank]]
     (out_dir / f"mesh{rank}.json").write_text(json.dumps(results))
+
+
+#: name -> the Pipeline's options: the schedule families beyond 1F1B and zero-bubble,
+#: on 4 stages of a 4-layer Llama over 2 pipeline ranks (two stages each) where they
+#: take more stages than ranks, and recomputation's other modes.
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "gpipe, recompute never": {"schedule": "gpipe", "recompute": "never", "stages": 2},
+    "1f1b, recompute always": {"schedule": "1f1b", "recompute": "always", "stages": 2},
+    "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "stages": 4},
+    "zb-v": {"schedule": "zb-v", "stages": 4},
+    "v-half": {"schedule": "v-half", "stages": 4},
+}  # not v-min: it needs 3 pipeline ranks or more
+
+
+@scenario("tensor_schedules")
+def tensor_schedules(rank: int, world: int, out_dir: Path) -> None:
+    """Every schedule family under 2 tensor ranks: a Llama of 4 layers, float64 norms,
+    cut into 2 or 4 stages on 2 pipeline ranks, against the plain model's gradients."""
+    conveyor.tensor.SLICED_FROM = 0  # its boundaries cross as pieces
+    inputs, targets = batch()
+    sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
+    plain = hf_model("llama", num_hidden_layers=4)
+    undo = float64_norms("llama")
+    reference = plain_grads(plain, inputs, targets)
+    results: dict[str, Any] = {}
+    for name, options in SCHEDULES.items():
+        options = dict(options)
+        stages = options.pop("stages")
+        cuts = [f"model.layers.{i}" for i in ((2,) if stages == 2 else (1, 2, 3))]
+        pipe = conveyor.Pipeline(copy.deepcopy(plain), split_at=cuts, sample=sample,
+                                 chunks=CHUNKS, loss_fn=token_loss, tensor_parallel=2,
+                                 tp_plan="auto", timeout=120, **options)
+        loss = pipe.step(inputs, targets)
+        with torch.no_grad():
+            total, count = token_loss(plain(**inputs), targets)
+        results[name] = [*difference(pipe, reference), abs(float(loss) - float(total / count)),
+                         pipe.recompute]
+    undo()
+    (out_dir / f"schedules{rank}.json").write_text(json.dumps(results))
