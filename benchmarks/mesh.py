@@ -22,7 +22,10 @@ weighs) on this machine's figures:
 - the link: gloo's all-reduce between the processes, timed at two sizes in the same
   launch (its latency and bandwidth fitted to the ring's 2(n-1)(latency + bytes /
   n / bandwidth)), and the messages between stages held to the same link with
-  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link).
+  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link);
+- the runtime's host seconds per action (``Cluster.action_s``): one stage over 8
+  micro-batches against the plain model over the same 8, in the one-process run, per
+  forward and backward (a calibration of its own: no configuration below is fitted).
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s``, ``measured_step_s`` (median), ``prediction_error`` =
@@ -227,21 +230,28 @@ def launch(options: dict[str, dict[str, Any]], processes: int, rounds: int) -> d
         return dict(json.loads(out.read_text()))
 
 
-def plain_step(net: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def plain_step(net: nn.Module, micro: int = MICRO) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The model's forward and backward on the batch, micro-batch by micro-batch,
     without a pipeline: the compute the profile is scaled to (see :func:`scaled`)."""
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        for inputs, targets in zip(x.split(MICRO), y.split(MICRO)):
+        for inputs, targets in zip(x.split(micro), y.split(micro)):
             nn.functional.mse_loss(net(inputs), targets).backward()
     return step
 
 
+#: Timed in the one-process run to calibrate the runtime's host seconds per action: one
+#: stage over CALIBRATION micro-batches against the plain model over the same ones.
+CALIBRATION = 8
+
+
 def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, list[float]]:
     net, (x, y) = model(), batch()
+    options = {**options, "runtime": {"stages": 1, "chunks": CALIBRATION}}
     steps = {name: conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
                                      devices=["cpu"], recompute="never", **opts).step
              for name, opts in options.items()}
     steps[REFERENCE] = plain_step(copy.deepcopy(net))
+    steps["plain, calibration"] = plain_step(copy.deepcopy(net), BATCH // CALIBRATION)
     return _common.round_robin({name: (lambda step=step: step(x, y))
                                 for name, step in steps.items()}, rounds)
 
@@ -261,8 +271,9 @@ def scaled(profile: Any, reference: float) -> Any:
 
 
 def predict(profile: Any, shape: Shape, schedule: str, chunks: int, processes: int,
-            latency: float, bandwidth: float) -> float:
-    cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12)
+            latency: float, bandwidth: float, action: float = 0.0) -> float:
+    cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12,
+                      action_s=action)
     found = evaluate_shape(profile, cluster, shape, schedule, chunks, batch=BATCH,
                            optimizer="sgd")
     assert found is not None  # memory is not the question here
@@ -306,16 +317,22 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         by_processes.setdefault(shape.devices, {})[name] = options
     measured: dict[str, list[float]] = {}
     crossed: dict[str, dict[str, int]] = {}
+    action = 0.0
     link: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
     for processes, options in sorted(by_processes.items()):
         print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
+        found: dict[str, Any]
         if processes == 1:
             found = {"times": one_process(options, rounds), "latency": 0.0,
                      "bandwidth": 1e12}
         else:
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
+        if processes == 1:  # the runtime's own seconds per action, beyond the layers'
+            runtime, plain = (_common.median(found["times"].pop(name))
+                              for name in ("runtime", "plain, calibration"))
+            action = max(0.0, (runtime - plain) / (2 * CALIBRATION))
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
@@ -326,7 +343,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                          _common.median(reference[shape.devices]))
         predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"], shape.devices,
-                           latency, bandwidth)
+                           latency, bandwidth, action)
         step = _common.median(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
@@ -344,6 +361,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                 2 * BATCH * WIDTH * 4 * (1 if pieces else shape.tp)
     payload = {"model": f"{BLOCKS} blocks Linear({WIDTH}, {4 * WIDTH})-GELU-Linear, residual",
                "batch": BATCH, "micro_batch": MICRO, "rounds": rounds,
+               "action_s": action,
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
                "thread computing", "link": {str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1]}
                                             for k, v in link.items()},

@@ -73,12 +73,17 @@ class Cluster:
         flops: floating-point operations per second one device sustains (for plans
             made from FLOP counts rather than timed runs).
         guessed: the figures :meth:`detect` assumed rather than found.
+        action_s: the host's seconds per action (one micro-batch's forward or backward
+            on one stage) beyond its layers' own: the runtime's dispatch and
+            bookkeeping, what a host-bound step of small layers is made of (``action``
+            in a file: "300us"; 0 unless measured, as ``benchmarks/mesh.py`` does).
     """
 
     levels: tuple[Level, ...]
     memory: float
     flops: float = 1e14
     guessed: tuple[str, ...] = field(default=())
+    action_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -89,9 +94,10 @@ class Cluster:
                     f"level {level.name!r}: size must be at least 1, bandwidth above 0 and "
                     f"latency at least 0; got size={level.size}, bandwidth="
                     f"{level.bandwidth}, latency={level.latency}")
-        if self.memory <= 0 or self.flops <= 0:
-            raise ConveyorError(f"memory and flops must be above 0; got memory="
-                                f"{self.memory}, flops={self.flops}")
+        if self.memory <= 0 or self.flops <= 0 or self.action_s < 0:
+            raise ConveyorError(f"memory and flops must be above 0 and action at least 0; "
+                                f"got memory={self.memory}, flops={self.flops}, "
+                                f"action={self.action_s}")
 
     @property
     def devices(self) -> int:
@@ -159,7 +165,7 @@ class Cluster:
                                  parse_seconds(level.get("latency", 0.0)))
                            for i, level in enumerate(data["levels"]))
             return cls(levels, _bytes(data["memory"]), float(data.get("flops", 1e14)),
-                       tuple(data.get("guessed", ())))
+                       tuple(data.get("guessed", ())), parse_seconds(data.get("action", 0.0)))
         except KeyError as missing:
             raise ConveyorError(f"the cluster lacks {missing}; it needs memory and levels, "
                                 "each level with size and bandwidth") from None
@@ -185,7 +191,7 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         return {"levels": [asdict(level) for level in self.levels], "memory": self.memory,
-                "flops": self.flops, "guessed": list(self.guessed)}
+                "flops": self.flops, "guessed": list(self.guessed), "action": self.action_s}
 
     def describe(self) -> str:
         """One line: ``2 x 8 devices of 80.0 GB; node 300.0 GB/s, network 25.0 GB/s``."""

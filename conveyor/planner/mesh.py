@@ -11,7 +11,8 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
 
 - compute: the profile's forward and backward of b samples over T, plus per layer with
   parameters two all-reduces of its output in forward and two in backward among the T
-  (Megatron's f and g), and the forward again where it recomputes;
+  (Megatron's f and g), and the forward again where it recomputes; and the host's
+  ``cluster.action_s`` per forward and per backward (the runtime's own work);
 - memory: parameters with their gradients and optimizer state over T (and over D under
   FSDP, which still gathers the stage's parameters and accumulates unsharded gradients
   within a step, as ``conveyor.distributed.sharding`` does); activations at the
@@ -237,8 +238,9 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
                 send += cluster.transfer(micro * c.output[j] * (tp - 1) / tp, 0)
         saved = (c.whole[j] - c.whole[i]) + (c.split[j] - c.split[i]) / tp
         stages.append(_Stage(
-            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + collective,
-            micro * (c.backward[j] - c.backward[i]) / tp + collective, 2 * collective,
+            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + collective + cluster.action_s,
+            micro * (c.backward[j] - c.backward[i]) / tp + collective + cluster.action_s,
+            2 * collective,
             data, send, weights, saved, c.output[i] + (0.0 if last else c.output[j]),
             0.0 if last else c.output[j]))
         i = j
