@@ -14,7 +14,7 @@ demo: $(VENV)/.installed
 
 # Every extra is installed here, so a test that needs one fails rather than skips.
 test: $(VENV)/.installed
-	CONVEYOR_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest
+	CONVEYOR_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest $(ARGS)
 
 # The whole suite: also the tests marked long (more seeds, other launchers, larger
 # samples of what CI checks). Before a release, and after a change to the runtime.
