@@ -29,7 +29,7 @@ from conveyor.engine.recompute.sideeffects import SideEffects
 from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
-from conveyor.engine.backward.weightgrad import WeightGradient, backward_input
+from conveyor.engine.backward.weightgrad import WeightGradient, backward_input, parameter_nodes
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recompute.replay import is_recomputing
 from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
@@ -148,9 +148,11 @@ class StageActions:
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
         if pairs and split:
+            if self.index not in state.trainable:
+                state.trainable[self.index] = parameter_nodes(self.trainable_parameters())
             found, state.weight_work[(self.index, m)] = backward_input(
                 [out for out, _ in pairs], [g for _, g in pairs], wanted,
-                self.trainable_parameters())
+                state.trainable[self.index])
         elif pairs:
             # The graph of a stage starts at its own detached inputs, so backward reaches
             # exactly this stage's parameters and input leaves. Accumulating into .grad

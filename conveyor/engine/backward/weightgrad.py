@@ -21,7 +21,7 @@ pre-hooks); the same idea as torch.distributed.pipelining's stage_backward_input
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -136,10 +136,12 @@ def backward_input(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | Mapping[Node, torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGradient]:
     """Runs I: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
-    ``inputs``, keeping the graph for the W that is returned.
+    ``inputs``, keeping the graph for the W that is returned. ``params``: the
+    parameters W computes, or :func:`parameter_nodes` of them (found once for every
+    micro-batch of a step).
 
     Returns:
         The input gradients (None where an input is unused) and the deferred W.
@@ -151,8 +153,12 @@ def backward_input(
     roots = [_node(t) for t in outputs]
     parents = _parents(roots)
     input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
-    param_of = {_node(p): p for p in params}
-    capture = {node: _capture_nodes(node, parents, input_path) for node in param_of}
+    param_of = params if isinstance(params, Mapping) else parameter_nodes(params)
+    # Without an input that takes a gradient (a first stage), no branch joins an input
+    # path: every parameter's W starts at the outputs, and nothing need be walked (a walk
+    # per parameter up to the outputs costs a stage of L layers L^2 node visits).
+    capture = {node: _capture_nodes(node, parents, input_path) if input_path else set()
+               for node in param_of}
     # A compiled graph is one backward node: W cannot start inside it. I runs it, and
     # the node keeps its weight half for W (compiled_weights); it does the same for the
     # parameters W would reach from the outputs where one leaves a compiled graph
@@ -273,6 +279,11 @@ def _pinned(groups: Sequence[_Group]) -> list[Node]:
             below = set().union(*(_descendants(node) for node in nodes))
             pinned += [node for node in nodes if node in below]
     return pinned
+
+
+def parameter_nodes(params: Sequence[torch.Tensor]) -> dict[Node, torch.Tensor]:
+    """Each parameter by the node that accumulates its gradient (where W ends)."""
+    return {_node(p): p for p in params}
 
 
 def _node(t: torch.Tensor) -> Node:
