@@ -148,11 +148,12 @@ class StageActions:
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
         if pairs and split:
-            if self.index not in state.trainable:
-                state.trainable[self.index] = parameter_nodes(self.trainable_parameters())
+            params = state.parameters_by_node.get(self.index)
+            if params is None:
+                params = state.parameters_by_node[self.index] = parameter_nodes(
+                    self.trainable_parameters())
             found, state.weight_work[(self.index, m)] = backward_input(
-                [out for out, _ in pairs], [g for _, g in pairs], wanted,
-                state.trainable[self.index])
+                [out for out, _ in pairs], [g for _, g in pairs], wanted, params)
         elif pairs:
             # The graph of a stage starts at its own detached inputs, so backward reaches
             # exactly this stage's parameters and input leaves. Accumulating into .grad

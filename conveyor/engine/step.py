@@ -71,7 +71,7 @@ class StepState:
     weight_work: dict[tuple[int, int], WeightGradient] = field(default_factory=dict)
     #: per stage, the parameters its ``I`` actions leave to ``W``, by the nodes that
     #: accumulate their gradients (found at the step's first ``I``, not at each).
-    trainable: dict[int, Mapping[Any, torch.Tensor]] = field(default_factory=dict)
+    parameters_by_node: dict[int, Mapping[Any, torch.Tensor]] = field(default_factory=dict)
     #: which micro-batches offload their activations, and when they come back (set by
     #: the executor's run from its lanes).
     offload: OffloadPlan = field(default_factory=OffloadPlan)

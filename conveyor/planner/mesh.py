@@ -35,12 +35,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from conveyor import tensor
 from conveyor.observe.plan import OPTIMIZER_BYTES
 from conveyor.planner.machines import Cluster
 from conveyor.planner.plans import StageChoice
 from conveyor.planner.profiles import ModelProfile
 from conveyor.planner.simulation import simulate_cut
-from conveyor import tensor
 
 __all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "balanced", "bound_at", "evaluate_shape",
            "group_ring"]

@@ -6,8 +6,8 @@ and then fail with the backend's words ("Timed out waiting 20000ms for send",
 weights' gradients, the replicas' averaging, the clipping norm, the agreement to stop)
 go through :func:`all_reduce`, :func:`broadcast` and :func:`all_gather` here instead
 (and plain data, such as one rank's balance or every rank's timeline, through
-:func:`exchange`): they run asynchronously, and this rank waits at most ``seconds``, then raises
-:class:`~conveyor.PeerFailure` naming the collective. On gloo the wait itself is done
+:func:`exchange`): they run asynchronously, and this rank waits at most ``seconds``,
+then raises :class:`~conveyor.PeerFailure` naming the collective. On gloo the wait itself is done
 by a watcher thread (see :mod:`conveyor.distributed.watch`), so giving up does not
 close the group's connections.
 
