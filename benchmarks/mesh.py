@@ -63,7 +63,8 @@ from conveyor.engine.transport import emulated_links  # noqa: E402
 from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_model  # noqa: E402
 
 WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
-REFERENCE = "plain model"  # timed beside the configurations: what the profile is scaled to
+REFERENCE = "plain model"
+BURST = 8  # all-reduces timed back to back in the link's calibration  # timed beside the configurations: what the profile is scaled to
 
 #: name -> (shape, schedule, the Pipeline's options beside the model and loss)
 CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
@@ -116,7 +117,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def calibrate(group_size: int) -> tuple[float, float]:
     """gloo's all-reduce among the processes: (latency, bandwidth) fitted to the ring's
-    time at 64 KiB and at the model's gradients (16 MiB), each the median of 7."""
+    time at 64 KiB and at the model's gradients (16 MiB), each an all-reduce in a run of
+    ``BURST`` back to back (as a step's all-reduces come, the ranks in step: one alone
+    after a barrier also times how unevenly the ranks leave it), the median of 7 runs."""
     import torch.distributed as dist
 
     def timed(elements: int) -> float:
@@ -125,8 +128,9 @@ def calibrate(group_size: int) -> tuple[float, float]:
         for _ in range(8):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(tensor)
-            times.append(time.perf_counter() - start)
+            for _ in range(BURST):
+                dist.all_reduce(tensor)
+            times.append((time.perf_counter() - start) / BURST)
         return statistics.median(times[1:])
 
     small, large = 16 * 1024, sum(p.numel() for p in model().parameters())
@@ -250,8 +254,8 @@ def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, li
     steps = {name: conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
                                      devices=["cpu"], recompute="never", **opts).step
              for name, opts in options.items()}
-    steps[REFERENCE] = plain_step(copy.deepcopy(net))
     steps["plain, calibration"] = plain_step(copy.deepcopy(net), BATCH // CALIBRATION)
+    steps[REFERENCE] = plain_step(copy.deepcopy(net))  # after "runtime" and its pair
     return _common.round_robin({name: (lambda step=step: step(x, y))
                                 for name, step in steps.items()}, rounds)
 
@@ -329,10 +333,12 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         else:
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
-        if processes == 1:  # the runtime's own seconds per action, beyond the layers'
-            runtime, plain = (_common.median(found["times"].pop(name))
+        if processes == 1:  # the runtime's own seconds per action, beyond the layers':
+            # each round's pair (timed one after the other) differenced, the median of those
+            runtime, plain = (found["times"].pop(name)
                               for name in ("runtime", "plain, calibration"))
-            action = max(0.0, (runtime - plain) / (2 * CALIBRATION))
+            action = max(0.0, _common.median([r - p for r, p in zip(runtime, plain)])
+                         / (2 * CALIBRATION))
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
