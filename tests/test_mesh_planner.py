@@ -146,6 +146,21 @@ def test_a_boundary_between_nodes_sends_pieces_from_the_size_the_runtime_does(
     assert pieces.predicted_step_s < whole.predicted_step_s
 
 
+def test_the_hosts_seconds_per_action_count_per_forward_and_backward() -> None:
+    """A cluster's ``action`` (read from a file as "300us") adds to every micro-batch's
+    forward and backward on every stage; a negative one is refused."""
+    profile = _profile()
+    cluster = Cluster.from_dict({**_two_nodes(1e10).to_dict(), "action": "300us"})
+    assert cluster.action_s == pytest.approx(3e-4)
+    assert Cluster.from_dict(cluster.to_dict()).action_s == pytest.approx(3e-4)
+    plain = evaluate_shape(profile, _two_nodes(1e10), Shape(1, 1, 1), "1f1b", 32, batch=32)
+    hosted = evaluate_shape(profile, cluster, Shape(1, 1, 1), "1f1b", 32, batch=32)
+    assert plain is not None and hosted is not None
+    assert hosted.predicted_step_s == pytest.approx(plain.predicted_step_s + 32 * 2 * 3e-4)
+    with pytest.raises(ConveyorError, match="action at least 0"):
+        Cluster.from_dict({**cluster.to_dict(), "action": -1.0})
+
+
 def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:
     profile, cluster = _profile(), _two_nodes(1e10)
     replicated = evaluate_shape(profile, cluster, Shape(1, 1, 8, "replicate"), "1f1b", 4,
