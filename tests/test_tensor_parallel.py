@@ -226,3 +226,46 @@ def test_options_tensor_parallelism_does_not_take_yet_are_refused_by_name() -> N
         split_model(nn.Linear(2, 2), topology, "auto", 1.0, untried={"rebalance=": True})
     with pytest.raises(TensorParallelError, match=r"give the nn.Module"):
         split_model(lambda i: nn.Linear(2, 2), topology, "auto", 1.0)
+
+
+def test_pieces_put_back_together_equal_what_was_sent_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """conveyor.tensor.boundary in one process, a group of 2 played by two Boundary
+    objects whose collectives answer with both ranks' parts: a transposed tensor (sent
+    in its memory order, put back in its layout), a length the group does not divide
+    (the last piece padded), the requires_grad flag, integer ids; whole: a boolean mask
+    (not gathered), a tensor under the threshold, and one the ranks hold apart."""
+    import conveyor.tensor
+    from conveyor.distributed.faults import collective
+    from conveyor.tensor import boundary
+    from conveyor.torchprivate import pytree
+
+    monkeypatch.setattr(conveyor.tensor, "SLICED_FROM", 64)
+    torch.manual_seed(0)
+    alike = torch.randn(7, 5, dtype=torch.float64).t().requires_grad_()  # 35 elements
+    shared = {"h": alike, "mask": torch.ones(40, dtype=torch.bool), "small": torch.randn(3),
+              "ids": torch.arange(30)}
+    values = [{**shared, "own": torch.randn(40)} for _ in range(2)]
+    prints = [[boundary._fingerprint(t) for t in pytree.tree_leaves(v)] for v in values]
+    sent: list[torch.Tensor] = []
+
+    def all_gather(pieces: list[torch.Tensor], piece: torch.Tensor, **_: Any) -> None:
+        for whole, part in zip(pieces, sent):
+            whole.copy_(part)
+
+    monkeypatch.setattr(collective, "exchange", lambda value, **_: prints)
+    monkeypatch.setattr(collective, "all_gather", all_gather)
+    ranks = [boundary.Boundary(None, 2, r, 1.0) for r in range(2)]
+    cut = [ranks[r].cut("activation", 0, 1, values[r]) for r in range(2)]
+    for name in ("h", "ids"):
+        assert isinstance(cut[0][name], boundary.Piece), name
+    for name in ("mask", "small", "own"):
+        assert cut[0][name] is values[0][name], name
+    assert cut[1]["h"].data.numel() == 18 and cut[1]["h"].data.requires_grad  # 17 + padding
+    sent[:] = [part["h"].data.detach() for part in cut]
+    joined = ranks[0].join({"h": cut[0]["h"], "mask": cut[0]["mask"]})
+    assert torch.equal(joined["h"], alike) and joined["h"].stride() == alike.stride()
+    assert joined["h"].requires_grad and joined["h"].is_leaf
+    assert joined["mask"] is values[0]["mask"]
+    sent[:] = [part["ids"].data for part in cut]
+    assert torch.equal(ranks[1].join(cut[1]["ids"]), shared["ids"])
