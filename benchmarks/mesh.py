@@ -117,7 +117,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def calibrate(group_size: int) -> tuple[float, float]:
     """gloo's all-reduce among the processes: (latency, bandwidth) fitted to the ring's
-    time at 64 KiB and at the model's gradients (16 MiB), each an all-reduce in a run of
+    time at a micro-batch's activation (16 KiB, what TP's all-reduces carry) and at the
+    model's gradients (16 MiB, data parallelism's), each an all-reduce in a run of
     ``BURST`` back to back (as a step's all-reduces come, the ranks in step: one alone
     after a barrier also times how unevenly the ranks leave it), the median of 7 runs."""
     import torch.distributed as dist
@@ -133,7 +134,8 @@ def calibrate(group_size: int) -> tuple[float, float]:
             times.append((time.perf_counter() - start) / BURST)
         return statistics.median(times[1:])
 
-    small, large = 16 * 1024, sum(p.numel() for p in model().parameters())
+    # small: one micro-batch's activation, what each of TP's all-reduces carries
+    small, large = MICRO * WIDTH, sum(p.numel() for p in model().parameters())
     t_small, t_large = timed(small), timed(large)
     hops = 2 * (group_size - 1)
     per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n * bandwidth)
