@@ -321,3 +321,31 @@ def test_a_refusal_before_the_process_group_keeps_its_code_and_skips_finalizatio
     assert done.returncode == 2, done.stderr
     assert "conveyor train: error:" in done.stderr and "finalized" not in done.stdout
     _ = time
+
+
+def test_a_failed_distributed_save_leaves_no_partial_folder_and_never_takes_a_committed_one_apart(
+        tmp_path: Path) -> None:
+    """A save under torchrun that failed (rank 0's disk full): rank 0 removes the folder;
+    a rank whose writes went on into it after that removes its own files, and the folder
+    once empty; a folder with a manifest (committed) is left alone by every rank."""
+    from conveyor.train.checkpoints import dcpfiles, manifest
+
+    target = tmp_path / "step-00000002"
+    target.mkdir()
+    for name in ("__1_0.distcp", "rank-1.json", "__2_0.distcp", "rank-2.json"):
+        (target / name).write_bytes(b"x")
+    dcpfiles._discard(target, 1)
+    assert sorted(p.name for p in target.iterdir()) == ["__2_0.distcp", "rank-2.json"]
+    dcpfiles._discard(target, 2)
+    assert not target.exists()
+    target.mkdir()
+    (target / "__0_0.distcp").write_bytes(b"x")
+    (target / "__1_0.distcp").write_bytes(b"x")
+    dcpfiles._discard(target, 0)
+    assert not target.exists()
+    target.mkdir()
+    for name in ("__1_0.distcp", "rank-1.json", manifest.MANIFEST):
+        (target / name).write_bytes(b"x")
+    for rank in (1, 0):
+        dcpfiles._discard(target, rank)
+    assert len(list(target.iterdir())) == 3

@@ -4,6 +4,7 @@ wrote and what is on disk."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import threading
@@ -102,8 +103,12 @@ def _stopped_in_time(case: Case, out: Path, codes: list[int | None]) -> list[str
              "disk_full": "No space left on device"}[case.fault]
     if case.launcher == "one" and case.fault == "freeze":
         named = f"stage {case.rank}"
+    # torchrun may end the others before one says it (it kills them at once when a rank
+    # dies): its own report then names the rank that died first.
+    by_torchrun = case.launcher == "torchrun" and case.fault == "kill" and re.search(
+        rf"Root Cause.{{0,200}}?\brank\s*:\s*{case.rank} \(", text, re.S) is not None
     if case.launcher != "one" or case.fault != "kill":  # a lone killed process says nothing
-        if named not in text:
+        if named not in text and not by_torchrun:
             found.append(f"no process said {named!r}: {text[-2000:]}")
     return found
 

@@ -19,6 +19,7 @@ or frozen in a save is named, not waited for for 30 minutes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -74,14 +75,31 @@ def save(root: Path, tensors: dict[str, Any], meta: Any, model: nn.Module, step:
         durable.write_bytes(target / _rank_file(rank), json.dumps(own).encode())
         barrier(model, "the barrier after a checkpoint's writes")
     except Exception as exc:
-        if rank == 0:  # a failed save leaves no partial folder (it has no manifest)
-            shutil.rmtree(target, ignore_errors=True)
+        _discard(target, rank)
         _failed_save(exc, model, name)
         raise
     if rank == 0:
         manifest.write(target, step=step, finite=True, meta=meta, tensors={})
         folder.point_to(root, name)
     return target
+
+
+def _discard(target: Path, rank: int) -> None:
+    """What a failed save of this rank leaves: rank 0 removes the folder (it has no
+    manifest: never a checkpoint); any other rank removes its own files (dcp's
+    ``__<rank>_*.distcp`` and its digests), then the folder if that empties it. Rank 0
+    may have removed the folder, and exited, while this rank's writes went on into it.
+    Nothing is removed from a folder that has a manifest: a rank whose barrier gave up
+    as rank 0's completed must not take a committed checkpoint apart."""
+    if (target / manifest.MANIFEST).exists():
+        return
+    if rank == 0:
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    for path in [*target.glob(f"__{rank}_*.distcp"), target / _rank_file(rank)]:
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: another rank's files remain
+        target.rmdir()
 
 
 def _write(tensors: dict[str, Any], target: Path) -> None:
