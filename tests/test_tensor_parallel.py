@@ -24,12 +24,16 @@ LAUNCH = pytest.mark.timeout(1000)
 GROUP = Group("unused", 2, 0, 1.0)
 
 
+def _launched(scenario: str, prefix: str, out: Path) -> list[dict[str, Any]]:
+    """Each of the 4 ranks' findings of ``scenario`` (written as ``<prefix><rank>.json``)."""
+    outcome = launch(scenario, 4, out, timeout=900)
+    assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
+    return [json.loads((out / f"{prefix}{r}.json").read_text()) for r in range(4)]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("tensor")
-    outcome = launch("tensor_parallel", 4, out, timeout=900)
-    assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return _launched("tensor_parallel", "rank", tmp_path_factory.mktemp("tensor"))
 
 
 @LAUNCH
@@ -108,10 +112,7 @@ def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_when_built(
 
 @pytest.fixture(scope="module")
 def schedules(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("schedules")
-    outcome = launch("tensor_schedules", 4, out, timeout=900)
-    assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
-    return [json.loads((out / f"schedules{r}.json").read_text()) for r in range(4)]
+    return _launched("tensor_schedules", "schedules", tmp_path_factory.mktemp("schedules"))
 
 
 @LAUNCH
