@@ -64,7 +64,7 @@ def launch(args: argparse.Namespace) -> int:
                "HOST_OVERHEAD_RESULT": str(handoff)}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(STAGES), __file__, "--rounds", str(args.rounds),
-                   "--chunks", str(args.chunks)]
+                   "--chunks", str(args.chunks)] + (["--pin"] if args.pin else [])
         result = subprocess.run(command, env=env)
         if result.returncode != 0:
             return result.returncode
@@ -81,6 +81,8 @@ def measure(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(1)
+    if args.pin:  # each process (and the threads gloo starts) on a core of its own
+        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % (os.cpu_count() or 1)})
     dist.init_process_group("gloo")
     rank, chunks = dist.get_rank(), args.chunks
     model = tiny_model()
@@ -177,6 +179,9 @@ def main() -> int:
                         help="M=16 and 3 rounds (the smoke test's run)")
     parser.add_argument("--chunks", type=int, default=None, help="micro-batches (32)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (7)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each process to a core of its own (steadier figures "
+                             "where there are at least 2 cores)")
     parser.add_argument("--json", default=None,
                         help="where to write the results (default "
                              "benchmarks/results/host_overhead.json)")

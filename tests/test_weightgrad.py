@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.engine.backward import weightpath
 from conveyor.engine.backward.weightgrad import backward_input
 from tests.support.models import cnn, mlp, paired, relative_error, transformer
 
@@ -36,9 +37,11 @@ def stage_and_input(name: str) -> tuple[nn.Module, torch.Tensor]:
     return TiedTwice().double(), torch.randn(5, 6, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("from_outputs", [False, True], ids=["by groups", "from outputs"])
 @pytest.mark.parametrize("input_requires_grad", [True, False])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer blocks", "tied"])
-def test_split_backward_equals_full_backward(name: str, input_requires_grad: bool) -> None:
+def test_split_backward_equals_full_backward(name: str, input_requires_grad: bool,
+                                             from_outputs: bool) -> None:
     stage, x = stage_and_input(name)
     reference = copy.deepcopy(stage)
     grad = torch.randn_like(stage(x))
@@ -49,7 +52,8 @@ def test_split_backward_equals_full_backward(name: str, input_requires_grad: boo
     x_split = x.clone().requires_grad_(input_requires_grad)
     out = stage(x_split)
     params = list(stage.parameters())
-    input_grads, weight_work = backward_input([out], [grad], [x_split], params)
+    input_grads, weight_work = backward_input([out], [grad], [x_split], params,
+                                              from_outputs=from_outputs)
     assert all(p.grad is None for p in params)  # I computed no weight gradient
     if input_requires_grad:
         assert input_grads[0] is not None and x_ref.grad is not None
@@ -62,7 +66,8 @@ def test_split_backward_equals_full_backward(name: str, input_requires_grad: boo
         assert relative_error(p.grad, r.grad) <= 1e-12, pname
 
 
-def test_scalar_loss_and_accumulation_into_existing_gradients() -> None:
+@pytest.mark.parametrize("from_outputs", [False, True], ids=["by groups", "from outputs"])
+def test_scalar_loss_and_accumulation_into_existing_gradients(from_outputs: bool) -> None:
     stage, x = stage_and_input("mlp")
     reference = copy.deepcopy(stage)
     for p, r in paired(stage.parameters(), reference.parameters()):
@@ -71,7 +76,8 @@ def test_scalar_loss_and_accumulation_into_existing_gradients() -> None:
     reference(x).pow(2).sum().backward()
     x = x.clone().requires_grad_()
     loss = stage(x).pow(2).sum()
-    _, weight_work = backward_input([loss], [None], [x], list(stage.parameters()))
+    _, weight_work = backward_input([loss], [None], [x], list(stage.parameters()),
+                                    from_outputs=from_outputs)
     weight_work.run()
     for p, r in paired(stage.parameters(), reference.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-12
@@ -118,3 +124,99 @@ def test_outputs_that_leave_one_node_each_get_their_own_gradient(
     for (name, p), r in paired(stage.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
         assert relative_error(p.grad, r.grad) <= 1e-12, name
+
+
+class Clock:
+    """A stand-in for time.perf_counter: each call advances by the next of ``steps``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.steps: list[float] = []
+
+    def __call__(self) -> float:
+        self.now += self.steps.pop(0) if self.steps else 0.0
+        return self.now
+
+
+@pytest.mark.parametrize("faster", ["groups", "outputs"])
+def test_each_stage_takes_the_way_whose_weight_gradient_it_measured_cheaper(
+        monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    clock = Clock()
+    monkeypatch.setattr(weightpath.time, "perf_counter", clock)
+    path = weightpath.WeightPath(0, torch.device("cpu"), None)
+    taken = []
+    for m in range(2 * weightpath.TRIALS):
+        way = path.take(m)
+        taken.append(way)
+        cost = 1.0 if way == faster else 3.0
+        started = path.start(m)
+        clock.steps = [cost / 2]  # I
+        path.stop(m, started, weight=False)
+        started = path.start(m)
+        clock.steps = [cost / 2]  # W
+        path.stop(m, started, weight=True)
+    assert taken == ["groups", "outputs"] * weightpath.TRIALS
+    assert path.chosen == faster
+    assert [path.take(m) for m in range(3)] == [faster] * 3
+    assert path.start(0) is None  # no more timing once chosen
+
+
+def test_a_warm_up_slower_than_the_rest_does_not_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(weightpath.time, "perf_counter", clock)
+    path = weightpath.WeightPath(0, torch.device("cpu"), None)
+    for m in range(2 * weightpath.TRIALS):
+        way = path.take(m)
+        first = m < 2  # each way's first micro-batch pays the warm-up
+        cost = {"groups": 2.0, "outputs": 1.0}[way] + (100.0 if first and way == "outputs" else 0)
+        started = path.start(m)
+        path.stop(m, started, weight=False)
+        started = path.start(m)
+        clock.steps = [cost]
+        path.stop(m, started, weight=True)
+    assert path.chosen == "outputs"
+
+
+def test_the_way_can_be_fixed_and_a_wrong_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_WEIGHT_PATH", "outputs")
+    assert weightpath.fixed_path() == "outputs"
+    path = weightpath.WeightPath(0, torch.device("cpu"), weightpath.fixed_path())
+    assert path.take(0) == "outputs" and path.start(0) is None
+    monkeypatch.setenv("CONVEYOR_WEIGHT_PATH", "roots")
+    with pytest.raises(ValueError, match="CONVEYOR_WEIGHT_PATH='roots': give 'groups' or"):
+        weightpath.fixed_path()
+
+
+@pytest.mark.parametrize("way", ["groups", "outputs", ""])
+@pytest.mark.parametrize("schedule", ["zero-bubble", "zb-v"])
+def test_zero_bubble_gives_the_plain_models_gradients_whichever_way_w_starts(
+        monkeypatch: pytest.MonkeyPatch, way: str, schedule: str) -> None:
+    import conveyor
+
+    monkeypatch.setenv("CONVEYOR_WEIGHT_PATH", way)  # "": measured, both ways taken
+    torch.manual_seed(0)
+    model = mlp().double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, stages=2, chunks=8, schedule=schedule,
+                             loss_fn=nn.functional.mse_loss)
+    for _ in range(2):  # the second step runs by the way the first chose
+        pipe.zero_grad()
+        loss = pipe.step(x, y)
+    nn.functional.mse_loss(plain(x), y).backward()
+    assert relative_error(loss, nn.functional.mse_loss(plain(x), y).detach()) <= 1e-12
+    for (name, p), r in paired(pipe.named_parameters(), plain.parameters()):
+        assert relative_error(p.grad, r.grad) <= 1e-10, name
+    chosen = {stage.weight_path.chosen for stage in pipe.runtime.layout.stages.values()}
+    assert chosen <= set(weightpath.PATHS) and (not way or chosen == {way})
+
+
+@pytest.mark.parametrize("from_outputs", [False, True], ids=["by groups", "from outputs"])
+def test_a_stage_without_parameters_has_nothing_to_do_in_w(from_outputs: bool) -> None:
+    # Found by the generator (seed 16.2): zb-v's stage of a function and a relu_.
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.relu(x * 2)
+    input_grads, weight_work = backward_input([out], [torch.ones_like(out)], [x], [],
+                                              from_outputs=from_outputs)
+    weight_work.run()
+    assert input_grads[0] is not None and torch.equal(input_grads[0], 2.0 * (x > 0))

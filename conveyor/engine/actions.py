@@ -30,6 +30,7 @@ from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
 from conveyor.engine.backward.weightgrad import WeightGradient, backward_input, parameter_nodes
+from conveyor.engine.backward.weightpath import WeightPath
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recompute.replay import is_recomputing
 from conveyor.torchprivate import STOP_RECOMPUTATION, pytree
@@ -48,6 +49,7 @@ class StageActions:
     compiles: bool
     layers: Partition
     offloader: Offloader | None
+    weight_path: WeightPath
 
     def forward(self, inputs: Any, microbatch: int, *, step_seed: int | None,
                 recompute: bool, loss_of: Callable[[Any], torch.Tensor] | None = None
@@ -152,8 +154,12 @@ class StageActions:
             if params is None:
                 params = state.parameters_by_node[self.index] = parameter_nodes(
                     self.trainable_parameters())
+            path = self.weight_path.take(m) if not self.compiles else "groups"
+            started = self.weight_path.start(m)
             found, state.weight_work[(self.index, m)] = backward_input(
-                [out for out, _ in pairs], [g for _, g in pairs], wanted, params)
+                [out for out, _ in pairs], [g for _, g in pairs], wanted, params,
+                from_outputs=path == "outputs")
+            self.weight_path.stop(m, started, weight=False)
         elif pairs:
             # The graph of a stage starts at its own detached inputs, so backward reaches
             # exactly this stage's parameters and input leaves. Accumulating into .grad
@@ -187,7 +193,9 @@ class StageActions:
     def weight_one(self, microbatch: int, state: StepState) -> None:
         """``W``: the weight gradient that the micro-batch's ``I`` left."""
         state.activations.pop((self.index, microbatch), None)
+        started = self.weight_path.start(microbatch)
         state.weight_work.pop((self.index, microbatch)).run()
+        self.weight_path.stop(microbatch, started, weight=True)
 
     def _loss(self, m: int, outputs: Any, state: StepState, *,
               again: bool = False) -> torch.Tensor:

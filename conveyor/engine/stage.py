@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.backward.accumulation import FusedAccumulation
+from conveyor.engine.backward.weightpath import WeightPath, fixed_path
 from conveyor.engine.actions import StageActions
 from conveyor.engine.batchnorm import DeferredBatchNorm
 from conveyor.engine.compiled.stages import (CompiledCall, CompiledStage, before_compiled_call,
@@ -27,8 +28,8 @@ from conveyor.engine.compiled.stages import (CompiledCall, CompiledStage, before
 from conveyor.engine.compiled.cudagraphs import GraphedStage
 from conveyor.engine.offload import Offloader
 from conveyor.engine.layers import (Partition, WholeStage, batch_rows, check_output,
-                                    copied_leaves, failure, shares_a_leaf, shares_a_tensor,
-                                    writes_into_leaf)
+                                    copied_leaves, failure, keeps_rows, shares_a_leaf,
+                                    shares_a_tensor, writes_into_leaf)
 from conveyor.engine.recompute.firstlook import FirstLook
 from conveyor.engine.recompute.replay import Recomputation, checkpointed, is_recomputing
 from conveyor.engine.recompute.sideeffects import ModuleState, SideEffects, refuse_on_replicas
@@ -98,6 +99,8 @@ class Stage(StageActions):
         #: whether other processes hold replicas of the stage (its forwards must not
         #: change its modules' state, but for deferred batch norm's)
         self.replicated = False
+        #: where a split backward's ``W`` starts (measured on its first micro-batches)
+        self.weight_path = WeightPath(index, device, fixed_path())
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -262,7 +265,8 @@ class Stage(StageActions):
                            self.first_layer + offset)
                 x = self._call_layer(layer, offset, copied_leaves(x), microbatch, step_seed,
                                      modes)
-            if not isinstance(layer, WholeStage):  # values crossing stages may broadcast
+            # (a whole stage's outputs, values crossing stages, may broadcast)
+            if not (isinstance(layer, WholeStage) or keeps_rows(x, rows)):
                 self._check_output(x, rows, offset, microbatch)
         return x
 
@@ -321,11 +325,6 @@ class Stage(StageActions):
 
     def _call_layer(self, layer: nn.Module, offset: int, x: Any, microbatch: int,
                     step_seed: int | None, modes: tuple[bool, ...]) -> Any:
-        seeded = (
-            self.randomness.layer_call(step_seed, self.first_layer + offset, microbatch, layer)
-            if step_seed is not None
-            else contextlib.nullcontext()
-        )
         call: Callable[[Any], Any] = \
             self.compiled.call_of(offset, modes) if self.compiled else layer
         index = self.first_layer + offset
@@ -339,7 +338,9 @@ class Stage(StageActions):
                 # torch.compile leaves eager (and its recomputation would not: the two
                 # would save different tensors for backward).
                 self.randomness.draws_nothing(index, layer)
-        with seeded:
+        if step_seed is None or self.randomness.silent(index, layer):  # (most layers)
+            return call(x)
+        with self.randomness.layer_call(step_seed, index, microbatch, layer):
             return call(x)
 
     def _describe_layer(self, offset: int | None) -> str:

@@ -137,11 +137,15 @@ def backward_input(
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor] | Mapping[Node, torch.Tensor],
+    *,
+    from_outputs: bool = False,
 ) -> tuple[list[torch.Tensor | None], WeightGradient]:
     """Runs I: gradients of ``outputs`` (given ``grads``; None for a scalar loss) w.r.t.
     ``inputs``, keeping the graph for the W that is returned. ``params``: the
     parameters W computes, or :func:`parameter_nodes` of them (found once for every
-    micro-batch of a step).
+    micro-batch of a step). ``from_outputs``: W starts at the outputs for every
+    parameter, repeating the input path's backward, and I walks nothing (see
+    :mod:`~conveyor.engine.backward.weightpath`; not for a graph with compiled nodes).
 
     Returns:
         The input gradients (None where an input is unused) and the deferred W.
@@ -150,10 +154,14 @@ def backward_input(
         ValueError: an output, a parameter or an input that requires grad is not part
             of an autograd graph.
     """
+    param_of = params if isinstance(params, Mapping) else parameter_nodes(params)
+    if from_outputs:
+        input_grads, _ = _input_pass(outputs, grads, inputs, [])
+        work = [(_at_roots(outputs, grads), list(param_of.values()))] if param_of else []
+        return input_grads, WeightGradient(work, [])
     roots = [_node(t) for t in outputs]
     parents = _parents(roots)
     input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
-    param_of = params if isinstance(params, Mapping) else parameter_nodes(params)
     # Without an input that takes a gradient (a first stage), no branch joins an input
     # path: every parameter's W starts at the outputs, and nothing need be walked (a walk
     # per parameter up to the outputs costs a stage of L layers L^2 node visits).

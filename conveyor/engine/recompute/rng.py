@@ -10,7 +10,8 @@ Two ways to give a layer call its stream, which draw identical numbers:
 
 * A device used by one thread only (a GPU, whose stages in one process share a
   thread, or a single CPU stage): reseed that device's default generator before the
-  layer runs. Costs ~1 us a call.
+  layer runs. Costs ~1 us a call, and ~5 us with the seed's derivation: so a layer
+  that drew nothing at its first call in a mode (found as below) is not reseeded.
 * The CPU shared by several worker threads: reseeding the one CPU generator would
   race, so random ops are routed to a private generator by a dispatch mode. The mode
   adds ~15 us of Python to every op it sees, so it wraps only the submodules that drew
@@ -19,6 +20,9 @@ Two ways to give a layer call its stream, which draw identical numbers:
   that is the Dropout alone; an op that draws nothing (attention or dropout with a
   dropout probability of 0, dropout outside training) does not count. The assumption:
   a layer in one mode (training or not) draws from the same submodules every call.
+
+Either way a layer's first call in a mode runs under that mode, seeded as the layer's
+stream (the numbers are the same), to learn whether it draws.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class LayerRandomness:
     def __init__(self, device: torch.device, *, shared: bool) -> None:
         self.device = device
         self.shared = shared and device.type in ("cpu", "cuda")
+        self.seeds = device.type in ("cpu", "cuda")  # (no generator known elsewhere)
         # (layer index, training) -> the outermost submodules whose forward drew
         # random numbers in that mode
         self._random_parts: dict[tuple[int, bool], list[nn.Module]] = {}
@@ -105,9 +110,10 @@ class LayerRandomness:
             generator.set_state(state)
 
     def knows(self, index: int, layer: nn.Module) -> bool:
-        """Whether layer ``index`` needs no probe before its next call: its random
-        draws are routed already (or the device's generator is this worker's own)."""
-        return not self.shared or (index, layer.training) in self._random_parts
+        """Whether layer ``index`` needs no probe before its next call: whether it
+        draws in its mode is known (and its draws routed, where workers share the
+        device)."""
+        return (index, layer.training) in self._random_parts or not self.seeds
 
     @contextlib.contextmanager
     def probing(self, index: int, layer: nn.Module, seed: int = 0) -> Iterator[None]:
@@ -119,12 +125,18 @@ class LayerRandomness:
         with _probe(layer, seed) as mode:
             yield
         self._random_parts[(index, layer.training)] = parts = _outermost(mode.sources)
-        for part in parts:
-            _route_random_ops(part)
+        if self.shared:  # (a worker of its own reseeds the device's generator instead)
+            for part in parts:
+                _route_random_ops(part)
 
     def draws(self, index: int, layer: nn.Module) -> bool:
         """Whether a probe found layer ``index`` drawing random numbers in its mode."""
         return bool(self._random_parts.get((index, layer.training)))
+
+    def silent(self, index: int, layer: nn.Module) -> bool:
+        """Whether layer ``index`` needs no stream of its own: it drew nothing at its
+        first call in its mode (or this device has no generator to seed)."""
+        return not self.seeds or self._random_parts.get((index, layer.training)) == []
 
     def draws_nothing(self, index: int, layer: nn.Module) -> None:
         """Notes that layer ``index`` draws no random numbers in its current mode."""
@@ -134,18 +146,20 @@ class LayerRandomness:
     def layer_call(self, step_seed: int, index: int, microbatch: int,
                    layer: nn.Module) -> Iterator[None]:
         """Runs the body (a call of ``layer``, layer ``index``) with its random stream."""
-        seed = derive_seed(step_seed, index, microbatch)
-        if not self.shared:
-            if self.device.type in ("cpu", "cuda"):
-                _default_generator(self.device).manual_seed(seed)
+        if not self.seeds:
             yield
             return
         parts = self._random_parts.get((index, layer.training))
         if parts is None:
-            with self.probing(index, layer, seed):
+            with self.probing(index, layer, derive_seed(step_seed, index, microbatch)):
                 yield
             return
-        if not parts:
+        if not parts:  # draws nothing in this mode: its stream is never read
+            yield
+            return
+        seed = derive_seed(step_seed, index, microbatch)
+        if not self.shared:
+            _default_generator(self.device).manual_seed(seed)
             yield
             return
         previous = getattr(_local, "mode", None)
