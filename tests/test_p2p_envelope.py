@@ -22,6 +22,7 @@ from conveyor.distributed.envelope import (
     _CODES,
     _DTYPE,
     _DTYPES,
+    _CONTAINER,
     _HEADER_BYTES,
     _NDIM,
     _SHAPE,
@@ -218,6 +219,22 @@ def test_a_single_tensor_is_its_header_and_its_bytes() -> None:
     assert torch.equal(buffer[_HEADER_BYTES:], raw(tensor))
 
 
+@pytest.mark.parametrize("container", [list, tuple])
+@SENDS
+def test_one_tensor_in_a_list_or_tuple_is_its_header_and_its_bytes(
+        container: type, send: Send) -> None:
+    # A stage's input gradients are a list, mostly of one tensor: no pickle for them.
+    tensor = torch.randn(3, 5, dtype=torch.float64).requires_grad_()
+    header, pieces = _encode(ACTIVATION, 4, 7, container([tensor]))
+    assert header[_SKELETON] == 0 and header[_CONTAINER] == (1 if container is list else 2)
+    assert header[_BODY] == tensor.numel() * 8
+    got = send(container([tensor]))
+    assert type(got) is container and len(got) == 1
+    assert torch.equal(got[0], tensor) and got[0].requires_grad
+    lone = send([torch.randn(2, 3).t()])  # a transposed one keeps its layout, in a skeleton
+    assert type(lone) is list and lone[0].stride() == (1, 3)
+
+
 def test_a_structure_is_a_padded_skeleton_then_aligned_tensors() -> None:
     assert [_padded(n) for n in (0, 1, 64, 65)] == [0, 64, 64, 128]
     first, second = torch.randn(3), torch.randn(2, dtype=torch.float64)  # 12 and 16 bytes
@@ -283,7 +300,7 @@ def test_a_truncated_body_names_the_message_and_both_sizes() -> None:
 
 def test_a_header_of_the_wrong_length() -> None:
     header, body = message(torch.randn(3, 5))
-    with pytest.raises(ConveyorError, match="^a message header has 20 fields, expected 24$"):
+    with pytest.raises(ConveyorError, match="^a message header has 20 fields, expected 32$"):
         _decode(header[:20], body)
 
 
@@ -299,7 +316,9 @@ def test_a_header_of_the_wrong_length() -> None:
                 "and a body of 60 bytes"),
     (_SKELETON, 64, f"the header of {WHAT} gives a skeleton of 64 bytes and a body of 60"),
     (_SKELETON, -1, f"the header of {WHAT} gives a skeleton of -1 bytes"),
-], ids=["kind", "dtype", "ndim", "negative size", "shape", "skeleton", "negative skeleton"])
+    (_CONTAINER, 3, f"the header of {WHAT} gives container code 3; known are 0-2"),
+], ids=["kind", "dtype", "ndim", "negative size", "shape", "skeleton", "negative skeleton",
+        "container"])
 def test_a_malformed_single_tensor_header(field: int, value: int, error: str) -> None:
     header, body = message(torch.randn(3, 5))
     with pytest.raises(ConveyorError, match=f"^{error}"):

@@ -1,8 +1,9 @@
-"""The envelope of a message between processes: a header of 24 int64s and a body.
+"""The envelope of a message between processes: a header of 32 int64s and a body.
 
-The header carries the kind, sending and receiving stage, micro-batch, sizes, and (for a single tensor) its
-dtype and shape, so a later batch with another sequence length needs nothing special;
-several tensors, or other values, travel with a pickled skeleton. Pure functions of
+The header carries the kind, sending and receiving stage, micro-batch, sizes, and (for a
+single tensor, alone or in a list or tuple: an activation, a stage's input gradients)
+its dtype and shape, so a later batch with another sequence length needs nothing
+special; several tensors, or other values, travel with a pickled skeleton. Pure functions of
 tensors: :mod:`conveyor.distributed.p2p` moves the bytes, this module lays them out.
 """
 
@@ -27,13 +28,14 @@ __all__: list[str] = []
 # message yet from that peer (its capacity). NCCL sends the header and the body as two
 # messages of their exact sizes.
 #
-#   byte 0         192          192+S                                   192+BODY
+#   byte 0         256          256+S                                   256+BODY
 #   | header       | skeleton | pad | tensor 0 | pad | tensor 1 | pad |  unused  |
-#   | 24 int64s    |<---------------- body: BODY bytes --------------->| capacity |
+#   | 32 int64s    |<---------------- body: BODY bytes --------------->| capacity |
 #
 # S, the skeleton's size, and each tensor's size are padded to 64 bytes, so every tensor
 # starts aligned and is viewed as its dtype where it lies. A single tensor (the common
-# case) has no skeleton and no padding: the header describes it and the body is its bytes.
+# case, also as the one element of a list or tuple) has no skeleton and no padding: the
+# header describes it and the body is its bytes.
 #
 #   header field   meaning
 #   0 code         0 activation, 1 gradient, 2 abort (the body is a pickled report)
@@ -53,7 +55,9 @@ __all__: list[str] = []
 #                  nanoseconds of time.monotonic (one machine's clock); else 0
 #   22 source      the sending stage (a neighbour, or the other end of an edge)
 #   23 step        the sender's step: a message of an earlier, failed step is drained
-_INTS = 24
+#   24 container   a single tensor only: 0 the tensor, 1 a list of it, 2 a tuple of it
+#   25-31          unused (0): the header stays a multiple of 64 bytes
+_INTS = 32
 _HEADER_BYTES = _INTS * 8
 _MAX_DIMS = 12
 _ALIGN = 64
@@ -69,20 +73,22 @@ _ORIGIN = 21
 _ARRIVES = 21  # the same field, in a message rather than an abort
 _SOURCE = 22
 _STEP = 23
+_CONTAINER = 24
+_CONTAINERS: tuple[type, ...] = (torch.Tensor, list, tuple)  # by the field's value
 
 
 # How messages meet their receives, for rank 1 of GPipe on two stages and two
 # micro-batches whose activations are 4 KiB each. Both sides start a peer's capacity
-# at 192 bytes (a header) and raise it to the largest message seen, in the same order,
+# at 256 bytes (a header) and raise it to the largest message seen, in the same order,
 # so they always agree whether the next message fits in one envelope:
 #
 #   rank 0 sends                           rank 1
 #                                          prepare(): expects act(1,0), act(1,1) from
-#                                            rank 0; posts a 192-byte receive
-#   0F0: 4288 > 192 bytes: header alone  -> lands in it (inline 0); posts 4096 bytes
+#                                            rank 0; posts a 256-byte receive
+#   0F0: 4352 > 256 bytes: header alone  -> lands in it (inline 0); posts 4096 bytes
 #        then the body (4096 bytes)      -> lands there; act(1,0) is decoded, capacity
-#                                            is now 4288; posts 4288 bytes for act(1,1)
-#   0F1: 4288 <= 4288: one envelope      -> lands whole in the posted receive (inline 1)
+#                                            is now 4352; posts 4352 bytes for act(1,1)
+#   0F1: 4352 <= 4352: one envelope      -> lands whole in the posted receive (inline 1)
 #        (header + body, inline 1)         rank 0 sends nothing more: no receive posted
 #
 # A failing rank sends an abort report in place of its next message to every peer, so
@@ -136,6 +142,9 @@ def _encode(code: int, stage: int, microbatch: int, value: Any,
     if isinstance(value, bytes):  # an abort report
         header[_SKELETON] = header[_BODY] = len(value)
         return header, [value]
+    if type(value) in (list, tuple) and len(value) == 1:  # a stage's input gradients
+        header[_CONTAINER] = _CONTAINERS.index(type(value))
+        value = value[0]
     if (isinstance(value, torch.Tensor) and value.dtype in _DTYPES
             and value.dim() <= _MAX_DIMS and _memory_order(value) is None):
         header[_DTYPE], header[_GRAD] = _DTYPES.index(value.dtype), int(value.requires_grad)
@@ -143,6 +152,8 @@ def _encode(code: int, stage: int, microbatch: int, value: Any,
         header[_SHAPE:_SHAPE + value.dim()] = list(value.shape)
         header[_BODY] = value.numel() * value.element_size()
         return header, [_bytes(value)]
+    if header[_CONTAINER]:  # its one element goes in a skeleton after all
+        value, header[_CONTAINER] = _CONTAINERS[header[_CONTAINER]]([value]), 0
     tensors: list[torch.Tensor] = []
     offsets = [0]
 
@@ -207,6 +218,10 @@ def _check_header(header: Sequence[int]) -> None:
         raise ConveyorError(f"the header of {what} gives dtype code {header[_DTYPE]} and "
                             f"{ndim} dims; known are codes 0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} "
                             "dims: the message is corrupt")
+    if not 0 <= header[_CONTAINER] < len(_CONTAINERS):
+        raise ConveyorError(f"the header of {what} gives container code "
+                            f"{header[_CONTAINER]}; known are 0-{len(_CONTAINERS) - 1}: the "
+                            "message is corrupt")
     shape = header[_SHAPE:_SHAPE + ndim]
     size = math.prod(shape) * _DTYPES[header[_DTYPE]].itemsize
     if min(shape, default=0) < 0 or size != header[_BODY]:
@@ -240,7 +255,9 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
         dtype = _DTYPES[header[_DTYPE]]
         shape = header[_SHAPE:_SHAPE + header[_NDIM]]
         tensor = body[:header[_BODY]].view(dtype).view(shape)
-        return tensor.requires_grad_() if header[_GRAD] else tensor
+        if header[_GRAD]:
+            tensor.requires_grad_()
+        return _CONTAINERS[header[_CONTAINER]]([tensor]) if header[_CONTAINER] else tensor
     skeleton = _unpickle(body[:header[_SKELETON]], what)
 
     def fill(slot: _Slot) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Moving activations and gradients between processes with point-to-point ops.
 
-A message is a header of 24 int64s and a body; the header carries the shapes and
+A message is a header of 32 int64s and a body; the header carries the shapes and
 dtypes, so a later batch with another sequence length needs nothing special (the layout
 is drawn below). Receives are posted in the order the sender sends, which the receiver
 knows from the table (``Schedule.messages``: to the neighbour stages, and over the
