@@ -121,6 +121,9 @@ def causal_lm(name: str, kind: str, config: str, model: str, split: str,
 
 
 GROUPED_MM = {"dtype": torch.float32, "why": "the experts' grouped_mm has no float64 kernel"}
+FLOAT32_NORMS = {"float32_grads": r"norm\.weight$",
+                 "why": "its RMSNorm computes in float32, its weight's gradient summed over "
+                        "the batch in float32"}
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
         "num_attention_heads": 4, "max_position_embeddings": 64}
 causal_lm("gpt2", "decoder-only", "GPT2Config", "GPT2LMHeadModel", "transformer.h.1",
@@ -145,9 +148,7 @@ causal_lm("qwen2", "decoder-only", "Qwen2Config", "Qwen2ForCausalLM", "model.lay
 causal_lm("qwen3", "decoder-only", "Qwen3Config", "Qwen3ForCausalLM", "model.layers.1",
           num_key_value_heads=2, head_dim=8, **TINY)
 causal_lm("gemma", "decoder-only", "GemmaConfig", "GemmaForCausalLM", "model.layers.1",
-          {"float32_grads": r"norm\.weight$",
-           "why": "Gemma's RMSNorm computes in float32, its weight's gradient summed over "
-                  "the batch in float32"},
+          FLOAT32_NORMS,
           num_key_value_heads=2, head_dim=8, **TINY)
 causal_lm("phi", "decoder-only", "PhiConfig", "PhiForCausalLM", "model.layers.1",
           resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **TINY)
@@ -160,6 +161,37 @@ causal_lm("bloom", "decoder-only", "BloomConfig", "BloomForCausalLM", "transform
 causal_lm("falcon", "decoder-only", "FalconConfig", "FalconForCausalLM", "transformer.h.1",
           num_hidden_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
           attention_dropout=0.0)
+# The decoders a new user tried ``conveyor check`` on first (issue 46): most compute
+# their norms, some their softmax or rotary angles, in float32 inside a float64 model.
+causal_lm("phi3", "decoder-only", "Phi3Config", "Phi3ForCausalLM", "model.layers.1",
+          num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+          pad_token_id=0, **TINY)
+causal_lm("gemma2", "decoder-only", "Gemma2Config", "Gemma2ForCausalLM", "model.layers.1",
+          FLOAT32_NORMS,
+          num_key_value_heads=2, head_dim=8, **TINY)
+causal_lm("gemma3", "decoder-only", "Gemma3TextConfig", "Gemma3ForCausalLM", "model.layers.1",
+          FLOAT32_NORMS,
+          num_key_value_heads=2, head_dim=8, **TINY)
+causal_lm("olmo", "decoder-only", "OlmoConfig", "OlmoForCausalLM", "model.layers.1",
+          num_key_value_heads=2, pad_token_id=0, **TINY)
+causal_lm("olmo2", "decoder-only", "Olmo2Config", "Olmo2ForCausalLM", "model.layers.1",
+          num_key_value_heads=2, pad_token_id=0, **TINY)
+causal_lm("cohere", "decoder-only", "CohereConfig", "CohereForCausalLM", "model.layers.1",
+          FLOAT32_NORMS,
+          num_key_value_heads=2, pad_token_id=0, **TINY)
+causal_lm("glm", "decoder-only", "GlmConfig", "GlmForCausalLM", "model.layers.1",
+          num_key_value_heads=2, head_dim=8, pad_token_id=0, **TINY)
+causal_lm("helium", "decoder-only", "HeliumConfig", "HeliumForCausalLM", "model.layers.1",
+          FLOAT32_NORMS,
+          num_key_value_heads=2, head_dim=8, pad_token_id=0, **TINY)
+causal_lm("mamba", "state space", "MambaConfig", "MambaForCausalLM", "backbone.layers.1",
+          {"why": "its scan computes in float32 (A = -exp(A_log.float()), residuals in "
+                  "float32): the loss and the scan's parameters differ by 5e-8 to 7e-8, "
+                  "also against the plain model over the same micro-batches, though the "
+                  "traced model is bit-exact on one; conveyor check judges it against the "
+                  "model's own float32 floor and matches"},
+          num_hidden_layers=2, hidden_size=32, state_size=4, expand=2, conv_kernel=4,
+          pad_token_id=0)
 causal_lm("mixtral", "mixture of experts", "MixtralConfig", "MixtralForCausalLM",
           "model.layers.1", GROUPED_MM, num_key_value_heads=2, num_local_experts=4,
           num_experts_per_tok=2, **TINY)
