@@ -110,12 +110,13 @@ class WeightPath:
         ``"groups"``, which does no work twice); fixed from now on."""
         best = {path: min(times[1:] or times) for path, times in self._seconds.items()
                 if times}
-        self.chosen = min(PATHS, key=lambda path: best.get(path, float("inf")))
+        chosen: Path = min(PATHS, key=lambda path: best.get(path, float("inf")))
+        self.chosen = chosen
         self._timing.clear()
         _log.debug("stage %d: W starts %s (I + W: %s)", self.stage,
-                   "by parameter groups" if self.chosen == "groups" else "at the outputs",
+                   "by parameter groups" if chosen == "groups" else "at the outputs",
                    ", ".join(f"{path} {1e6 * s:.0f} us" for path, s in best.items()))
-        return self.chosen
+        return chosen
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
