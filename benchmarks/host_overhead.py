@@ -21,6 +21,11 @@ W, where 1F1B runs 2M).
 
     python benchmarks/host_overhead.py            # M=32, 7 rounds; about a minute
     python benchmarks/host_overhead.py --quick    # M=16, 3 rounds; the smoke test's
+    python benchmarks/host_overhead.py --pin --rounds 15   # each process on a core
+
+On a 2-core VM the processes' threads (the stage's, gloo's, conveyor's receive
+watchers) otherwise wander between the cores, and two runs of the same code differ by
+up to 1.5x; pinned, by about 10%.
 """
 
 from __future__ import annotations
