@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -220,3 +221,48 @@ def test_a_stage_without_parameters_has_nothing_to_do_in_w(from_outputs: bool) -
                                               from_outputs=from_outputs)
     weight_work.run()
     assert input_grads[0] is not None and torch.equal(input_grads[0], 2.0 * (x > 0))
+
+
+class Doubling(torch.autograd.Function):
+    """A Python autograd function whose backward counts its calls (as one that
+    communicates or adds into ``.grad`` would act on each)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        Doubling.calls += 1
+        return 2 * grad
+
+
+class WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(Doubling.apply(x))
+
+
+def test_a_python_autograd_function_in_a_stage_keeps_w_by_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import conveyor
+
+    monkeypatch.delenv("CONVEYOR_WEIGHT_PATH", raising=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), WithFunction()).double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = conveyor.Pipeline(model, balance=[2, 1], chunks=8, schedule="zero-bubble",
+                             loss_fn=nn.functional.mse_loss)
+    Doubling.calls = 0
+    pipe.step(x, y)
+    assert Doubling.calls == 8  # once a micro-batch: its backward never ran twice
+    nn.functional.mse_loss(plain(x), y).backward()
+    for (name, p), r in paired(pipe.named_parameters(), plain.parameters()):
+        assert relative_error(p.grad, r.grad) <= 1e-10, name
+    assert pipe.runtime.layout.stages[1].weight_path.chosen == "groups"

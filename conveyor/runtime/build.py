@@ -216,6 +216,10 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
                       fuse_accumulation=fusing_allowed() and not options.compile
                       and not sharding,
                       offload=_offloaded(options, schedule.num_stages, sharded=bool(sharding)))
+    if pending.vocabulary is not None or sharding is not None or topology.tensor_size > 1:
+        for stage in layout.stages.values():
+            stage.weight_path.keep_groups("what its backward does with other ranks or the "
+                                          "head must happen once")
     if pending.vocabulary is not None and distributed:
         assert isinstance(options.loss_fn, VocabParallelCrossEntropy)
         runtime.vocabulary = VocabRanks(runtime, pending.vocabulary,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from conveyor.engine.compiled.backward import planned
@@ -41,13 +42,18 @@ class WeightGradient:
             noted there in I, and the parameters it reaches from them.
         pinned: nodes that must receive in W exactly the gradient noted in I.
         compiled: the weight halves of the compiled graphs' backwards that I ran.
+        repeatable: whether the graph's backward may run twice, as W from the outputs
+            does for the input path: no Python autograd function in it (a collective, an
+            accumulation into ``.grad``, a count, ...; False where it was not looked at).
     """
 
     def __init__(self, groups: list[tuple[list[tuple[Node, tuple[Any, ...]]], list[torch.Tensor]]],
-                 pinned: list[Node], compiled: list[Callable[[], None]] | None = None) -> None:
+                 pinned: list[Node], compiled: list[Callable[[], None]] | None = None, *,
+                 repeatable: bool = False) -> None:
         self._groups = groups
         self._pinned = pinned
         self._compiled = compiled or []
+        self.repeatable = repeatable
 
     def run(self) -> None:
         """Computes the weight gradients and adds them to each parameter's ``.grad``."""
@@ -145,7 +151,8 @@ def backward_input(
     parameters W computes, or :func:`parameter_nodes` of them (found once for every
     micro-batch of a step). ``from_outputs``: W starts at the outputs for every
     parameter, repeating the input path's backward, and I walks nothing (see
-    :mod:`~conveyor.engine.backward.weightpath`; not for a graph with compiled nodes).
+    :mod:`~conveyor.engine.backward.weightpath`; only for a graph found ``repeatable``
+    by an I without it).
 
     Returns:
         The input gradients (None where an input is unused) and the deferred W.
@@ -193,7 +200,9 @@ def backward_input(
              [param_of[node] for node in members]) for nodes, members in groups]
     if direct:
         work.append((_at_roots(outputs, grads), [param_of[node] for node in direct]))
-    return input_grads, WeightGradient(work, _pinned(groups), compiled_weights)
+    repeatable = not any(isinstance(node, BackwardCFunction) for node in (*roots, *parents))
+    return input_grads, WeightGradient(work, _pinned(groups), compiled_weights,
+                                       repeatable=repeatable)
 
 
 def _at_roots(outputs: Sequence[torch.Tensor],

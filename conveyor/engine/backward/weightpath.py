@@ -19,7 +19,14 @@ the two (:data:`TRIALS` of each, the first of each left out as a warm-up, timed 
 ``I`` and ``W`` with the device synchronised), and from then on it takes the one whose
 ``I + W`` was cheaper. ``CONVEYOR_WEIGHT_PATH=groups`` (or ``outputs``) fixes the way,
 to compare or to rule the choice out. A stage that runs compiled graphs keeps
-``"groups"``: its compiled graph's weight half is kept apart by ``I``.
+``"groups"``: its compiled graph's weight half is kept apart by ``I``. So do the stages
+of a pipeline with a vocabulary-parallel head, tensor parallelism or FSDP (their
+backwards work with other ranks or the head), and a stage whose graph holds a Python
+autograd function (its backward may communicate, count or add into ``.grad``), which
+the first ``I`` by groups looks for before any ``I`` from the outputs runs.
+A tensor hook on an activation inside the stage runs twice per micro-batch from the
+outputs, once in ``I`` and once in ``W``: a hook that only changes the gradient gives the
+same result, one that counts or logs sees each micro-batch twice.
 """
 
 from __future__ import annotations
@@ -72,6 +79,14 @@ class WeightPath:
         self._seconds: dict[Path, list[float]] = {path: [] for path in PATHS}
         self._timing: dict[int, tuple[Path, float]] = {}  # micro-batch -> (way, I + W)
         self._next = 0
+
+    def keep_groups(self, why: str) -> None:
+        """Starts ``W`` by groups from now on: the stage's backward must not run its
+        input path twice, for the reason ``why`` (logged)."""
+        if self.chosen is None:
+            _log.debug("stage %d: W starts by parameter groups (%s)", self.stage, why)
+        self.chosen = "groups"
+        self._timing.clear()
 
     def take(self, microbatch: int) -> Path:
         """The way for ``microbatch``'s ``I`` (and its ``W``), called as ``I`` starts."""
