@@ -160,7 +160,7 @@ class StageActions:
                 [out for out, _ in pairs], [g for _, g in pairs], wanted, params,
                 from_outputs=path == "outputs")
             self.weight_path.stop(m, started, weight=False)
-            if path == "groups" and not state.weight_work[(self.index, m)].repeatable:
+            if not state.weight_work[(self.index, m)].repeatable:
                 self.weight_path.keep_groups("its graph holds a Python autograd function, "
                                              "whose backward must run once")
         elif pairs:

@@ -150,9 +150,10 @@ def backward_input(
     ``inputs``, keeping the graph for the W that is returned. ``params``: the
     parameters W computes, or :func:`parameter_nodes` of them (found once for every
     micro-batch of a step). ``from_outputs``: W starts at the outputs for every
-    parameter, repeating the input path's backward, and I walks nothing (see
-    :mod:`~conveyor.engine.backward.weightpath`; only for a graph found ``repeatable``
-    by an I without it).
+    parameter, repeating the input path's backward, and I walks the graph only to
+    find that it may (see :mod:`~conveyor.engine.backward.weightpath`): one with a
+    Python autograd function in it is split by groups all the same, and its W is not
+    ``repeatable``.
 
     Returns:
         The input gradients (None where an input is unused) and the deferred W.
@@ -162,11 +163,11 @@ def backward_input(
             of an autograd graph.
     """
     param_of = params if isinstance(params, Mapping) else parameter_nodes(params)
-    if from_outputs:
+    roots = [_node(t) for t in outputs]
+    if from_outputs and _repeatable(roots):
         input_grads, _ = _input_pass(outputs, grads, inputs, [])
         work = [(_at_roots(outputs, grads), list(param_of.values()))] if param_of else []
-        return input_grads, WeightGradient(work, [])
-    roots = [_node(t) for t in outputs]
+        return input_grads, WeightGradient(work, [], repeatable=True)
     parents = _parents(roots)
     input_path = _ancestors([_node(t) for t in inputs if t.requires_grad], parents)
     # Without an input that takes a gradient (a first stage), no branch joins an input
@@ -203,6 +204,21 @@ def backward_input(
     repeatable = not any(isinstance(node, BackwardCFunction) for node in (*roots, *parents))
     return input_grads, WeightGradient(work, _pinned(groups), compiled_weights,
                                        repeatable=repeatable)
+
+
+def _repeatable(roots: Sequence[Node]) -> bool:
+    """Whether the graph below ``roots`` may run its backward twice: no Python autograd
+    function in it (a walk of its nodes, cheaper than :func:`_parents`'s)."""
+    seen, queue = set(roots), list(roots)
+    while queue:
+        node = queue.pop()
+        if isinstance(node, BackwardCFunction):
+            return False
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return True
 
 
 def _at_roots(outputs: Sequence[torch.Tensor],

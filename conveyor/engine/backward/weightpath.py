@@ -13,7 +13,7 @@ A stage of large layers is bound by its arithmetic, where ``"groups"`` saves the
 path's second pass; a stage of many small layers (or any stage whose host issues work
 faster than a GPU runs it, the other way round) is bound by the host, where one call
 instead of one per layer is cheaper: on 16 layers of ``Linear(16, 16)`` on a CPU,
-``I + W`` takes 1.3 ms by groups and 0.66 ms from the outputs, against 0.44 ms for the
+``I + W`` takes 1.3 ms by groups and 0.7 ms from the outputs, against 0.44 ms for the
 whole ``B``. So each stage measures: its first split micro-batches alternate between
 the two (:data:`TRIALS` of each, the first of each left out as a warm-up, timed around
 ``I`` and ``W`` with the device synchronised), and from then on it takes the one whose
@@ -22,8 +22,9 @@ to compare or to rule the choice out. A stage that runs compiled graphs keeps
 ``"groups"``: its compiled graph's weight half is kept apart by ``I``. So do the stages
 of a pipeline with a vocabulary-parallel head, tensor parallelism or FSDP (their
 backwards work with other ranks or the head), and a stage whose graph holds a Python
-autograd function (its backward may communicate, count or add into ``.grad``), which
-the first ``I`` by groups looks for before any ``I`` from the outputs runs.
+autograd function (its backward may communicate, count or add into ``.grad``): every
+``I`` looks for one, by groups in its walk, from the outputs in a walk of its own
+(about a microsecond a node), and splits such a graph by groups all the same.
 A tensor hook on an activation inside the stage runs twice per micro-batch from the
 outputs, once in ``I`` and once in ``W``: a hook that only changes the gradient gives the
 same result, one that counts or logs sees each micro-batch twice.
