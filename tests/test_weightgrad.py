@@ -266,3 +266,24 @@ def test_a_python_autograd_function_in_a_stage_keeps_w_by_groups(
     for (name, p), r in paired(pipe.named_parameters(), plain.parameters()):
         assert relative_error(p.grad, r.grad) <= 1e-10, name
     assert pipe.runtime.layout.stages[1].weight_path.chosen == "groups"
+
+
+def test_a_graph_with_a_python_autograd_function_is_split_by_groups_even_from_outputs() -> None:
+    # A stage's micro-batches may build different graphs (zb-v with a recomputed last
+    # stage: some rebuilt from their outputs, some with the loss at the root), so each I
+    # from the outputs looks at its own graph.
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(6, 6), WithFunction()).double()  # a weight below it
+    reference = copy.deepcopy(stage)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    grad = torch.randn(4, 3, dtype=torch.float64)
+    reference(x.clone().requires_grad_()).backward(grad)
+    Doubling.calls = 0
+    x_split = x.clone().requires_grad_()
+    out = stage(x_split)
+    _, weight_work = backward_input([out], [grad], [x_split], list(stage.parameters()),
+                                    from_outputs=True)
+    weight_work.run()
+    assert Doubling.calls == 1 and not weight_work.repeatable  # I alone ran it
+    for (name, p), r in paired(stage.named_parameters(), reference.parameters()):
+        assert relative_error(p.grad, r.grad) <= 1e-12, name
