@@ -35,7 +35,7 @@ from conveyor.graph.firstcall import (
     first_microbatch,
     keep_copies_equal,
 )
-from conveyor.graph.layout import adopt, cut, refuse_edges
+from conveyor.graph.layout import Layout, adopt, cut, refuse_edges
 from conveyor.graph.source import LayerBuilder
 from conveyor.runtime.options import PipelineOptions
 from conveyor.runtime.planning import (
@@ -216,10 +216,8 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
                       fuse_accumulation=fusing_allowed() and not options.compile
                       and not sharding,
                       offload=_offloaded(options, schedule.num_stages, sharded=bool(sharding)))
-    if pending.vocabulary is not None or sharding is not None or topology.tensor_size > 1:
-        for stage in layout.stages.values():
-            stage.weight_path.keep_groups("what its backward does with other ranks or the "
-                                          "head must happen once")
+    _keep_weight_groups(layout, pending.vocabulary is not None or sharding is not None
+                        or topology.tensor_size > 1)
     if pending.vocabulary is not None and distributed:
         assert isinstance(options.loss_fn, VocabParallelCrossEntropy)
         runtime.vocabulary = VocabRanks(runtime, pending.vocabulary,
@@ -256,6 +254,17 @@ def _certificate(options: PipelineOptions, runtime: Runtime) -> Certificate | No
             "one process, not yet across torchrun's ranks (drop verify_every there, or "
             "check the pipeline with conveyor check)")
     return Certificate(options.verify_every, options.chunks)
+
+
+
+def _keep_weight_groups(layout: Layout, shared: bool) -> None:
+    """Where a stage's backward works with other ranks or the head (``shared``: a
+    vocabulary-parallel head, tensor parallelism, FSDP), its input path's backward must
+    run once: ``W`` starts by parameter groups (see
+    :mod:`conveyor.engine.backward.weightpath`)."""
+    for stage in layout.stages.values() if shared else ():
+        stage.weight_path.keep_groups("what its backward does with other ranks or the head "
+                                      "must happen once")
 
 
 def _offloaded(options: PipelineOptions, stages: int, *, sharded: bool) -> frozenset[int]:
