@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.errors import TensorParallelError
+from conveyor.errors import ConfigError, TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
 from tests.support.launch import launch
 from tests.support.scenarios.tensor import CHUNKS, SCHEDULES
@@ -100,6 +100,39 @@ def test_a_users_block_with_a_dict_plan_on_a_sequential(results: list[dict[str, 
     for rank in results:
         worst, count = rank["block"]
         assert count >= 8 and worst <= 1e-10, (worst, count)
+
+
+@LAUNCH
+def test_check_compares_a_pipeline_split_over_tensor_ranks_with_the_plain_model(
+        results: list[dict[str, Any]]) -> None:
+    """``conveyor.check(..., tensor_parallel=2)`` under torchrun: every rank gets rank 0's
+    report. A Llama matches; a softmax between a column-parallel layer and its partner
+    is the first layer named, with the split as its cause; Qwen3 without its q/k norms'
+    gradients summed is named by the gradient its tensor ranks hold differently."""
+    for rank in results:
+        checks = rank["check"]
+        ok, setup, *_ = checks["llama"]
+        assert ok and "2 stages x 2 tensor ranks" in setup and "zero-bubble" in setup, setup
+        ok, _, kind, layer, cause = checks["softmax"]
+        assert not ok and (kind, layer) == ("forward", "1"), checks["softmax"]
+        assert "layer 0 (Linear, colwise)" in cause and "splits over the tensor group" in cause
+        ok, _, kind, name, cause = checks["qwen3-unsummed"]
+        assert not ok and kind == "gradient" and name.endswith("_norm.weight"), name
+        assert "replicated_with_grad_allreduce" in cause, cause
+    assert len({json.dumps(rank["check"]) for rank in results}) == 1
+
+
+def test_check_with_tensor_parallel_in_one_process_names_the_torchrun_command() -> None:
+    import conveyor
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    with pytest.raises(ConfigError, match=r"launch 4 of them \(2 pipeline ranks x 2 tensor "
+                                          r"ranks\) under torchrun.*--nproc-per-node 4"):
+        conveyor.check(model, torch.randn(4, 4), torch.randn(4, 4), loss_fn=nn.MSELoss(),
+                       balance=[1, 1], chunks=2, tensor_parallel=2, tp_plan={"0": "colwise"})
+    with pytest.raises(ConfigError, match=r"tp_plan= splits modules over tensor_parallel"):
+        conveyor.check(model, torch.randn(4, 4), torch.randn(4, 4), loss_fn=nn.MSELoss(),
+                       balance=[1, 1], chunks=2, tp_plan={"0": "colwise"})
 
 
 @LAUNCH

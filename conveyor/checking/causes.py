@@ -7,7 +7,8 @@ breaks the pipeline's equivalence with the plain model, and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -117,6 +118,23 @@ def hidden_tie(reader: str, stage: int, parameter: str, owner: str, path: str | 
             "both uses in tie_weights=")
 
 
+def split_input(where: str, source: str) -> str:
+    return (f"{where} takes {source}, which the plan splits over the tensor group and "
+            "does not gather, so each tensor rank computes it on its own part of the "
+            "features: an operation that mixes them (a softmax, a norm, a mean over the "
+            "last dimension) sees only that part. Split only layers whose partner comes "
+            "straight after (colwise, then the rowwise layer that sums it), or gather the "
+            "output whole ('colwise_gather_output')")
+
+
+def tensor_ranks_disagree(parameter: str, stage: int) -> str:
+    return (f"the tensor ranks of stage {stage} hold different gradients of {parameter!r}, "
+            "which the plan leaves whole on each of them: each rank's part of the layer "
+            "uses it on only that rank's part (a per-head norm after split attention), so "
+            "each sees only its share of the gradient. Sum it over the tensor group: the "
+            "'replicated_with_grad_allreduce' style in tp_plan")
+
+
 def undeclared_tie(names: Sequence[str]) -> str:
     return (f"{_names(names)} are one nn.Parameter in the model your layer function "
             "builds, but a pipeline builds each rank's layers apart, so they become "
@@ -142,30 +160,55 @@ def follows(kind: str) -> str:
     return f"follows from the {kind} difference above"
 
 
-def returned_early(pipe: Any) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class Program:
+    """What a traced stage's program makes and returns, small enough to travel
+    between ranks.
+
+    Attributes:
+        made: the names of the values it computes.
+        returned: the model's output leaves it returns as they came to it from an
+            earlier stage, each as (its path in the output, the value's name).
+    """
+
+    made: frozenset[str]
+    returned: tuple[tuple[str, str], ...]
+
+
+def programs_of(stages: Mapping[int, Any]) -> dict[int, Program]:
+    """Each traced stage's :class:`Program` (in training mode as the stage is), by stage;
+    none for stages that are not traced."""
+    found = {}
+    for k, stage in stages.items():
+        program = getattr(stage.layers[0], "programs", {}).get(stage.layers[0].training)
+        if program is None:
+            continue
+        received = set(program.receives)
+        names = [v.name if isinstance(v, fx.Node) and v.name in received else None
+                 for v in program.user_outputs]
+        returned = tuple(
+            (pytree.keystr(path), name) for path, name in pytree.tree_flatten_with_path(
+                pytree.tree_unflatten(names, program.out_spec))[0] if name is not None)
+        found[k] = Program(frozenset(program.made), returned)
+    return found
+
+
+def returned_early(programs: Mapping[int, Program]) -> list[tuple[str, int]]:
     """The leaves of a traced model's output that a stage before the last makes and the
     last stage returns as they came to it (an encoder's state returned beside the
     logits), each as (its path in the output, the stage that makes it).
 
     Args:
-        pipe: a :class:`conveyor.Pipeline` with every stage in this process.
+        programs: every traced stage's program, by stage (:func:`programs_of`).
     """
-    stages = pipe.runtime.stages
-    programs = {k: getattr(stage.layers[0], "programs", {}).get(stage.layers[0].training)
-                for k, stage in stages.items()}
-    last = programs.get(max(stages))
-    if last is None:  # not a traced model
+    if not programs:  # not a traced model
         return []
-    received = set(last.receives)
-    names = [v.name if isinstance(v, fx.Node) and v.name in received else None
-             for v in last.user_outputs]
     found = []
-    for path, name in pytree.tree_flatten_with_path(
-            pytree.tree_unflatten(names, last.out_spec))[0]:
-        maker = next((k for k, program in sorted(programs.items())
-                      if program is not None and name in program.made), None)
-        if name is not None and maker is not None:
-            found.append((pytree.keystr(path), maker))
+    for path, name in programs[max(programs)].returned:
+        maker = next((k for k, program in sorted(programs.items()) if name in program.made),
+                     None)
+        if maker is not None:
+            found.append((path, maker))
     return found
 
 

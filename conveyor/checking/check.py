@@ -21,9 +21,8 @@ gradient and every buffer. The first difference beyond ``rtol`` gets a likely ca
 from __future__ import annotations
 
 import copy
-import textwrap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,68 +32,15 @@ from conveyor.engine.microbatch import batch_size, split
 from conveyor.engine.recompute.replay import recompute_mode
 from conveyor.errors import BalanceError, ConfigError, MicroBatchError, ScheduleError
 from conveyor.graph.source import LayerBuilder
-from conveyor.checking.floor import Floor, noise_floor
+from conveyor.checking.floor import noise_floor
 from conveyor.checking.plain import float64, forward_whole, plain_model, run_plain
+from conveyor.checking import spread
 from conveyor.checking.runs import build_pipeline, traced
-from conveyor.checking.compare import Comparison, Finding
+from conveyor.checking.compare import Comparison
+from conveyor.checking.report import CheckReport
 from conveyor.schedules import Schedule
 
 __all__ = ["CheckReport", "check"]
-
-
-@dataclass
-class CheckReport:
-    """What :func:`check` found: ``ok`` when everything matched.
-
-    Attributes:
-        setup: the pipeline that was checked, in words.
-        compared: what was compared, in words.
-        findings: the first difference of each kind, in the order a step runs.
-        rtol: the relative tolerance the values were compared with: the one asked
-            for, or the plain model's own noise floor times its margin where the model
-            computes below float64 inside (see :mod:`conveyor.checking.floor`).
-        floor: how far the plain model differs from itself, and why.
-    """
-
-    setup: str
-    compared: str
-    findings: list[Finding] = field(default_factory=list)
-    rtol: float = 0.0
-    floor: Floor = field(default_factory=Floor)
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    def __str__(self) -> str:
-        lines = [f"conveyor check: {self.setup}", f"compared with the plain model on the "
-                 f"whole batch (float64, rtol {self.rtol:g}): {self.compared}"]
-        if self.floor.elevated:
-            lines.append(_indent("the plain model's own noise floor: " + self.floor.cause()))
-        if self.ok:
-            return "\n".join([*lines, "MATCH: the pipeline computes what the plain model does"])
-        first, *rest = self.findings
-        lines += ["DIFFERS", f"first difference: {first}{_more(first)}",
-                  _indent("likely cause: " + first.cause)]
-        if rest:
-            lines.append("then:")
-        for finding in rest:
-            said = finding.cause == first.cause
-            lines += [f"  {finding}{_more(finding)}",
-                      _indent("the same cause" if said else finding.cause, 4)]
-        return "\n".join(lines)
-
-
-_COUNTED = {"forward": "layers", "gradient": "gradients", "buffer": "buffers"}
-
-
-def _more(finding: Finding) -> str:
-    counted = _COUNTED.get(finding.kind)
-    return f" ({finding.count} {counted} differ)" if counted and finding.count > 1 else ""
-
-
-def _indent(text: str, by: int = 2) -> str:
-    return textwrap.fill(text, 92, initial_indent=" " * by, subsequent_indent=" " * (by + 2))
 
 
 def check(
@@ -118,6 +64,8 @@ def check(
     seed: int = 0,
     rtol: float = 1e-7,
     atol: float = 1e-12,
+    tensor_parallel: int = 1,
+    tp_plan: str | Mapping[str, Any] | None = None,
 ) -> CheckReport:
     """Runs one step of the pipelined configuration and of the plain model on the same
     batch, and reports the first place where they differ, with its likely cause.
@@ -139,16 +87,29 @@ def check(
             where the plain model differs from itself by more (a model that computes in
             float32 inside, :mod:`conveyor.checking.floor`), 10x that noise floor.
         atol: see ``rtol``.
+        tensor_parallel: T tensor ranks per stage, its modules split by ``tp_plan`` (as
+            for ``Pipeline``). The check then runs as the job does, under torchrun with
+            stages x T processes, every rank calling ``check`` alike; rank 0 runs the
+            plain model and compares, and every rank returns its report.
+        tp_plan: with ``tensor_parallel``: "auto" (a Hugging Face model's own plan) or
+            {module-name pattern: style}.
 
     Returns:
         A :class:`CheckReport`; ``print`` it, or read ``ok`` and ``findings``.
 
     Raises:
-        BalanceError, ModelError, ScheduleError, MicroBatchError: the options do not
-            fit the model or the batch.
+        BalanceError, ModelError, ScheduleError, MicroBatchError, TensorParallelError:
+            the options do not fit the model or the batch.
+        ConfigError: ``tensor_parallel`` in one plain process (it names the torchrun
+            command), or ``tp_plan`` without it.
     """
     count = _stage_count(stages, balance, split_at, virtual_stages)
     mode = recompute_mode(recompute, checkpoint)
+    if tensor_parallel > 1:
+        spread.refuse_one_process(tensor_parallel, count)
+    elif tp_plan is not None:
+        raise ConfigError("tp_plan= splits modules over tensor_parallel=T ranks: give "
+                          "tensor_parallel (2 or more) beside it")
     # Everything runs on the CPU: its generator is the only one the check reseeds.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
@@ -163,31 +124,55 @@ def check(
                              stages=count, chunks=chunks, balance=balance, split_at=split_at,
                              sample=sample, schedule=schedule, virtual_stages=virtual_stages,
                              recompute=mode, tie_weights=tie_weights,
-                             deferred_batch_norm=deferred_batch_norm)
+                             deferred_batch_norm=deferred_batch_norm,
+                             tensor_parallel=tensor_parallel, tp_plan=tp_plan)
         run.step(float64(inputs), float64(targets), seed)
-        if isinstance(run.error, (MicroBatchError, BalanceError, ScheduleError, ConfigError)):
-            raise run.error
-        pipe = run.pipe
-        if cut:  # as given, or chosen among the model's blocks
-            split_at = pipe.split_at
-        before, again = copy.deepcopy(plain), float64(inputs)  # as yet unchanged
-        indices = [layer.index for layer in run.layers]
-        reference = run_plain(plain, indices, inputs, targets, loss_fn=loss_fn,
-                              chunks=chunks, seed=seed, split_at=split_at)
-        floor = noise_floor(before, reference, indices, again, targets, loss_fn=loss_fn,
-                            chunks=chunks, seed=seed, split_at=split_at,
-                            call=lambda m: forward_whole(m, float64(again), cut))
-        comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
-                                chunks=chunks, rows=batch_size(inputs),
-                                rtol=floor.rtol(rtol), atol=atol,
-                                traced=cut, declared=[tuple(g) for g in tie_weights],
-                                builder=builder)
-        findings = comparison.findings()
+        compare = functools.partial(
+            _compared, plain=plain, inputs=inputs, targets=targets, loss_fn=loss_fn,
+            chunks=chunks, seed=seed, cut=cut, split_at=split_at, builder=builder,
+            tie_weights=tie_weights, rtol=rtol, atol=atol)
+        if tensor_parallel > 1:
+            return spread.on_rank_0(run, compare)
+        return compare(spread.Spread(run))
+
+
+def _compared(whole: spread.Spread, *, plain: nn.Module, inputs: Any, targets: Any,
+              loss_fn: Callable[[Any, Any], Any], chunks: int, seed: int, cut: bool,
+              split_at: Sequence[str] | None, builder: bool,
+              tie_weights: Sequence[Sequence[str]], rtol: float, atol: float) -> CheckReport:
+    """The report of ``whole`` (the pipeline's run, every rank's put together) beside
+    the plain model's run on the whole batch."""
+    run = whole.run
+    if isinstance(run.error, (MicroBatchError, BalanceError, ScheduleError, ConfigError)):
+        raise run.error
+    pipe = run.pipe
+    if cut:  # as given, or chosen among the model's blocks
+        split_at = pipe.split_at
+    before, again = copy.deepcopy(plain), float64(inputs)  # as yet unchanged
+    indices = [layer.index for layer in run.layers]
+    reference = run_plain(plain, indices, inputs, targets, loss_fn=loss_fn,
+                          chunks=chunks, seed=seed, split_at=split_at)
+    whole.join(reference)
+    floor = noise_floor(before, reference, indices, again, targets, loss_fn=loss_fn,
+                        chunks=chunks, seed=seed, split_at=split_at,
+                        call=lambda m: forward_whole(m, float64(again), cut))
+    comparison = Comparison(run, reference, plain, targets, loss_fn=loss_fn,
+                            chunks=chunks, rows=batch_size(inputs),
+                            rtol=floor.rtol(rtol), atol=atol,
+                            traced=cut, declared=[tuple(g) for g in tie_weights],
+                            builder=builder)
+    findings = comparison.findings()
+    table = pipe.schedule
     where = (f"split at {list(split_at)}" if split_at is not None else f"balance {pipe.balance}")
-    shape = (f"{count} ranks ({pipe.schedule.num_stages} stages)" if virtual_stages > 1
-             else f"{count} stages")
-    setup = (f"{shape}, {where}, {pipe.schedule.name}, {chunks} micro-batches, "
-             f"recompute {mode!r}; one CPU thread per rank")
+    ranks = len(set(table.stage_ranks))
+    shape = (f"{ranks} ranks ({table.num_stages} stages)" if table.num_stages > ranks
+             else f"{ranks} stages")
+    tensor = pipe.topology.tensor_size
+    if tensor > 1:
+        shape += f" x {tensor} tensor ranks"
+    how = ("one process per rank (torchrun)" if tensor > 1 else "one CPU thread per rank")
+    setup = (f"{shape}, {where}, {table.name}, {chunks} micro-batches, "
+             f"recompute {pipe.recompute!r}; {how}")
     return CheckReport(setup, comparison.compared(), findings, floor.rtol(rtol), floor)
 
 

@@ -146,6 +146,8 @@ class Comparison:
             culprit = probe.unrepeatable or culprit
         if self.run.shared:
             return causes.shared_across_stages(self.run.shared), culprit
+        if layer.index in self.run.split_inputs:
+            return causes.split_input(where, self.run.split_inputs[layer.index]), culprit
         text = causes.of_layer(where, probe, mutated_stage_input=mutated,
                                recomputation=recomputation)
         return text, culprit
@@ -260,20 +262,22 @@ class Comparison:
 
     def _gradients(self, found: list[Finding]) -> Finding | None:
         differing = []
-        for name, param in self.run.pipe.named_parameters():
+        for name, grad in self.run.gradients.items():
             want = _grad(self.plain.get_parameter(name))
             self.counts["gradient"] = self.counts.get("gradient", 0) + 1
-            gap = difference(leaves(_grad(param)), leaves(want), self.rtol, self.atol)
+            gap = difference(leaves(grad), leaves(want), self.rtol, self.atol)
             if gap is not None:
-                differing.append((name, param, gap))
+                differing.append((name, grad, gap))
         if not differing:
             return None
-        name, param, gap = differing[0]
-        stage, layer = self._owner(name, param)
+        name, _, gap = differing[0]
+        stage, layer = self._owner(name)
         hidden = hidden_ties(self.run)
         undeclared = undeclared_ties(self.run, self.plain, self.declared) \
             if self.builder else {}
-        if name in hidden:
+        if name in self.run.disagree:
+            cause = causes.tensor_ranks_disagree(name, self.run.disagree[name])
+        elif name in hidden:
             cause = hidden[name]
         elif name in undeclared:
             cause = causes.undeclared_tie(undeclared[name])
@@ -299,16 +303,16 @@ class Comparison:
         if not self.traced or pipe.recompute == "never" or \
                 not any(a.kind is Kind.INPUT for a in pipe.schedule.actions):
             return None
-        early = causes.returned_early(pipe)
+        early = causes.returned_early(self.run.programs)
         if not early:
             return None
         upstream = max(stage for _, stage in early)
         got, want = [], []
-        for name, param in differing:
-            stage, _ = self._owner(name, param)
+        for name, grad in differing:
+            stage, _ = self._owner(name)
             if stage is None or stage > upstream:
                 return None
-            got.append(_grad(param).flatten())
+            got.append(grad.flatten())
             want.append(_grad(self.plain.get_parameter(name)).flatten())
         g, w = torch.cat(got).double(), torch.cat(want).double()
         if not w.any():
@@ -324,7 +328,7 @@ class Comparison:
     def _buffers(self, found: list[Finding]) -> Finding | None:
         first: Finding | None = None
         differing = 0
-        for name, buffer in self.run.pipe.named_buffers():
+        for name, buffer in self.run.buffers.items():
             try:
                 want = self.plain.get_buffer(name)
             except AttributeError:
@@ -336,7 +340,7 @@ class Comparison:
             differing += 1
             if first is None:
                 owner = name.rpartition(".")[0]
-                stage, layer = self._owner(name, None)
+                stage, layer = self._owner(name)
                 module = self.plain.get_submodule(owner)
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     cause = ("batch norm updates its running statistics once per micro-batch, "
@@ -354,15 +358,13 @@ class Comparison:
             first.count = differing
         return first
 
-    def _owner(self, name: str, param: torch.Tensor | None) -> tuple[int | None, str]:
-        """The stage and layer (a submodule, for a traced model) a parameter belongs to."""
+    def _owner(self, name: str) -> tuple[int | None, str]:
+        """The stage and layer (a submodule, for a traced model) a parameter or buffer
+        belongs to."""
         if not self.traced:
             layer = self.by_name.get(name.split(".", 1)[0])
             return (layer.stage if layer else None), name.split(".", 1)[0]
-        for k, stage in self.run.pipe.runtime.stages.items():
-            if param is not None and any(p is param for p in stage.trainable_parameters()):
-                return k, name.rpartition(".")[0]
-        return None, name.rpartition(".")[0]
+        return self.run.owners.get(name), name.rpartition(".")[0]
 
 
 def _note(gap: Gap) -> str:

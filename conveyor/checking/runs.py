@@ -14,6 +14,7 @@ so which micro-batch, each thread is running.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,12 +33,14 @@ from conveyor.errors import ConveyorError
 from conveyor.graph.layout import resolve_balance
 from conveyor.graph.source import sequential_layers
 from conveyor.graph.source import LayerSource
+from conveyor.checking.causes import Program, programs_of
 from conveyor.checking.probe import digest
 from conveyor.distributed.topology import Topology
 from conveyor.pipeline import Pipeline
 from conveyor.runtime.planning import local_ranks
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules import build as build_schedule
+from conveyor.tensor.apply import kind_of
 
 from conveyor.checking.plain import Leaves, leaves
 from conveyor.torchprivate import pytree
@@ -58,14 +61,22 @@ class Layer:
 
     index: int
     name: str
-    module: nn.Module
+    module: nn.Module | None
     stage: int
     first: bool
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind and self.module is not None:
+            self.kind = kind_of(self.module)
 
     def describe(self) -> str:
-        kind = type(self.module).__name__
-        return (f"layer {self.index} ({kind})" if self.name == str(self.index)
-                else f"layer {self.index} {self.name!r} ({kind})")
+        return (f"layer {self.index} ({self.kind})" if self.name == str(self.index)
+                else f"layer {self.index} {self.name!r} ({self.kind})")
+
+    def shipped(self) -> Layer:
+        """The same unit without its module, to travel to another rank."""
+        return Layer(self.index, self.name, None, self.stage, self.first, self.kind)
 
 
 class _Tap(Recorder):
@@ -101,6 +112,15 @@ class PipelineRun:
         rank_models: per rank, the model copy its layers came from (None: one model).
         shared: what the plain model's layers of two stages hold as one object (a buffer,
             a generator, a container), which the ranks' copies hold apart.
+        gradients: after the step, every parameter's gradient by its name in the model
+            (zeros where it has none): a tensor-parallel shard put back whole.
+        buffers: after the step, every buffer by its name in the model.
+        owners: each parameter's stage, by name.
+        programs: what each traced stage's program makes and returns.
+        disagree: for a tensor-parallel stage, the replicated parameters whose gradient
+            its tensor ranks hold differently, by name: the stage.
+        split_inputs: the layers whose input its tensor ranks hold apart (each its part
+            of the features), by index: where the input comes from, in words.
     """
 
     pipe: Pipeline
@@ -112,6 +132,12 @@ class PipelineRun:
     error: BaseException | None = None
     rank_models: dict[int, nn.Module] | None = None
     shared: list[Shared] = field(default_factory=list)
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    owners: dict[str, int] = field(default_factory=dict)
+    programs: dict[int, Program] = field(default_factory=dict)
+    disagree: dict[str, int] = field(default_factory=dict)
+    split_inputs: dict[int, str] = field(default_factory=dict)
 
     def watch(self) -> list[Any]:
         """Puts a recorder on the executor and hooks on every layer; returns the hooks."""
@@ -149,6 +175,7 @@ class PipelineRun:
 
         handles = []
         for layer in self.layers:
+            assert layer.module is not None, "a layer shipped from another rank"
             handles.append(layer.module.register_forward_pre_hook(before(layer)))
             handles.append(layer.module.register_forward_hook(after(layer)))
         return handles
@@ -168,6 +195,20 @@ class PipelineRun:
             self.pipe.runtime.executor.recorder = None
             for handle in handles:
                 handle.remove()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Reads what the step left: gradients, buffers, the stage of each parameter and
+        what each traced stage makes."""
+        stages = self.pipe.runtime.stages
+        stage_of = {id(p): k for k, stage in stages.items() for p in stage.trainable_parameters()}
+        for name, param in self.pipe.named_parameters():
+            self.gradients[name] = (param.grad.detach() if param.grad is not None
+                                    else torch.zeros_like(param))
+            if id(param) in stage_of:
+                self.owners[name] = stage_of[id(param)]
+        self.buffers = dict(self.pipe.named_buffers())
+        self.programs = programs_of(stages)
 
 
 def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, Any], Any],
@@ -175,22 +216,30 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
                    balance: Sequence[int] | str | None, split_at: Sequence[str] | None,
                    sample: Any, schedule: str | Schedule, virtual_stages: int,
                    recompute: str | tuple[str, ...], tie_weights: Sequence[Sequence[str]],
-                   deferred_batch_norm: bool) -> PipelineRun:
+                   deferred_batch_norm: bool, tensor_parallel: int = 1,
+                   tp_plan: Any = None) -> PipelineRun:
     """The pipeline to watch, on ``stages`` CPU threads, built from copies of ``plain``
-    (in this process, under torchrun too).
+    (in this process, under torchrun too); with ``tensor_parallel`` above 1, this
+    rank's stages of the torchrun job's pipeline, split over its tensor group.
 
     Raises:
-        BalanceError, ModelError, ScheduleError: the options do not fit the model.
-        ConveyorError: torch.distributed is initialised with several processes.
+        BalanceError, ModelError, ScheduleError, TensorParallelError: the options do
+            not fit the model.
+        ConveyorError: torch.distributed is initialised with several processes (one
+            process's check).
     """
     options: dict[str, Any] = dict(
         stages=stages, chunks=chunks, schedule=schedule, virtual_stages=virtual_stages,
-        devices=["cpu"] * stages, recompute=recompute, loss_fn=loss_fn,
-        deferred_batch_norm=deferred_batch_norm)
+        recompute=recompute, loss_fn=loss_fn, deferred_batch_norm=deferred_batch_norm)
+    if tensor_parallel > 1:
+        make: Callable[..., Pipeline] = functools.partial(
+            Pipeline, tensor_parallel=tensor_parallel, tp_plan=tp_plan)
+    else:
+        make, options["devices"] = _local_pipeline, ["cpu"] * stages
     if traced(plain, builder=builder, balance=balance, split_at=split_at):
         # Cut as Pipeline cuts it: at split_at, or among its blocks (stages=K alone).
-        pipe = _local_pipeline(copy.deepcopy(plain), split_at=split_at, sample=sample,
-                               balance=balance, tie_weights=tie_weights, **options)
+        pipe = make(copy.deepcopy(plain), split_at=split_at, sample=sample,
+                    balance=balance, tie_weights=tie_weights, **options)
         layers = [Layer(k, f"stage{k}", stage.layers[0], k, True)
                   for k, stage in sorted(pipe.runtime.stages.items())]
         return PipelineRun(pipe, layers)
@@ -201,17 +250,20 @@ def build_pipeline(plain: nn.Module, *, builder: bool, loss_fn: Callable[[Any, A
     stage_of = [s for s, n in enumerate(counts) for _ in range(n)]
     shared = find_shared({k: [(name, layer) for i, (name, layer) in enumerate(named)
                               if stage_of[i] == k] for k in range(len(counts))})
-    rank_models = {rank: copy.deepcopy(plain) for rank in sorted(set(table.stage_ranks))}
-    assembled = nn.Sequential(OrderedDict(
-        (name, rank_models[table.stage_ranks[stage_of[i]]].get_submodule(name))
-        for i, (name, _) in enumerate(named)))
-    if not builder:  # layers sharing an nn.Parameter stay tied, as Pipeline ties them
-        _retie(assembled, find_ties(named))
-    pipe = _local_pipeline(assembled, balance=counts, sample=sample,
-                           tie_weights=tie_weights, **options)
+    rank_models: dict[int, nn.Module] | None = None
+    if tensor_parallel > 1:  # this process is one rank: its copy is its own
+        assembled = copy.deepcopy(plain)
+    else:
+        rank_models = {rank: copy.deepcopy(plain) for rank in sorted(set(table.stage_ranks))}
+        assembled = nn.Sequential(OrderedDict(
+            (name, rank_models[table.stage_ranks[stage_of[i]]].get_submodule(name))
+            for i, (name, _) in enumerate(named)))
+        if not builder:  # layers sharing an nn.Parameter stay tied, as Pipeline ties them
+            _retie(assembled, find_ties(named))
+    pipe = make(assembled, balance=counts, sample=sample, tie_weights=tie_weights, **options)
     layers = [Layer(i, name, pipe.get_submodule(name), stage_of[i],
                     i == 0 or stage_of[i - 1] != stage_of[i])
-              for i, (name, _) in enumerate(named)]
+              for i, (name, _) in enumerate(named) if stage_of[i] in pipe.runtime.stages]
     once = {id(found): found for found in (x for held in shared.values() for x in held)}
     return PipelineRun(pipe, layers, rank_models=rank_models, shared=list(once.values()))
 

@@ -23,6 +23,8 @@ def hidden_ties(run: PipelineRun) -> dict[str, str]:
     cannot see): their gradient went into that rank's own copy of the model. Each is
     named with the cause the check reports."""
     found: dict[str, str] = {}
+    if not run.rank_models:  # one model copy per process: nothing for another to hold
+        return found
     ours = {id(p) for p in run.pipe.parameters()}
     ranks = run.pipe.schedule.stage_ranks
     by_name = {layer.name: layer for layer in run.layers}
@@ -33,7 +35,8 @@ def hidden_ties(run: PipelineRun) -> dict[str, str]:
                 continue
             owner = by_name.get(name.split(".", 1)[0])
             for layer in mine:
-                path = _path_to(layer.module, param, layer.name)
+                path = (None if layer.module is None
+                        else _path_to(layer.module, param, layer.name))
                 if path is not None or layer is mine[-1]:
                     found.setdefault(name, causes.hidden_tie(
                         layer.describe(), layer.stage, name,

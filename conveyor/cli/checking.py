@@ -67,6 +67,12 @@ def add_parser(commands: _Commands, run: Callable[[argparse.Namespace], int]) ->
                      help="relative tolerance (default 1e-7; a model that computes in float32 "
                           "inside is judged against 10x its own noise floor where that is "
                           "larger)")
+    sub.add_argument("--tensor-parallel", type=int, metavar="T",
+                     help="split each stage's planned modules over T tensor ranks; run "
+                          "under torchrun with stages x T processes (rank 0 prints)")
+    sub.add_argument("--tp-plan", metavar="auto|JSON",
+                     help="with --tensor-parallel: auto (a Hugging Face model's own plan, "
+                          "the default) or a JSON object {module pattern: style}")
     sub.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.set_defaults(run=run)
 
@@ -80,8 +86,11 @@ def check_command(args: argparse.Namespace) -> int:
         arguments = _arguments(args)
         report = check(**arguments)
     except (ConveyorError, TypeError) as exc:
-        print(f"conveyor check: error: {exc}", file=sys.stderr)
+        if _printing():
+            print(f"conveyor check: error: {exc}", file=sys.stderr)
         return 2
+    if not _printing():
+        return 0 if report.ok else 1
     if args.json:
         print(json.dumps({"ok": report.ok, "setup": report.setup, "compared": report.compared,
                           "findings": [dataclasses.asdict(f) for f in report.findings]},
@@ -119,6 +128,8 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
         "rtol": args.rtol,
         "balance": _balance(args.balance),
         "split_at": _list(args.split_at, str, "--split-at") if args.split_at else None,
+        "tensor_parallel": args.tensor_parallel,
+        "tp_plan": _plan(args.tp_plan),
     }
     arguments = {**made, **{k: v for k, v in flags.items() if v is not None}}
     if args.balance:
@@ -128,10 +139,39 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
     if args.recompute:
         arguments.pop("checkpoint", None)
     arguments.setdefault("chunks", 4)
+    if arguments.get("tensor_parallel", 1) > 1:
+        arguments.setdefault("tp_plan", "auto")
     if args.sample is not None:
         arguments["sample"] = _first_rows(arguments["inputs"], args.sample)
     arguments.setdefault("loss_fn", default_loss)
     return arguments
+
+
+def _plan(text: str | None) -> Any:
+    """``--tp-plan``: "auto", or a JSON object of module patterns and style names.
+
+    Raises:
+        ConfigError: neither.
+    """
+    from conveyor.errors import ConfigError
+
+    if text is None or text == "auto":
+        return text
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError:
+        plan = None
+    if not isinstance(plan, dict):
+        raise ConfigError(f"--tp-plan {text}: give auto, or a JSON object such as "
+                          '\'{"layers.*.up": "colwise", "layers.*.down": "rowwise"}\'')
+    return plan
+
+
+def _printing() -> bool:
+    """Whether this process prints the report: in one process, or rank 0 of a job."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _balance(text: str | None) -> list[int] | str | None:

@@ -92,6 +92,15 @@ _SPLITS: dict[str, tuple[type[nn.Module], dict[str, int]]] = {
 }
 
 
+def kind_of(module: nn.Module) -> str:
+    """A module's class as a person knows it: a split one's as its own class and style
+    ("Linear, colwise")."""
+    for style, (split, _) in _SPLITS.items():
+        if type(module) is split:
+            return f"{split.__mro__[1].__name__}, {style}"
+    return type(module).__name__
+
+
 def apply_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, *, group: Group,
                config: Any = None) -> dict[str, str]:
     """Splits the modules ``tp_plan`` names over ``group``, in place; returns

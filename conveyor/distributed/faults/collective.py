@@ -89,25 +89,38 @@ def all_gather(pieces: list[torch.Tensor], piece: torch.Tensor, *, group: Any, w
 def exchange(value: Any, *, group: Any, what: str, seconds: float,
              device: torch.device | None = None) -> list[Any]:
     """Every rank's ``value``, in the order of the ranks of ``group``: plain data, which
-    crosses as JSON (never pickled: nothing a peer sends is run), through two bounded
-    all-reduces of tensors on ``device`` (the group's backend's: the CPU for gloo).
+    crosses as JSON (never pickled: nothing a peer sends is run), through
+    :func:`exchange_bytes`.
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
         TypeError: ``value`` is not plain data (JSON).
     """
-    device = device or torch.device("cpu")
     mine = json.dumps(value).encode()
+    return [json.loads(blob.decode()) for blob in
+            exchange_bytes(mine, group=group, what=what, seconds=seconds, device=device)]
+
+
+def exchange_bytes(blob: bytes, *, group: Any, what: str, seconds: float,
+                   device: torch.device | None = None) -> list[bytes]:
+    """Every rank's ``blob``, in the order of the ranks of ``group``, through two
+    bounded all-reduces of tensors on ``device`` (the group's backend's: the CPU for
+    gloo). What the bytes mean is the caller's to read safely.
+
+    Raises:
+        PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
+    """
+    device = device or torch.device("cpu")
     world, me = dist.get_world_size(group), dist.get_rank(group)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[me] = len(mine)
+    sizes[me] = len(blob)
     all_reduce(sizes, group=group, what=what, seconds=seconds)
     rows = torch.zeros(world, int(sizes.max()), dtype=torch.int32, device=device)
-    rows[me, :len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    if blob:
+        rows[me, :len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
     all_reduce(rows, group=group, what=what, seconds=seconds)
     rows = rows.to(device="cpu", dtype=torch.uint8)
-    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode())
-            for r in range(world)]
+    return [bytes(rows[r, :int(sizes[r])].tolist()) for r in range(world)]
 
 
 def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | None) -> None:

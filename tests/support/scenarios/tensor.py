@@ -152,6 +152,7 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
             undo()
     results["block"] = _block()
     results["sharded-cut"] = _sharded_cut()
+    results["check"] = _checks()
     results["stage"] = rank // 2
     results["refused"] = _refused()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
@@ -188,6 +189,45 @@ def _block() -> list[Any]:
                              tp_plan=plan, timeout=120)
     pipe.step(x, y)
     return list(difference(pipe, reference))
+
+
+def _checks() -> dict[str, Any]:
+    """``conveyor.check`` of a pipeline split over tensor ranks, on every rank alike: a
+    Llama (float64 norms) that matches; a softmax between a column-parallel layer and
+    its row-parallel partner (it sees each rank's part of the features); and Qwen3
+    without its q/k norms' gradients summed over the group. Each as
+    [ok, setup, first finding's kind, its layer or name, its cause]."""
+    from conveyor.tensor.plan import resolve_plan
+
+    def said(report: Any) -> list[Any]:
+        first = report.findings[0] if report.findings else None
+        return [report.ok, report.setup, first and first.kind,
+                first and (first.name or first.layer), first and first.cause]
+
+    found: dict[str, Any] = {}
+    inputs, targets = batch()
+    llama = hf_model("llama")
+    undo = float64_norms("llama")
+    try:
+        found["llama"] = said(conveyor.check(
+            llama, inputs, targets, loss_fn=token_loss, stages=2, chunks=CHUNKS,
+            split_at=["model.layers.1"], schedule="zero-bubble", tensor_parallel=2,
+            tp_plan="auto"))
+    finally:
+        undo()
+    torch.manual_seed(4)
+    mixing = nn.Sequential(nn.Linear(8, 32), nn.Softmax(-1), nn.Linear(32, 8),
+                           nn.Linear(8, 6)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    found["softmax"] = said(conveyor.check(
+        mixing, x, y, loss_fn=F.mse_loss, balance=[2, 2], chunks=CHUNKS, schedule="1f1b",
+        tensor_parallel=2, tp_plan={"0": "colwise", "2": "rowwise"}))
+    qwen3 = hf_model("qwen3")
+    unsummed = {k: v for k, v in resolve_plan(qwen3, "auto").items() if "_norm" not in k}
+    found["qwen3-unsummed"] = said(conveyor.check(
+        qwen3, inputs, targets, loss_fn=token_loss, stages=2, chunks=CHUNKS,
+        split_at=["model.layers.1"], schedule="1f1b", tensor_parallel=2, tp_plan=unsummed))
+    return found
 
 
 def crossing(pipe: Any) -> dict[str, Any]:
