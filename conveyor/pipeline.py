@@ -53,7 +53,8 @@ class Pipeline(RunsRuntime):
             loss averaged over a number of elements that varies (see :meth:`step`).
             ``conveyor.VocabParallelCrossEntropy("lm_head")``: the model's head and its
             cross-entropy split by vocabulary over every rank (the head is taken out of
-            ``module``; see ``conveyor.runtime.vocabulary``).
+            ``module``), or with ``tensor_parallel`` over the last stage's tensor group
+            (see ``conveyor.runtime.vocabulary``).
         chunks: the number of micro-batches M per batch.
         stages: the number of pipeline ranks K (default: the world size under
             torchrun, else the number of ``devices``).
@@ -324,9 +325,7 @@ class Pipeline(RunsRuntime):
         """
         self._cut_at_first_call(inputs)
         output = infer(self._runtime, self._training, inputs, training=self.training)
-        if self.vocab_shards is not None:  # the head's logits, whole
-            output = self._runtime.head_logits(output, self.vocab_shards)
-        return output
+        return self._runtime.head_logits(output, self.vocab_shards, self.loss_fn)
 
     def forward(self, inputs: Any) -> Any:
         """``pipe(inputs)``: inference, as :meth:`eval_step` (in eval mode, or with

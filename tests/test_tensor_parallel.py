@@ -16,7 +16,7 @@ from torch import nn
 from conveyor.errors import ConfigError, TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
 from tests.support.launch import launch
-from tests.support.scenarios.tensor import CHUNKS, SCHEDULES
+from tests.support.scenarios.tensor import CHUNKS, SCHEDULES, SCHEDULES_ON_3
 
 #: The shared launch's tests wait for it (4 minutes on 2 cores shared by a few jobs; more when they are busier).
 LAUNCH = pytest.mark.timeout(1000)
@@ -24,11 +24,12 @@ LAUNCH = pytest.mark.timeout(1000)
 GROUP = Group("unused", 2, 0, 1.0)
 
 
-def _launched(scenario: str, prefix: str, out: Path) -> list[dict[str, Any]]:
-    """Each of the 4 ranks' findings of ``scenario`` (written as ``<prefix><rank>.json``)."""
-    outcome = launch(scenario, 4, out, timeout=900)
-    assert outcome.returncodes == [0, 0, 0, 0], "\n".join(outcome.outputs)
-    return [json.loads((out / f"{prefix}{r}.json").read_text()) for r in range(4)]
+def _launched(scenario: str, prefix: str, out: Path,
+              processes: int = 4) -> list[dict[str, Any]]:
+    """Each rank's findings of ``scenario`` (written as ``<prefix><rank>.json``)."""
+    outcome = launch(scenario, processes, out, timeout=900)
+    assert outcome.returncodes == [0] * processes, "\n".join(outcome.outputs)
+    return [json.loads((out / f"{prefix}{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,19 @@ def test_qwen3_with_its_float32_norms_is_within_its_own_floor(
 
 
 @LAUNCH
+def test_a_vocabulary_parallel_head_splits_over_the_tensor_group(
+        results: list[dict[str, Any]]) -> None:
+    """The head column-wise over the last stage's tensor ranks, the cross-entropy from
+    their parts (tied to the embedding of stage 0, too): the plain model's loss and
+    gradients, and eval_step's logits whole."""
+    for rank in results:
+        for case, (loss, worst, count, logits) in rank["vocabulary"].items():
+            assert loss <= 1e-12 and worst <= 1e-10 and count >= 10, (case, loss, worst)
+            if rank["stage"] == 1:
+                assert logits is not None and logits <= 1e-12, (case, logits)
+
+
+@LAUNCH
 def test_a_users_block_with_a_dict_plan_on_a_sequential(results: list[dict[str, Any]]) -> None:
     for rank in results:
         worst, count = rank["block"]
@@ -160,6 +174,23 @@ def test_every_schedule_family_under_tensor_parallelism_gives_the_plain_gradient
         assert count >= 5 and worst <= 1e-10, (worst, count)
         assert loss <= 1e-12
         assert recompute == SCHEDULES[name].get("recompute", recompute)
+
+
+@pytest.fixture(scope="module")
+def schedules_on_3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launched("tensor_schedules", "schedules", tmp_path_factory.mktemp("on3"), 6)
+
+
+@LAUNCH
+@pytest.mark.long
+@pytest.mark.parametrize("name", list(SCHEDULES_ON_3))
+def test_v_min_on_3_pipeline_ranks_under_tensor_parallelism_gives_the_plain_gradients(
+        schedules_on_3: list[dict[str, Any]], name: str) -> None:
+    """6 processes: 3 pipeline ranks x 2 tensor ranks, 6 stages of a 6-layer Llama."""
+    for rank in schedules_on_3:
+        worst, count, loss, _ = rank[name]
+        assert count >= 5 and worst <= 1e-10, (worst, count)
+        assert loss <= 1e-12
 
 
 def _quiet() -> Any:

@@ -63,7 +63,7 @@ from conveyor.runtime.vocabulary import (
 )
 from conveyor.runtime.wiring import Ranks, Threads, Wiring
 from conveyor.schedules import Schedule
-from conveyor.tensor.mesh import split_model
+from conveyor.tensor.mesh import TensorSplit, split_model
 
 __all__: list[str] = []
 
@@ -107,7 +107,9 @@ def place(owner: nn.Module, module: nn.Module | LayerBuilder,
         ConfigError: under torchrun, the ranks were given different options.
         ScheduleError, BalanceError, ConveyorError: the options do not fit.
     """
-    head = take_head(module, options.loss_fn)  # the cut never sees a split head
+    # The cut never sees a head split over the pipeline's ranks; over a tensor group
+    # the head stays in the model, split column-wise (see split_model).
+    head = take_head(module, options.loss_fn) if options.tensor_parallel == 1 else None
     deadlines = Deadlines(options.timeout)
     given = options.topology
     if given is None:
@@ -189,10 +191,7 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
     if pending.at_first_call:
         assert isinstance(pending.module, nn.Module)  # a layer builder is cut when built
         sample = first_microbatch(sample, options.chunks, pending.module)
-    split = split_model(pending.module, topology, options.tp_plan, pending.deadlines.opening,
-                        untried={"rebalance=": options.rebalance is not None,
-                                 "a VocabParallelCrossEntropy head": pending.vocabulary
-                                 is not None})
+    split = _split_over_tensor_ranks(pending, topology, options)
     layout = cut(
         owner, pending.module, stages=schedule.num_stages,
         devices={s: devices[schedule.stage_ranks[s]] for s in range(schedule.num_stages)},
@@ -255,6 +254,20 @@ def _certificate(options: PipelineOptions, runtime: Runtime) -> Certificate | No
             "check the pipeline with conveyor check)")
     return Certificate(options.verify_every, options.chunks)
 
+
+
+def _split_over_tensor_ranks(pending: Pending, topology: Topology,
+                             options: PipelineOptions) -> TensorSplit | None:
+    """The model split over this rank's tensor group (None: no tensor parallelism); a
+    VocabParallelCrossEntropy's head column-wise over it, the loss told its group."""
+    vocabulary = options.loss_fn if isinstance(
+        options.loss_fn, VocabParallelCrossEntropy) else None
+    split = split_model(pending.module, topology, options.tp_plan, pending.deadlines.opening,
+                        untried={"rebalance=": options.rebalance is not None},
+                        split_head=vocabulary.head if vocabulary else None)
+    if split is not None and vocabulary is not None:
+        vocabulary.split_over(split.group)
+    return split
 
 
 def _keep_weight_groups(layout: Layout, shared: bool) -> None:

@@ -34,7 +34,12 @@ from conveyor.graph.firstcall import not_cut
 from conveyor.graph.layout import Layout
 from conveyor.runtime.export import save_pretrained
 from conveyor.runtime.vocabranks import VocabRanks
-from conveyor.runtime.vocabulary import VocabShards, hidden_of, replace_hidden
+from conveyor.runtime.vocabulary import (
+    VocabParallelCrossEntropy,
+    VocabShards,
+    hidden_of,
+    replace_hidden,
+)
 from conveyor.runtime.wiring import Wiring
 from conveyor.schedules import Kind, Schedule, actions_of
 
@@ -194,10 +199,15 @@ class Runtime:
                              what=what, seconds=self.deadlines.within, notice=self.notice(),
                              joined=lambda: self.joining(what))
 
-    def head_logits(self, output: Any, shards: VocabShards) -> Any:
-        """Inference with a vocabulary-parallel head: the last stage's ``output`` with
-        the whole head's logits in the hidden states' place (under torchrun every rank
-        calls it, each computing its shard; ``output`` is None but at the last stage)."""
+    def head_logits(self, output: Any, shards: VocabShards | None, loss_fn: Any) -> Any:
+        """Inference: the last stage's ``output`` with a vocabulary-parallel head's whole
+        logits in its place (under torchrun every rank calls it, each computing its
+        shard; ``output`` is None but at the last stage); ``output`` itself without one.
+        Over a tensor group the last stage's ranks gather their parts."""
+        if shards is None:
+            if output is not None and isinstance(loss_fn, VocabParallelCrossEntropy):
+                return loss_fn.whole_logits(output)
+            return output
         if self.vocabulary is None:
             return None if output is None else shards.with_logits(output)
         logits = self.vocabulary.logits(None if output is None else hidden_of(output))

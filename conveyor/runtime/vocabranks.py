@@ -30,17 +30,10 @@ import torch
 
 from conveyor.distributed.topology import Topology
 from conveyor.errors import ConveyorError
-from conveyor.runtime.vocabulary import (
-    VocabShards,
-    accumulate_shard,
-    exp_sum,
-    logit_grad,
-    shard_logits,
-    target_logit,
-    token_losses,
-)
+from conveyor.runtime.vocabulary import VocabShards, accumulate_shard, shard_logits
 from conveyor.schedules import Action, Kind, Schedule
 from conveyor.schedules.clock import clock_order
+from conveyor.tensor.crossentropy import exp_sum, logit_grad, target_logit, token_losses
 
 
 __all__: list[str] = []

@@ -26,6 +26,12 @@ under its own name, as the plain model's does, and ``load_state_dict`` cuts it a
 Inference (``pipe(x)``, ``eval_step``) returns the whole logits in the head's place.
 Under torchrun each rank holds its own shard, and the ranks join each micro-batch's
 loss in one exchange of collectives (``conveyor.runtime.vocabranks``).
+
+With ``tensor_parallel=T`` the head is not taken out: it is split column-wise over the
+last stage's tensor group instead (:meth:`VocabParallelCrossEntropy.split_over`), each
+rank's logits its part of the vocabulary, and the loss is
+:func:`conveyor.tensor.crossentropy.parallel_cross_entropy` over the group. Both ways
+share the cross-entropy's arithmetic, which lives in :mod:`conveyor.tensor.crossentropy`.
 """
 
 from __future__ import annotations
@@ -37,13 +43,24 @@ import torch
 from torch import nn
 
 from conveyor.errors import ConveyorError
+from conveyor.tensor import regions
+from conveyor.tensor.apply import Group
+from conveyor.tensor.crossentropy import (
+    exp_sum,
+    logit_grad,
+    parallel_cross_entropy,
+    target_logit,
+    token_losses,
+)
 
 __all__ = ["VocabParallelCrossEntropy"]
 
 
 class VocabParallelCrossEntropy:
     """``loss_fn=``: the cross-entropy of the model's head ``head`` (an ``nn.Linear``
-    into the vocabulary, not tied to another weight), split over the pipeline's ranks.
+    into the vocabulary), split over the pipeline's ranks (a head not tied to another
+    weight), or with ``tensor_parallel`` over the last stage's tensor group (tied or
+    not).
 
     Args:
         head: the head's module name in the model (``"lm_head"``).
@@ -53,11 +70,6 @@ class VocabParallelCrossEntropy:
     step's loss is the mean over the batch's tokens.
     """
 
-    #: A recomputed last stage does not run this loss again in its backward (its
-    #: shards keep their logits on their own devices; under torchrun every rank joins
-    #: each call). See ``conveyor.engine.actions.StageActions._loss``.
-    recomputed_with_stage = False
-
     def __init__(self, head: str = "lm_head", *, ignore_index: int = -100) -> None:
         self.head = head
         self.ignore_index = ignore_index
@@ -65,11 +77,43 @@ class VocabParallelCrossEntropy:
         #: under torchrun, the loss over every rank's shard (``vocabranks``), else None
         self.exchange: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                 torch.Tensor] | None = None
+        #: with tensor_parallel: the last stage's tensor group, over which the head is
+        #: split column-wise (its logits by vocabulary), else None
+        self.group: Group | None = None
+
+    @property
+    def recomputed_with_stage(self) -> bool:
+        """Whether a recomputed last stage runs this loss again in its backward: with
+        the head split over the pipeline's ranks it does not (its shards keep their
+        logits on their own devices; under torchrun every rank joins each call), over a
+        tensor group it does (every rank of the group runs the stage's actions alike).
+        See ``conveyor.engine.actions.StageActions._loss``."""
+        return self.group is not None
+
+    def split_over(self, group: Group) -> None:
+        """The head stays in the model, split column-wise over the last stage's tensor
+        ``group``: each rank's logits are its part of the vocabulary."""
+        self.group = group
+
+    def whole_logits(self, output: Any) -> Any:
+        """Inference over a tensor group: the last stage's ``output`` with the whole
+        vocabulary's logits in place of this rank's part (a collective of the group)."""
+        if self.group is None:
+            return output
+        g = self.group
+        return replace_hidden(output, regions.tp_gather(hidden_of(output), g.name, g.seconds,
+                                                       g.size, g.rank))
 
     def __repr__(self) -> str:
         return f"VocabParallelCrossEntropy({self.head!r}, ignore_index={self.ignore_index})"
 
     def __call__(self, output: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.group is not None:  # this rank's logits: its part of the vocabulary
+            logits = hidden_of(output)
+            targets = targets.reshape(-1).to(logits.device)
+            valid = targets != self.ignore_index
+            return parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, valid,
+                                          self.group), valid.sum()
         if self.shards is None:
             raise ConveyorError("VocabParallelCrossEntropy is a loss_fn of conveyor.Pipeline, "
                                 "which gives it the head's shards; it was called outside one")
@@ -176,39 +220,6 @@ def shard_logits(flat: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     with torch.autocast(w.device.type, enabled=False):
         return nn.functional.linear(flat.to(w.device, dtype), w.to(dtype),
                                     None if b is None else b.to(dtype))
-
-
-def exp_sum(z: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Per token, the sum of ``exp(z - top)`` over a shard's logits."""
-    return (z - top.to(z.device)[:, None]).exp().sum(dim=1)
-
-
-def target_logit(z: torch.Tensor, targets: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Per token, its target's logit where the target is among rows ``lo .. hi - 1``
-    of a shard, else 0."""
-    targets = targets.to(z.device)
-    inside = (targets >= lo) & (targets < hi)
-    value = z.gather(1, (targets - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)
-    return torch.where(inside, value, torch.zeros_like(value))
-
-
-def token_losses(top: torch.Tensor, total: torch.Tensor, picked: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
-    """Per token, ``log sum exp - target logit`` (0 where ``valid`` is false)."""
-    per_token = total.log() + top - picked
-    return torch.where(valid, per_token, torch.zeros_like(per_token))
-
-
-def logit_grad(z: torch.Tensor, top: torch.Tensor, total: torch.Tensor, targets: torch.Tensor,
-               weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """The gradient of ``sum(weight * token losses)`` in a shard's logits: its part of
-    the softmax, less 1 at each target among its rows, times each token's weight."""
-    device = z.device
-    grad_z = (z - top.to(device)[:, None]).exp() / total.to(device)[:, None]
-    targets = targets.to(device)
-    rows = ((targets >= lo) & (targets < hi)).nonzero().squeeze(1)
-    grad_z[rows, targets[rows] - lo] -= 1
-    return grad_z * weight.to(device)[:, None]
 
 
 def accumulate_shard(w: nn.Parameter, b: nn.Parameter | None, grad_z: torch.Tensor,

@@ -12,6 +12,7 @@ from torch import nn
 from conveyor.distributed.topology import Topology
 from conveyor.errors import TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan, sum_gradients
+from conveyor.tensor.plan import resolve_plan, with_split_head
 
 __all__: list[str] = []
 
@@ -31,11 +32,13 @@ class TensorSplit:
 
 
 def split_model(module: Any, topology: Topology, tp_plan: str | Mapping[str, Any] | None,
-                seconds: float, *, untried: Mapping[str, bool] | None = None
-                ) -> TensorSplit | None:
+                seconds: float, *, untried: Mapping[str, bool] | None = None,
+                split_head: str | None = None) -> TensorSplit | None:
     """Splits ``module`` over ``topology``'s tensor group as ``tp_plan`` says, in place,
     before the cut (None: no tensor parallelism). ``untried`` names the options given
-    that tensor parallelism does not take yet (each refused by name).
+    that tensor parallelism does not take yet (each refused by name); ``split_head``
+    names a head to split column-wise whatever the plan says, its logits left split
+    (a vocabulary-parallel cross-entropy's).
 
     Raises:
         TensorParallelError: the model is a layer function, an untried option is given,
@@ -54,4 +57,7 @@ def split_model(module: Any, topology: Topology, tp_plan: str | Mapping[str, Any
                                   "that builds layers")
     group = Group(topology.tensor_group.group_name, topology.tensor_size,
                   topology.tensor_rank, seconds)
-    return TensorSplit(group, apply_plan(module, tp_plan, group=group))
+    plan: str | Mapping[str, Any] | None = tp_plan
+    if split_head is not None:
+        plan = with_split_head(module, resolve_plan(module, tp_plan), split_head)
+    return TensorSplit(group, apply_plan(module, plan, group=group))

@@ -135,6 +135,17 @@ def _own_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
+def with_split_head(model: nn.Module, plan: Mapping[str, str], head: str) -> dict[str, str]:
+    """``plan`` with the module ``head`` split column-wise and its output left split
+    (``"colwise"``, first: it decides), for a cross-entropy over the group's parts of
+    the vocabulary; a pattern that named the head alone is dropped."""
+    names = [name for name, _ in model.named_modules() if name != head]
+    kept = {pattern: style for pattern, style in plan.items()
+            if not matcher(pattern).fullmatch(head)
+            or any(matcher(pattern).fullmatch(name) for name in names)}
+    return {head: "colwise", **kept}
+
+
 def matcher(pattern: str) -> re.Pattern[str]:
     """A plan pattern as a regular expression over qualified names (``*``: one name)."""
     return re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))

@@ -153,6 +153,7 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
     results["block"] = _block()
     results["sharded-cut"] = _sharded_cut()
     results["check"] = _checks()
+    results["vocabulary"] = _vocabulary()
     results["stage"] = rank // 2
     results["refused"] = _refused()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
@@ -189,6 +190,39 @@ def _block() -> list[Any]:
                              tp_plan=plan, timeout=120)
     pipe.step(x, y)
     return list(difference(pipe, reference))
+
+
+def _vocabulary() -> dict[str, Any]:
+    """``loss_fn=VocabParallelCrossEntropy`` under tensor parallelism: the head split
+    column-wise over the last stage's tensor group, its cross-entropy over the group's
+    parts of the vocabulary (never gathered); untied under 1F1B, tied to the embedding
+    of stage 0 under zero-bubble. Each: [loss gap, worst gradient, gradients compared,
+    the largest gap of eval_step's logits (None off the last stage)]."""
+    inputs, targets = batch()
+    sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
+    found: dict[str, Any] = {}
+    undo = float64_norms("llama")
+    try:
+        for tied, schedule in ((False, "1f1b"), (True, "zero-bubble")):
+            plain = hf_model("llama", tie_word_embeddings=tied)
+            reference = plain_grads(plain, inputs, targets)
+            if tied:  # the head's copy of the tied weight, on the last stage
+                reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+            pipe = conveyor.Pipeline(copy.deepcopy(plain), split_at=["model.layers.1"],
+                                     sample=sample, chunks=CHUNKS, schedule=schedule,
+                                     loss_fn=conveyor.VocabParallelCrossEntropy("lm_head"),
+                                     tensor_parallel=2, tp_plan="auto", timeout=120)
+            loss = pipe.step(inputs, targets)
+            with torch.no_grad():
+                total, count = token_loss(plain(**inputs), targets)
+                output = pipe.eval_step(inputs)
+                logits = None if output is None else float(
+                    (output.logits - plain(**inputs).logits).abs().max())
+            found[f"{'tied' if tied else 'untied'}-{schedule}"] = [
+                abs(float(loss) - float(total / count)), *difference(pipe, reference), logits]
+    finally:
+        undo()
+    return found
 
 
 def _checks() -> dict[str, Any]:
@@ -314,24 +348,31 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "stages": 4},
     "zb-v": {"schedule": "zb-v", "stages": 4},
     "v-half": {"schedule": "v-half", "stages": 4},
-}  # not v-min: it needs 3 pipeline ranks or more
+    "dualpipe-v": {"schedule": "dualpipe-v", "stages": 4},
+}
+#: The same on 6 processes: v-min needs 3 pipeline ranks or more (6 stages of a 6-layer
+#: Llama, two on each).
+SCHEDULES_ON_3 = {"v-min": {"schedule": "v-min", "stages": 6}}
 
 
 @scenario("tensor_schedules")
 def tensor_schedules(rank: int, world: int, out_dir: Path) -> None:
     """Every schedule family under 2 tensor ranks: a Llama of 4 layers, float64 norms,
-    cut into 2 or 4 stages on 2 pipeline ranks, against the plain model's gradients."""
+    cut into 2 or 4 stages on 2 pipeline ranks, against the plain model's gradients;
+    on 6 processes, v-min on 3 pipeline ranks (6 layers, 6 stages)."""
+    chosen, layers = (SCHEDULES, 4) if world == 4 else (SCHEDULES_ON_3, 6)
     conveyor.tensor.SLICED_FROM = 0  # its boundaries cross as pieces
     inputs, targets = batch()
     sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
-    plain = hf_model("llama", num_hidden_layers=4)
+    plain = hf_model("llama", num_hidden_layers=layers)
     undo = float64_norms("llama")
     reference = plain_grads(plain, inputs, targets)
     results: dict[str, Any] = {}
-    for name, options in SCHEDULES.items():
+    for name, options in chosen.items():
         options = dict(options)
         stages = options.pop("stages")
-        cuts = [f"model.layers.{i}" for i in ((2,) if stages == 2 else (1, 2, 3))]
+        step = layers // stages
+        cuts = [f"model.layers.{i}" for i in range(step, layers, step)]
         pipe = conveyor.Pipeline(copy.deepcopy(plain), split_at=cuts, sample=sample,
                                  chunks=CHUNKS, loss_fn=token_loss, tensor_parallel=2,
                                  tp_plan="auto", timeout=120, **options)
