@@ -125,6 +125,7 @@ def on_rank_0(run: PipelineRun, compare: Callable[[Spread], CheckReport]) -> Che
     torch.save(_record(run), blob)
     blobs = collective.exchange_bytes(blob.getvalue(), group=None, seconds=seconds,
                                       what="the check's gathering of what each rank saw")
+
     def told(outcome: list[Any]) -> list[Any]:
         # Rank 0 runs the plain model twice meanwhile: the others wait for it that long.
         said: list[Any] = collective.exchange(outcome, group=None,
