@@ -33,9 +33,14 @@ Tied weights are sharded like any other: both copies of a weight have one shape 
 the same placement over a data dimension of the same size, so replica d's shards of
 the two copies hold the same rows, and the tie's sum runs over the local shards.
 
-Limits: a traced model (``split_at=``) and schedules with split backwards (``I``/``W``,
-zero-bubble) are refused: their weight gradients bypass the module hooks FSDP2 relies
-on. Under FSDP every all-gather is a collective of a stage's replicas, so one replica
+Split backwards (``I``/``W``: zero-bubble and the V shapes) run as the others do: none
+of them reshards after forward, so a ``W`` computes its weight gradients into the
+unsharded parameters forward used, where FSDP accumulates them, and the reduce-scatter
+runs by hand after the last backward, as for every schedule.
+
+Limits: a traced model (``split_at=``) is refused: wrapped as one unit, a traced
+Llama's gradients came out wrong (tried 2026-12-02 with the refusal lifted; the cause
+not chased). Under FSDP every all-gather is a collective of a stage's replicas, so one replica
 that fails in the middle of a forward leaves the others waiting in an all-gather until
 the process group's timeout.
 """
@@ -74,7 +79,8 @@ def check_sharding(sharding: str, schedule: Schedule, topology: Topology) -> boo
 
     Raises:
         ConveyorError: an unknown ``sharding``, or FSDP in one process.
-        ScheduleError: FSDP with a schedule that splits backwards (I and W).
+        ScheduleError: FSDP with a schedule that splits backwards (I and W) and
+            reshards after forward (a W would find its parameters freed).
     """
     if sharding not in SHARDINGS:
         raise ConveyorError(f"sharding={sharding!r} is not a way to hold the replicas; use "
@@ -83,12 +89,11 @@ def check_sharding(sharding: str, schedule: Schedule, topology: Topology) -> boo
         return False
     split = sorted({str(a) for column in schedule.columns for a in column
                     if a.kind in (Kind.INPUT, Kind.WEIGHT)})
-    if split:
+    if split and RESHARD_AFTER_FORWARD.get(schedule.name, False):
         raise ScheduleError(
             f"sharding='fsdp' cannot run schedule {schedule.name!r}: its split backwards "
-            f"({', '.join(split[:4])}{', ...' if len(split) > 4 else ''}) compute weight "
-            "gradients outside the module hooks FSDP reduces them in; use 'gpipe', '1f1b' "
-            "or 'interleaved-1f1b', or sharding='replicate'")
+            f"({', '.join(split[:4])}{', ...' if len(split) > 4 else ''}) need the "
+            "parameters gathered until their W, but it reshards them after each forward")
     if not topology.distributed:
         raise ConveyorError("sharding='fsdp' shards each stage over its data-parallel "
                             "processes; launch with torchrun (world = stages x "

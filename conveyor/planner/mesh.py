@@ -47,8 +47,6 @@ __all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "balanced", "bound_at", "
 
 MESH_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
 SHARDINGS = ("replicate", "fsdp")
-#: Split-backward schedules FSDP cannot run (its hooks miss the weight gradients).
-NOT_SHARDED = {"zero-bubble"}
 #: The schedule a shape without a pipeline runs: each micro-batch forward then backward.
 FLAT = "1f1b"
 

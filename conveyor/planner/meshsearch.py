@@ -13,7 +13,6 @@ from conveyor.planner.machines import Cluster
 from conveyor.planner.mesh import (
     FLAT,
     MESH_SCHEDULES,
-    NOT_SHARDED,
     SHARDINGS,
     MeshCandidate,
     Prefix,
@@ -72,8 +71,6 @@ def search_mesh(profile: ModelProfile, cluster: Cluster, *, batch: int,
         if shape.pp not in cuts:
             cuts[shape.pp] = balanced(profile, shape.pp)
         for schedule in (schedules if shape.pp > 1 else (FLAT,)):
-            if shape.sharding == "fsdp" and shape.dp > 1 and schedule in NOT_SHARDED:
-                continue
             for chunks in chunk_options or _CHUNKS:
                 if batch % (shape.dp * chunks):
                     continue

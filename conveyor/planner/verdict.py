@@ -117,10 +117,8 @@ def _why_schedule(best: MeshCandidate, candidates: Sequence[MeshCandidate]) -> l
     rivals = [c for c in candidates if c.shape == best.shape and c is not best]
     said = [f"{c.schedule} {c.predicted_step_s / best.predicted_step_s:.2f}x slower"
             f" ({readable_time(c.idle_s)} idle)" for c in rivals]
-    missing = [] if best.shape.sharding != "fsdp" or best.shape.dp == 1 else \
-        ["zero-bubble does not run with FSDP (its split backward bypasses FSDP's hooks)"]
     return [f"{best.schedule} with {best.chunks} micro-batches: "
-            + "; ".join(said + missing or ["the only schedule that fits this shape"])]
+            + "; ".join(said or ["the only schedule that fits this shape"])]
 
 
 def _where_time_goes(best: MeshCandidate) -> str:

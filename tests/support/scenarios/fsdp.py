@@ -97,11 +97,14 @@ def _local_fraction(pipe: conveyor.Pipeline) -> float:
 
 @scenario("fsdp")
 def fsdp(rank: int, world: int, out_dir: Path) -> None:
-    """Equivalence under three schedules, accumulation of a token loss, clipping,
-    AdamW, a checkpoint, then a NaN loss on every replica."""
+    """Equivalence under five schedules (the split backwards of zero-bubble and zb-v
+    among them), accumulation of a token loss, clipping, AdamW, a checkpoint, then a
+    NaN loss on every replica."""
     result: dict[str, Any] = {}
     for name, schedule, virtual, checkpoint in (("mlp", "gpipe", 1, "always"),
-                                                ("mlp", "interleaved-1f1b", 2, "except_last")):
+                                                ("mlp", "interleaved-1f1b", 2, "except_last"),
+                                                ("mlp", "zero-bubble", 1, "except_last"),
+                                                ("mlp", "zb-v", 1, "never")):
         model, loss_fn = case_model(name)
         pipe = conveyor.Pipeline(model, chunks=2, schedule=schedule, virtual_stages=virtual,
                                  checkpoint=checkpoint, data_parallel=2, sharding="fsdp",
