@@ -157,6 +157,13 @@ def fsdp_post_backward(root: torch.nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+def fsdp_lazy_init(unit: torch.nn.Module) -> None:
+    """Makes an FSDP2 unit the root of its own subtree, as its first forward would: a
+    unit whose ``forward`` never runs (a module a traced graph reads the parameters of)
+    needs it before its post-backward is run by hand."""
+    unit._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+
+
 def fsdp_drop_unsharded_grads(root: torch.nn.Module) -> None:
     """Drops the unsharded gradients FSDP2 accumulated under ``root`` (a failed step's)."""
     for group in _fsdp_param_groups(root):

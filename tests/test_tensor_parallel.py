@@ -270,7 +270,8 @@ def test_a_split_linear_holds_its_shard_and_a_torch_style_maps_to_its_name() -> 
 def test_pipeline_data_and_tensor_dimensions_on_8_processes(tmp_path: Path) -> None:
     """2 stages x 2 replicas x 2 tensor ranks, each global rank (k·D + d)·T + t, with
     replicated and FSDP-sharded replicas: the plain model's gradients on the whole
-    batch."""
+    batch; so do Llama and Qwen3 (traced, their own plans, FSDP) under 1F1B and
+    zero-bubble (Qwen3 to its own float32 floor)."""
     outcome = launch("tensor_mesh", 8, tmp_path, timeout=1100)
     assert outcome.returncodes == [0] * 8, "\n".join(outcome.outputs)
     for rank in range(8):
@@ -279,6 +280,10 @@ def test_pipeline_data_and_tensor_dimensions_on_8_processes(tmp_path: Path) -> N
             worst, count, place = found[sharding]
             assert count >= 6 and worst <= 1e-10, (sharding, rank, worst)
             assert (place[0] * 2 + place[1]) * 2 + place[2] == rank
+        for family in ("llama", "qwen3"):
+            for schedule in ("1f1b", "zero-bubble"):
+                worst, count, own = found[f"{family}-{schedule}"]
+                assert count >= 10 and worst <= max(1e-10, 10 * own), (family, schedule, worst)
 
 
 def test_options_tensor_parallelism_does_not_take_yet_are_refused_by_name() -> None:

@@ -38,9 +38,13 @@ of them reshards after forward, so a ``W`` computes its weight gradients into th
 unsharded parameters forward used, where FSDP accumulates them, and the reduce-scatter
 runs by hand after the last backward, as for every schedule.
 
-Limits: a traced model (``split_at=``) is refused: wrapped as one unit, a traced
-Llama's gradients came out wrong (tried 2026-12-02 with the refusal lifted; the cause
-not chased). Under FSDP every all-gather is a collective of a stage's replicas, so one replica
+A traced stage (``split_at=``) calls no modules: its graph reads the model's parameters
+from their modules as it runs. So each module it reads is a unit of its own and a root,
+gathered by hand (``unshard``) before the graph's first call of a step, from a forward
+pre-hook on the stage; it stays gathered until the post-backward by hand reshards it.
+
+Limits: a traced stage whose modules share or tie a weight (a tied embedding and head)
+is refused. Under FSDP every all-gather is a collective of a stage's replicas, so one replica
 that fails in the middle of a forward leaves the others waiting in an all-gather until
 the process group's timeout.
 """
@@ -61,7 +65,11 @@ from conveyor.engine.ties import TiedParameter
 from conveyor.errors import ConveyorError, ModelError, ScheduleError
 from conveyor.graph.tracedstage import GraphStage
 from conveyor.schedules import Kind, Schedule
-from conveyor.torchprivate import fsdp_drop_unsharded_grads, fsdp_post_backward
+from conveyor.torchprivate import (
+    fsdp_drop_unsharded_grads,
+    fsdp_lazy_init,
+    fsdp_post_backward,
+)
 
 __all__: list[str] = []
 
@@ -111,20 +119,13 @@ class Sharding:
         ties: the pipeline's tied weights (their shards are summed over each tie).
 
     Raises:
-        ModelError: a stage is a traced graph (``split_at=``), which FSDP cannot wrap.
+        ModelError: a traced stage whose modules share or tie a weight.
     """
 
     def __init__(self, stages: Mapping[int, Stage], topology: Topology, schedule: Schedule,
                  ties: Sequence[TiedParameter]) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        for index, stage in sorted(stages.items()):
-            if any(isinstance(layer, GraphStage) for layer in stage.layers):
-                raise ModelError(
-                    f"sharding='fsdp' wraps each stage's layers, but stage {index} is a "
-                    "traced graph (a model cut with split_at=, or skips across stages); "
-                    "give an nn.Sequential without cross-stage skips, or use "
-                    "sharding='replicate'")
         self.topology = topology
         self.ties = list(ties)
         self.reshard_after_forward = RESHARD_AFTER_FORWARD.get(schedule.name, False)
@@ -133,6 +134,10 @@ class Sharding:
         before = {index: dict(stage.layers.named_parameters())
                   for index, stage in stages.items()}
         for index, stage in sorted(stages.items()):
+            graphs = [layer for layer in stage.layers if isinstance(layer, GraphStage)]
+            if graphs:
+                self.roots += _shard_traced(index, graphs, mesh, ties)
+                continue
             units = _units(stage.layers)
             for layer in units:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
@@ -194,6 +199,52 @@ class Sharding:
             for module in root.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+
+def _shard_traced(index: int, graphs: Sequence[GraphStage], mesh: Any,
+                  ties: Sequence[TiedParameter]) -> list[Any]:
+    """FSDP units of a traced stage, which calls no modules: each module whose
+    parameters its graph reads (the model's, under their own names) is a unit of its own
+    and a root, gathered by hand before the graph's first call of a step (kept gathered
+    to the step's end; the post-backward, by hand, reshards it).
+
+    Raises:
+        ModelError: the stage's modules share a weight or hold a tied one, or one such
+            module holds another.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    units = [m for graph in graphs for m in graph.bound_modules()
+             if any(True for _ in m.parameters(recurse=False))]
+    tied = {id(p) for tie in ties for p in tie.copies}
+    seen: dict[int, nn.Module] = {}
+    for unit in units:
+        for p in unit.parameters():
+            if id(p) in tied or seen.setdefault(id(p), unit) is not unit:
+                raise ModelError(
+                    f"sharding='fsdp' shards each module traced stage {index} reads, but a "
+                    f"weight of its {type(unit).__name__} is tied or shared with another "
+                    "module (a tied embedding and head): untie it (tie_word_embeddings="
+                    "False), or use sharding='replicate'")
+    inside = [u for u in units for other in units if other is not u and u in other.modules()]
+    if inside:
+        raise ModelError(
+            f"sharding='fsdp' shards each module traced stage {index} reads, but its "
+            f"{type(inside[0]).__name__} lies inside another such module; use "
+            "sharding='replicate'")
+    roots: list[Any] = [fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+                        for unit in units]
+    for root in roots:
+        fsdp_lazy_init(root)
+
+    def gather(*_: Any) -> None:
+        for root in roots:
+            root.unshard()
+
+    for graph in graphs:
+        graph.register_forward_pre_hook(gather)
+    _log.debug("stage %d (traced): %d FSDP units", index, len(roots))
+    return roots
 
 
 def _units(partition: nn.Module) -> list[nn.Module]:

@@ -19,6 +19,7 @@ from tests.support.cases import (
     token_loss,
 )
 from tests.support.scenarios import scenario
+from tests.support.scenarios.tensor import sharded_family
 
 BATCH = 12
 CLIP = 0.05
@@ -152,11 +153,13 @@ def fsdp(rank: int, world: int, out_dir: Path) -> None:
     result["after_nan"] = {n: (type(p).__name__, p.grad is None)
                            for n, p in pipe.named_parameters()}
     result["unsharded_grads"] = _unsharded_grads(pipe)
-    try:  # a traced model: refused on every rank
+    try:  # a traced model whose embedding and head are tied: refused on every rank
         conveyor.Pipeline(case_model("lm")[0], split_at=["3"], sample=x[:3], chunks=2,
                           data_parallel=2, sharding="fsdp", loss_fn=loss_fn, timeout=30)
     except conveyor.ModelError as exc:
         result["traced"] = str(exc)
+    # A traced Llama (split_at): each module its graph reads is a unit of its own.
+    result["traced-llama"] = sharded_family("llama", "zero-bubble")
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 

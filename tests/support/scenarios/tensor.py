@@ -63,6 +63,40 @@ def plain_grads(model: nn.Module, inputs: Any, targets: torch.Tensor) -> dict[st
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def sharded_family(family: str, schedule: str, tensor_parallel: int = 1) -> list[Any]:
+    """A Llama or Qwen3 cut with ``split_at`` into 2 stages, its replicas FSDP-sharded
+    (``data_parallel=2``; world 4, or 8 with 2 tensor ranks), each on its half of the
+    batch, against the plain model on the whole batch: [the worst relative gradient
+    difference over this rank's parameters (a shard against the plain model's slice),
+    how many, and the plain model's own floor (0 for Llama, computed in float64)]."""
+    inputs, targets = batch()
+    sample = {"input_ids": inputs["input_ids"][:2], "use_cache": False}
+    plain = hf_model(family)
+    undo = float64_norms(family) if family == "llama" else (lambda: None)
+    try:
+        reference = plain_grads(plain, inputs, targets)
+        own = 0.0 if family == "llama" else floor(family, plain, inputs, targets, reference)
+        tensor = {"tensor_parallel": tensor_parallel, "tp_plan": "auto"} \
+            if tensor_parallel > 1 else {}
+        pipe = conveyor.Pipeline(copy.deepcopy(plain), split_at=["model.layers.1"],
+                                 sample=sample, chunks=2, schedule=schedule, loss_fn=token_loss,
+                                 data_parallel=2, sharding="fsdp", timeout=300, **tensor)
+        half = slice(4 * pipe.topology.data_rank, 4 * pipe.topology.data_rank + 4)
+        pipe.step({"input_ids": inputs["input_ids"][half], "use_cache": False}, targets[half])
+    finally:
+        undo()
+    worst, count = 0.0, 0
+    for name, param in pipe.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        expected = reference[name]
+        if grad.shape != expected.shape:  # this tensor rank's shard
+            dim = next(i for i in range(grad.dim()) if grad.shape[i] != expected.shape[i])
+            expected = expected.chunk(tensor_parallel, dim)[pipe.topology.tensor_rank]
+        worst = max(worst, float((grad - expected).norm() / expected.norm()))
+        count += 1
+    return [worst, count, own]
+
+
 def difference(pipe: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, int]:
     """The largest relative difference of this rank's gradient shards from the plain
     model's slices, and how many parameters were compared."""
@@ -307,7 +341,8 @@ def _refused() -> str:
 @scenario("tensor_mesh")
 def tensor_mesh(rank: int, world: int, out_dir: Path) -> None:
     """8 processes: 2 stages x 2 replicas x 2 tensor ranks, a user's block with a dict
-    plan, replicated and FSDP-sharded replicas, each on its half of the batch."""
+    plan, replicated and FSDP-sharded replicas, each on its half of the batch; Llama and
+    Qwen3 by their own plans, FSDP-sharded, under 1F1B and zero-bubble."""
     torch.manual_seed(3)
     plain = nn.Sequential(Block(), Block(), Block(), nn.Linear(8, 6)).double()
     x = torch.randn(16, 8, dtype=torch.float64)
@@ -336,6 +371,9 @@ def tensor_mesh(rank: int, world: int, out_dir: Path) -> None:
             count += 1
         results[sharding] = [worst, count, [topology.pipeline_rank, topology.data_rank,
                                             topology.tensor_rank]]
+    for family in ("llama", "qwen3"):  # traced (split_at), FSDP beside the tensor ranks
+        for schedule in ("1f1b", "zero-bubble"):
+            results[f"{family}-{schedule}"] = sharded_family(family, schedule, 2)
     (out_dir / f"mesh{rank}.json").write_text(json.dumps(results))
 
 
