@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ConfigError, ConveyorError
-from conveyor.schedules import SCHEDULES, Kind, build
+from conveyor.schedules import SCHEDULES, build
 from conveyor.train.elastic import plan_layout, resume_mode, under_torchrun
 
 __all__: list[str] = []
@@ -142,23 +142,13 @@ class TrainConfig:
                               f"sequences{whose}; use --chunks <= {share}")
         if not self.model:
             self._check_bundled()
-        try:
-            table = build(self.schedule, self.stages, self.chunks,
-                          virtual_stages=self.virtual_stages)
+        try:  # the schedule fits the stages and micro-batches
+            build(self.schedule, self.stages, self.chunks, virtual_stages=self.virtual_stages)
         except ConveyorError as exc:
             raise ConfigError(str(exc)) from exc
         self._check_tensor_parallel()
-        self._check_shard(table)
-
-    def _check_shard(self, table: Any) -> None:
-        """Refuses what ``--shard`` cannot run with (``table``: the run's schedule)."""
         if self.shard and self.rebalance:
             raise ConfigError("--rebalance cannot move layers sharded by --shard yet; drop one")
-        if self.shard and any(action.kind in (Kind.INPUT, Kind.WEIGHT)
-                              for column in table.columns for action in column):
-            raise ConfigError(f"--shard cannot run --schedule {self.schedule}, whose split "
-                              "backwards compute weight gradients outside FSDP's hooks; use "
-                              "1f1b, gpipe or interleaved-1f1b")
 
     def balance(self) -> list[int] | None:
         """The layers per stage ``--plan`` cuts (None: the pipeline balances)."""
