@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.distributed.faults import collective
 from conveyor.distributed.gradients import local_shard
 from conveyor.distributed.topology import Topology
 from conveyor.engine.stage import Stage
@@ -69,6 +70,7 @@ from conveyor.torchprivate import (
     fsdp_drop_unsharded_grads,
     fsdp_lazy_init,
     fsdp_post_backward,
+    process_group_named,
 )
 
 __all__: list[str] = []
@@ -128,6 +130,9 @@ class Sharding:
 
         self.topology = topology
         self.ties = list(ties)
+        #: weights kept whole by a tensor plan whose gradient is summed over the tensor
+        #: group, each as (its parameters, the group's name, the seconds it may wait)
+        self._group_sums: list[tuple[list[nn.Parameter], str, float]] = []
         self.reshard_after_forward = RESHARD_AFTER_FORWARD.get(schedule.name, False)
         mesh = topology.mesh["data"]
         self.roots: list[Any] = []
@@ -171,12 +176,25 @@ class Sharding:
             fsdp_post_backward(root)
         self._defer()
 
+    def sum_over(self, params: Sequence[nn.Parameter], group: str, seconds: float) -> None:
+        """After each reduce-scatter, sums the gradient shards of ``params`` (FSDP's, by
+        the names they had before sharding) over the process group named ``group``."""
+        self._group_sums.append((list(params), group, seconds))
+
     def reduce(self, divisor: float, tie_reduce: Callable[[torch.Tensor, Any], None]) -> None:
         """After the step's last backward: reduce-scatters each unit's gradient (summed
-        over the replicas), sums the shards of tied weights over each tie (with
+        over the replicas), sums the gradient shards :meth:`sum_over` names over their
+        group, sums the shards of tied weights over each tie (with
         ``tie_reduce(total, group)``), and divides every gradient by ``divisor``. A
         collective of every rank."""
         self._post_backward(reduce=True)
+        for params, group, seconds in self._group_sums:
+            for param in params:
+                if param.grad is not None:
+                    collective.all_reduce(
+                        local_shard(param.grad), group=process_group_named(group),
+                        seconds=seconds, what="the tensor group's sum of a replicated "
+                                              "weight's gradient shard")
         for tie in self.ties:
             _sum_tie_shards(tie, tie_reduce)
         for root in self.roots:

@@ -199,8 +199,6 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
                if not distributed or schedule.stage_ranks[s] == topology.table_rank],
         concurrent=thread_devices(devices if not distributed else devices[:1]),
         sample=sample, decide=_from_rank_zero(topology, pending.deadlines), **options.cut())
-    if split is not None:
-        split.after_cut(owner)
     if layout.edges:
         schedule = with_model_edges(schedule, layout.edges)
     if distributed:
@@ -210,6 +208,8 @@ def build(owner: nn.Module, pending: Pending, options: PipelineOptions, schedule
             stage.replicated = topology.replicas.counts[number] > 1
     sharding = Sharding(layout.stages, topology, schedule, layout.ties) \
         if pending.sharded else None
+    if split is not None:
+        split.after_cut(owner, sharding)
     wiring: Wiring = Ranks(topology, snapshot) if distributed else Threads()
     runtime = Runtime(layout, schedule, topology, devices, pending.deadlines, wiring,
                       fuse_accumulation=fusing_allowed() and not options.compile

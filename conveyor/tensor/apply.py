@@ -140,19 +140,14 @@ def _cut_of(style: str, attr: str) -> Any:
     return ("split", dim) if dim is not None else style
 
 
-def sum_gradients(owner: nn.Module, styles: Mapping[str, str], group: Group) -> int:
-    """Hooks the gradient of every parameter ``owner`` holds (once cut: this rank's
-    stages, under the model's names) in a module kept whole with a summed gradient;
-    returns how many. Hooked after the cut: materialising a meta model makes new
-    parameters."""
+def summed_parameters(owner: nn.Module, styles: Mapping[str, str]) -> list[nn.Parameter]:
+    """The parameters ``owner`` holds (once cut: this rank's stages, under the model's
+    names) in a module kept whole whose gradient is summed over the tensor group. Read
+    after the cut: materialising a meta model makes new parameters."""
     summed = [name for name, style in styles.items()
               if style == "replicated_with_grad_allreduce"]
-    count = 0
-    for name, param in owner.named_parameters():
-        if any(name.startswith(f"{module}.") for module in summed):
-            regions.grad_sum(param, group.name, group.seconds)
-            count += 1
-    return count
+    return [param for name, param in owner.named_parameters()
+            if any(name.startswith(f"{module}.") for module in summed)]
 
 
 def _split(module: nn.Module, name: str, style: str, group: Group,

@@ -11,7 +11,9 @@ from torch import nn
 
 from conveyor.distributed.topology import Topology
 from conveyor.errors import TensorParallelError
-from conveyor.tensor.apply import Group, apply_plan, sum_gradients
+from conveyor.distributed.sharding import Sharding
+from conveyor.tensor import regions
+from conveyor.tensor.apply import Group, apply_plan, summed_parameters
 from conveyor.tensor.plan import resolve_plan, with_split_head
 
 __all__: list[str] = []
@@ -25,10 +27,17 @@ class TensorSplit:
     group: Group
     styles: dict[str, str]
 
-    def after_cut(self, owner: nn.Module) -> None:
+    def after_cut(self, owner: nn.Module, sharding: Sharding | None = None) -> None:
         """Sums over the group the gradients of the weights kept whole whose gradient
-        each rank sees a part of, among those ``owner`` now holds."""
-        sum_gradients(owner, self.styles, self.group)
+        each rank sees a part of, among those ``owner`` now holds: as each is computed,
+        or with FSDP over the replicas (whose gathered copies autograd fills, not the
+        parameters), once ``sharding`` has reduce-scattered them."""
+        summed = summed_parameters(owner, self.styles)
+        if sharding is None:
+            for param in summed:
+                regions.grad_sum(param, self.group.name, self.group.seconds)
+        else:
+            sharding.sum_over(summed, self.group.name, self.group.seconds)
 
 
 def split_model(module: Any, topology: Topology, tp_plan: str | Mapping[str, Any] | None,
