@@ -110,6 +110,14 @@ def test_a_vocabulary_parallel_head_splits_over_the_tensor_group(
 
 
 @LAUNCH
+def test_micro_batches_of_their_own_lengths_cross_the_tensor_ranks(
+        results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        loss, worst, count = rank["lengths"]
+        assert loss <= 1e-12 and worst <= 1e-10 and count >= 10, (loss, worst)
+
+
+@LAUNCH
 def test_a_users_block_with_a_dict_plan_on_a_sequential(results: list[dict[str, Any]]) -> None:
     for rank in results:
         worst, count = rank["block"]

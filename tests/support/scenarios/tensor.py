@@ -188,6 +188,7 @@ def tensor_parallel(rank: int, world: int, out_dir: Path) -> None:
     results["sharded-cut"] = _sharded_cut()
     results["check"] = _checks()
     results["vocabulary"] = _vocabulary()
+    results["lengths"] = _lengths()
     results["stage"] = rank // 2
     results["refused"] = _refused()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
@@ -257,6 +258,33 @@ def _vocabulary() -> dict[str, Any]:
     finally:
         undo()
     return found
+
+
+def _lengths() -> list[Any]:
+    """Micro-batches of their own lengths (5, 11, 7 and 3 tokens, 3, 1, 2 and 2
+    sequences) given to a Llama split over 2 tensor ranks, every boundary crossing as
+    pieces: [the loss's gap, the worst gradient difference, how many] against the plain
+    model's token mean over all of them."""
+    generator = torch.Generator().manual_seed(5)
+    pairs = [(torch.randint(0, 64, (rows, length), generator=generator),
+              torch.randint(0, 64, (rows, length), generator=generator))
+             for rows, length in ((3, 5), (1, 11), (2, 7), (2, 3))]
+    undo = float64_norms("llama")
+    try:
+        plain = hf_model("llama")
+        sums = [token_loss(plain(input_ids=x, use_cache=False), y) for x, y in pairs]
+        expected = sum(total for total, _ in sums) / sum(int(count) for _, count in sums)
+        expected.backward()
+        reference = {n: p.grad.detach().clone() for n, p in plain.named_parameters()}
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain), split_at=["model.layers.1"], chunks=CHUNKS,
+            sample={"input_ids": pairs[0][0][:1], "use_cache": False}, schedule="1f1b",
+            loss_fn=token_loss, tensor_parallel=2, tp_plan="auto", timeout=120)
+        loss = pipe.step(microbatches=[({"input_ids": x, "use_cache": False}, y)
+                                       for x, y in pairs])
+    finally:
+        undo()
+    return [abs(float(loss) - float(expected)), *difference(pipe, reference)]
 
 
 def _checks() -> dict[str, Any]:
