@@ -50,7 +50,7 @@ _PUBLIC = {
     "record": "conveyor.observe.recording",
     "Rebalance": "conveyor.runtime.rebalance.policy",
     "check": "conveyor.checking.check",
-    "CheckReport": "conveyor.checking.check",
+    "CheckReport": "conveyor.checking.report",
     "CostModel": "conveyor.schedules.simulate",
     "Timeline": "conveyor.schedules.timeline",
     "plot_timelines": "conveyor.schedules.timeline",

@@ -265,7 +265,8 @@ def test_train_check_runs_before_training_and_is_not_saved(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     from conveyor.cli.main import build_parser
-    from conveyor.checking.check import CheckReport, Finding
+    from conveyor.checking.compare import Finding
+    from conveyor.checking.report import CheckReport
     from conveyor.train import checkstep
     from conveyor.train.options import TrainConfig, from_arguments
 
