@@ -44,9 +44,9 @@ gathered by hand (``unshard``) before the graph's first call of a step, from a f
 pre-hook on the stage; it stays gathered until the post-backward by hand reshards it.
 
 Limits: a traced stage whose modules share or tie a weight (a tied embedding and head)
-is refused. Under FSDP every all-gather is a collective of a stage's replicas, so one replica
-that fails in the middle of a forward leaves the others waiting in an all-gather until
-the process group's timeout.
+is refused. Under FSDP every all-gather is a collective of a stage's replicas, so one
+replica that fails in the middle of a forward leaves the others waiting in an
+all-gather until the process group's timeout.
 """
 
 from __future__ import annotations
