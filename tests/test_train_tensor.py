@@ -133,6 +133,23 @@ def test_a_checkpoint_resumes_without_tensor_parallelism(runs: dict[str, Any]) -
                                                               rel=1e-5)
 
 
+@pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
+@LAUNCH
+def test_a_resume_at_another_shape_reads_the_saved_weights_bit_for_bit(
+        runs: dict[str, Any]) -> None:
+    """Saved by 2 stages x 2 tensor ranks, read by 2 stages x 2 replicas: each rank's
+    pipeline holds its stage's weights whole, equal to the checkpoint's to the bit."""
+    saved = torch.load(runs["out"] / "step4.pt")
+    seen = set()
+    for rank in range(4):
+        loaded = torch.load(runs["out"] / f"loaded-rank{rank}.pt")
+        assert loaded, rank
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, saved[name]), (rank, name)
+            seen.add(name)
+    assert seen == set(saved)  # every weight, on some rank
+
+
 # -- without processes ----------------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ OUT: ``whole`` (a Hugging Face Llama, 2 stages x 2 tensor ranks, 6 steps, export
 ``exported``), ``split``
 (the same stopped by a signal after step 4 and resumed), ``reshaped`` (the checkpoint
 of step 4 resumed as 2 stages x 2 replicas, no tensor parallelism), ``bundled`` (the
-bundled Transformer, 2 stages x 2 tensor ranks), and ``norms-rank<r>.json``.
+bundled Transformer, 2 stages x 2 tensor ranks), ``norms-rank<r>.json``, ``step4.pt``
+(the weights of the checkpoint resumed at the other shape, whole, read in one process)
+and ``loaded-rank<r>.pt`` (what that resume gave each rank's pipeline).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from conveyor.cli import main, training
 from conveyor.pipeline import Pipeline
+from conveyor.train import saving
 from tests.support.training import TINY
 
 #: A short run of the user's model, as tests/test_train_user.py runs it.
@@ -54,6 +57,20 @@ def _signalling(step: Any) -> Any:
     return stepped
 
 
+def _capturing(load: Any) -> Any:
+    """``saving.load`` that keeps, in the reshaped run, the state it gave the pipeline."""
+    def loaded(directory: Any, *, model: Any, optimizer: Any = None) -> Any:
+        extra = load(directory, model=model, optimizer=optimizer)
+        if _run == "reshaped":
+            loaded_state.update({name: tensor.detach().clone()
+                                 for name, tensor in model.state_dict().items()})
+        return extra
+    return loaded
+
+
+loaded_state: dict[str, torch.Tensor] = {}  # what the reshaped run's pipeline was given
+
+
 def train(run: str, out: Path, *flags: str) -> int:
     global _run, _calls
     _run, _calls = run, 0
@@ -69,6 +86,7 @@ def runs(out: Path, model: str, data: str) -> list[int]:
     dist.barrier()
     if dist.get_rank() == 0:  # the checkpoint of step 4, to resume at another shape
         shutil.copytree(out / "split", out / "reshaped")
+        torch.save(saving.load_weights(out / "reshaped"), out / "step4.pt")
     dist.barrier()
     codes += [train("resumed", out / "split", "--resume"),
               train("reshaped", out / "reshaped", "--resume", "--tensor-parallel", "1",
@@ -83,9 +101,11 @@ if __name__ == "__main__":
     training.end_process_group = lambda code, seconds=10.0: None  # type: ignore[assignment]
     Pipeline.clip_grad_norm_ = _noting(Pipeline.clip_grad_norm_)  # type: ignore[method-assign]
     Pipeline.step = _signalling(Pipeline.step)  # type: ignore[method-assign]
+    saving.load = _capturing(saving.load)  # type: ignore[assignment]
     folder = Path(sys.argv[1])
     codes = runs(folder, sys.argv[2], sys.argv[3])
     (folder / f"norms-rank{dist.get_rank()}.json").write_text(
         json.dumps({"codes": codes, "norms": norms}))
+    torch.save(loaded_state, folder / f"loaded-rank{dist.get_rank()}.pt")
     end(0)
     sys.exit(0)
