@@ -26,17 +26,17 @@ def _import_under(version: str, untested: bool) -> subprocess.CompletedProcess[s
 
 
 def test_an_older_torch_is_refused_at_import_naming_the_floor() -> None:
-    done = _import_under("2.11.0", untested=False)
+    done = _import_under("2.10.0", untested=False)
     assert done.returncode != 0
     assert (f"ImportError: conveyor needs torch {MINIMUM} or newer, the oldest its tests "
-            f"pass on; this is torch 2.11.0. Upgrade it: pip install 'torch>={MINIMUM}' (or "
+            f"pass on; this is torch 2.10.0. Upgrade it: pip install 'torch>={MINIMUM}' (or "
             "set CONVEYOR_UNTESTED_TORCH=1 to run on this torch untested)") in done.stderr
 
 
 def test_an_older_torch_runs_untested_when_asked_with_a_warning() -> None:
-    done = _import_under("2.11.0", untested=True)
+    done = _import_under("2.10.0", untested=True)
     assert done.returncode == 0, done.stderr
-    assert f"conveyor runs on torch 2.11.0, older than {MINIMUM}" in done.stderr
+    assert f"conveyor runs on torch 2.10.0, older than {MINIMUM}" in done.stderr
 
 
 def test_the_floor_is_the_same_in_the_package_and_its_docs() -> None:
