@@ -74,10 +74,6 @@ class Layer:
         return (f"layer {self.index} ({self.kind})" if self.name == str(self.index)
                 else f"layer {self.index} {self.name!r} ({self.kind})")
 
-    def shipped(self) -> Layer:
-        """The same unit without its module, to travel to another rank."""
-        return Layer(self.index, self.name, None, self.stage, self.first, self.kind)
-
 
 class _Tap(Recorder):
     """The executor's recorder, used to know which action each thread is running."""

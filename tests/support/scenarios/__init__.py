@@ -10,7 +10,8 @@ processes runs ``python -m tests.support.scenarios NAME OUT_DIR`` (``__main__.py
 which imports those modules and calls ``SCENARIOS[NAME]``.
 
 This package imports none of the scenario modules, and they import none of each other:
-what two of them share (models, batches, losses) is in ``tests.support.cases``.
+what two of them share (models, batches, losses) is in ``tests.support.cases`` (the
+Hugging Face models of the tensor-parallel and FSDP ones: ``tests.support.tensor_cases``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tests.support.cases import (
     token_loss,
 )
 from tests.support.scenarios import scenario
-from tests.support.scenarios.tensor import sharded_family
+from tests.support.tensor_cases import sharded_family
 
 BATCH = 12
 CLIP = 0.05
