@@ -270,6 +270,13 @@ def test_a_crash_in_a_distributed_save_leaves_the_previous_checkpoint(tmp_path: 
     assert (tmp_path / "run" / "checkpoint" / "latest").read_text() == "step-00000001"
     model, _ = case_model("lm")
     model.load_state_dict(saving.load_weights(tmp_path / "run"))  # every weight, by name
+    moments = saving.load_optimizer_state(tmp_path / "run")  # and its optimizer's, whole
+    assert set(moments) == {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, parameter in model.named_parameters():
+        assert float(moments[name]["step"]) == 1.0, name
+        assert {key: value.shape for key, value in moments[name].items()
+                if key != "step"} == {"exp_avg": parameter.shape,
+                                      "exp_avg_sq": parameter.shape}, name
 
 
 def test_ranks_started_with_different_pipelines_refuse_naming_each_value(tmp_path: Path) -> None:

@@ -306,6 +306,10 @@ def check_run_directory(out: Path, steps: int) -> dict[str, Any]:
         assert (out / picture).read_bytes()[:4] == b"\x89PNG"
     plain = tiny_model()
     plain.load_state_dict(saving.load_weights(out))  # every key, every shape
+    moments = saving.load_optimizer_state(out)  # the optimizer's, by the same names
+    for name, parameter in plain.named_parameters(remove_duplicate=False):
+        assert moments[name]["exp_avg"].shape == parameter.shape, name
+        assert float(moments[name]["step"]) == steps, name
     return summary
 
 

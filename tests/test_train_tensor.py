@@ -135,19 +135,30 @@ def test_a_checkpoint_resumes_without_tensor_parallelism(runs: dict[str, Any]) -
 
 @pytest.mark.long  # one 4-process launch of five runs (~4 min): make test-all
 @LAUNCH
-def test_a_resume_at_another_shape_reads_the_saved_weights_bit_for_bit(
+def test_a_resume_at_another_shape_reads_the_saved_state_bit_for_bit(
         runs: dict[str, Any]) -> None:
     """Saved by 2 stages x 2 tensor ranks, read by 2 stages x 2 replicas: each rank's
-    pipeline holds its stage's weights whole, equal to the checkpoint's to the bit."""
+    pipeline holds its stage's weights whole, and its optimizer their AdamW moments and
+    step, equal to the checkpoint's (read whole in one process) to the bit."""
     saved = torch.load(runs["out"] / "step4.pt")
-    seen = set()
+    seen: dict[str, set[str]] = {"model": set(), "optimizer": set()}
     for rank in range(4):
         loaded = torch.load(runs["out"] / f"loaded-rank{rank}.pt")
-        assert loaded, rank
-        for name, tensor in loaded.items():
-            assert torch.equal(tensor, saved[name]), (rank, name)
-            seen.add(name)
-    assert seen == set(saved)  # every weight, on some rank
+        assert loaded["model"], rank
+        for name, tensor in loaded["model"].items():
+            assert torch.equal(tensor, saved["model"][name]), (rank, name)
+            seen["model"].add(name)
+        for name, state in loaded["optimizer"].items():
+            assert state.keys() == saved["optimizer"][name].keys(), (rank, name)
+            assert {"exp_avg", "exp_avg_sq"} <= state.keys(), (rank, name)
+            for key, value in state.items():
+                assert torch.equal(value, saved["optimizer"][name][key]), (rank, name, key)
+            seen["optimizer"].add(name)
+    assert seen["model"] == set(saved["model"])  # every weight, on some rank
+    assert seen["optimizer"] == set(saved["optimizer"])  # and every moment
+    split = saved["model"]["model.layers.0.mlp.up_proj.weight"]
+    assert saved["optimizer"]["model.layers.0.mlp.up_proj.weight"]["exp_avg"].shape == \
+        split.shape  # a split weight's moments, whole too
 
 
 # -- without processes ----------------------------------------------------------------

@@ -46,8 +46,8 @@ from torch import nn
 from conveyor.train.checkpoints import dcpfiles, durable, folder, manifest
 from conveyor.train.errors import CheckpointError, SaveError
 
-__all__ = ["CheckpointError", "exists", "load", "load_weights", "pointer_note",
-           "remove_temporaries", "save"]
+__all__ = ["CheckpointError", "exists", "load", "load_optimizer_state", "load_weights",
+           "pointer_note", "remove_temporaries", "save"]
 
 _DIRECTORY = "checkpoint"
 _STATE = "state.pt"
@@ -248,11 +248,25 @@ def _check_kind(target: Path) -> None:
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """The weights of the newest checkpoint (either kind) by plain-model name, verified,
     for any model."""
-    target, found = _verified_latest(Path(directory))
+    weights: dict[str, torch.Tensor] = _load_part(Path(directory), "model")
+    return weights
+
+
+def load_optimizer_state(directory: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's tensors of the newest checkpoint (either kind), verified, by
+    plain-model parameter name, then by the optimizer's own key (Adam's ``exp_avg``,
+    ``exp_avg_sq``, ``step``): each whole, whatever shape of pipeline, tensor and data
+    ranks wrote it. Empty before the first step."""
+    moments: dict[str, dict[str, torch.Tensor]] = _load_part(Path(directory), "optimizer")
+    return moments
+
+
+def _load_part(directory: Path, part: str) -> dict[str, Any]:
+    target, found = _verified_latest(directory)
     if (target / _STATE).exists():
-        weights: dict[str, torch.Tensor] = _read_verified(target, found)["model"]
-        return weights
-    return dcpfiles.load_weights(target, found)
+        whole: dict[str, Any] = _read_verified(target, found).get(part, {})
+        return whole
+    return dcpfiles.load_whole(target, found, part)
 
 
 def _verified_latest(directory: Path) -> tuple[Path, dict[str, Any]]:

@@ -8,8 +8,9 @@ OUT: ``whole`` (a Hugging Face Llama, 2 stages x 2 tensor ranks, 6 steps, export
 (the same stopped by a signal after step 4 and resumed), ``reshaped`` (the checkpoint
 of step 4 resumed as 2 stages x 2 replicas, no tensor parallelism), ``bundled`` (the
 bundled Transformer, 2 stages x 2 tensor ranks), ``norms-rank<r>.json``, ``step4.pt``
-(the weights of the checkpoint resumed at the other shape, whole, read in one process)
-and ``loaded-rank<r>.pt`` (what that resume gave each rank's pipeline).
+(the weights and optimizer state of the checkpoint resumed at the other shape, whole,
+read in one process) and ``loaded-rank<r>.pt`` (what that resume gave each rank's
+pipeline and optimizer).
 """
 
 from __future__ import annotations
@@ -58,17 +59,23 @@ def _signalling(step: Any) -> Any:
 
 
 def _capturing(load: Any) -> Any:
-    """``saving.load`` that keeps, in the reshaped run, the state it gave the pipeline."""
+    """``saving.load`` that keeps, in the reshaped run, the state it gave the pipeline
+    and its optimizer (by parameter name)."""
     def loaded(directory: Any, *, model: Any, optimizer: Any = None) -> Any:
         extra = load(directory, model=model, optimizer=optimizer)
         if _run == "reshaped":
-            loaded_state.update({name: tensor.detach().clone()
-                                 for name, tensor in model.state_dict().items()})
+            loaded_state["model"] = {name: tensor.detach().clone()
+                                     for name, tensor in model.state_dict().items()}
+            loaded_state["optimizer"] = {
+                name: {key: value.detach().clone() for key, value in
+                       optimizer.state.get(parameter, {}).items()
+                       if isinstance(value, torch.Tensor)}
+                for name, parameter in model.named_parameters(remove_duplicate=False)}
         return extra
     return loaded
 
 
-loaded_state: dict[str, torch.Tensor] = {}  # what the reshaped run's pipeline was given
+loaded_state: dict[str, Any] = {}  # what the reshaped run's pipeline and optimizer got
 
 
 def train(run: str, out: Path, *flags: str) -> int:
@@ -86,7 +93,9 @@ def runs(out: Path, model: str, data: str) -> list[int]:
     dist.barrier()
     if dist.get_rank() == 0:  # the checkpoint of step 4, to resume at another shape
         shutil.copytree(out / "split", out / "reshaped")
-        torch.save(saving.load_weights(out / "reshaped"), out / "step4.pt")
+        torch.save({"model": saving.load_weights(out / "reshaped"),
+                    "optimizer": saving.load_optimizer_state(out / "reshaped")},
+                   out / "step4.pt")
     dist.barrier()
     codes += [train("resumed", out / "split", "--resume"),
               train("reshaped", out / "reshaped", "--resume", "--tensor-parallel", "1",

@@ -144,12 +144,26 @@ def load(target: Path, found: dict[str, Any], model: nn.Module,
 
 def load_weights(target: Path, found: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every weight of the checkpoint in ``target`` by name, in this one process."""
+    weights: dict[str, torch.Tensor] = load_whole(target, found, "model")
+    return weights
+
+
+def load_whole(target: Path, found: dict[str, Any], part: str) -> dict[str, Any]:
+    """One part of the checkpoint in ``target`` (``"model"``: the weights by name;
+    ``"optimizer"``: the optimizer's tensors by parameter name, then by their own key),
+    every tensor whole, read and verified in this one process."""
     damaged = manifest.check_files(target, found)
     digests, _ = _rank_files(target)
-    template = {"model": {key[len("model."):]: torch.empty(tuple(entry.size),
-                                                           dtype=entry.properties.dtype)
-                          for key, entry in _read_index(target).items()
-                          if key.startswith("model.") and hasattr(entry, "size")}}
+    metadata = _Reader(str(target)).read_metadata()
+    template: dict[str, Any] = {part: {}}
+    for key, entry in metadata.state_dict_metadata.items():
+        path = (metadata.planner_data or {}).get(key, tuple(key.split(".", 1)))
+        if path[0] != part or not hasattr(entry, "size"):
+            continue
+        place = template
+        for step in path[:-1]:
+            place = place.setdefault(step, {})
+        place[path[-1]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -161,7 +175,8 @@ def load_weights(target: Path, found: dict[str, Any]) -> dict[str, torch.Tensor]
         raise CheckpointError(f"cannot load the checkpoint {target}: "
                               f"{manifest.first_line(exc)}") from exc
     manifest.check_tensors(target, template, digests, damaged)
-    return template["model"]
+    whole: dict[str, Any] = template[part]
+    return whole
 
 
 def _rank_files(target: Path) -> tuple[dict[str, str], dict[str, Any]]:
