@@ -9,6 +9,7 @@ tensors: :mod:`conveyor.distributed.p2p` moves the bytes, this module lays them 
 
 from __future__ import annotations
 
+import array
 import math
 import pickle
 from collections.abc import Sequence
@@ -207,25 +208,24 @@ def _check_header(header: Sequence[int]) -> None:
         raise ConveyorError(f"a message header has kind code {header[_CODE]}; known codes "
                             f"are {_KINDS | {_ABORT: 'abort'}}: the message is corrupt or "
                             "the ranks run different conveyor versions")
-    what = _describe(header)
     if not 0 <= header[_SKELETON] <= header[_BODY]:
-        raise ConveyorError(f"the header of {what} gives a skeleton of {header[_SKELETON]} "
+        raise ConveyorError(f"the header of {_describe(header)} gives a skeleton of {header[_SKELETON]} "
                             f"bytes and a body of {header[_BODY]}: the message is corrupt")
     if header[_SKELETON] or header[_CODE] == _ABORT:
         return
     ndim = header[_NDIM]
     if not 0 <= header[_DTYPE] < len(_DTYPES) or not 0 <= ndim <= _MAX_DIMS:
-        raise ConveyorError(f"the header of {what} gives dtype code {header[_DTYPE]} and "
+        raise ConveyorError(f"the header of {_describe(header)} gives dtype code {header[_DTYPE]} and "
                             f"{ndim} dims; known are codes 0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} "
                             "dims: the message is corrupt")
     if not 0 <= header[_CONTAINER] < len(_CONTAINERS):
-        raise ConveyorError(f"the header of {what} gives container code "
+        raise ConveyorError(f"the header of {_describe(header)} gives container code "
                             f"{header[_CONTAINER]}; known are 0-{len(_CONTAINERS) - 1}: the "
                             "message is corrupt")
     shape = header[_SHAPE:_SHAPE + ndim]
     size = math.prod(shape) * _DTYPES[header[_DTYPE]].itemsize
     if min(shape, default=0) < 0 or size != header[_BODY]:
-        raise ConveyorError(f"the header of {what} gives shape {shape} of "
+        raise ConveyorError(f"the header of {_describe(header)} gives shape {shape} of "
                             f"{_DTYPES[header[_DTYPE]]} ({size} bytes) and a body of "
                             f"{header[_BODY]} bytes: the message is corrupt")
 
@@ -247,9 +247,8 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
         ConveyorError: the header is malformed, or the body is shorter than it says.
     """
     _check_header(header)
-    what = _describe(header)
     if body.numel() < header[_BODY]:
-        raise ConveyorError(f"{what} is truncated: its header announces a body of "
+        raise ConveyorError(f"{_describe(header)} is truncated: its header announces a body of "
                             f"{header[_BODY]} bytes, {body.numel()} arrived")
     if header[_SKELETON] == 0:
         dtype = _DTYPES[header[_DTYPE]]
@@ -258,6 +257,7 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
         if header[_GRAD]:
             tensor.requires_grad_()
         return _CONTAINERS[header[_CONTAINER]]([tensor]) if header[_CONTAINER] else tensor
+    what = _describe(header)
     skeleton = _unpickle(body[:header[_SKELETON]], what)
 
     def fill(slot: _Slot) -> torch.Tensor:
@@ -275,14 +275,23 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
     return pytree.tree_map_only(_Slot, fill, skeleton)
 
 
+def header_bytes(header: list[int]) -> torch.Tensor:
+    """``header`` as the bytes of its int64s, on the host (a copy of them)."""
+    return torch.frombuffer(array.array("q", header), dtype=torch.uint8)
+
+
 def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
               device: torch.device) -> torch.Tensor:
     """Header (optional) and body pieces laid out in one byte buffer."""
     start = _HEADER_BYTES if with_header else 0
+    if (with_header and not header[_SKELETON] and len(pieces) == 1
+            and isinstance(pieces[0], torch.Tensor) and pieces[0].device == device):
+        # One tensor (the common message): header and its bytes joined in one copy.
+        return torch.cat([header_bytes(header).to(device, non_blocking=True), pieces[0]])
     # Uninitialised: every byte read back is written below (padding is never read).
     buffer = torch.empty(start + header[_BODY], dtype=torch.uint8, device=device)
     if with_header:
-        buffer[:_HEADER_BYTES] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+        buffer[:_HEADER_BYTES] = header_bytes(header)
     for piece in pieces:
         offset, data = (0, piece) if not isinstance(piece, tuple) else piece
         if isinstance(data, bytes):

@@ -37,6 +37,7 @@ from conveyor.distributed.envelope import (
     _assemble,
     _encode,
     _encode_abort,
+    header_bytes,
 )
 from conveyor.distributed.faults import peerfailure
 from conveyor.distributed.faults.peerfailure import lost_peer
@@ -207,8 +208,7 @@ class P2PTransport(Receiving):
                 self._isend(peer, _assemble(header, pieces, with_header=True,
                                             device=self.device))
                 return total
-        self._isend(peer, torch.tensor(header, dtype=torch.int64,
-                                       device=self.device).view(torch.uint8))
+        self._isend(peer, header_bytes(header).to(self.device))
         if header[_BODY]:
             self._isend(peer, _assemble(header, pieces, with_header=False, device=self.device))
         return total
