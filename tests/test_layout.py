@@ -183,10 +183,12 @@ COLLECTIVES = {"all_reduce", "broadcast", "barrier", "monitored_barrier", "all_g
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                "send", "recv", "isend", "irecv", "batch_isend_irecv"}
 #: Where they may be called: the bounded collectives, and the wire, whose receives a
-#: watcher bounds (sends complete or fail with their receive).
+#: watcher or the long waits' thread bounds (sends complete or fail with their receive;
+#: that thread's own receive is waited for 10 ms, to cut a wait that went silent).
 BOUNDED = {"conveyor.distributed.faults.collective": {"all_reduce", "broadcast", "all_gather"},
            "conveyor.distributed.p2p": {"isend"},
-           "conveyor.distributed.receiving": {"irecv"}}
+           "conveyor.distributed.receiving": {"irecv"},
+           "conveyor.distributed.longwaits": {"irecv"}}
 
 
 def test_every_collective_is_bounded() -> None:

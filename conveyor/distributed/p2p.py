@@ -9,10 +9,14 @@ is counted in ``traffic``, with the bytes that left the process.
 
 Waiting is what makes a pipeline slow. With gloo, data moves only once the receiver
 has posted its receive, and a round trip to announce one costs 0.2-0.3 ms, several
-under load; three per message cost a 2-stage step 15%. So each peer always has a
-receive posted for its next message, and on gloo header and body travel as one
-*envelope* into it (drawn in :mod:`conveyor.distributed.envelope`). NCCL needs exact
-sizes (and overlaps on the GPU anyway): there the header goes first, then the body.
+under load; three per message cost a 2-stage step 15%. So on gloo header and body travel
+as one *envelope* (drawn in :mod:`conveyor.distributed.envelope`). A large message's
+receive is posted ahead, for its bytes to move while the rank computes, and waited for
+by a watcher thread; a small one's is posted when the rank needs it and waited for on
+the main thread itself, timed by :mod:`conveyor.distributed.longwaits` (the watcher's
+hop cost a 2-stage 1F1B step of tiny layers 13-20% of its time). NCCL needs exact sizes
+(and overlaps on the GPU anyway): there each peer has a receive posted ahead, the header
+first, then the body.
 """
 
 from __future__ import annotations
@@ -41,14 +45,15 @@ from conveyor.distributed.envelope import (
 )
 from conveyor.distributed.faults import peerfailure
 from conveyor.distributed.faults.peerfailure import lost_peer
+from conveyor.distributed.longwaits import LongWaits
 from conveyor.distributed.receiving import Incoming, Receiving
 from conveyor.distributed.topology import Topology
-from conveyor.distributed.watch import Watcher
+from conveyor.distributed.watch import Watched, Watcher
 from conveyor.engine.transport import (LocalTransport, MessageKind, Traffic, emulated,
                                        neighbour)
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.errors import ConveyorError
-from conveyor.schedules import Action, Schedule
+from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
 
@@ -92,17 +97,26 @@ class P2PTransport(Receiving):
         self.step = 0  # this rank's step, counted by prepare()
         self.broken: str | None = None  # why no further step can run
         #: ``locate_ranks(step)``: where each peer is (see whereabouts), None: no answer;
-        #: ``announce(step, report)``: posts a failure where collectives look, first thing.
+        #: ``announce(step, report)``: posts a failure where collectives look, first thing;
+        #: ``notice(step)``: the failure a rank posted so, if any.
         self.locate_ranks: Callable[[int], dict[int, dict[str, Any] | None]] | None = None
         self.announce: Callable[[int, dict[str, Any]], None] | None = None
+        self.notice: Callable[[int], dict[str, Any] | None] | None = None
         self._heard: set[int] = set()  # peers whose messages of this step have come
+        self._needed_at: dict[tuple[str, int, int], int] = {}
+        self._at = -1
         self.device = topology.device or torch.device("cpu")
         self.envelopes = dist.get_backend(topology.pipeline_group) == "gloo"
         # gloo cannot tell without waiting whether a receive has arrived: threads wait
         # for this rank, so that poll() between actions sees a peer's abort report.
+        # Small messages are received when needed and waited for on the main thread,
+        # timed from a thread of their own (see longwaits).
         self._watcher = Watcher() if self.envelopes else None
+        self._long_waits = LongWaits(self) if self.envelopes else None
         if self._watcher is not None:
             weakref.finalize(self, self._watcher.close)
+        if self._long_waits is not None:
+            weakref.finalize(self, self._long_waits.close)
         _transports.add(self)
         peerfailure.tell_peers_on_uncaught(self)
         self.traffic = Traffic()
@@ -118,7 +132,7 @@ class P2PTransport(Receiving):
         self._stash: dict[tuple[str, int, int, int], Any] = {}
         self._arrives: dict[tuple[str, int, int, int], float] = {}  # emulated links
         self._link_free: dict[int, float] = {}
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._sends: list[tuple[Any, torch.Tensor, int]] = []  # work, bytes, global rank
         #: under tensor parallelism, how a value crosses to the same tensor rank of
         #: another stage (:class:`conveyor.tensor.boundary.Boundary`); None: whole
         self.boundary: Crossing | None = None
@@ -139,6 +153,8 @@ class P2PTransport(Receiving):
             raise ConveyorError(self.broken)
         self.step += 1
         self._heard = set()
+        if self._long_waits is not None:
+            self._long_waits.step_begins()
         me = self.topology.pipeline_rank
         self._expected = {}
         for rank, column in columns.items():
@@ -152,6 +168,8 @@ class P2PTransport(Receiving):
                     if destination != me}
         self._peers = set(self._expected) | outgoing
         self._position = dict.fromkeys(self._expected, 0)
+        self._needed_at = needed_at(columns.get(me, ()))
+        self._at = -1  # the action this rank is in: poll() comes before each
         posted, self._incoming = self._incoming, {}
         for peer in self._expected:
             if peer in posted:  # a failed step's receive: the peer's next message fills it
@@ -223,8 +241,8 @@ class P2PTransport(Receiving):
                                              self.topology.pipeline_ranks.index(peer),
                                              self.step, sending=True)
             raise failure from exc
-        self._sends.append((work, buffer))
-        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        self._sends.append((work, buffer, peer))
+        self._sends = [send for send in self._sends if not send[0].is_completed()]
 
     # ------------------------------------------------------------ ending
 
@@ -247,6 +265,8 @@ class P2PTransport(Receiving):
         if self._aborted:
             return
         self._aborted = True
+        if self._long_waits is not None:
+            self._long_waits.step_ends()
         report = getattr(error, "report", None)  # a failure elsewhere: pass it on as is
         if report is None:
             text = (f"{type(error).__name__}: {error}".splitlines()[0] if error is not None
@@ -257,21 +277,51 @@ class P2PTransport(Receiving):
                       "action": action or getattr(error, "action", "?")}
         if self.announce is not None:
             self.announce(self.step, report)
-        pending = {id(work) for work, _ in self._sends}
+        pending = {id(work) for work, _, _ in self._sends}
         for rank in sorted(self._peers):
             try:
                 self._send_message(rank, *_encode_abort(report))
             except Exception:  # noqa: BLE001 - the peer may be gone; keep telling the rest
                 pass
-        self._reports = [work for work, _ in self._sends if id(work) not in pending]
+        self._reports = [work for work, _, _ in self._sends if id(work) not in pending]
         if self._watcher is not None:
+            self._watch_what_is_expected()
             self._watcher.settle(min(self.deadlines.within, SETTLE))
+
+    def _watch_what_is_expected(self) -> None:
+        """Posts (and watches) the receive of each peer's next expected message that
+        waits to be posted when needed, and watches one posted that nobody waits for
+        now: each peer's pending send (or its report) lands, as in a receive posted
+        ahead, and no receive is left to no one in gloo (one already waited for, whose
+        message this rank stopped on, is read again by the next step and dropped)."""
+        assert self._watcher is not None
+        for peer, message in self._incoming.items():
+            if message.work is None:
+                message.work = self._watcher.watch(peer, self._irecv(peer, message.buffer))
+            elif not isinstance(message.work, Watched) and not message.work.is_completed():
+                message.work = self._watcher.watch(peer, message.work)
 
     def finish(self) -> None:
         """Waits until every message this rank sent has been taken by its receiver."""
-        for work, _ in self._sends:
-            self._wait(work, "a peer to receive what this rank sent")
+        ranks = self.topology.pipeline_ranks
+        for work, _, peer in self._sends:
+            self._wait(work, f"rank {ranks.index(peer)} to receive what this rank sent")
         self._sends = []
+        if self._long_waits is not None:
+            self._long_waits.step_ends()
+
+
+def needed_at(column: Sequence[Action]) -> dict[tuple[str, int, int], int]:
+    """Where in ``column`` each message it receives is needed: by (kind, receiving
+    stage, micro-batch), the index of the action that takes it (a forward its
+    activations, a backward or ``I`` its gradients)."""
+    needed: dict[tuple[str, int, int], int] = {}
+    for at, action in enumerate(column):
+        kind = "activation" if action.kind is Kind.FORWARD else (
+            "gradient" if action.kind in (Kind.BACKWARD, Kind.INPUT) else None)
+        if kind is not None:
+            needed.setdefault((kind, action.stage, action.microbatch), at)
+    return needed
 
 
 _transports: weakref.WeakSet[P2PTransport] = weakref.WeakSet()
@@ -295,3 +345,5 @@ def _let_go_of_works() -> None:
         transport._reports = []
         transport._sends = []
         transport._incoming = {}
+        if transport._long_waits is not None:
+            transport._long_waits.let_go()

@@ -1,9 +1,12 @@
 """The receiving half of the point-to-point transport: each peer's posted receive, and a
 message moved on from it as far as it can go.
 
-Each peer always has a receive posted for its next message (on gloo, data moves only
-once the receiver has posted). What arrives is checked (its header before its body is
-trusted with an allocation), dropped if a failed earlier step sent it, raised if it is
+On NCCL, and on gloo for a peer whose messages are large, each peer always has a
+receive posted for its next message (on gloo, data moves only once the receiver has
+posted): its bytes move while the rank computes. On gloo a small message needed within
+an action or two is received when the rank needs it, and waited for right there, timed
+from a thread (:mod:`conveyor.distributed.longwaits`). What arrives is checked (its
+header before its body is trusted with an allocation), dropped if a failed earlier step sent it, raised if it is
 a peer's abort report, and otherwise kept until the action that needs it::
 
     posted ── header arrived ── (body posted ── body arrived) ── stashed for recv()
@@ -39,8 +42,9 @@ from conveyor.distributed.envelope import (
     _unpickle,
 )
 from conveyor.distributed.faults.peerfailure import lost_peer, reported, timed_out, wait_failed
+from conveyor.distributed.longwaits import NEEDED_SOON, RECEIVED_WHEN_NEEDED, LongWaits
 from conveyor.distributed.topology import Topology
-from conveyor.distributed.watch import Watcher
+from conveyor.distributed.watch import Watched, Watcher
 from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, neighbour
 from conveyor.engine.watchdog.deadline import Deadlines
 from conveyor.engine.watchdog.liveness import keep_waiting
@@ -56,7 +60,7 @@ class Incoming:
 
     key: tuple[str, int, int, int]  # kind, source stage, stage, micro-batch
     buffer: torch.Tensor
-    work: Any
+    work: Any  # None: posted when the rank comes to need it
     header: list[int] | None = None  # once the header has arrived and the body has not
 
 
@@ -77,7 +81,10 @@ class Receiving:
     local: LocalTransport
     locate_ranks: Any
     _watcher: Watcher | None
+    _long_waits: LongWaits | None  # gloo: the thread timing waits on the main thread
     _heard: set[int]
+    _needed_at: dict[tuple[str, int, int], int]  # (kind, stage, micro-batch): its action
+    _at: int  # the index of the action this rank is in (counted by poll)
     _expected: dict[int, list[tuple[str, int, int, int]]]
     _position: dict[int, int]
     _incoming: dict[int, Incoming]
@@ -104,10 +111,21 @@ class Receiving:
         key = expected[position] if position < len(expected) else ("drained", -1, -1, -1)
         size = self._capacity_in.get(peer, _HEADER_BYTES) if self.envelopes else _HEADER_BYTES
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._incoming[peer] = Incoming(key, buffer, self._irecv(peer, buffer))
+        needed = self._needed_at.get((key[0], key[2], key[3]))  # (kind, stage, micro-batch)
+        later = needed is None or needed - max(self._at, 0) > NEEDED_SOON
+        self._incoming[peer] = Incoming(
+            key, buffer, self._irecv(peer, buffer, ahead=later)
+            if later or not self._when_needed(buffer) else None)
 
-    def _irecv(self, peer: int, buffer: torch.Tensor) -> Any:
-        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo.
+    def _when_needed(self, buffer: torch.Tensor) -> bool:
+        """Whether a receive into ``buffer`` may be posted once the rank needs it, and
+        waited for on the main thread (gloo, a small message)."""
+        return self._long_waits is not None and buffer.numel() <= RECEIVED_WHEN_NEEDED
+
+    def _irecv(self, peer: int, buffer: torch.Tensor, *, ahead: bool = False) -> Any:
+        """Posts a receive of ``buffer`` from ``peer``: its work, watched on gloo unless
+        the main thread waits for it itself (a small message, not posted ``ahead`` of
+        the actions before it is needed).
 
         Raises:
             PeerFailure: the connection to ``peer`` is closed (it died, e.g. between
@@ -119,15 +137,22 @@ class Receiving:
         except RuntimeError as exc:  # gloo: "Connection closed by peer"
             failure, self.broken = lost_peer(exc, self.topology.pipeline_rank, peer, self.step)
             raise failure from exc
-        return work if self._watcher is None else self._watcher.watch(peer, work)
+        if self._watcher is None or (self._when_needed(buffer) and not ahead):
+            return work
+        return self._watcher.watch(peer, work)
 
     def poll(self) -> None:
         """Moves every incoming message on as far as it can without waiting.
 
         Raises:
-            PeerFailure: a peer's abort report has arrived, from whichever peer: this
-                rank stops before its next action, as a receive from that peer would.
+            PeerFailure: a peer's abort report has arrived, from whichever peer, or a
+                rank announced a failure in the step: this rank stops before its next
+                action, as a receive from that peer would.
         """
+        self._at += 1
+        if self._long_waits is not None and self._long_waits.noticed is not None:
+            raise reported(self._long_waits.noticed, self.topology.pipeline_rank,
+                           "stopped before its next action")
         for peer in list(self._incoming):
             self._advance(peer, wait=False)
 
@@ -170,6 +195,10 @@ class Receiving:
                               else "stopped before its next action")
         asked, message = (wait, what), self._incoming.get(peer)
         while message is not None:
+            if message.work is None:  # a receive posted when needed: now, if it is
+                if not wait:
+                    return
+                message.work = self._irecv(peer, message.buffer)
             if not wait and not message.work.is_completed():
                 return
             try:
@@ -229,6 +258,9 @@ class Receiving:
         """
         if self._aborted:
             raise Aborted(what)
+        if peer is not None and self._long_waits is not None and not isinstance(work, Watched):
+            self._wait_here(work, what, peer)
+            return
         waited, seen = 0.0, None
         try:
             while True:
@@ -249,3 +281,30 @@ class Receiving:
             failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
                                                waited, self.step)
             raise failure from exc
+
+    def _wait_here(self, work: Any, what: str, peer: int) -> None:
+        """Waits in gloo for a receive from ``peer`` posted when needed, as long as the
+        group allows; the thread of :mod:`~conveyor.distributed.longwaits` cuts the wait
+        (closing the group's connections) once the pipeline goes silent.
+
+        Raises:
+            PeerFailure: as :meth:`_wait`.
+        """
+        if work.is_completed():  # waited for once (a failed step's): its message is in
+            return
+        waits = self._long_waits
+        assert waits is not None
+        waits.waiting(peer, self.topology.global_rank(peer), heard=peer in self._heard,
+                      step=self.step, within=self.deadlines.within)
+        started = time.monotonic()
+        try:
+            work.wait()  # no timeout: a wait that runs out closes the group's connections
+        except Exception as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            if waits.cut == "timeout":
+                exc = TimeoutError(f"no message within {waits.waited:g} s")
+            failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
+                                               waits.waited or time.monotonic() - started,
+                                               self.step)
+            raise failure from exc
+        finally:
+            waits.done()

@@ -113,6 +113,7 @@ class Ranks:
             transport.step = previous.step  # messages carry it; reports ask by it
         transport.locate_ranks = self.whereabouts.locate
         transport.announce = self.whereabouts.announce
+        transport.notice = self.whereabouts.notice
         topology, whereabouts = self.topology, self.whereabouts
         if topology.tensor_size > 1:  # 1/T of each value held alike crosses per rank
             transport.boundary = Boundary(topology.tensor_group, topology.tensor_size,
