@@ -168,6 +168,8 @@ class LongWaits:
         self.cut = why
         work = dist.irecv(torch.empty(1, dtype=torch.uint8), wait.global_peer,
                           group=transport.topology.pipeline_group, tag=_CUT_TAG)
+        if work is None:  # (this rank is not in the group: nothing to cut)
+            return
         self._cuts.append(work)
         try:
             work.wait(datetime.timedelta(seconds=0.01))
