@@ -52,7 +52,7 @@ from conveyor.distributed.watch import Watched, Watcher
 from conveyor.engine.transport import (LocalTransport, MessageKind, Traffic, emulated,
                                        neighbour)
 from conveyor.engine.watchdog.deadline import Deadlines
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules import Action, Kind, Schedule
 
 __all__: list[str] = []
@@ -295,9 +295,14 @@ class P2PTransport(Receiving):
         ahead, and no receive is left to no one in gloo (one already waited for, whose
         message this rank stopped on, is read again by the next step and dropped)."""
         assert self._watcher is not None
+        if self.broken is not None:  # the group's connections are closed: nothing lands
+            return
         for peer, message in self._incoming.items():
             if message.work is None:
-                message.work = self._watcher.watch(peer, self._irecv(peer, message.buffer))
+                try:
+                    message.work = self._watcher.watch(peer, self._irecv(peer, message.buffer))
+                except PeerFailure:  # that peer is gone: the error that stopped us stands
+                    continue
             elif not isinstance(message.work, Watched) and not message.work.is_completed():
                 message.work = self._watcher.watch(peer, message.work)
 
