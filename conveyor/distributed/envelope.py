@@ -209,15 +209,16 @@ def _check_header(header: Sequence[int]) -> None:
                             f"are {_KINDS | {_ABORT: 'abort'}}: the message is corrupt or "
                             "the ranks run different conveyor versions")
     if not 0 <= header[_SKELETON] <= header[_BODY]:
-        raise ConveyorError(f"the header of {_describe(header)} gives a skeleton of {header[_SKELETON]} "
-                            f"bytes and a body of {header[_BODY]}: the message is corrupt")
+        raise ConveyorError(f"the header of {_describe(header)} gives a skeleton of "
+                            f"{header[_SKELETON]} bytes and a body of {header[_BODY]}: the "
+                            "message is corrupt")
     if header[_SKELETON] or header[_CODE] == _ABORT:
         return
     ndim = header[_NDIM]
     if not 0 <= header[_DTYPE] < len(_DTYPES) or not 0 <= ndim <= _MAX_DIMS:
-        raise ConveyorError(f"the header of {_describe(header)} gives dtype code {header[_DTYPE]} and "
-                            f"{ndim} dims; known are codes 0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} "
-                            "dims: the message is corrupt")
+        raise ConveyorError(f"the header of {_describe(header)} gives dtype code "
+                            f"{header[_DTYPE]} and {ndim} dims; known are codes "
+                            f"0-{len(_DTYPES) - 1}, 0-{_MAX_DIMS} dims: the message is corrupt")
     if not 0 <= header[_CONTAINER] < len(_CONTAINERS):
         raise ConveyorError(f"the header of {_describe(header)} gives container code "
                             f"{header[_CONTAINER]}; known are 0-{len(_CONTAINERS) - 1}: the "
@@ -248,8 +249,8 @@ def _decode(header: list[int], body: torch.Tensor) -> Any:
     """
     _check_header(header)
     if body.numel() < header[_BODY]:
-        raise ConveyorError(f"{_describe(header)} is truncated: its header announces a body of "
-                            f"{header[_BODY]} bytes, {body.numel()} arrived")
+        raise ConveyorError(f"{_describe(header)} is truncated: its header announces a body "
+                            f"of {header[_BODY]} bytes, {body.numel()} arrived")
     if header[_SKELETON] == 0:
         dtype = _DTYPES[header[_DTYPE]]
         shape = header[_SHAPE:_SHAPE + header[_NDIM]]
@@ -287,7 +288,7 @@ def _assemble(header: list[int], pieces: list[Any], *, with_header: bool,
     if (with_header and not header[_SKELETON] and len(pieces) == 1
             and isinstance(pieces[0], torch.Tensor) and pieces[0].device == device):
         # One tensor (the common message): header and its bytes joined in one copy.
-        return torch.cat([header_bytes(header).to(device, non_blocking=True), pieces[0]])
+        return torch.cat([header_bytes(header).to(device), pieces[0]])
     # Uninitialised: every byte read back is written below (padding is never read).
     buffer = torch.empty(start + header[_BODY], dtype=torch.uint8, device=device)
     if with_header:

@@ -80,7 +80,8 @@ class LongWaits:
 
     Attributes:
         noticed: the failure a rank announced in the current step, once seen.
-        cut: why this thread ended the main thread's wait ("timeout"), or None.
+        cut: whether this thread ended the main thread's wait (it ran out, the pipeline
+            silent).
         waited: the seconds the wait had taken when it was cut for its timeout.
     """
 
@@ -89,7 +90,7 @@ class LongWaits:
         self._waiting: _Wait | None = None
         self._in_step = False
         self.noticed: dict[str, Any] | None = None
-        self.cut: str | None = None
+        self.cut = False
         self.waited = 0.0
         self._cuts: list[Any] = []  # the works whose timeouts cut the group (kept till exit)
         self._closed = threading.Event()
@@ -98,7 +99,7 @@ class LongWaits:
 
     def step_begins(self) -> None:
         """A step starts: nothing noticed, nothing cut; looks at the notice from now on."""
-        self.noticed, self.cut, self.waited, self._in_step = None, None, 0.0, True
+        self.noticed, self.cut, self.waited, self._in_step = None, False, 0.0, True
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="conveyor-long-waits")
@@ -156,16 +157,16 @@ class LongWaits:
             waited=waited, seen=wait.seen, deadlines=deadlines, progress=True)
         if seen is None:
             self.waited = waited
-            self._cut(transport, wait, "timeout")
+            self._cut(transport, wait)
         else:
             wait.seen, wait.next_look = seen, waited + deadlines.within
 
-    def _cut(self, transport: Any, wait: _Wait, why: str) -> None:
+    def _cut(self, transport: Any, wait: _Wait) -> None:
         """Ends the main thread's wait: a receive of this thread's times out at once,
         and gloo closes the group's connections (the transport is broken from then on)."""
         if self._waiting is not wait:
             return  # the wait ended meanwhile
-        self.cut = why
+        self.cut = True
         work = dist.irecv(torch.empty(1, dtype=torch.uint8), wait.global_peer,
                           group=transport.topology.pipeline_group, tag=_CUT_TAG)
         if work is None:  # (this rank is not in the group: nothing to cut)

@@ -6,8 +6,9 @@ receive posted for its next message (on gloo, data moves only once the receiver 
 posted): its bytes move while the rank computes. On gloo a small message needed within
 an action or two is received when the rank needs it, and waited for right there, timed
 from a thread (:mod:`conveyor.distributed.longwaits`). What arrives is checked (its
-header before its body is trusted with an allocation), dropped if a failed earlier step sent it, raised if it is
-a peer's abort report, and otherwise kept until the action that needs it::
+header before its body is trusted with an allocation), dropped if a failed earlier step
+sent it, raised if it is a peer's abort report, and otherwise kept until the action
+that needs it::
 
     posted ── header arrived ── (body posted ── body arrived) ── stashed for recv()
                  │ an earlier step's: dropped, the next receive posted
@@ -300,7 +301,7 @@ class Receiving:
         try:
             work.wait()  # no timeout: a wait that runs out closes the group's connections
         except Exception as exc:  # gloo reports timeouts and lost peers as RuntimeError
-            if waits.cut == "timeout":
+            if waits.cut:
                 exc = TimeoutError(f"no message within {waits.waited:g} s")
             failure, self.broken = wait_failed(exc, self.topology.pipeline_rank, peer, what,
                                                waits.waited or time.monotonic() - started,

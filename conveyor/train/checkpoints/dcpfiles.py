@@ -142,12 +142,6 @@ def load(target: Path, found: dict[str, Any], model: nn.Module,
     return tensorshards.as_local(template, model), values
 
 
-def load_weights(target: Path, found: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every weight of the checkpoint in ``target`` by name, in this one process."""
-    weights: dict[str, torch.Tensor] = load_whole(target, found, "model")
-    return weights
-
-
 def load_whole(target: Path, found: dict[str, Any], part: str) -> dict[str, Any]:
     """One part of the checkpoint in ``target`` (``"model"``: the weights by name;
     ``"optimizer"``: the optimizer's tensors by parameter name, then by their own key),
