@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from conveyor.distributed.faults import agreement
-from conveyor.distributed.faults.explain import _name_the_store_host, _notes, _read_the_notice
+from conveyor.distributed.faults.explain import (
+    _follow_the_waits,
+    _name_the_store_host,
+    _notes,
+    _read_the_notice,
+)
 from conveyor.distributed.faults.peerfailure import lost_peer, origin, reported, wait_failed
 from conveyor.distributed.faults.store import StoreGone
 from conveyor.errors import PeerFailure
@@ -57,6 +62,44 @@ def test_a_notice_that_is_silent_or_this_ranks_own_changes_nothing() -> None:
         _read_the_notice(error, notice, rank=0)
         assert str(error) == before and error.report is not None
         assert error.report["rank"] == 1
+
+
+def waiting_for(source: int) -> dict[str, Any]:
+    """A snapshot of a rank stopped in 1F0 after waiting for ``source``'s activation."""
+    return {"state": "stopped", "action": "1F0", "seconds": 4.1, "awaited": {
+        "kind": "activation", "source": "stage 0", "source_rank": source, "stage": 0,
+        "microbatch": 0}}
+
+
+def test_a_connection_closed_by_a_peer_that_cut_its_own_wait_names_where_it_waited() -> None:
+    # gloo: rank 1's wait for rank 0 (stuck computing) was cut, which closed rank 1's
+    # connections under rank 2's receive; rank 1 answered the gather, so it did not die.
+    stuck = {"state": "running", "action": "0F0", "seconds": 4.5, "awaited": None}
+    error = closed_by(1, rank=2)
+    _follow_the_waits(error, {0: stuck, 1: waiting_for(0), 2: None}, rank=2)
+    first = str(error).splitlines()[0]
+    assert first.startswith("rank 2 lost its peer rank 1 (Connection closed by peer")
+    assert first.endswith("rank 1, which waited for rank 0, which is in 0F0, running for 4.5 s")
+    assert error.report is not None and error.report["rank"] == 0
+    assert error.report["silent"] == "timeout"  # rank 0 is stuck, not gone
+
+
+def test_a_chain_that_ends_at_a_rank_still_in_the_last_step_says_it_has_not_begun() -> None:
+    # Rank 2 looped between steps: it answers with its place at the end of step 2.
+    between = {"state": "collective", "action": None, "seconds": 4.9, "awaited": None,
+               "step": 2, "collective": "the agreement that a step's gradients are finite"}
+    error = timed_out_on(1, rank=0)
+    _follow_the_waits(error, {0: None, 1: {**waiting_for(2), "step": 3}, 2: between}, rank=0)
+    assert str(error).splitlines()[0].endswith(
+        "rank 1, which waited for rank 2, which finished its actions of step 2 and has not "
+        "begun step 3")
+
+
+def test_a_connection_closed_by_a_peer_that_did_not_answer_names_that_peer() -> None:
+    error = closed_by(1, rank=2)  # rank 1 died: its snapshot is not there
+    before = str(error)
+    _follow_the_waits(error, {0: None, 1: None, 2: None}, rank=2)
+    assert str(error) == before and error.report is not None and error.report["rank"] == 1
 
 
 def test_a_silent_store_host_is_named_over_the_neighbour_that_waited_on_it() -> None:

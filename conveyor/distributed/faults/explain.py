@@ -140,9 +140,13 @@ def _name_the_store_host(error: PeerFailure, hosting: int | None, trouble: str |
 
 def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) -> None:
     """A rank that timed out waiting for a peer which was itself waiting (for a third,
-    stuck or frozen) names the rank at the end of the chain, where the step stopped."""
+    stuck or frozen) names the rank at the end of the chain, where the step stopped.
+    So does one whose connection to a peer closed while that peer, alive (it answered),
+    was waiting: on gloo the peer cut its own wait, which closes its connections."""
     report = error.report
-    if report is None or report.get("silent") != "timeout" or report.get("rank") is None:
+    if report is None or report.get("rank") is None or not (
+            report.get("silent") == "timeout"
+            or report.get("silent") == "closed" and snapshots.get(report["rank"])):
         return
     chain, peer = [report["rank"]], report["rank"]
     while True:
@@ -155,11 +159,16 @@ def _follow_the_waits(error: PeerFailure, snapshots: dict[int, Any], rank: int) 
         chain.append(peer)
     if len(chain) == 1:
         return
-    end = snapshots.get(peer)
-    how = ("did not answer: frozen, dead, or stuck outside Python" if end is None
-           else f"is in {end['action']}, {end['state']} for {end['seconds']:.1f} s"
-           if end["action"] else f"is {end['state']}")
-    report["rank"] = peer
+    end, step = snapshots.get(peer), snapshots[chain[-2]].get("step")
+    if end is None:
+        how = "did not answer: frozen, dead, or stuck outside Python"
+    elif step is not None and end.get("step", step) < step:  # it answered from the last
+        how = f"finished its actions of step {end['step']} and has not begun step {step}"
+    elif end["action"]:
+        how = f"is in {end['action']}, {end['state']} for {end['seconds']:.1f} s"
+    else:
+        how = f"is {end['state']}"
+    report["rank"], report["silent"] = peer, "timeout"  # the end went silent, it did not close
     waits = ", which waited for ".join(f"rank {r}" for r in chain)
     _retitle(error, lambda first: f"{first}: {waits}, which {how}")
 
