@@ -309,9 +309,11 @@ def main() -> int:
               "(--tensor-parallel)", file=sys.stderr)
     net, (x, _) = model(), batch()
     print("profiling, alone and beside a computing thread ...", file=sys.stderr, flush=True)
-    alone = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
+    # With the TP plan the meshes run: each block's all-reduces counted (one each way).
+    alone = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10, tp_plan=TP_PLAN)
     with _common.neighbour_working(MICRO * 4, WIDTH):
-        beside = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10)
+        beside = profile_model(net, x[:MICRO], name="mesh-blocks", repeat=10,
+                               tp_plan=TP_PLAN)
     return report(args, configs, rounds, alone, beside)
 
 

@@ -194,3 +194,78 @@ def test_plan_json_gives_the_verdict_and_candidates(capsys: pytest.CaptureFixtur
     assert main([*SMALL, "--topology", TWO_NODES]) == 0
     out = capsys.readouterr().out
     assert "verdict: " in out and "the fastest meshes" in out
+
+
+# ------------------------------------------------------------------ TP's collectives, counted
+
+def test_the_planner_counts_the_all_reduces_a_plan_runs(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 split by its own plan over a group of one: every all-reduce its forward
+    and backward run (colwise inputs' gradients, rowwise and embedding outputs, the
+    gathered head, the per-head norms' gradients) is one the profile counts, of the
+    bytes it counts; a decoder layer runs 2 in forward and 5 + 2 norms in backward."""
+    import copy
+
+    import torch.distributed as dist
+
+    from conveyor.distributed.faults import collective
+    from conveyor.planner.profiles import _blocks_and_head
+    from conveyor.tensor import regions
+    from conveyor.tensor.apply import Group, apply_plan, summed_parameters
+    from conveyor.tensor.costs import Collectives, collectives
+
+    t = pytest.importorskip("transformers")
+    t.utils.logging.set_verbosity_error()
+    config = t.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = t.Qwen3ForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 6))
+    names = _blocks_and_head(model)
+    counted = collectives(copy.deepcopy(model), ids, "auto", names)
+    per_layer = counted[1]
+    norms = 2 * 8 * 4  # q_norm and k_norm weights, 8 floats each
+    assert per_layer == Collectives(2, 2 * 6 * 32 * 4, 7, 5 * 6 * 32 * 4, norms)
+    total = sum(counted, Collectives())
+
+    ran: list[tuple[str, int]] = []
+    real = collective.all_reduce
+    phase = ["forward"]
+    monkeypatch.setattr(collective, "all_reduce", lambda tensor, **kw: (
+        ran.append((phase[0], tensor.numel() * tensor.element_size())), real(tensor, **kw)))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        group = Group(dist.group.WORLD.group_name, 1, 0, 30.0)
+        styles = apply_plan(model, "auto", group=group)
+        for param in summed_parameters(model, styles):
+            regions.grad_sum(param, group.name, group.seconds)
+        logits = model(ids).logits
+        phase[0] = "backward"
+        logits.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    forward = [nbytes for when, nbytes in ran if when == "forward"]
+    backward = [nbytes for when, nbytes in ran if when == "backward"]
+    assert (len(forward), len(backward)) == (total.forward, total.backward)
+    assert sum(forward) == total.forward_bytes * 2  # per sample: 2 samples
+    assert sum(backward) == total.backward_bytes * 2 + total.weight_bytes
+
+
+def test_counted_collectives_replace_megatrons_and_survive_the_profiles_json() -> None:
+    """A layer whose plan all-reduces once each way (a block of colwise then rowwise)
+    costs half the TP communication of Megatron's two and two, which an uncounted
+    profile assumes; the counts are saved with the profile and read back."""
+    from dataclasses import replace
+
+    from conveyor.tensor.costs import Collectives
+
+    plain, cluster = _profile(), _two_nodes(1e10)
+    once = replace(plain, layers=tuple(replace(layer, tp=Collectives(1, 1e5, 1, 1e5))
+                                       for layer in plain.layers))
+    assert ModelProfile.from_dict(json.loads(json.dumps(once.to_dict()))) == once
+    megatron = evaluate_shape(plain, cluster, Shape(1, 4, 1), "1f1b", 32, batch=32)
+    counted = evaluate_shape(once, cluster, Shape(1, 4, 1), "1f1b", 32, batch=32)
+    assert megatron is not None and counted is not None
+    assert counted.tp_comm_s == pytest.approx(megatron.tp_comm_s / 2)

@@ -17,12 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 from conveyor.cli import tables
-from conveyor.errors import ConfigError, ConveyorError
+from conveyor.errors import ConfigError, ConveyorError, TensorParallelError
 from conveyor.observe.plan import parse_bytes
 from conveyor.planner import Cluster, ModelProfile, PipelinePlan, profile_model, solve
 from conveyor.planner.mesh import MeshCandidate
 from conveyor.planner.meshsearch import search_mesh
 from conveyor.planner.verdict import Verdict, decide
+from conveyor.tensor.plan import resolve_plan
 
 __all__: list[str] = []
 
@@ -126,9 +127,21 @@ def _profile(args: argparse.Namespace, cluster: Cluster) -> tuple[ModelProfile, 
         sample = token_sample(model, args.length)
     split_at = [n.strip() for n in args.split_at.split(",")] if args.split_at else None
     profile = profile_model(model, sample, name=args.model, split_at=split_at,
-                            cache=args.profile_cache, flops=cluster.flops)
+                            cache=args.profile_cache, flops=cluster.flops,
+                            tp_plan=_own_tp_plan(model))
     runnable = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     return profile, (model if runnable else None), sample
+
+
+def _own_tp_plan(model: Any) -> str | None:
+    """"auto" for a model that carries a tensor-parallel plan conveyor takes (Hugging
+    Face's): the profile then counts the all-reduces it runs; None otherwise (the mesh
+    planner assumes Megatron's)."""
+    try:
+        resolve_plan(model, "auto")
+    except TensorParallelError:
+        return None
+    return "auto"
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -3,15 +3,17 @@ shape's step and per-rank peak memory predicted, so the planner can say whether 
 pipeline at all (:mod:`conveyor.planner.verdict`).
 
 Ranks are laid out with TP innermost (a TP group is consecutive devices of one node:
-its two all-reduces per block in forward and two in backward stay on the node's link),
+its all-reduces, a few per block in forward and in backward, stay on the node's link),
 then the data dimension, then the pipeline (``order="pp-dp-tp"``: a pipeline's stages
 are farthest apart, only activations cross the slow links), or the pipeline then the
 data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
 [i, j), micro-batches of b samples and a TP group of T:
 
-- compute: the profile's forward and backward of b samples over T, plus per layer with
-  parameters two all-reduces of its output in forward and two in backward among the T
-  (Megatron's f and g), and the forward again where it recomputes; and the host's
+- compute: the profile's forward and backward of b samples over T, plus the layers'
+  all-reduces among the T, as many and as large as the plan the profile was taken with
+  makes them (:mod:`conveyor.tensor.costs`; without one, Megatron's f and g: two of a
+  layer's output in forward and two in backward), and the forward again where it
+  recomputes; and the host's
   ``cluster.action_s`` per forward and per backward (the runtime's own work);
 - memory: parameters with their gradients and optimizer state over T (and over D under
   FSDP, which still gathers the stage's parameters and accumulates unsharded gradients
@@ -39,8 +41,9 @@ from conveyor import tensor
 from conveyor.observe.plan import OPTIMIZER_BYTES
 from conveyor.planner.machines import Cluster
 from conveyor.planner.plans import StageChoice
-from conveyor.planner.profiles import ModelProfile
+from conveyor.planner.profiles import LayerCost, ModelProfile
 from conveyor.planner.simulation import simulate_cut
+from conveyor.tensor.costs import Collectives
 
 __all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "balanced", "bound_at", "evaluate_shape",
            "group_ring"]
@@ -139,8 +142,8 @@ class Prefix:
     split: list[float]  # saved bytes split over the TP group (the rest)
     parameters: list[float]
     parameter_bytes: list[float]
-    blocks: list[float]  # layers with parameters: each has TP's all-reduces
-    block_output: list[float]  # their outputs' bytes, which those all-reduces carry
+    units: list[float]  # layers with parameters: FSDP gathers each in a collective
+    tp: list[Collectives]  # TP's all-reduces (see tp_collectives)
     output: list[float]  # output[j]: what crosses a cut before layer j
 
     @classmethod
@@ -155,8 +158,20 @@ class Prefix:
                    prefix([x.parameters for x in layers]),
                    prefix([x.parameter_bytes for x in layers]),
                    prefix([1.0 if x.parameters else 0.0 for x in layers]),
-                   prefix([x.output_bytes if x.parameters else 0.0 for x in layers]),
+                   list(itertools.accumulate((tp_collectives(x) for x in layers),
+                                             initial=Collectives())),
                    [profile.input_bytes] + [x.output_bytes for x in layers])
+
+
+def tp_collectives(layer: LayerCost) -> Collectives:
+    """A layer's all-reduces over its TP group: as counted from the plan it was profiled
+    with, else a transformer layer's (Megatron's: two of its output in forward, two in
+    backward) where it has parameters."""
+    if layer.tp is not None:
+        return layer.tp
+    if not layer.parameters:
+        return Collectives()
+    return Collectives(2, 2 * layer.output_bytes, 2, 2 * layer.output_bytes)
 
 
 def group_ring(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
@@ -213,15 +228,20 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
     stages, i = [], 0
     for k, count in enumerate(balance):
         j, last = i + count, k == len(balance) - 1
-        blocks, carried = c.blocks[j] - c.blocks[i], micro * (c.block_output[j] - c.block_output[i])
-        collective = 2 * (blocks * tp_fixed + tp_byte * carried) if tp > 1 else 0.0
+        forward_tp = backward_tp = 0.0
+        if tp > 1:
+            ran = c.tp[j] - c.tp[i]
+            forward_tp = ran.forward * tp_fixed + tp_byte * micro * ran.forward_bytes
+            backward_tp = ran.backward * tp_fixed + tp_byte * (
+                micro * ran.backward_bytes + ran.weight_bytes)
         parameters, nbytes = c.parameters[j] - c.parameters[i], \
             (c.parameter_bytes[j] - c.parameter_bytes[i]) / tp
         element = nbytes * tp / parameters if parameters else 4.0
         if dp == 1:
             data, weights = 0.0, parameters / tp * OPTIMIZER_BYTES[optimizer]
         elif shape.sharding == "fsdp":  # gathers and a reduce-scatter: half a ring each
-            data = (gathers + 1) / 2 * (blocks * data_fixed + data_byte * nbytes)
+            data = (gathers + 1) / 2 * ((c.units[j] - c.units[i]) * data_fixed
+                                       + data_byte * nbytes)
             weights = parameters / tp * (OPTIMIZER_BYTES[optimizer] / dp + 2 * element)
         else:
             data = data_fixed + data_byte * nbytes
@@ -236,9 +256,9 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
                 send += cluster.transfer(micro * c.output[j] * (tp - 1) / tp, 0)
         saved = (c.whole[j] - c.whole[i]) + (c.split[j] - c.split[i]) / tp
         stages.append(_Stage(
-            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + collective + cluster.action_s,
-            micro * (c.backward[j] - c.backward[i]) / tp + collective + cluster.action_s,
-            2 * collective,
+            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s,
+            micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s,
+            forward_tp + backward_tp,
             data, send, weights, saved, c.output[i] + (0.0 if last else c.output[j]),
             0.0 if last else c.output[j]))
         i = j

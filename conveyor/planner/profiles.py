@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,8 @@ from torch import nn
 from conveyor.engine.microbatch import batch_size
 from conveyor.errors import ConveyorError
 from conveyor.observe.plan import LayerFigures, measure, measure_split
+from conveyor.tensor.costs import Collectives, collectives
+from conveyor.tensor.plan import plan_shown
 from conveyor.torchprivate import pytree
 
 __all__ = ["LayerCost", "ModelProfile", "profile_model"]
@@ -43,6 +45,10 @@ class LayerCost:
         parameter_bytes: bytes of its parameters (their gradients take as much again).
         activation_bytes: bytes autograd saves for its backward.
         output_bytes: bytes it hands to the next layer: what crosses a cut after it.
+        tp: its all-reduces over a tensor group, counted from the plan it was profiled
+            with (:func:`conveyor.tensor.costs.collectives`); None: not counted (the
+            mesh planner then takes a transformer layer's, Megatron's two of its output
+            in forward and two in backward, for a layer with parameters).
     """
 
     name: str
@@ -52,6 +58,7 @@ class LayerCost:
     parameter_bytes: float
     activation_bytes: float
     output_bytes: float
+    tp: Collectives | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,10 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
         try:
-            return cls(str(data["name"]), tuple(LayerCost(**layer) for layer in data["layers"]),
+            layers = tuple(LayerCost(**{**layer, "tp": Collectives(**layer["tp"])})
+                           if layer.get("tp") else LayerCost(**layer)
+                           for layer in data["layers"])
+            return cls(str(data["name"]), layers,
                        float(data["input_bytes"]), str(data["source"]), str(data.get("key", "")),
                        tuple(data.get("split_at", ())))
         except (KeyError, TypeError, ValueError) as exc:
@@ -124,16 +134,19 @@ class ModelProfile:
                       f"FLOPs at {flops:.3g} FLOP/s, backward twice forward")
 
 
-def _key(name: str, sample: Any, device: torch.device) -> str:
+def _key(name: str, sample: Any, device: torch.device, tp_plan: Any = None) -> str:
     shapes = [(tuple(t.shape), str(t.dtype)) for t in pytree.tree_leaves(sample)
               if isinstance(t, torch.Tensor)]
-    digest = hashlib.sha256(repr((name, shapes, str(device), torch.__version__)).encode())
+    planned = () if tp_plan is None else (plan_shown(tp_plan),)
+    digest = hashlib.sha256(repr((name, shapes, str(device), torch.__version__, *planned)
+                                 ).encode())
     return f"{name}-{digest.hexdigest()[:16]}"
 
 
 def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
                   split_at: Sequence[str] | None = None, repeat: int = 3,
-                  cache: str | Path | None = None, flops: float = 1e14) -> ModelProfile:
+                  cache: str | Path | None = None, flops: float = 1e14,
+                  tp_plan: str | Mapping[str, Any] | None = None) -> ModelProfile:
     """Profiles ``model`` on ``sample`` (a batch as the model takes it), layer by layer.
 
     An ``nn.Sequential`` is profiled per layer. Any other model is cut at ``split_at``
@@ -149,12 +162,14 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
         repeat: timed runs per layer (the fastest counts).
         cache: a folder: a profile of the same name, input shapes and device is read
             from it instead of measured, and a new one is saved there.
+        tp_plan: a tensor-parallel plan (as ``Pipeline`` takes it): each layer's
+            all-reduces under it are counted, for the mesh planner to weigh.
     """
     from conveyor.graph.profile import block_times, profile_layers
 
     name = name or type(model).__name__
     device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
-    key = _key(name, sample, device)
+    key = _key(name, sample, device, tp_plan)
     path = Path(cache) / f"{key}.json" if cache is not None else None
     if path is not None and path.exists():
         return ModelProfile.load(path)
@@ -182,6 +197,10 @@ def profile_model(model: nn.Module, sample: Any, *, name: str | None = None,
         profile = ModelProfile.of(name, figures, [(0.0, 0.0)] + [
             (t / 3 / samples, 2 * t / 3 / samples) for t in seconds], source)
     profile = replace(profile, key=key, split_at=names)
+    if tp_plan is not None:
+        counted = collectives(model, sample, tp_plan, names)
+        profile = replace(profile, layers=tuple(
+            replace(layer, tp=tp) for layer, tp in zip(profile.layers, counted, strict=True)))
     if path is not None:
         profile.save(path)
     return profile
