@@ -23,6 +23,9 @@ weighs) on this machine's figures:
   launch (its latency and bandwidth fitted to the ring's 2(n-1)(latency + bytes /
   n / bandwidth)), and the messages between stages held to the same link with
   ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link);
+- FSDP's collectives: gloo's all-gather and reduce-scatter of a block's parameters, each
+  timed against the all-reduce of the same block in the same launch (the cluster's
+  ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
 - the runtime's host seconds per action (``Cluster.action_s``): one stage over 8
   micro-batches against the plain model over the same 8, in the one-process run, per
   forward and backward (a calibration of its own: no configuration below is fitted).
@@ -144,6 +147,32 @@ def calibrate(group_size: int) -> tuple[float, float]:
     return latency, bandwidth
 
 
+def collective_shares(group_size: int) -> tuple[float, float]:
+    """gloo's all-gather and reduce-scatter of one block's parameters, as FSDP issues
+    them (a block at a time, BLOCKS back to back), each over the all-reduce of the same
+    block timed the same way: the cluster's ``all_gather_share`` and
+    ``reduce_scatter_share`` (0.5 each on a ring)."""
+    import torch.distributed as dist
+
+    unit = sum(p.numel() for p in Block(WIDTH).parameters()) // group_size * group_size
+    whole, shard, gathered = torch.ones(unit), torch.ones(unit // group_size), torch.empty(unit)
+    calls = {"all_reduce": lambda: dist.all_reduce(whole),
+             "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole)}
+    seconds = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(8):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(BLOCKS):
+                call()
+            times.append(time.perf_counter() - start)
+        seconds[name] = statistics.median(times[1:])
+    return (seconds["all_gather"] / seconds["all_reduce"],
+            seconds["reduce_scatter"] / seconds["all_reduce"])
+
+
 def worker(spec_path: str) -> int:
     """One process of a torchrun launch: calibrates the link, then times every mesh."""
     import torch.distributed as dist
@@ -152,9 +181,10 @@ def worker(spec_path: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     latency, bandwidth = calibrate(dist.get_world_size())
-    figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    shares = collective_shares(dist.get_world_size())
+    figures = torch.tensor([latency, bandwidth, *shares], dtype=torch.float64)
     dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
-    latency, bandwidth = figures.tolist()
+    latency, bandwidth, *shares = figures.tolist()
     net, (x, y) = model(), batch()
     steps: dict[str, Callable[[], Any]] = {}
     pipes: dict[str, Any] = {}
@@ -189,7 +219,7 @@ def worker(spec_path: str) -> int:
         boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
                       for name in pipes}
         Path(spec["out"]).write_text(json.dumps({"times": times, "latency": latency,
-                                                 "bandwidth": bandwidth,
+                                                 "bandwidth": bandwidth, "shares": shares,
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
@@ -277,9 +307,11 @@ def scaled(profile: Any, reference: float) -> Any:
 
 
 def predict(profile: Any, shape: Shape, schedule: str, chunks: int, processes: int,
-            latency: float, bandwidth: float, action: float = 0.0) -> float:
+            latency: float, bandwidth: float, action: float = 0.0,
+            shares: tuple[float, float] = (0.5, 0.5)) -> float:
     cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12,
-                      action_s=action)
+                      action_s=action, all_gather_share=shares[0],
+                      reduce_scatter_share=shares[1])
     found = evaluate_shape(profile, cluster, shape, schedule, chunks, batch=BATCH,
                            optimizer="sgd")
     assert found is not None  # memory is not the question here
@@ -327,6 +359,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     crossed: dict[str, dict[str, int]] = {}
     action = 0.0
     link: dict[int, tuple[float, float]] = {}
+    shares: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
     for processes, options in sorted(by_processes.items()):
         print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
@@ -346,6 +379,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
+        gather, scatter = found.get("shares", (0.5, 0.5))  # one process: none needed
+        shares[processes] = (gather, scatter)
     results = {}
     for name, (shape, schedule, options) in configs.items():
         latency, bandwidth = link[shape.devices]
@@ -353,7 +388,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                          _common.median(reference[shape.devices]))
         predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"], shape.devices,
-                           latency, bandwidth, action)
+                           latency, bandwidth, action, shares[shape.devices])
         step = _common.median(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
@@ -373,8 +408,11 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                "batch": BATCH, "micro_batch": MICRO, "rounds": rounds,
                "action_s": action,
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
-               "thread computing", "link": {str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1]}
-                                            for k, v in link.items()},
+               "thread computing", "link": {
+                   str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1],
+                            "all_gather_share": shares[k][0],
+                            "reduce_scatter_share": shares[k][1]}
+                   for k, v in link.items()},
                "plain_model_step_s": {str(k): {"median": _common.median(v), "steps": v}
                                       for k, v in reference.items()},
                "configurations": results,

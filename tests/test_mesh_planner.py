@@ -173,6 +173,16 @@ def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:
     assert sharded.peak_memory_bytes == pytest.approx(weights * (16 / 8 + 8) + activations)
     # One all-gather and one reduce-scatter per layer: an all-reduce's bytes, 8 latencies.
     assert sharded.dp_comm_s > replicated.dp_comm_s
+    # gloo's all-gather takes as long as its all-reduce and its reduce-scatter longer:
+    # a cluster that says so (in its file) weighs FSDP's collectives by those shares.
+    gloo = Cluster.from_dict({**cluster.to_dict(), "all_gather_share": 1.0,
+                              "reduce_scatter_share": 1.5})
+    assert Cluster.from_dict(gloo.to_dict()) == gloo
+    slow = evaluate_shape(profile, gloo, Shape(1, 1, 8, "fsdp"), "1f1b", 4, batch=32,
+                          optimizer="adam")
+    assert slow is not None and slow.dp_comm_s == pytest.approx(2.5 * sharded.dp_comm_s)
+    with pytest.raises(ConveyorError, match="shares must be above 0"):
+        Cluster.from_dict({**cluster.to_dict(), "reduce_scatter_share": 0})
     # Split backwards run sharded as the others do (the W's gradients reduce-scattered
     # with the B's): the search weighs zero-bubble with FSDP too.
     assert "zero-bubble" in {c.schedule for c in search_mesh(

@@ -43,6 +43,8 @@ __all__ = ["Cluster", "Level", "parse_bandwidth", "parse_seconds"]
 # What detect() assumes where it cannot measure: a GPU node's links (NVLink-class) and
 # its network (100 Gb/s Ethernet or InfiniBand), one CPU node's shared memory.
 _GUESSES = {"cuda": (200e9, 5e-6), "network": (12.5e9, 2e-5), "cpu": (10e9, 2e-6)}
+#: An all-gather's (a reduce-scatter's) seconds against an all-reduce's on a ring: half.
+RING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class Cluster:
             on one stage) beyond its layers' own: the runtime's dispatch and
             bookkeeping, what a host-bound step of small layers is made of (``action``
             in a file: "300us"; 0 unless measured, as ``benchmarks/mesh.py`` does).
+        all_gather_share: an all-gather's seconds (each device its shard, all of them
+            the whole) as a share of an all-reduce of the whole among the same devices:
+            0.5 for rings (NCCL's); gloo's take about as long as the all-reduce.
+        reduce_scatter_share: a reduce-scatter's, likewise (gloo's: longer than the
+            all-reduce). FSDP's collectives are weighed with these two.
     """
 
     levels: tuple[Level, ...]
@@ -84,6 +91,8 @@ class Cluster:
     flops: float = 1e14
     guessed: tuple[str, ...] = field(default=())
     action_s: float = 0.0
+    all_gather_share: float = RING_SHARE
+    reduce_scatter_share: float = RING_SHARE
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -94,10 +103,13 @@ class Cluster:
                     f"level {level.name!r}: size must be at least 1, bandwidth above 0 and "
                     f"latency at least 0; got size={level.size}, bandwidth="
                     f"{level.bandwidth}, latency={level.latency}")
-        if self.memory <= 0 or self.flops <= 0 or self.action_s < 0:
-            raise ConveyorError(f"memory and flops must be above 0 and action at least 0; "
-                                f"got memory={self.memory}, flops={self.flops}, "
-                                f"action={self.action_s}")
+        if self.memory <= 0 or self.flops <= 0 or self.action_s < 0 \
+                or self.all_gather_share <= 0 or self.reduce_scatter_share <= 0:
+            raise ConveyorError(f"memory, flops and the collectives' shares must be above 0 "
+                                f"and action at least 0; got memory={self.memory}, flops="
+                                f"{self.flops}, action={self.action_s}, all_gather_share="
+                                f"{self.all_gather_share}, reduce_scatter_share="
+                                f"{self.reduce_scatter_share}")
 
     @property
     def devices(self) -> int:
@@ -165,7 +177,9 @@ class Cluster:
                                  parse_seconds(level.get("latency", 0.0)))
                            for i, level in enumerate(data["levels"]))
             return cls(levels, _bytes(data["memory"]), float(data.get("flops", 1e14)),
-                       tuple(data.get("guessed", ())), parse_seconds(data.get("action", 0.0)))
+                       tuple(data.get("guessed", ())), parse_seconds(data.get("action", 0.0)),
+                       float(data.get("all_gather_share", RING_SHARE)),
+                       float(data.get("reduce_scatter_share", RING_SHARE)))
         except KeyError as missing:
             raise ConveyorError(f"the cluster lacks {missing}; it needs memory and levels, "
                                 "each level with size and bandwidth") from None
@@ -191,7 +205,9 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         return {"levels": [asdict(level) for level in self.levels], "memory": self.memory,
-                "flops": self.flops, "guessed": list(self.guessed), "action": self.action_s}
+                "flops": self.flops, "guessed": list(self.guessed), "action": self.action_s,
+                "all_gather_share": self.all_gather_share,
+                "reduce_scatter_share": self.reduce_scatter_share}
 
     def describe(self) -> str:
         """One line: ``2 x 8 devices of 80.0 GB; node 300.0 GB/s, network 25.0 GB/s``."""

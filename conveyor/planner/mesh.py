@@ -22,7 +22,8 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
   and the rest of what it saves over T;
 - data: the gradient all-reduce among the D replicas once per step, or FSDP's
   all-gathers (one per layer per step; GPipe re-gathers in each forward) and its
-  reduce-scatter, ring by ring up the levels the group spans;
+  reduce-scatter, each the cluster's share of an all-reduce (half on a ring; gloo's
+  are slower), ring by ring up the levels the group spans;
 - pipeline: the schedule's simulation (:func:`conveyor.planner.simulation.simulate_cut`)
   of the stages, each boundary sending 1/T of the activation per TP rank and gathering
   it on the receiver's node (whole under ``conveyor.tensor.SLICED_FROM`` bytes, as the
@@ -239,9 +240,9 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
         element = nbytes * tp / parameters if parameters else 4.0
         if dp == 1:
             data, weights = 0.0, parameters / tp * OPTIMIZER_BYTES[optimizer]
-        elif shape.sharding == "fsdp":  # gathers and a reduce-scatter: half a ring each
-            data = (gathers + 1) / 2 * ((c.units[j] - c.units[i]) * data_fixed
-                                       + data_byte * nbytes)
+        elif shape.sharding == "fsdp":  # gathers and a reduce-scatter: on rings, half each
+            shares = gathers * cluster.all_gather_share + cluster.reduce_scatter_share
+            data = shares * ((c.units[j] - c.units[i]) * data_fixed + data_byte * nbytes)
             weights = parameters / tp * (OPTIMIZER_BYTES[optimizer] / dp + 2 * element)
         else:
             data = data_fixed + data_byte * nbytes
