@@ -29,7 +29,12 @@ from conveyor.engine.recompute.sideeffects import SideEffects
 from conveyor.engine.backward.routing import Pair, output_pairs, summed
 from conveyor.engine.step import Saved, StepState
 from conveyor.engine.transport import deliver
-from conveyor.engine.backward.weightgrad import WeightGradient, backward_input, parameter_nodes
+from conveyor.engine.backward.weightgrad import (
+    WeightGradient,
+    WholeBackward,
+    backward_input,
+    parameter_nodes,
+)
 from conveyor.engine.backward.weightpath import WeightPath
 from conveyor.errors import ConveyorError, NonFiniteLossError, StageError
 from conveyor.engine.recompute.replay import is_recomputing
@@ -149,7 +154,10 @@ class StageActions:
         input_leaves = pytree.tree_leaves(saved.inputs)
         wanted = [t for t in input_leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
-        if pairs and split:
+        if pairs and split and not wanted and not self.compiles:
+            state.weight_work[(self.index, m)] = WholeBackward(
+                lambda: self._backward_whole(pairs))
+        elif pairs and split:
             params = state.parameters_by_node.get(self.index)
             if params is None:
                 params = state.parameters_by_node[self.index] = parameter_nodes(
@@ -164,13 +172,7 @@ class StageActions:
                 self.weight_path.keep_groups("its graph holds a Python autograd function, "
                                              "whose backward must run once")
         elif pairs:
-            # The graph of a stage starts at its own detached inputs, so backward reaches
-            # exactly this stage's parameters and input leaves. Accumulating into .grad
-            # (AccumulateGrad) adds each weight gradient while it is still in cache:
-            # 5-10% faster on CPU than collecting them with autograd.grad.
-            with self.accumulator.backward() if self.accumulator else contextlib.nullcontext(), \
-                    self._compiled_weights_at_once(pairs):
-                torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+            self._backward_whole(pairs)
             found = [t.grad for t in wanted]
         elif split:
             state.weight_work[(self.index, m)] = WeightGradient([], [])
@@ -179,6 +181,16 @@ class StageActions:
             state.input_grads[m] = [grad_of.get(id(t)) for t in input_leaves]
         return {i: [grad_of.get(id(t)) for t in pytree.tree_leaves(part)]
                 for i, part in saved.received.items()}
+
+    def _backward_whole(self, pairs: Sequence[Pair]) -> None:
+        """The whole backward from ``pairs`` (a ``B``, or the ``W`` of a stage whose
+        inputs take no gradient). The graph of a stage starts at its own detached
+        inputs, so backward reaches exactly this stage's parameters and input leaves.
+        Accumulating into .grad (AccumulateGrad) adds each weight gradient while it is
+        still in cache: 5-10% faster on CPU than collecting them with autograd.grad."""
+        with self.accumulator.backward() if self.accumulator else contextlib.nullcontext(), \
+                self._compiled_weights_at_once(pairs):
+            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
 
     @contextlib.contextmanager
     def _compiled_weights_at_once(self, pairs: Sequence[Pair]) -> Iterator[None]:

@@ -11,8 +11,9 @@ inputs (for ``y = x @ w.T``, the matmul's backward node):
 
 Together they do the work of one backward, and W accumulates into ``.grad`` exactly
 what the full backward would. Parameters whose subgraph never meets the input path
-(every parameter of a stage whose input needs no gradient) are reached from the stage
-outputs in W. A compiled graph is one node, whose backward conveyor compiles as two
+are reached from the stage outputs in W. A stage whose inputs need no gradient (a first
+stage) is not split at all: its I computes nothing and its W is the whole backward
+(:class:`WholeBackward`), with no walk of the graph. A compiled graph is one node, whose backward conveyor compiles as two
 graphs (:mod:`~conveyor.engine.compiled.backward`): I runs the node's input half and
 keeps its weight half for W. Built on public autograd APIs (GradientEdge, node
 pre-hooks); the same idea as torch.distributed.pipelining's stage_backward_input/weight.
@@ -76,6 +77,21 @@ class WeightGradient:
                 handle.remove()
             self._groups = []
             self._compiled = []
+
+
+class WholeBackward(WeightGradient):
+    """The deferred W of a stage none of whose inputs takes a gradient (a first stage):
+    its I has nothing to compute, so W is the whole backward, ``run`` once, adding into
+    ``.grad`` as a ``B`` does, and nothing walks the graph to split it."""
+
+    def __init__(self, backward: Callable[[], None]) -> None:
+        super().__init__([], [], repeatable=True)
+        self._backward: Callable[[], None] | None = backward
+
+    def run(self) -> None:
+        backward, self._backward = self._backward, None
+        assert backward is not None, "a W runs once"
+        backward()
 
 
 def _starts(noted: list[tuple[Node, tuple[Any, ...]]]) -> tuple[list[GradientEdge], list[Any]]:
