@@ -67,9 +67,9 @@ class WeightGradient:
                 edges, grads = _starts(noted)
                 if not edges:
                     continue
-                results = torch.autograd.grad(edges, params, grads, retain_graph=True,
-                                              allow_unused=True)
-                _accumulate(params, results)
+                # Into .grad by autograd's own accumulation, as a full backward adds
+                # (and runs the parameters' post-accumulate hooks): no loop here.
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)
             for weight_graph in self._compiled:
                 weight_graph()
         finally:
