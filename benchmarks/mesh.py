@@ -44,7 +44,6 @@ import copy
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _gloo
 
 _common.prepare_process()
 
@@ -67,7 +67,6 @@ from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_mode
 
 WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
 REFERENCE = "plain model"
-BURST = 8  # all-reduces timed back to back in the link's calibration  # timed beside the configurations: what the profile is scaled to
 
 #: name -> (shape, schedule, the Pipeline's options beside the model and loss)
 CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
@@ -118,61 +117,6 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
 
-def calibrate(group_size: int) -> tuple[float, float]:
-    """gloo's all-reduce among the processes: (latency, bandwidth) fitted to the ring's
-    time at a micro-batch's activation (16 KiB, what TP's all-reduces carry) and at the
-    model's gradients (16 MiB, data parallelism's), each an all-reduce in a run of
-    ``BURST`` back to back (as a step's all-reduces come, the ranks in step: one alone
-    after a barrier also times how unevenly the ranks leave it), the median of 7 runs."""
-    import torch.distributed as dist
-
-    def timed(elements: int) -> float:
-        tensor = torch.ones(elements)
-        times = []
-        for _ in range(8):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(BURST):
-                dist.all_reduce(tensor)
-            times.append((time.perf_counter() - start) / BURST)
-        return statistics.median(times[1:])
-
-    # small: one micro-batch's activation, what each of TP's all-reduces carries
-    small, large = MICRO * WIDTH, sum(p.numel() for p in model().parameters())
-    t_small, t_large = timed(small), timed(large)
-    hops = 2 * (group_size - 1)
-    per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n * bandwidth)
-    bandwidth = 1 / (per_byte * group_size)
-    latency = max(0.0, t_small / hops - 4 * small * per_byte)
-    return latency, bandwidth
-
-
-def collective_shares(group_size: int) -> tuple[float, float]:
-    """gloo's all-gather and reduce-scatter of one block's parameters, as FSDP issues
-    them (a block at a time, BLOCKS back to back), each over the all-reduce of the same
-    block timed the same way: the cluster's ``all_gather_share`` and
-    ``reduce_scatter_share`` (0.5 each on a ring)."""
-    import torch.distributed as dist
-
-    unit = sum(p.numel() for p in Block(WIDTH).parameters()) // group_size * group_size
-    whole, shard, gathered = torch.ones(unit), torch.ones(unit // group_size), torch.empty(unit)
-    calls = {"all_reduce": lambda: dist.all_reduce(whole),
-             "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
-             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole)}
-    seconds = {}
-    for name, call in calls.items():
-        times = []
-        for _ in range(8):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(BLOCKS):
-                call()
-            times.append(time.perf_counter() - start)
-        seconds[name] = statistics.median(times[1:])
-    return (seconds["all_gather"] / seconds["all_reduce"],
-            seconds["reduce_scatter"] / seconds["all_reduce"])
-
-
 def worker(spec_path: str) -> int:
     """One process of a torchrun launch: calibrates the link, then times every mesh."""
     import torch.distributed as dist
@@ -180,8 +124,11 @@ def worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    latency, bandwidth = calibrate(dist.get_world_size())
-    shares = collective_shares(dist.get_world_size())
+    size = dist.get_world_size()
+    latency, bandwidth = _gloo.calibrate(size, MICRO * WIDTH,  # TP's, DP's all-reduce
+                                         sum(p.numel() for p in model().parameters()))
+    shares = _gloo.collective_shares(size, sum(p.numel() for p in Block(WIDTH).parameters()),
+                                     BLOCKS)
     figures = torch.tensor([latency, bandwidth, *shares], dtype=torch.float64)
     dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
     latency, bandwidth, *shares = figures.tolist()

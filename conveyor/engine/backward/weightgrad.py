@@ -13,9 +13,10 @@ Together they do the work of one backward, and W accumulates into ``.grad`` exac
 what the full backward would. Parameters whose subgraph never meets the input path
 are reached from the stage outputs in W. A stage whose inputs need no gradient (a first
 stage) is not split at all: its I computes nothing and its W is the whole backward
-(:class:`WholeBackward`), with no walk of the graph. A compiled graph is one node, whose backward conveyor compiles as two
-graphs (:mod:`~conveyor.engine.compiled.backward`): I runs the node's input half and
-keeps its weight half for W. Built on public autograd APIs (GradientEdge, node
+(:class:`WholeBackward`), with no walk of the graph. A compiled graph is one node,
+whose backward conveyor compiles as two graphs
+(:mod:`~conveyor.engine.compiled.backward`): I runs the node's input half and keeps its
+weight half for W. Built on public autograd APIs (GradientEdge, node
 pre-hooks); the same idea as torch.distributed.pipelining's stage_backward_input/weight.
 """
 

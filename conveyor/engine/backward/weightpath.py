@@ -14,10 +14,11 @@ path's second pass; a stage of many small layers (or any stage whose host issues
 faster than a GPU runs it, the other way round) is bound by the host, where one call
 instead of one per layer is cheaper: on 16 layers of ``Linear(16, 16)`` on a CPU,
 ``I + W`` takes 1.3 ms by groups and 0.7 ms from the outputs, against 0.44 ms for the
-whole ``B``. (A stage whose inputs take no gradient, a first stage, has no input path: its ``W`` is
-its whole backward, and it chooses nothing.) So each stage measures: its first split micro-batches alternate between
-the two (:data:`TRIALS` of each, the first of each left out as a warm-up, timed around
-``I`` and ``W`` with the device synchronised), and from then on it takes the one whose
+whole ``B``. (A stage whose inputs take no gradient, a first stage, has no input path:
+its ``W`` is its whole backward, and it chooses nothing.) So each stage measures: its
+first split micro-batches alternate between the two (:data:`TRIALS` of each, the first
+of each left out as a warm-up, timed around ``I`` and ``W`` with the device
+synchronised), and from then on it takes the one whose
 ``I + W`` was cheaper. ``CONVEYOR_WEIGHT_PATH=groups`` (or ``outputs``) fixes the way,
 to compare or to rule the choice out. A stage that runs compiled graphs keeps
 ``"groups"``: its compiled graph's weight half is kept apart by ``I``. So do the stages
