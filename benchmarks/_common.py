@@ -61,22 +61,23 @@ def machine() -> dict[str, Any]:
 
 
 def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
-                progress: bool = True) -> dict[str, list[float]]:
-    """Times every config once per round, in turn, after one warm-up round.
+                progress: bool = True, warmup: int = 1) -> dict[str, list[float]]:
+    """Times every config once per round, in turn, after ``warmup`` untimed rounds.
 
     Interleaving spreads the machine's slow moments over all configs, so that ratios
     measured in one run compare like with like. Returns seconds per config.
     """
     times: dict[str, list[float]] = {name: [] for name in configs}
-    for round_index in range(rounds + 1):
+    for round_index in range(rounds + warmup):
         for name, step in configs.items():
             start = time.perf_counter()
             step()
             elapsed = time.perf_counter() - start
-            if round_index:
+            if round_index >= warmup:
                 times[name].append(elapsed)
         if progress:
-            label = "warm-up" if round_index == 0 else f"round {round_index}/{rounds}"
+            label = "warm-up" if round_index < warmup else \
+                f"round {round_index - warmup + 1}/{rounds}"
             print(f"  {label} done", file=sys.stderr, flush=True)
     return times
 

@@ -1,8 +1,21 @@
-"""gloo's collectives among the processes of a launch, timed for the planner's cluster.
+"""gloo's collectives among the processes of a launch, timed for the planner's cluster,
+each as a step issues it.
 
-Each is timed in runs back to back, as a step's collectives come (the ranks in step:
-one alone after a barrier also times how unevenly the ranks leave it), the median of
-seven runs after a warm-up.
+* TP's all-reduce (small): right after the matrix product whose output it sums, less
+  that product timed alone. Between two collectives gloo's threads go idle, and waking
+  them costs a step's all-reduce about twice what one back to back with the last takes
+  (16 KiB, 2 processes on 2 cores: 650-950 us against 300-400 us).
+* The replicas' gradient sum (large): as ``conveyor.distributed.gradients`` runs it, the
+  gradients copied into a bucket, summed, and divided back into ``.grad``. The copies
+  count: on a CPU they pass over memory as large as the model, twice.
+* FSDP's all-gather and reduce-scatter of one unit: as FSDP2 runs them, the shard
+  copied in and the gathered parameters copied out, the gradients concatenated in and
+  the shard's sum added to the sharded gradient, each over the gradient sum of the same
+  unit timed as above (the cluster's shares: half each on a ring, with no copies).
+
+A time is the median of seven runs between barriers after a warm-up, each run a burst
+of calls back to back, as a step's collectives come (the ranks in step: one alone after
+a barrier also times how unevenly the ranks leave it).
 """
 
 from __future__ import annotations
@@ -31,30 +44,62 @@ def _burst(call: Callable[[], object], count: int) -> float:
     return statistics.median(times[1:])
 
 
-def calibrate(group_size: int, small: int, large: int) -> tuple[float, float]:
-    """gloo's all-reduce: (latency, bandwidth) fitted to the ring's 2(n-1)(latency +
-    bytes / n / bandwidth) at ``small`` float32 elements (what each of TP's all-reduces
-    carries) and ``large`` (the model's gradients, data parallelism's)."""
-    def timed(elements: int) -> float:
-        tensor = torch.ones(elements)
-        return _burst(lambda: dist.all_reduce(tensor), BURST) / BURST
+def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group_size: int
+                  ) -> Callable[[], None]:
+    """The replicas' sum of ``gradients`` as the runtime runs it (see the module's
+    docstring)."""
+    def call() -> None:
+        bucket.copy_(gradients)
+        dist.all_reduce(bucket)
+        torch.div(bucket, group_size, out=gradients)
+    return call
 
-    t_small, t_large = timed(small), timed(large)
+
+def calibrate(group_size: int, small: tuple[int, int], large: int) -> tuple[float, float]:
+    """gloo's all-reduce, as a step issues it: (latency, bandwidth) fitted to the ring's
+    2(n-1)(latency + bytes / n / bandwidth) at ``small`` = (rows, width), what each of
+    TP's all-reduces carries (a row-parallel layer's output, its product of a
+    (rows, 4 width) input), and at ``large`` float32 elements (the model's gradients
+    summed over the replicas, their bucket copies included)."""
+    rows, width = small
+    inputs, weight = torch.randn(rows, 4 * width), torch.randn(4 * width, width)
+    output = torch.empty(rows, width)
+
+    def product() -> None:
+        torch.mm(inputs, weight, out=output)
+
+    t_small = max(0.0, _burst(lambda: (product(), dist.all_reduce(output)), BURST)
+                  - _burst(product, BURST)) / BURST
+    t_large = _burst(_gradient_sum(torch.randn(large), torch.empty(large), group_size),
+                     BURST) / BURST
     hops = 2 * (group_size - 1)
-    per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n * bandwidth)
+    per_byte = (t_large - t_small) / (4 * (large - rows * width)) / hops  # 1/(n bandwidth)
     bandwidth = 1 / (per_byte * group_size)
-    latency = max(0.0, t_small / hops - 4 * small * per_byte)
+    latency = max(0.0, t_small / hops - 4 * rows * width * per_byte)
     return latency, bandwidth
 
 
 def collective_shares(group_size: int, unit: int, count: int) -> tuple[float, float]:
     """gloo's all-gather and reduce-scatter of ``unit`` float32 elements (one FSDP
-    unit's parameters), ``count`` back to back as FSDP issues them a unit at a time,
-    each over the all-reduce of the same unit timed the same way: the cluster's
-    ``all_gather_share`` and ``reduce_scatter_share`` (0.5 each on a ring)."""
+    unit's parameters) as FSDP2 runs them, ``count`` back to back as FSDP issues them a
+    unit at a time, each over the replicas' sum of the same unit as the runtime runs it:
+    the cluster's ``all_gather_share`` and ``reduce_scatter_share``."""
     unit = unit // group_size * group_size
-    whole, shard, gathered = torch.ones(unit), torch.ones(unit // group_size), torch.empty(unit)
-    reduce = _burst(lambda: dist.all_reduce(whole), count)
-    gather = _burst(lambda: dist.all_gather_into_tensor(gathered, shard), count)
-    scatter = _burst(lambda: dist.reduce_scatter_tensor(shard, whole), count)
-    return gather / reduce, scatter / reduce
+    shard = unit // group_size
+    parameters, gradients = torch.randn(unit), torch.randn(unit)
+    local, sharded = torch.randn(shard), torch.zeros(shard)
+    gather_in, gathered = torch.empty(shard), torch.empty(unit)
+    scatter_in, scattered = torch.empty(unit), torch.empty(shard)
+
+    def gather() -> None:
+        gather_in.copy_(local)
+        dist.all_gather_into_tensor(gathered, gather_in)
+        parameters.copy_(gathered)
+
+    def scatter() -> None:
+        torch.cat([gradients], out=scatter_in)
+        dist.reduce_scatter_tensor(scattered, scatter_in)
+        sharded.add_(scattered)
+
+    reduce = _burst(_gradient_sum(gradients, torch.empty(unit), group_size), count)
+    return _burst(gather, count) / reduce, _burst(scatter, count) / reduce

@@ -20,15 +20,21 @@ weighs) on this machine's figures:
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
   neighbour slows a stage, as in benchmarks/pipedream.py);
 - the link: gloo's all-reduce between the processes, timed at two sizes in the same
-  launch (its latency and bandwidth fitted to the ring's 2(n-1)(latency + bytes /
-  n / bandwidth)), and the messages between stages held to the same link with
+  launch as a step issues it, after the work that writes the tensor (its latency and
+  bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth); see
+  benchmarks/_gloo.py), and the messages between stages held to the same link with
   ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link);
 - FSDP's collectives: gloo's all-gather and reduce-scatter of a block's parameters, each
   timed against the all-reduce of the same block in the same launch (the cluster's
   ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
-- the runtime's host seconds per action (``Cluster.action_s``): one stage over 8
-  micro-batches against the plain model over the same 8, in the one-process run, per
-  forward and backward (a calibration of its own: no configuration below is fitted).
+- the runtime's host seconds per action and per step (``Cluster.action_s``,
+  ``Cluster.step_s``): one stage over 4 and over 8 micro-batches of 8 samples, each
+  against the plain model over the same ones, in the one-process run: what the runtime
+  adds grows by 2 actions a micro-batch from a step's own (a calibration of its own: no
+  configuration below is fitted).
+
+Every step timed starts from gradients set to None, as a training step's
+``optimizer.zero_grad()`` leaves them.
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s``, ``measured_step_s`` (median), ``prediction_error`` =
@@ -66,6 +72,9 @@ from conveyor.engine.transport import emulated_links  # noqa: E402
 from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_model  # noqa: E402
 
 WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
+#: Untimed rounds first: with the gradients set to None before each step, the process's
+#: heap grows over the first rounds (pages faulted in: tens of ms a step on a VM).
+WARMUP = 3
 REFERENCE = "plain model"
 
 #: name -> (shape, schedule, the Pipeline's options beside the model and loss)
@@ -125,7 +134,7 @@ def worker(spec_path: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     size = dist.get_world_size()
-    latency, bandwidth = _gloo.calibrate(size, MICRO * WIDTH,  # TP's, DP's all-reduce
+    latency, bandwidth = _gloo.calibrate(size, (MICRO, WIDTH),  # TP's, DP's all-reduce
                                          sum(p.numel() for p in model().parameters()))
     shares = _gloo.collective_shares(size, sum(p.numel() for p in Block(WIDTH).parameters()),
                                      BLOCKS)
@@ -144,7 +153,8 @@ def worker(spec_path: str) -> int:
         share = options.get("data_parallel", 1)  # each replica steps on its share
         rank = pipe.topology.data_rank if share > 1 else 0
         steps[name] = (lambda pipe=pipe, xs=x[rank::share], ys=y[rank::share],
-                       sliced_from=sliced_from: sliced(sliced_from, pipe.step, xs, ys))
+                       sliced_from=sliced_from: sliced(sliced_from, training_step(pipe),
+                                                       xs, ys))
     whole = plain_step(copy.deepcopy(net))
     steps[REFERENCE] = lambda: whole(x, y)
 
@@ -158,7 +168,7 @@ def worker(spec_path: str) -> int:
     with emulated_links(bandwidth=bandwidth, latency=latency):
         times = _common.round_robin({name: between_barriers(step)
                                      for name, step in steps.items()}, spec["rounds"],
-                                    progress=dist.get_rank() == 0)
+                                    progress=dist.get_rank() == 0, warmup=WARMUP)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, crossed)
@@ -213,30 +223,65 @@ def launch(options: dict[str, dict[str, Any]], processes: int, rounds: int) -> d
         return dict(json.loads(out.read_text()))
 
 
+def training_step(pipe: Any) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``pipe``'s step from gradients set to None, as after ``optimizer.zero_grad()``."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, y)
+    return step
+
+
 def plain_step(net: nn.Module, micro: int = MICRO) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The model's forward and backward on the batch, micro-batch by micro-batch,
-    without a pipeline: the compute the profile is scaled to (see :func:`scaled`)."""
+    without a pipeline, from gradients set to None: the compute the profile is scaled
+    to (see :func:`scaled`)."""
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        net.zero_grad(set_to_none=True)
         for inputs, targets in zip(x.split(micro), y.split(micro)):
             nn.functional.mse_loss(net(inputs), targets).backward()
     return step
 
 
-#: Timed in the one-process run to calibrate the runtime's host seconds per action: one
-#: stage over CALIBRATION micro-batches against the plain model over the same ones.
-CALIBRATION = 8
+#: Timed in the one-process run to calibrate the runtime's host seconds per action and
+#: per step: one stage over each count of micro-batches of CALIBRATION_MICRO samples
+#: against the plain model over the same ones.
+CALIBRATION = (4, 8)
+CALIBRATION_MICRO = 8
 
 
 def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, list[float]]:
     net, (x, y) = model(), batch()
-    options = {**options, "runtime": {"stages": 1, "chunks": CALIBRATION}}
-    steps = {name: conveyor.Pipeline(copy.deepcopy(net), loss_fn=nn.functional.mse_loss,
-                                     devices=["cpu"], recompute="never", **opts).step
-             for name, opts in options.items()}
-    steps["plain, calibration"] = plain_step(copy.deepcopy(net), BATCH // CALIBRATION)
-    steps[REFERENCE] = plain_step(copy.deepcopy(net))  # after "runtime" and its pair
-    return _common.round_robin({name: (lambda step=step: step(x, y))
-                                for name, step in steps.items()}, rounds)
+    steps: dict[str, Callable[[], None]] = {}
+    for name, opts in options.items():
+        steps[name] = lambda pipe=training_step(conveyor.Pipeline(
+            copy.deepcopy(net), loss_fn=nn.functional.mse_loss, devices=["cpu"],
+            recompute="never", **opts)): pipe(x, y)
+    for chunks in CALIBRATION:
+        rows = chunks * CALIBRATION_MICRO
+        pipe = training_step(conveyor.Pipeline(copy.deepcopy(net),
+                                               loss_fn=nn.functional.mse_loss,
+                                               devices=["cpu"], recompute="never",
+                                               stages=1, chunks=chunks))
+        plain = plain_step(copy.deepcopy(net), CALIBRATION_MICRO)
+        steps[f"runtime {chunks}"] = lambda pipe=pipe, rows=rows: pipe(x[:rows], y[:rows])
+        steps[f"plain {chunks}"] = lambda plain=plain, rows=rows: plain(x[:rows], y[:rows])
+    whole = plain_step(copy.deepcopy(net))  # after the calibration's pairs
+    steps[REFERENCE] = lambda: whole(x, y)
+    return _common.round_robin(steps, rounds, warmup=WARMUP)
+
+
+def runtime_costs(times: dict[str, list[float]]) -> tuple[float, float]:
+    """The runtime's host seconds (per action, per step) from the calibration's pairs in
+    ``times`` (popped): what each runtime step added to its plain pair (the pair timed
+    one after the other in each round, the median of the differences), which grows by
+    two actions a micro-batch."""
+    added = {}
+    for chunks in CALIBRATION:
+        runtime, plain = times.pop(f"runtime {chunks}"), times.pop(f"plain {chunks}")
+        added[chunks] = _common.median([r - p for r, p in zip(runtime, plain)])
+    few, many = CALIBRATION
+    action = max(0.0, (added[many] - added[few]) / (2 * (many - few)))
+    return action, max(0.0, added[few] - 2 * few * action)
 
 
 def scaled(profile: Any, reference: float) -> Any:
@@ -254,10 +299,10 @@ def scaled(profile: Any, reference: float) -> Any:
 
 
 def predict(profile: Any, shape: Shape, schedule: str, chunks: int, processes: int,
-            latency: float, bandwidth: float, action: float = 0.0,
+            latency: float, bandwidth: float, host: tuple[float, float] = (0.0, 0.0),
             shares: tuple[float, float] = (0.5, 0.5)) -> float:
     cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12,
-                      action_s=action, all_gather_share=shares[0],
+                      action_s=host[0], step_s=host[1], all_gather_share=shares[0],
                       reduce_scatter_share=shares[1])
     found = evaluate_shape(profile, cluster, shape, schedule, chunks, batch=BATCH,
                            optimizer="sgd")
@@ -304,7 +349,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         by_processes.setdefault(shape.devices, {})[name] = options
     measured: dict[str, list[float]] = {}
     crossed: dict[str, dict[str, int]] = {}
-    action = 0.0
+    host = (0.0, 0.0)  # the runtime's host seconds per action, per step
     link: dict[int, tuple[float, float]] = {}
     shares: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
@@ -317,12 +362,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         else:
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
-        if processes == 1:  # the runtime's own seconds per action, beyond the layers':
-            # each round's pair (timed one after the other) differenced, the median of those
-            runtime, plain = (found["times"].pop(name)
-                              for name in ("runtime", "plain, calibration"))
-            action = max(0.0, _common.median([r - p for r, p in zip(runtime, plain)])
-                         / (2 * CALIBRATION))
+        if processes == 1:  # the runtime's own seconds, beyond the layers'
+            host = runtime_costs(found["times"])
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
@@ -335,7 +376,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                          _common.median(reference[shape.devices]))
         predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"], shape.devices,
-                           latency, bandwidth, action, shares[shape.devices])
+                           latency, bandwidth, host, shares[shape.devices])
         step = _common.median(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
@@ -353,7 +394,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                 2 * BATCH * WIDTH * 4 * (1 if pieces else shape.tp)
     payload = {"model": f"{BLOCKS} blocks Linear({WIDTH}, {4 * WIDTH})-GELU-Linear, residual",
                "batch": BATCH, "micro_batch": MICRO, "rounds": rounds,
-               "action_s": action,
+               "action_s": host[0], "step_s": host[1],
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
                "thread computing", "link": {
                    str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1],

@@ -173,7 +173,7 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/mesh.py's logic without its runs: the profile scaled to the plain step,
     a prediction for each configuration (pieces across the boundary too), and each boundary's bytes summed over the ranks, both ways."""
-    from conveyor.planner import LayerCost, ModelProfile
+    from conveyor.planner import LayerCost, ModelProfile, Shape
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import mesh
@@ -198,6 +198,15 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     whole, pieces = (mesh.sliced(sliced_from, mesh.predict, profile, shape, schedule,
                                  options["chunks"], 4, 1e-4, 1e6) for sliced_from in (1 << 20, 0))
     assert pieces != whole  # one link for both: the gather costs what the pieces save
+    # The runtime's host costs: what a step of 4, of 8 micro-batches added to its plain
+    # pair, 2 actions a micro-batch apart; the pairs are taken out of the times.
+    times = {"runtime 4": [0.110, 0.111], "plain 4": [0.100, 0.100],
+             "runtime 8": [0.212, 0.213], "plain 8": [0.200, 0.200], "PP=2": [1.0]}
+    action, step = mesh.runtime_costs(times)
+    assert (action, step) == (pytest.approx(2.5e-4), pytest.approx(8.5e-3))
+    assert list(times) == ["PP=2"]
+    assert mesh.predict(profile, Shape(1, 1, 1), "1f1b", 4, 1, 0.0, 1e12, (action, step)) \
+        == pytest.approx(0.5 + 8 * action + step)
 
 
 def test_verify_cost_script_times_both_steps() -> None:

@@ -157,8 +157,26 @@ def test_the_hosts_seconds_per_action_count_per_forward_and_backward() -> None:
     hosted = evaluate_shape(profile, cluster, Shape(1, 1, 1), "1f1b", 32, batch=32)
     assert plain is not None and hosted is not None
     assert hosted.predicted_step_s == pytest.approx(plain.predicted_step_s + 32 * 2 * 3e-4)
-    with pytest.raises(ConveyorError, match="action at least 0"):
+    with pytest.raises(ConveyorError, match="action and step at least 0"):
         Cluster.from_dict({**cluster.to_dict(), "action": -1.0})
+
+
+def test_the_hosts_seconds_per_step_count_once_a_step_on_the_busiest_rank() -> None:
+    """A cluster's ``step`` ("2ms" in a file) adds once to every shape's step, pipelined
+    or not, and is reported as the candidate's ``runtime_s``; a negative one is refused."""
+    profile = _profile()
+    cluster = Cluster.from_dict({**_two_nodes(1e10).to_dict(), "step": "2ms"})
+    assert cluster.step_s == pytest.approx(2e-3)
+    assert Cluster.from_dict(cluster.to_dict()).step_s == pytest.approx(2e-3)
+    for shape in (Shape(1, 1, 1), Shape(2, 1, 1), Shape(2, 2, 2, "fsdp")):
+        plain = evaluate_shape(profile, _two_nodes(1e10), shape, "1f1b", 4, batch=32)
+        stepped = evaluate_shape(profile, cluster, shape, "1f1b", 4, batch=32)
+        assert plain is not None and stepped is not None
+        assert stepped.predicted_step_s == pytest.approx(plain.predicted_step_s + 2e-3)
+        assert (stepped.runtime_s, plain.runtime_s) == (pytest.approx(2e-3), 0.0)
+        assert stepped.idle_s == pytest.approx(plain.idle_s)
+    with pytest.raises(ConveyorError, match="action and step at least 0"):
+        Cluster.from_dict({**cluster.to_dict(), "step": -1.0})
 
 
 def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:

@@ -58,9 +58,8 @@ def reduce_across_replicas(params: Sequence[nn.Parameter], group: Any, replicas:
         for bucket in bucket_list:
             flat = flatten_dense_tensors(bucket)
             reduce(flat, dist.ReduceOp.SUM)
-            flat /= divisor
             for grad, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(reduced)
+                torch.div(reduced, divisor, out=grad)  # divided as it is copied back
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

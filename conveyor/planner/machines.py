@@ -79,6 +79,9 @@ class Cluster:
             on one stage) beyond its layers' own: the runtime's dispatch and
             bookkeeping, what a host-bound step of small layers is made of (``action``
             in a file: "300us"; 0 unless measured, as ``benchmarks/mesh.py`` does).
+        step_s: the host's seconds per step on each rank beyond its actions': the
+            runtime's own step (splitting the batch, the step's loss, the check that the
+            gradients are finite) ("step" in a file; 0 unless measured).
         all_gather_share: an all-gather's seconds (each device its shard, all of them
             the whole) as a share of an all-reduce of the whole among the same devices:
             0.5 for rings (NCCL's); gloo's take about as long as the all-reduce.
@@ -91,6 +94,7 @@ class Cluster:
     flops: float = 1e14
     guessed: tuple[str, ...] = field(default=())
     action_s: float = 0.0
+    step_s: float = 0.0
     all_gather_share: float = RING_SHARE
     reduce_scatter_share: float = RING_SHARE
 
@@ -103,11 +107,12 @@ class Cluster:
                     f"level {level.name!r}: size must be at least 1, bandwidth above 0 and "
                     f"latency at least 0; got size={level.size}, bandwidth="
                     f"{level.bandwidth}, latency={level.latency}")
-        if self.memory <= 0 or self.flops <= 0 or self.action_s < 0 \
+        if self.memory <= 0 or self.flops <= 0 or self.action_s < 0 or self.step_s < 0 \
                 or self.all_gather_share <= 0 or self.reduce_scatter_share <= 0:
             raise ConveyorError(f"memory, flops and the collectives' shares must be above 0 "
-                                f"and action at least 0; got memory={self.memory}, flops="
-                                f"{self.flops}, action={self.action_s}, all_gather_share="
+                                f"and action and step at least 0; got memory={self.memory}, "
+                                f"flops={self.flops}, action={self.action_s}, step="
+                                f"{self.step_s}, all_gather_share="
                                 f"{self.all_gather_share}, reduce_scatter_share="
                                 f"{self.reduce_scatter_share}")
 
@@ -178,6 +183,7 @@ class Cluster:
                            for i, level in enumerate(data["levels"]))
             return cls(levels, _bytes(data["memory"]), float(data.get("flops", 1e14)),
                        tuple(data.get("guessed", ())), parse_seconds(data.get("action", 0.0)),
+                       parse_seconds(data.get("step", 0.0)),
                        float(data.get("all_gather_share", RING_SHARE)),
                        float(data.get("reduce_scatter_share", RING_SHARE)))
         except KeyError as missing:
@@ -206,7 +212,7 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         return {"levels": [asdict(level) for level in self.levels], "memory": self.memory,
                 "flops": self.flops, "guessed": list(self.guessed), "action": self.action_s,
-                "all_gather_share": self.all_gather_share,
+                "step": self.step_s, "all_gather_share": self.all_gather_share,
                 "reduce_scatter_share": self.reduce_scatter_share}
 
     def describe(self) -> str:

@@ -24,6 +24,9 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
   all-gathers (one per layer per step; GPipe re-gathers in each forward) and its
   reduce-scatter, each the cluster's share of an all-reduce (half on a ring; gloo's
   are slower), ring by ring up the levels the group spans;
+- the runtime's step: the host's ``cluster.step_s`` on every rank (its agreements
+  with the other ranks, a few small all-reduces when all of them wait in them, are not
+  counted);
 - pipeline: the schedule's simulation (:func:`conveyor.planner.simulation.simulate_cut`)
   of the stages, each boundary sending 1/T of the activation per TP rank and gathering
   it on the receiver's node (whole under ``conveyor.tensor.SLICED_FROM`` bytes, as the
@@ -98,6 +101,7 @@ class MeshCandidate:
         tp_comm_s: of which its TP all-reduces.
         dp_comm_s: its gradient all-reduce, or FSDP's all-gathers and reduce-scatter.
         p2p_s: the slowest boundary's transfer of one micro-batch's activation.
+        runtime_s: the runtime's own step on a rank: its host's seconds per step.
         idle_s: the rest of the step: waiting as the schedule fills and drains.
     """
 
@@ -112,6 +116,7 @@ class MeshCandidate:
     tp_comm_s: float
     dp_comm_s: float
     p2p_s: float
+    runtime_s: float
     idle_s: float
 
     @property
@@ -201,6 +206,7 @@ class _Stage:
     backward: float
     tp: float
     data: float
+    step: float  # per step: the runtime's host's own
     send: float
     weights: float
     saved: float  # per sample, on one TP rank
@@ -260,7 +266,7 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
             (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s,
             micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s,
             forward_tp + backward_tp,
-            data, send, weights, saved, c.output[i] + (0.0 if last else c.output[j]),
+            data, cluster.step_s, send, weights, saved, c.output[i] + (0.0 if last else c.output[j]),
             0.0 if last else c.output[j]))
         i = j
     return stages
@@ -285,7 +291,7 @@ def choose_recompute(stages: Sequence[_Stage], shape: Shape, schedule: str, chun
 
 def lower_bound(stages: Sequence[_Stage], chunks: int, recompute: bool) -> float:
     """No step is shorter: the busiest stage's compute and its data collectives."""
-    return max(chunks * s.compute(recompute) + s.data for s in stages)
+    return max(chunks * s.compute(recompute) + s.data + s.step for s in stages)
 
 
 def evaluate_shape(profile: ModelProfile, cluster: Cluster, shape: Shape, schedule: str,
@@ -315,7 +321,7 @@ def costed(shape: Shape, schedule: str, chunks: int, stages: list[_Stage], micro
     recomputing instead if the simulated peak does not fit), or counted (one stage)."""
     if shape.pp == 1:
         s = stages[0]
-        step, peaks = chunks * s.compute(recompute) + s.data, [
+        step, peaks = chunks * s.compute(recompute) + s.data + s.step, [
             s.memory(micro, 1, 1, recompute)]
     else:
         cut = [StageChoice((s.layers[0], s.layers[1] - 1), (k,), recompute, s.forward,
@@ -327,12 +333,13 @@ def costed(shape: Shape, schedule: str, chunks: int, stages: list[_Stage], micro
         if max(peaks) > memory:
             return None if recompute else costed(shape, schedule, chunks, stages, micro,
                                                   True, memory, balance)
-        step = max(end + s.data for end, s in zip(simulated.finish, stages))
-    busiest = max(stages, key=lambda s: chunks * s.compute(recompute) + s.data)
+        step = max(end + s.data + s.step for end, s in zip(simulated.finish, stages))
+    busiest = max(stages, key=lambda s: chunks * s.compute(recompute) + s.data + s.step)
     compute = chunks * busiest.compute(recompute)
     return MeshCandidate(shape, schedule, chunks, step, max(peaks), balance, recompute,
                          compute, chunks * busiest.tp, busiest.data,
-                         max(s.send for s in stages), max(0.0, step - compute - busiest.data))
+                         max(s.send for s in stages), busiest.step,
+                         max(0.0, step - compute - busiest.data - busiest.step))
 
 
 def balanced(profile: ModelProfile, stages: int) -> list[int]:

@@ -26,7 +26,8 @@ __all__: list[str] = []
 
 def sum_over(x: torch.Tensor, group: str, seconds: float, what: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    collective.all_reduce(out, group=process_group_named(group), what=what, seconds=seconds)
+    collective.all_reduce(out, group=process_group_named(group), what=what, seconds=seconds,
+                          inline=True)
     return out
 
 

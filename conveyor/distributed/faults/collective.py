@@ -44,10 +44,14 @@ Notice = Callable[[], "dict[str, Any] | None"]
 
 def all_reduce(tensor: torch.Tensor, *, group: Any, what: str, seconds: float,
                op: Any = None, notice: Notice | None = None,
-               joined: Callable[[], None] | None = None) -> None:
+               joined: Callable[[], None] | None = None, inline: bool = False) -> None:
     """``dist.all_reduce`` of ``tensor`` over ``group``, waiting at most ``seconds``
     (and no longer once ``notice()`` tells of a rank's failure). ``joined()`` is called
     once this rank's part is issued (the rank is then in the collective, waiting).
+    ``inline``: on gloo too, the calling thread waits, without the watcher's hop to it
+    (for the many small all-reduces of tensor parallelism, a few hundred us each on a
+    CPU); a wait that runs out then closes the group's connections (the rank stops
+    with the same error, its peers in the group see them close).
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
@@ -56,7 +60,7 @@ def all_reduce(tensor: torch.Tensor, *, group: Any, what: str, seconds: float,
                            async_op=True)
     if joined is not None:
         joined()
-    _wait(work, group, what, seconds, notice)
+    _wait(work, group, what, seconds, notice, inline)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
@@ -123,12 +127,14 @@ def exchange_bytes(blob: bytes, *, group: Any, what: str, seconds: float,
     return [bytes(rows[r, :int(sizes[r])].tolist()) for r in range(world)]
 
 
-def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | None) -> None:
+def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | None,
+          inline: bool = False) -> None:
     global _watcher
     rank = dist.get_rank()
     if dist.get_backend(group) != "gloo" or notice is None:
         waited: Any = work
-        if dist.get_backend(group) == "gloo":  # its wait(timeout) would close the group
+        if dist.get_backend(group) == "gloo" and not inline:  # its wait(timeout) would
+            # close the group
             if _watcher is None:
                 _watcher = Watcher()
             waited = _watcher.watch(_COLLECTIVES, work)
