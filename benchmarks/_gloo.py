@@ -1,10 +1,12 @@
 """gloo's collectives among the processes of a launch, timed for the planner's cluster,
 each as a step issues it.
 
-* TP's all-reduce (small): right after the matrix product whose output it sums, less
-  that product timed alone. Between two collectives gloo's threads go idle, and waking
-  them costs a step's all-reduce about twice what one back to back with the last takes
-  (16 KiB, 2 processes on 2 cores: 650-950 us against 300-400 us).
+* TP's all-reduce (small): right after as much compute as a step does between two of
+  them (matrix products whose output it sums), less that compute timed alone. Between
+  two collectives gloo's threads go idle and the ranks drift apart, the more the longer
+  they compute: a step's all-reduce costs about twice what one back to back with the
+  last takes, and more after more compute (16 KiB, 2 processes on 2 cores: 300-400 us
+  back to back, 600-700 us after 60-170 us of products, 1.2 ms after 500 us).
 * The replicas' gradient sum (large): as ``conveyor.distributed.gradients`` runs it, the
   gradients copied into a bucket, summed, and divided back into ``.grad``. The copies
   count: on a CPU they pass over memory as large as the model, twice.
@@ -55,18 +57,24 @@ def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group_size: int
     return call
 
 
-def calibrate(group_size: int, small: tuple[int, int], large: int) -> tuple[float, float]:
+def calibrate(group_size: int, small: tuple[int, int], large: int, between: float
+              ) -> tuple[float, float]:
     """gloo's all-reduce, as a step issues it: (latency, bandwidth) fitted to the ring's
     2(n-1)(latency + bytes / n / bandwidth) at ``small`` = (rows, width), what each of
-    TP's all-reduces carries (a row-parallel layer's output, its product of a
-    (rows, 4 width) input), and at ``large`` float32 elements (the model's gradients
-    summed over the replicas, their bucket copies included)."""
+    TP's all-reduces carries (a row-parallel layer's output, of products of a
+    (rows, 4 width) input lasting about ``between`` seconds, as long as a step computes
+    between two), and at ``large`` float32 elements (the model's gradients summed over
+    the replicas, their bucket copies included)."""
     rows, width = small
     inputs, weight = torch.randn(rows, 4 * width), torch.randn(4 * width, width)
     output = torch.empty(rows, width)
+    start = time.perf_counter()
+    torch.mm(inputs, weight, out=output)
+    products = max(1, round(between / max(time.perf_counter() - start, 1e-6)))
 
     def product() -> None:
-        torch.mm(inputs, weight, out=output)
+        for _ in range(products):
+            torch.mm(inputs, weight, out=output)
 
     t_small = max(0.0, _burst(lambda: (product(), dist.all_reduce(output)), BURST)
                   - _burst(product, BURST)) / BURST

@@ -135,7 +135,8 @@ def worker(spec_path: str) -> int:
     dist.init_process_group("gloo")
     size = dist.get_world_size()
     latency, bandwidth = _gloo.calibrate(size, (MICRO, WIDTH),  # TP's, DP's all-reduce
-                                         sum(p.numel() for p in model().parameters()))
+                                         sum(p.numel() for p in model().parameters()),
+                                         between_all_reduces(size))
     shares = _gloo.collective_shares(size, sum(p.numel() for p in Block(WIDTH).parameters()),
                                      BLOCKS)
     figures = torch.tensor([latency, bandwidth, *shares], dtype=torch.float64)
@@ -180,6 +181,19 @@ def worker(spec_path: str) -> int:
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
+
+
+def between_all_reduces(tensor_ranks: int) -> float:
+    """The seconds a tensor rank computes between two of its all-reduces: a block's
+    forward and backward of a micro-batch over the ranks, for its two all-reduces (the
+    median of 20, after 3)."""
+    block, x = Block(WIDTH), torch.randn(MICRO, WIDTH)
+    times = []
+    for _ in range(23):
+        start = time.perf_counter()
+        block(x).sum().backward()
+        times.append(time.perf_counter() - start)
+    return _common.median(times[3:]) / tensor_ranks / 2
 
 
 def sliced(sliced_from: int, step: Callable[..., Any], *args: Any) -> Any:
