@@ -10,10 +10,10 @@ each as a step issues it.
 * The replicas' gradient sum (large): as ``conveyor.distributed.gradients`` runs it, the
   gradients copied into a bucket, summed, and divided back into ``.grad``. The copies
   count: on a CPU they pass over memory as large as the model, twice.
-* FSDP's all-gather and reduce-scatter of one unit: as FSDP2 runs them, the shard
-  copied in and the gathered parameters copied out, the gradients concatenated in and
-  the shard's sum added to the sharded gradient, each over the gradient sum of the same
-  unit timed as above (the cluster's shares: half each on a ring, with no copies).
+* FSDP's all-gather and reduce-scatter of one unit: FSDP2's own, on a unit of the
+  model (its copies in and out, its bookkeeping), each over the gradient sum of the
+  same parameters timed as above (the cluster's shares: half each on a ring, with no
+  copies).
 
 A time is the median of seven runs between barriers after a warm-up, each run a burst
 of calls back to back, as a step's collectives come (the ranks in step: one alone after
@@ -25,9 +25,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = ["calibrate", "collective_shares"]
 
@@ -87,27 +89,32 @@ def calibrate(group_size: int, small: tuple[int, int], large: int, between: floa
     return latency, bandwidth
 
 
-def collective_shares(group_size: int, unit: int, count: int) -> tuple[float, float]:
-    """gloo's all-gather and reduce-scatter of ``unit`` float32 elements (one FSDP
-    unit's parameters) as FSDP2 runs them, ``count`` back to back as FSDP issues them a
-    unit at a time, each over the replicas' sum of the same unit as the runtime runs it:
-    the cluster's ``all_gather_share`` and ``reduce_scatter_share``."""
-    unit = unit // group_size * group_size
-    shard = unit // group_size
-    parameters, gradients = torch.randn(unit), torch.randn(unit)
-    local, sharded = torch.randn(shard), torch.zeros(shard)
-    gather_in, gathered = torch.empty(shard), torch.empty(unit)
-    scatter_in, scattered = torch.empty(unit), torch.empty(shard)
+def collective_shares(group_size: int, unit: Callable[[], nn.Module], sample: torch.Tensor,
+                      count: int) -> tuple[float, float]:
+    """FSDP2's all-gather and reduce-scatter of one ``unit()`` (a module made the same on
+    every rank, one FSDP unit) as FSDP2 runs them over the launch's ranks, ``count``
+    back to back as FSDP issues them a unit at a time, each over the replicas' sum of
+    the same parameters as the runtime runs it: the cluster's ``all_gather_share`` and
+    ``reduce_scatter_share``. The gather is ``unshard()`` and ``reshard()``; the
+    reduce-scatter, what a forward and backward of ``sample`` through the unit takes
+    with FSDP's gradient sync over what it takes without."""
+    from torch.distributed.fsdp import fully_shard
 
-    def gather() -> None:
-        gather_in.copy_(local)
-        dist.all_gather_into_tensor(gathered, gather_in)
-        parameters.copy_(gathered)
+    module = unit()
+    elements = sum(p.numel() for p in module.parameters())
+    reduce = _burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group_size),
+                    count)
+    sharded: Any = fully_shard(module, reshard_after_forward=False)
+    gather = _burst(lambda: (sharded.unshard(), sharded.reshard()), count)
+    sharded.set_reshard_after_backward(False)
+    sharded.unshard()
 
-    def scatter() -> None:
-        torch.cat([gradients], out=scatter_in)
-        dist.reduce_scatter_tensor(scattered, scatter_in)
-        sharded.add_(scattered)
+    def backward(sync: bool) -> Callable[[], None]:
+        def call() -> None:
+            sharded.set_requires_gradient_sync(sync)
+            sharded(sample).sum().backward()
+        return call
 
-    reduce = _burst(_gradient_sum(gradients, torch.empty(unit), group_size), count)
-    return _burst(gather, count) / reduce, _burst(scatter, count) / reduce
+    scatter = max(0.0, _burst(backward(True), count) - _burst(backward(False), count))
+    sharded.reshard()
+    return gather / reduce, scatter / reduce

@@ -24,8 +24,8 @@ weighs) on this machine's figures:
   bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth); see
   benchmarks/_gloo.py), and the messages between stages held to the same link with
   ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link);
-- FSDP's collectives: gloo's all-gather and reduce-scatter of a block's parameters, each
-  timed against the all-reduce of the same block in the same launch (the cluster's
+- FSDP's collectives: FSDP2's all-gather and reduce-scatter of a block, each timed
+  against the replicas' sum of the same block in the same launch (the cluster's
   ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
 - the runtime's host seconds per action and per step (``Cluster.action_s``,
   ``Cluster.step_s``): one stage over 4 and over 8 micro-batches of 8 samples, each
@@ -137,7 +137,7 @@ def worker(spec_path: str) -> int:
     latency, bandwidth = _gloo.calibrate(size, (MICRO, WIDTH),  # TP's, DP's all-reduce
                                          sum(p.numel() for p in model().parameters()),
                                          between_all_reduces(size))
-    shares = _gloo.collective_shares(size, sum(p.numel() for p in Block(WIDTH).parameters()),
+    shares = _gloo.collective_shares(size, lambda: Block(WIDTH), torch.randn(MICRO, WIDTH),
                                      BLOCKS)
     figures = torch.tensor([latency, bandwidth, *shares], dtype=torch.float64)
     dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
@@ -261,6 +261,9 @@ def plain_step(net: nn.Module, micro: int = MICRO) -> Callable[[torch.Tensor, to
 #: against the plain model over the same ones.
 CALIBRATION = (4, 8)
 CALIBRATION_MICRO = 8
+#: The one-process run (cheap: a second a round) times this many times the rounds: the
+#: calibration's few milliseconds are differences of steps that vary by as much.
+ONE_PROCESS_ROUNDS = 4
 
 
 def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, list[float]]:
@@ -275,7 +278,7 @@ def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, li
         pipe = training_step(conveyor.Pipeline(copy.deepcopy(net),
                                                loss_fn=nn.functional.mse_loss,
                                                devices=["cpu"], recompute="never",
-                                               stages=1, chunks=chunks))
+                                               stages=1, chunks=chunks, schedule="1f1b"))
         plain = plain_step(copy.deepcopy(net), CALIBRATION_MICRO)
         steps[f"runtime {chunks}"] = lambda pipe=pipe, rows=rows: pipe(x[:rows], y[:rows])
         steps[f"plain {chunks}"] = lambda plain=plain, rows=rows: plain(x[:rows], y[:rows])
@@ -371,7 +374,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
         found: dict[str, Any]
         if processes == 1:
-            found = {"times": one_process(options, rounds), "latency": 0.0,
+            found = {"times": one_process(options, ONE_PROCESS_ROUNDS * rounds),
+                     "latency": 0.0,
                      "bandwidth": 1e12}
         else:
             found = launch(options, processes, rounds)
