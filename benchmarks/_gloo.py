@@ -34,6 +34,7 @@ from torch import nn
 __all__ = ["calibrate", "collective_shares"]
 
 BURST = 8  # all-reduces timed back to back in the link's calibration
+SMALL_BURST = 64  # ... of TP's size: each a millisecond or less, and drifting as it runs
 
 
 def _burst(call: Callable[[], object], count: int) -> float:
@@ -70,16 +71,19 @@ def calibrate(group_size: int, small: tuple[int, int], large: int, between: floa
     rows, width = small
     inputs, weight = torch.randn(rows, 4 * width), torch.randn(4 * width, width)
     output = torch.empty(rows, width)
-    start = time.perf_counter()
-    torch.mm(inputs, weight, out=output)
-    products = max(1, round(between / max(time.perf_counter() - start, 1e-6)))
+    one = []
+    for _ in range(21):
+        start = time.perf_counter()
+        torch.mm(inputs, weight, out=output)
+        one.append(time.perf_counter() - start)
+    products = max(1, round(between / max(statistics.median(one[1:]), 1e-6)))
 
     def product() -> None:
         for _ in range(products):
             torch.mm(inputs, weight, out=output)
 
-    t_small = max(0.0, _burst(lambda: (product(), dist.all_reduce(output)), BURST)
-                  - _burst(product, BURST)) / BURST
+    t_small = max(0.0, _burst(lambda: (product(), dist.all_reduce(output)), SMALL_BURST)
+                  - _burst(product, SMALL_BURST)) / SMALL_BURST
     t_large = _burst(_gradient_sum(torch.randn(large), torch.empty(large), group_size),
                      BURST) / BURST
     hops = 2 * (group_size - 1)
