@@ -201,6 +201,22 @@ def test_v_min_on_3_pipeline_ranks_under_tensor_parallelism_gives_the_plain_grad
         assert loss <= 1e-12
 
 
+@pytest.mark.timeout(200)
+def test_a_frozen_tensor_rank_ends_the_step_with_an_error_naming_the_all_reduce(
+        tmp_path: Path) -> None:
+    """TP's all-reduces wait on the rank's own thread (no watcher on gloo): a peer that
+    never joins still ends the wait at the pipeline's timeout, with the collective
+    named, and the run ends (the frozen rank fails once it wakes)."""
+    outcome = launch("tensor_frozen", 2, tmp_path, timeout=150)
+    assert None not in outcome.returncodes, "\n".join(outcome.outputs)
+    assert outcome.returncodes[0] not in (0, None), "\n".join(outcome.outputs)
+    found = json.loads((tmp_path / "frozen0.json").read_text())
+    assert found["error"] == "PeerFailure", found
+    assert "waited 3 s in the tensor group's sum of a row-parallel output" in \
+        found["message"]
+    assert found["seconds"] < 30
+
+
 def _quiet() -> Any:
     transformers = pytest.importorskip("transformers")
     transformers.utils.logging.set_verbosity_error()

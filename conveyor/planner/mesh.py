@@ -266,8 +266,8 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
             (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s,
             micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s,
             forward_tp + backward_tp,
-            data, cluster.step_s, send, weights, saved, c.output[i] + (0.0 if last else c.output[j]),
-            0.0 if last else c.output[j]))
+            data, cluster.step_s, send, weights, saved,
+            c.output[i] + (0.0 if last else c.output[j]), 0.0 if last else c.output[j]))
         i = j
     return stages
 

@@ -133,8 +133,8 @@ def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | Non
     rank = dist.get_rank()
     if dist.get_backend(group) != "gloo" or notice is None:
         waited: Any = work
-        if dist.get_backend(group) == "gloo" and not inline:  # its wait(timeout) would
-            # close the group
+        # (on gloo a wait(timeout) that runs out closes the group: watched, unless inline)
+        if dist.get_backend(group) == "gloo" and not inline:
             if _watcher is None:
                 _watcher = Watcher()
             waited = _watcher.watch(_COLLECTIVES, work)

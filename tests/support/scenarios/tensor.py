@@ -340,3 +340,28 @@ def tensor_schedules(rank: int, world: int, out_dir: Path) -> None:
                          pipe.recompute]
     undo()
     (out_dir / f"schedules{rank}.json").write_text(json.dumps(results))
+
+
+@scenario("tensor_frozen")
+def tensor_frozen(rank: int, world: int, out_dir: Path) -> None:
+    """2 tensor ranks, one stage; rank 1 freezes in its first layer's forward (before the
+    row-parallel layer's all-reduce, which rank 0 then waits in, on its own thread). Rank
+    0 writes what it raised and when; rank 1 wakes long after (and fails: its peer is
+    gone)."""
+    import time
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+                        nn.Linear(8, 8))
+    if rank == 1:
+        net[0][0].register_forward_hook(lambda *_: time.sleep(8))
+    pipe = conveyor.Pipeline(net, loss_fn=F.mse_loss, tensor_parallel=2, chunks=2,
+                             tp_plan={"0.0": "colwise", "0.2": "rowwise"}, timeout=3)
+    start = time.monotonic()
+    try:
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8))
+    except Exception as exc:  # noqa: BLE001 - what it raised is the finding
+        (out_dir / f"frozen{rank}.json").write_text(json.dumps(
+            {"error": type(exc).__name__, "message": str(exc),
+             "seconds": time.monotonic() - start}))
+        raise
