@@ -29,9 +29,8 @@ weighs) on this machine's figures:
   ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
 - the runtime's host seconds per action and per step (``Cluster.action_s``,
   ``Cluster.step_s``): one stage over 4 and over 8 micro-batches of 8 samples, each
-  against the plain model over the same ones, in the one-process run: what the runtime
-  adds grows by 2 actions a micro-batch from a step's own (a calibration of its own: no
-  configuration below is fitted).
+  against the plain model over the same ones, in the one-process run (see
+  benchmarks/_host.py; a calibration of its own: no configuration below is fitted).
 
 Every step timed starts from gradients set to None, as a training step's
 ``optimizer.zero_grad()`` leaves them.
@@ -62,6 +61,7 @@ from typing import Any
 
 import _common
 import _gloo
+import _host
 
 _common.prepare_process()
 
@@ -156,9 +156,9 @@ def worker(spec_path: str) -> int:
         share = options.get("data_parallel", 1)  # each replica steps on its share
         rank = pipe.topology.data_rank if share > 1 else 0
         steps[name] = (lambda pipe=pipe, xs=x[rank::share], ys=y[rank::share],
-                       sliced_from=sliced_from: sliced(sliced_from, training_step(pipe),
+                       sliced_from=sliced_from: sliced(sliced_from, _host.training_step(pipe),
                                                        xs, ys))
-    whole = plain_step(copy.deepcopy(net))
+    whole = _host.plain_step(copy.deepcopy(net), MICRO)
     steps[REFERENCE] = lambda: whole(x, y)
 
     def between_barriers(step: Callable[[], Any]) -> Callable[[], None]:
@@ -239,30 +239,6 @@ def launch(options: dict[str, dict[str, Any]], processes: int, rounds: int) -> d
         return dict(json.loads(out.read_text()))
 
 
-def training_step(pipe: Any) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``pipe``'s step from gradients set to None, as after ``optimizer.zero_grad()``."""
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        pipe.zero_grad(set_to_none=True)
-        pipe.step(x, y)
-    return step
-
-
-def plain_step(net: nn.Module, micro: int = MICRO) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """The model's forward and backward on the batch, micro-batch by micro-batch,
-    without a pipeline, from gradients set to None: the compute the profile is scaled
-    to (see :func:`scaled`)."""
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        net.zero_grad(set_to_none=True)
-        for inputs, targets in zip(x.split(micro), y.split(micro)):
-            nn.functional.mse_loss(net(inputs), targets).backward()
-    return step
-
-
-#: Timed in the one-process run to calibrate the runtime's host seconds per action and
-#: per step: one stage over each count of micro-batches of CALIBRATION_MICRO samples
-#: against the plain model over the same ones.
-CALIBRATION = (4, 8)
-CALIBRATION_MICRO = 8
 #: The one-process run (cheap: a second a round) times this many times the rounds: the
 #: calibration's few milliseconds are differences of steps that vary by as much.
 ONE_PROCESS_ROUNDS = 4
@@ -272,35 +248,13 @@ def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, li
     net, (x, y) = model(), batch()
     steps: dict[str, Callable[[], None]] = {}
     for name, opts in options.items():
-        steps[name] = lambda pipe=training_step(conveyor.Pipeline(
+        steps[name] = lambda pipe=_host.training_step(conveyor.Pipeline(
             copy.deepcopy(net), loss_fn=nn.functional.mse_loss, devices=["cpu"],
             recompute="never", **opts)): pipe(x, y)
-    for chunks in CALIBRATION:
-        rows = chunks * CALIBRATION_MICRO
-        pipe = training_step(conveyor.Pipeline(copy.deepcopy(net),
-                                               loss_fn=nn.functional.mse_loss,
-                                               devices=["cpu"], recompute="never",
-                                               stages=1, chunks=chunks, schedule="1f1b"))
-        plain = plain_step(copy.deepcopy(net), CALIBRATION_MICRO)
-        steps[f"runtime {chunks}"] = lambda pipe=pipe, rows=rows: pipe(x[:rows], y[:rows])
-        steps[f"plain {chunks}"] = lambda plain=plain, rows=rows: plain(x[:rows], y[:rows])
-    whole = plain_step(copy.deepcopy(net))  # after the calibration's pairs
+    steps.update(_host.calibration_steps(net, x, y))
+    whole = _host.plain_step(copy.deepcopy(net), MICRO)  # after the calibration's pairs
     steps[REFERENCE] = lambda: whole(x, y)
     return _common.round_robin(steps, rounds, warmup=WARMUP)
-
-
-def runtime_costs(times: dict[str, list[float]]) -> tuple[float, float]:
-    """The runtime's host seconds (per action, per step) from the calibration's pairs in
-    ``times`` (popped): what each runtime step added to its plain pair (the pair timed
-    one after the other in each round, the median of the differences), which grows by
-    two actions a micro-batch."""
-    added = {}
-    for chunks in CALIBRATION:
-        runtime, plain = times.pop(f"runtime {chunks}"), times.pop(f"plain {chunks}")
-        added[chunks] = _common.median([r - p for r, p in zip(runtime, plain)])
-    few, many = CALIBRATION
-    action = max(0.0, (added[many] - added[few]) / (2 * (many - few)))
-    return action, max(0.0, added[few] - 2 * few * action)
 
 
 def undisturbed(steps: list[float]) -> float:
@@ -391,7 +345,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
         if processes == 1:  # the runtime's own seconds, beyond the layers'
-            host = runtime_costs(found["times"])
+            host = _host.runtime_costs(found["times"])
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
