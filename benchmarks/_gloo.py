@@ -1,9 +1,9 @@
 """gloo's collectives among the processes of a launch, timed for the planner's cluster,
 each as a step issues it.
 
-* TP's all-reduce (small): right after as much compute as a step does between two of
-  them (matrix products whose output it sums), less that compute timed alone. Between
-  two collectives gloo's threads go idle and the ranks drift apart, the more the longer
+* TP's all-reduce (small): as the caller's step issues it, measured there (see
+  benchmarks/mesh.py: a block split by its plan, against its shard alone). Between two
+  collectives gloo's threads go idle and the ranks drift apart, the more the longer
   they compute: a step's all-reduce costs about twice what one back to back with the
   last takes, and more after more compute (16 KiB, 2 processes on 2 cores: 300-400 us
   back to back, 600-700 us after 60-170 us of products, 1.2 ms after 500 us).
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["calibrate", "collective_shares"]
+__all__ = ["burst", "calibrate", "collective_shares", "message_seconds"]
 
 BURST = 8  # all-reduces timed back to back in the link's calibration
-SMALL_BURST = 64  # ... of TP's size: each a millisecond or less, and drifting as it runs
+SMALL_BURST = 64  # small messages timed back to back: each well under a millisecond
 
 
-def _burst(call: Callable[[], object], count: int) -> float:
+def burst(call: Callable[[], object], count: int) -> float:
     """Seconds of ``count`` calls back to back, the median of 7 runs between barriers."""
     times = []
     for _ in range(8):
@@ -60,36 +60,19 @@ def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group_size: int
     return call
 
 
-def calibrate(group_size: int, small: tuple[int, int], large: int, between: float
+def calibrate(group_size: int, small: int, t_small: float, large: int
               ) -> tuple[float, float]:
     """gloo's all-reduce, as a step issues it: (latency, bandwidth) fitted to the ring's
-    2(n-1)(latency + bytes / n / bandwidth) at ``small`` = (rows, width), what each of
-    TP's all-reduces carries (a row-parallel layer's output, of products of a
-    (rows, 4 width) input lasting about ``between`` seconds, as long as a step computes
-    between two), and at ``large`` float32 elements (the model's gradients summed over
-    the replicas, their bucket copies included)."""
-    rows, width = small
-    inputs, weight = torch.randn(rows, 4 * width), torch.randn(4 * width, width)
-    output = torch.empty(rows, width)
-    one = []
-    for _ in range(21):
-        start = time.perf_counter()
-        torch.mm(inputs, weight, out=output)
-        one.append(time.perf_counter() - start)
-    products = max(1, round(between / max(statistics.median(one[1:]), 1e-6)))
-
-    def product() -> None:
-        for _ in range(products):
-            torch.mm(inputs, weight, out=output)
-
-    t_small = max(0.0, _burst(lambda: (product(), dist.all_reduce(output)), SMALL_BURST)
-                  - _burst(product, SMALL_BURST)) / SMALL_BURST
-    t_large = _burst(_gradient_sum(torch.randn(large), torch.empty(large), group_size),
-                     BURST) / BURST
+    2(n-1)(latency + bytes / n / bandwidth) at ``small`` float32 elements, what each of
+    TP's all-reduces carries, taking the ``t_small`` seconds the caller measured in its
+    step (see benchmarks/mesh.py), and at ``large`` (the model's gradients summed over
+    the replicas, their bucket copies included), timed here."""
+    t_large = burst(_gradient_sum(torch.randn(large), torch.empty(large), group_size),
+                    BURST) / BURST
     hops = 2 * (group_size - 1)
-    per_byte = (t_large - t_small) / (4 * (large - rows * width)) / hops  # 1/(n bandwidth)
+    per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n bandwidth)
     bandwidth = 1 / (per_byte * group_size)
-    latency = max(0.0, t_small / hops - 4 * rows * width * per_byte)
+    latency = max(0.0, t_small / hops - 4 * small * per_byte)
     return latency, bandwidth
 
 
@@ -106,10 +89,10 @@ def collective_shares(group_size: int, unit: Callable[[], nn.Module], sample: to
 
     module = unit()
     elements = sum(p.numel() for p in module.parameters())
-    reduce = _burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group_size),
+    reduce = burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group_size),
                     count)
     sharded: Any = fully_shard(module, reshard_after_forward=False)
-    gather = _burst(lambda: (sharded.unshard(), sharded.reshard()), count)
+    gather = burst(lambda: (sharded.unshard(), sharded.reshard()), count)
     sharded.set_reshard_after_backward(False)
     sharded.unshard()
 
@@ -119,6 +102,27 @@ def collective_shares(group_size: int, unit: Callable[[], nn.Module], sample: to
             sharded(sample).sum().backward()
         return call
 
-    scatter = max(0.0, _burst(backward(True), count) - _burst(backward(False), count))
+    scatter = max(0.0, burst(backward(True), count) - burst(backward(False), count))
     sharded.reshard()
     return gather / reduce, scatter / reduce
+
+
+def message_seconds(elements: int) -> float:
+    """One way, the seconds of a message of ``elements`` float32 between two ranks
+    (each rank and its neighbour ``rank ^ 1``; an odd last rank sits out): half a round
+    trip of a send and a receive each way, 64 to a burst."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    message = torch.zeros(elements)
+
+    def round_trip() -> None:
+        if peer >= size:
+            return
+        if rank % 2 == 0:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+
+    return burst(round_trip, SMALL_BURST) / SMALL_BURST / 2

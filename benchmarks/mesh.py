@@ -20,10 +20,12 @@ weighs) on this machine's figures:
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
   neighbour slows a stage, as in benchmarks/pipedream.py);
 - the link: gloo's all-reduce between the processes, timed at two sizes in the same
-  launch as a step issues it, after the work that writes the tensor (its latency and
-  bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth); see
+  launch as a step issues it (TP's within a block split by its plan, against its
+  shard alone; the replicas' gradient sum with its bucket copies), its latency and
+  bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth) (see
   benchmarks/_gloo.py), and the messages between stages held to the same link with
-  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link);
+  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link),
+  which adds to each what gloo's own message (timed in the launch) does not take;
 - FSDP's collectives: FSDP2's all-gather and reduce-scatter of a block, each timed
   against the replicas' sum of the same block in the same launch (the cluster's
   ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
@@ -136,14 +138,6 @@ def worker(spec_path: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     size = dist.get_world_size()
-    latency, bandwidth = _gloo.calibrate(size, (MICRO, WIDTH),  # TP's, DP's all-reduce
-                                         sum(p.numel() for p in model().parameters()),
-                                         between_all_reduces(size))
-    shares = _gloo.collective_shares(size, lambda: Block(WIDTH), torch.randn(MICRO, WIDTH),
-                                     BLOCKS)
-    figures = torch.tensor([latency, bandwidth, *shares], dtype=torch.float64)
-    dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
-    latency, bandwidth, *shares = figures.tolist()
     net, (x, y) = model(), batch()
     steps: dict[str, Callable[[], Any]] = {}
     pipes: dict[str, Any] = {}
@@ -168,7 +162,24 @@ def worker(spec_path: str) -> int:
             dist.barrier()
         return timed
 
-    with emulated_links(bandwidth=bandwidth, latency=latency):
+    # The link is calibrated once every configuration has run (untimed): in a launch's
+    # first seconds its collectives take longer (TP's among 4 processes: 6.6 ms, then
+    # 4.7 ms, which a step's take).
+    _common.round_robin({name: between_barriers(step) for name, step in steps.items()}, 0,
+                        progress=False)
+    latency, bandwidth = _gloo.calibrate(size, MICRO * WIDTH,  # TP's, DP's all-reduce
+                                         tp_all_reduce_seconds(size),
+                                         sum(p.numel() for p in model().parameters()))
+    shares = _gloo.collective_shares(size, lambda: Block(WIDTH), torch.randn(MICRO, WIDTH),
+                                     BLOCKS)
+    message = _gloo.message_seconds(MICRO * WIDTH)  # what a real message already takes
+    figures = torch.tensor([latency, bandwidth, message, *shares], dtype=torch.float64)
+    dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
+    latency, bandwidth, message, *shares = figures.tolist()
+
+    # The link between stages is held to the calibrated one: the emulation adds to each
+    # message what gloo's own does not already take.
+    with emulated_links(bandwidth=bandwidth, latency=max(0.0, latency - message)):
         times = _common.round_robin({name: between_barriers(step)
                                      for name, step in steps.items()}, spec["rounds"],
                                     progress=dist.get_rank() == 0, warmup=WARMUP)
@@ -179,23 +190,30 @@ def worker(spec_path: str) -> int:
         boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
                       for name in pipes}
         Path(spec["out"]).write_text(json.dumps({"times": times, "latency": latency,
-                                                 "bandwidth": bandwidth, "shares": shares,
+                                                 "bandwidth": bandwidth, "message": message,
+                                                 "shares": shares,
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
 
 
-def between_all_reduces(tensor_ranks: int) -> float:
-    """The seconds a tensor rank computes between two of its all-reduces: a block's
-    forward and backward of a micro-batch over the ranks, for its two all-reduces (the
-    median of 20, after 3)."""
-    block, x = Block(WIDTH), torch.randn(MICRO, WIDTH)
-    times = []
-    for _ in range(23):
-        start = time.perf_counter()
-        block(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    return _common.median(times[3:]) / tensor_ranks / 2
+def tp_all_reduce_seconds(ranks: int) -> float:
+    """One of TP's all-reduces over the launch's ``ranks`` as a step issues it: a
+    micro-batch's forward and backward through a block split by TP_PLAN (conveyor's own
+    ops), less the same through its shard alone, over its two all-reduces (64 of each,
+    back to back, as a stage's blocks follow one another)."""
+    import torch.distributed as dist
+    from conveyor.tensor.apply import Group, apply_plan
+
+    world = dist.group.WORLD
+    split = nn.Sequential(Block(WIDTH))
+    apply_plan(split, TP_PLAN, group=Group(world.group_name, ranks, dist.get_rank(), 300.0))
+    hidden = 4 * WIDTH // ranks
+    shard = nn.Sequential(nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH))
+    x = torch.randn(MICRO, WIDTH, requires_grad=True)  # (colwise sums its input's grad)
+    through_split = _gloo.burst(lambda: split(x).sum().backward(), 64)
+    through_shard = _gloo.burst(lambda: (x + shard(x)).sum().backward(), 64)
+    return max(0.0, through_split - through_shard) / 64 / 2
 
 
 def sliced(sliced_from: int, step: Callable[..., Any], *args: Any) -> Any:
@@ -332,6 +350,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     crossed: dict[str, dict[str, int]] = {}
     host = (0.0, 0.0)  # the runtime's host seconds per action, per step
     link: dict[int, tuple[float, float]] = {}
+    messages: dict[int, float] = {}
     shares: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
     for processes, options in sorted(by_processes.items()):
@@ -349,6 +368,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
         link[processes] = (found["latency"], found["bandwidth"])
+        messages[processes] = found.get("message", 0.0)  # one process: none
         gather, scatter = found.get("shares", (0.5, 0.5))  # one process: none needed
         shares[processes] = (gather, scatter)
     results = {}
@@ -380,6 +400,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
                "thread computing", "link": {
                    str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1],
+                            "gloo_message_s": messages[k],
                             "all_gather_share": shares[k][0],
                             "reduce_scatter_share": shares[k][1]}
                    for k, v in link.items()},
