@@ -20,7 +20,7 @@ weighs) on this machine's figures:
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
   neighbour slows a stage, as in benchmarks/pipedream.py);
 - the link: gloo's all-reduce between the processes, timed at two sizes in the same
-  launch as a step issues it (TP's within a block split by its plan, against its
+  launch, once every configuration has run once, as a step issues it (TP's within a block split by its plan, against its
   shard alone; the replicas' gradient sum with its bucket copies), its latency and
   bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth) (see
   benchmarks/_gloo.py), and the messages between stages held to the same link with
@@ -40,9 +40,9 @@ Every step timed starts from gradients set to None, as a training step's
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s``, ``measured_step_s`` (the rounds' lower quartile: see
 :func:`undisturbed`), ``prediction_error`` = |predicted - measured| / measured, the
-steps, and ``max_prediction_error``; for a
-pipeline, ``boundary_bytes``: per boundary, the bytes every rank sent across it in one
-step (activations and gradients), beside ``predicted_boundary_bytes``, the planner's.
+steps, and ``max_prediction_error``; for a pipeline, ``boundary_bytes``: per boundary,
+the bytes every rank sent across it in one step (activations and gradients), beside
+``predicted_boundary_bytes``, the planner's.
 """
 
 from __future__ import annotations
