@@ -86,6 +86,14 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def lower_quartile(values: list[float]) -> float:
+    """A step as measured on a shared machine: the lower quartile of its rounds. On the
+    2-core VM slow moments come in bursts of rounds, each lifting every step by up to 2x
+    (a replicated step of benchmarks/mesh.py: 52-62 ms, or 95-120), and lift a median
+    when they fill half the rounds."""
+    return statistics.quantiles(values, n=4, method="inclusive")[0]
+
+
 def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     """Each configuration's median time (seconds in) in milliseconds."""
     return {name: median(values) * 1e3 for name, values in times.items()}

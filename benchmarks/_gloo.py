@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["burst", "calibrate", "collective_shares", "message_seconds"]
+__all__ = ["burst", "calibrate", "collective_shares", "message_seconds",
+           "split_all_reduce_seconds"]
 
 BURST = 8  # all-reduces timed back to back in the link's calibration
-SMALL_BURST = 64  # small messages timed back to back: each well under a millisecond
+SMALL_BURST = 64  # small collectives and messages timed back to back: each a ms or less
 
 
 def burst(call: Callable[[], object], count: int) -> float:
@@ -126,3 +127,15 @@ def message_seconds(elements: int) -> float:
             dist.send(message, peer)
 
     return burst(round_trip, SMALL_BURST) / SMALL_BURST / 2
+
+
+def split_all_reduce_seconds(split: Callable[[], torch.Tensor],
+                             shard: Callable[[], torch.Tensor], all_reduces: int) -> float:
+    """One of the all-reduces a module split by a TP plan runs, as a step issues it: the
+    forward and backward of ``split()`` (its output, through the split module) less
+    those of ``shard()`` (through a module of one shard's shape, unsplit), over the
+    ``all_reduces`` they run, 64 of each back to back as a stage's layers follow one
+    another."""
+    through_split = burst(lambda: split().sum().backward(), SMALL_BURST)
+    through_shard = burst(lambda: shard().sum().backward(), SMALL_BURST)
+    return max(0.0, through_split - through_shard) / SMALL_BURST / all_reduces

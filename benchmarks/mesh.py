@@ -14,35 +14,29 @@ turn between barriers. On 2 cores, 4 processes share them: the plain model's ste
 timed by every process at once, carries that sharing into the prediction.
 
 The prediction is :func:`conveyor.planner.evaluate_shape` (what ``conveyor plan``
-weighs) on this machine's figures:
+weighs) on this machine's figures, each timed as a step issues it:
 
 - the profile (:func:`conveyor.planner.profile_model`, micro-batches of 16), taken alone
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
   neighbour slows a stage, as in benchmarks/pipedream.py);
-- the link: gloo's all-reduce between the processes, timed at two sizes in the same
-  launch, once every configuration has run once, as a step issues it (TP's within a block split by its plan, against its
-  shard alone; the replicas' gradient sum with its bucket copies), its latency and
-  bandwidth fitted to the ring's 2(n-1)(latency + bytes / n / bandwidth) (see
-  benchmarks/_gloo.py), and the messages between stages held to the same link with
-  ``conveyor.engine.transport.emulated_links`` (the PipeDream benchmark's emulated link),
-  which adds to each what gloo's own message (timed in the launch) does not take;
-- FSDP's collectives: FSDP2's all-gather and reduce-scatter of a block, each timed
-  against the replicas' sum of the same block in the same launch (the cluster's
-  ``all_gather_share`` and ``reduce_scatter_share``: half on a ring, not in gloo);
-- the runtime's host seconds per action and per step (``Cluster.action_s``,
-  ``Cluster.step_s``): one stage over 4 and over 8 micro-batches of 8 samples, each
-  against the plain model over the same ones, in the one-process run (see
+- the link, calibrated in each launch once every configuration has run once (see
+  benchmarks/_gloo.py): TP's all-reduce through a block split by its plan, the
+  replicas' gradient sum with its bucket copies, fitted to the ring's 2(n-1)(latency +
+  bytes / n / bandwidth); the messages between stages held to it with
+  ``conveyor.engine.transport.emulated_links``, less what gloo's own message takes;
+- FSDP's shares: FSDP2's all-gather and reduce-scatter of a block against the
+  replicas' sum of the same block;
+- the runtime's host seconds per action and per step, in the one-process run (see
   benchmarks/_host.py; a calibration of its own: no configuration below is fitted).
 
-Every step timed starts from gradients set to None, as a training step's
-``optimizer.zero_grad()`` leaves them.
+Every step timed starts from gradients set to None (as after ``zero_grad()``).
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
-``predicted_step_s``, ``measured_step_s`` (the rounds' lower quartile: see
-:func:`undisturbed`), ``prediction_error`` = |predicted - measured| / measured, the
-steps, and ``max_prediction_error``; for a pipeline, ``boundary_bytes``: per boundary,
-the bytes every rank sent across it in one step (activations and gradients), beside
-``predicted_boundary_bytes``, the planner's.
+``predicted_step_s``, ``measured_step_s`` (the rounds' lower quartile, see
+``_common.lower_quartile``), ``prediction_error`` = |predicted - measured| / measured,
+the steps, and ``max_prediction_error``; for a pipeline, ``boundary_bytes``: per
+boundary, the bytes every rank sent across it in one step (activations and gradients),
+beside ``predicted_boundary_bytes``, the planner's.
 """
 
 from __future__ import annotations
@@ -52,7 +46,6 @@ import copy
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,8 +158,8 @@ def worker(spec_path: str) -> int:
     # The link is calibrated once every configuration has run (untimed): in a launch's
     # first seconds its collectives take longer (TP's among 4 processes: 6.6 ms, then
     # 4.7 ms, which a step's take).
-    _common.round_robin({name: between_barriers(step) for name, step in steps.items()}, 0,
-                        progress=False)
+    timed = {name: between_barriers(step) for name, step in steps.items()}
+    _common.round_robin(timed, 0, progress=False)
     latency, bandwidth = _gloo.calibrate(size, MICRO * WIDTH,  # TP's, DP's all-reduce
                                          tp_all_reduce_seconds(size),
                                          sum(p.numel() for p in model().parameters()))
@@ -180,9 +173,8 @@ def worker(spec_path: str) -> int:
     # The link between stages is held to the calibrated one: the emulation adds to each
     # message what gloo's own does not already take.
     with emulated_links(bandwidth=bandwidth, latency=max(0.0, latency - message)):
-        times = _common.round_robin({name: between_barriers(step)
-                                     for name, step in steps.items()}, spec["rounds"],
-                                    progress=dist.get_rank() == 0, warmup=WARMUP)
+        times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
+                                    warmup=WARMUP)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, crossed)
@@ -198,22 +190,19 @@ def worker(spec_path: str) -> int:
 
 
 def tp_all_reduce_seconds(ranks: int) -> float:
-    """One of TP's all-reduces over the launch's ``ranks`` as a step issues it: a
-    micro-batch's forward and backward through a block split by TP_PLAN (conveyor's own
-    ops), less the same through its shard alone, over its two all-reduces (64 of each,
-    back to back, as a stage's blocks follow one another)."""
+    """One of TP's all-reduces over the launch's ``ranks`` as a step issues it: a block
+    split by TP_PLAN (conveyor's own ops) against its shard alone (see
+    :func:`_gloo.split_all_reduce_seconds`); a block's forward and backward run two."""
     import torch.distributed as dist
     from conveyor.tensor.apply import Group, apply_plan
 
-    world = dist.group.WORLD
     split = nn.Sequential(Block(WIDTH))
-    apply_plan(split, TP_PLAN, group=Group(world.group_name, ranks, dist.get_rank(), 300.0))
+    apply_plan(split, TP_PLAN, group=Group(dist.group.WORLD.group_name, ranks,
+                                           dist.get_rank(), 300.0))
     hidden = 4 * WIDTH // ranks
     shard = nn.Sequential(nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH))
     x = torch.randn(MICRO, WIDTH, requires_grad=True)  # (colwise sums its input's grad)
-    through_split = _gloo.burst(lambda: split(x).sum().backward(), 64)
-    through_shard = _gloo.burst(lambda: (x + shard(x)).sum().backward(), 64)
-    return max(0.0, through_split - through_shard) / 64 / 2
+    return _gloo.split_all_reduce_seconds(lambda: split(x), lambda: x + shard(x), 2)
 
 
 def sliced(sliced_from: int, step: Callable[..., Any], *args: Any) -> Any:
@@ -273,14 +262,6 @@ def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, li
     whole = _host.plain_step(copy.deepcopy(net), MICRO)  # after the calibration's pairs
     steps[REFERENCE] = lambda: whole(x, y)
     return _common.round_robin(steps, rounds, warmup=WARMUP)
-
-
-def undisturbed(steps: list[float]) -> float:
-    """A configuration's step as measured: the lower quartile of its rounds. On this VM
-    the machine's slow moments come in bursts of rounds, each lifting every step by
-    up to 2x (a replicated step: 52-62 ms, or 95-120), and lift a median when they fill
-    half the rounds; the plain model's step is taken the same way."""
-    return statistics.quantiles(steps, n=4, method="inclusive")[0]
 
 
 def scaled(profile: Any, reference: float) -> Any:
@@ -375,11 +356,11 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     for name, (shape, schedule, options) in configs.items():
         latency, bandwidth = link[shape.devices]
         profile = scaled(alone if shape.devices == 1 else beside,
-                         undisturbed(reference[shape.devices]))
+                         _common.lower_quartile(reference[shape.devices]))
         predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"], shape.devices,
                            latency, bandwidth, host, shares[shape.devices])
-        step = undisturbed(measured[name])
+        step = _common.lower_quartile(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
                          "chunks": options["chunks"], "processes": shape.devices,
@@ -404,8 +385,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                             "all_gather_share": shares[k][0],
                             "reduce_scatter_share": shares[k][1]}
                    for k, v in link.items()},
-               "plain_model_step_s": {str(k): {"lower_quartile": undisturbed(v), "steps": v}
-                                      for k, v in reference.items()},
+               "plain_model_step_s": {str(k): {"lower_quartile": _common.lower_quartile(v),
+                                                "steps": v} for k, v in reference.items()},
                "configurations": results,
                "max_prediction_error": max(r["prediction_error"] for r in results.values()),
                "tensor_parallel": "run" if any(r["tp"] > 1 for r in results.values()) else
