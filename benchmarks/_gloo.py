@@ -10,6 +10,10 @@ each as a step issues it.
 * The replicas' gradient sum (large): as ``conveyor.distributed.gradients`` runs it, the
   gradients copied into a bucket, summed, and divided back into ``.grad``. The copies
   count: on a CPU they pass over memory as large as the model, twice.
+* Both over each level's groups, every group of a level at once (a cluster of levels:
+  ``mesh.py`` runs 4 processes as two "nodes" of two), fitted level by level
+  (:func:`fit_levels`): a pair's all-reduce among 4 busy processes on 2 cores costs
+  more than the third of the 4-ring's it would be on one level (2.0 ms against 1.7).
 * FSDP's all-gather and reduce-scatter of one unit: FSDP2's own, on a unit of the
   model (its copies in and out, its bookkeeping), each over the gradient sum of the
   same parameters timed as above (the cluster's shares: half each on a ring, with no
@@ -24,14 +28,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["burst", "calibrate", "collective_shares", "message_seconds",
+__all__ = ["burst", "collective_shares", "fit_levels", "gradient_sum_seconds", "message_seconds",
            "split_all_reduce_seconds"]
 
 BURST = 8  # all-reduces timed back to back in the link's calibration
@@ -50,35 +54,47 @@ def burst(call: Callable[[], object], count: int) -> float:
     return statistics.median(times[1:])
 
 
-def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group_size: int
+def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group: Any = None
                   ) -> Callable[[], None]:
-    """The replicas' sum of ``gradients`` as the runtime runs it (see the module's
-    docstring)."""
+    """The replicas' sum of ``gradients`` over ``group`` (None: every rank) as the runtime
+    runs it (see the module's docstring)."""
+    size = dist.get_world_size(group)
+
     def call() -> None:
         bucket.copy_(gradients)
-        dist.all_reduce(bucket)
-        torch.div(bucket, group_size, out=gradients)
+        dist.all_reduce(bucket, group=group)
+        torch.div(bucket, size, out=gradients)
     return call
 
 
-def calibrate(group_size: int, small: int, t_small: float, large: int
-              ) -> tuple[float, float]:
-    """gloo's all-reduce, as a step issues it: (latency, bandwidth) fitted to the ring's
-    2(n-1)(latency + bytes / n / bandwidth) at ``small`` float32 elements, what each of
-    TP's all-reduces carries, taking the ``t_small`` seconds the caller measured in its
-    step (see benchmarks/mesh.py), and at ``large`` (the model's gradients summed over
-    the replicas, their bucket copies included), timed here."""
-    t_large = burst(_gradient_sum(torch.randn(large), torch.empty(large), group_size),
-                    BURST) / BURST
-    hops = 2 * (group_size - 1)
-    per_byte = (t_large - t_small) / (4 * (large - small)) / hops  # 1 / (n bandwidth)
-    bandwidth = 1 / (per_byte * group_size)
-    latency = max(0.0, t_small / hops - 4 * small * per_byte)
-    return latency, bandwidth
+def gradient_sum_seconds(elements: int, group: Any = None) -> float:
+    """One replicas' sum of ``elements`` float32 gradients over ``group``, with its
+    bucket copies (every group of the launch timed at once)."""
+    return burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group),
+                 BURST) / BURST
 
 
-def collective_shares(group_size: int, unit: Callable[[], nn.Module], sample: torch.Tensor,
-                      count: int) -> tuple[float, float]:
+def fit_levels(sizes: Sequence[int], small: int, t_small: Sequence[float], large: int,
+               t_large: Sequence[float]) -> list[tuple[float, float]]:
+    """Each level's (latency, bandwidth), innermost first, from all-reduces over the
+    devices each level holds: ``t_small[i]`` and ``t_large[i]`` seconds at ``small`` and
+    ``large`` float32 elements among ``sizes[0] * ... * sizes[i]`` devices. As the
+    planner counts it (``conveyor.planner.mesh.group_ring``), level i adds a ring of
+    ``sizes[i]``: 2(n-1)(latency + bytes / n / bandwidth), so each level takes what its
+    group's all-reduce costs beyond the one inside it."""
+    levels, below_small, below_large = [], 0.0, 0.0
+    for size, at_small, at_large in zip(sizes, t_small, t_large):
+        hops = 2 * (size - 1)
+        own_small, own_large = at_small - below_small, at_large - below_large
+        per_byte = max(1e-15, (own_large - own_small) / (4 * (large - small)) / hops)
+        levels.append((max(0.0, own_small / hops - 4 * small * per_byte),
+                       1 / (per_byte * size)))
+        below_small, below_large = at_small, at_large
+    return levels
+
+
+def collective_shares(unit: Callable[[], nn.Module], sample: torch.Tensor, count: int
+                      ) -> tuple[float, float]:
     """FSDP2's all-gather and reduce-scatter of one ``unit()`` (a module made the same on
     every rank, one FSDP unit) as FSDP2 runs them over the launch's ranks, ``count``
     back to back as FSDP issues them a unit at a time, each over the replicas' sum of
@@ -90,8 +106,7 @@ def collective_shares(group_size: int, unit: Callable[[], nn.Module], sample: to
 
     module = unit()
     elements = sum(p.numel() for p in module.parameters())
-    reduce = burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group_size),
-                    count)
+    reduce = burst(_gradient_sum(torch.randn(elements), torch.empty(elements)), count)
     sharded: Any = fully_shard(module, reshard_after_forward=False)
     gather = burst(lambda: (sharded.unshard(), sharded.reshard()), count)
     sharded.set_reshard_after_backward(False)

@@ -73,6 +73,10 @@ WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
 #: heap grows over the first rounds (pages faulted in: tens of ms a step on a VM).
 WARMUP = 3
 REFERENCE = "plain model"
+#: A launch's processes as the levels of a cluster, innermost first: 4 as two "nodes" of
+#: two, in which the planner keeps TP=2 and PP=4's boundaries 0|1 and 2|3.
+LEVELS = {1: (1,), 2: (2,), 4: (2, 2)}
+CALIBRATIONS = 3
 
 #: name -> (shape, schedule, the Pipeline's options beside the model and loss)
 CONFIGS: dict[str, tuple[Shape, str, dict[str, Any]]] = {
@@ -155,24 +159,37 @@ def worker(spec_path: str) -> int:
             dist.barrier()
         return timed
 
-    # The link is calibrated once every configuration has run (untimed): in a launch's
+    # The links are calibrated once every configuration has run (untimed): in a launch's
     # first seconds its collectives take longer (TP's among 4 processes: 6.6 ms, then
-    # 4.7 ms, which a step's take).
+    # 4.7 ms, which a step's take); and CALIBRATIONS times, an untimed round before each,
+    # their medians kept (one calibration in a slow moment doubled a latency).
     timed = {name: between_barriers(step) for name, step in steps.items()}
-    _common.round_robin(timed, 0, progress=False)
-    latency, bandwidth = _gloo.calibrate(size, MICRO * WIDTH,  # TP's, DP's all-reduce
-                                         tp_all_reduce_seconds(size),
-                                         sum(p.numel() for p in model().parameters()))
-    shares = _gloo.collective_shares(size, lambda: Block(WIDTH), torch.randn(MICRO, WIDTH),
-                                     BLOCKS)
+    sizes, groups = LEVELS[size], level_groups(LEVELS[size])
+    parameters = sum(p.numel() for p in net.parameters())  # what the replicas sum
+    passes = []
+    for _ in range(CALIBRATIONS):
+        _common.round_robin(timed, 0, progress=False)
+        passes.append([tp_all_reduce_seconds(group) for group in groups]
+                      + [_gloo.gradient_sum_seconds(parameters, group) for group in groups])
+    shares = _gloo.collective_shares(lambda: Block(WIDTH), torch.randn(MICRO, WIDTH), BLOCKS)
     message = _gloo.message_seconds(MICRO * WIDTH)  # what a real message already takes
-    figures = torch.tensor([latency, bandwidth, message, *shares], dtype=torch.float64)
+    figures = torch.tensor([*torch.tensor(passes).median(0).values.tolist(), message,
+                            *shares], dtype=torch.float64)
     dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
-    latency, bandwidth, message, *shares = figures.tolist()
+    *timings, message, gather, scatter = figures.tolist()
+    levels = _gloo.fit_levels(sizes, MICRO * WIDTH, timings[:len(sizes)],  # TP's, DP's
+                              parameters, timings[len(sizes):])
+    links = cluster(sizes, levels)
 
-    # The link between stages is held to the calibrated one: the emulation adds to each
-    # message what gloo's own does not already take.
-    with emulated_links(bandwidth=bandwidth, latency=max(0.0, latency - message)):
+    def between(source: int, destination: int) -> tuple[float, float]:
+        """The link from one rank to another: its level's, less gloo's own message."""
+        level = links.levels[links.level_of(min(source, destination),
+                                            max(source, destination))]
+        return level.bandwidth, max(0.0, level.latency - message)
+
+    # The links between stages are held to the calibrated ones: the emulation adds to
+    # each message what gloo's own does not already take.
+    with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
                                     warmup=WARMUP)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
@@ -181,24 +198,44 @@ def worker(spec_path: str) -> int:
     if dist.get_rank() == 0:
         boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
                       for name in pipes}
-        Path(spec["out"]).write_text(json.dumps({"times": times, "latency": latency,
-                                                 "bandwidth": bandwidth, "message": message,
-                                                 "shares": shares,
+        Path(spec["out"]).write_text(json.dumps({"times": times, "levels": levels,
+                                                 "message": message,
+                                                 "shares": (gather, scatter),
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
 
 
-def tp_all_reduce_seconds(ranks: int) -> float:
-    """One of TP's all-reduces over the launch's ``ranks`` as a step issues it: a block
-    split by TP_PLAN (conveyor's own ops) against its shard alone (see
-    :func:`_gloo.split_all_reduce_seconds`); a block's forward and backward run two."""
+def level_groups(sizes: tuple[int, ...]) -> list[Any]:
+    """This rank's process group at each level of ``sizes`` (:data:`LEVELS`), innermost
+    first; None for the level that holds every rank."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups, span = [], 1
+    for size in sizes:
+        span *= size
+        mine = None
+        if span < world:  # every rank makes every group, in the same order
+            for first in range(0, world, span):
+                group = dist.new_group(list(range(first, first + span)))
+                mine = group if first <= rank < first + span else mine
+        groups.append(mine)
+    return groups
+
+
+def tp_all_reduce_seconds(group: Any) -> float:
+    """One of TP's all-reduces over ``group`` (None: every rank) as a step issues it: a
+    block split by TP_PLAN (conveyor's own ops) against its shard alone (see
+    :func:`_gloo.split_all_reduce_seconds`); a block's forward and backward run two.
+    Every group of a level runs it at once, as the stages of PP x TP do."""
     import torch.distributed as dist
     from conveyor.tensor.apply import Group, apply_plan
 
+    ranks = dist.get_world_size(group)
     split = nn.Sequential(Block(WIDTH))
-    apply_plan(split, TP_PLAN, group=Group(dist.group.WORLD.group_name, ranks,
-                                           dist.get_rank(), 300.0))
+    apply_plan(split, TP_PLAN, group=Group((group or dist.group.WORLD).group_name, ranks,
+                                           dist.get_rank(group), 300.0))
     hidden = 4 * WIDTH // ranks
     shard = nn.Sequential(nn.Linear(WIDTH, hidden), nn.GELU(), nn.Linear(hidden, WIDTH))
     x = torch.randn(MICRO, WIDTH, requires_grad=True)  # (colwise sums its input's grad)
@@ -278,13 +315,21 @@ def scaled(profile: Any, reference: float) -> Any:
                                source=f"{profile.source}, times x{factor:.2f}")
 
 
-def predict(profile: Any, shape: Shape, schedule: str, chunks: int, processes: int,
-            latency: float, bandwidth: float, host: tuple[float, float] = (0.0, 0.0),
-            shares: tuple[float, float] = (0.5, 0.5)) -> float:
-    cluster = Cluster((Level("gloo", max(processes, 1), bandwidth, latency),), memory=1e12,
-                      action_s=host[0], step_s=host[1], all_gather_share=shares[0],
-                      reduce_scatter_share=shares[1])
-    found = evaluate_shape(profile, cluster, shape, schedule, chunks, batch=BATCH,
+def cluster(sizes: tuple[int, ...], levels: list[tuple[float, float]],
+            host: tuple[float, float] = (0.0, 0.0),
+            shares: tuple[float, float] = (0.5, 0.5)) -> Cluster:
+    """This machine as the planner sees it: the launch's ``levels`` ((latency,
+    bandwidth), innermost first, of ``sizes``), the runtime's host seconds per action and
+    per step, FSDP's shares."""
+    return Cluster(tuple(Level(f"level {i}", size, bandwidth, latency)
+                         for i, (size, (latency, bandwidth)) in enumerate(zip(sizes, levels))),
+                   memory=1e12, action_s=host[0], step_s=host[1],
+                   all_gather_share=shares[0], reduce_scatter_share=shares[1])
+
+
+def predict(profile: Any, shape: Shape, schedule: str, chunks: int, machine: Cluster
+            ) -> float:
+    found = evaluate_shape(profile, machine, shape, schedule, chunks, batch=BATCH,
                            optimizer="sgd")
     assert found is not None  # memory is not the question here
     return found.predicted_step_s
@@ -330,7 +375,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     measured: dict[str, list[float]] = {}
     crossed: dict[str, dict[str, int]] = {}
     host = (0.0, 0.0)  # the runtime's host seconds per action, per step
-    link: dict[int, tuple[float, float]] = {}
+    levels: dict[int, list[tuple[float, float]]] = {}
     messages: dict[int, float] = {}
     shares: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
@@ -339,8 +384,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         found: dict[str, Any]
         if processes == 1:
             found = {"times": one_process(options, ONE_PROCESS_ROUNDS * rounds),
-                     "latency": 0.0,
-                     "bandwidth": 1e12}
+                     "levels": [(0.0, 1e12)]}
         else:
             found = launch(options, processes, rounds)
         reference[processes] = found["times"].pop(REFERENCE)
@@ -348,18 +392,18 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
             host = _host.runtime_costs(found["times"])
         measured.update(found["times"])
         crossed.update(found.get("boundary_bytes", {}))
-        link[processes] = (found["latency"], found["bandwidth"])
+        levels[processes] = [tuple(level) for level in found["levels"]]
         messages[processes] = found.get("message", 0.0)  # one process: none
         gather, scatter = found.get("shares", (0.5, 0.5))  # one process: none needed
         shares[processes] = (gather, scatter)
     results = {}
     for name, (shape, schedule, options) in configs.items():
-        latency, bandwidth = link[shape.devices]
         profile = scaled(alone if shape.devices == 1 else beside,
                          _common.lower_quartile(reference[shape.devices]))
         predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
-                           profile, shape, schedule, options["chunks"], shape.devices,
-                           latency, bandwidth, host, shares[shape.devices])
+                           profile, shape, schedule, options["chunks"],
+                           cluster(LEVELS[shape.devices], levels[shape.devices], host,
+                                   shares[shape.devices]))
         step = _common.lower_quartile(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
@@ -380,11 +424,13 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                "action_s": host[0], "step_s": host[1],
                "profile_alone": alone.source, "profile_beside": beside.source + ", another "
                "thread computing", "link": {
-                   str(k): {"latency_s": v[0], "bandwidth_bytes_s": v[1],
+                   str(k): {"levels": [{"size": size, "latency_s": latency,
+                                        "bandwidth_bytes_s": bandwidth}
+                                       for size, (latency, bandwidth) in zip(LEVELS[k], v)],
                             "gloo_message_s": messages[k],
                             "all_gather_share": shares[k][0],
                             "reduce_scatter_share": shares[k][1]}
-                   for k, v in link.items()},
+                   for k, v in levels.items()},
                "plain_model_step_s": {str(k): {"lower_quartile": _common.lower_quartile(v),
                                                 "steps": v} for k, v in reference.items()},
                "configurations": results,

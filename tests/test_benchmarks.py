@@ -176,6 +176,7 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     from conveyor.planner import LayerCost, ModelProfile, Shape
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _gloo
     import _host
     import mesh
 
@@ -187,18 +188,37 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     profile = mesh.scaled(ModelProfile("blocks", layers, 50.0, "by hand"), 0.5)
     whole = mesh.BATCH * sum(x.forward + x.backward for x in profile.layers)
     assert whole == pytest.approx(0.5) and profile.source.endswith("times x3.26")
-    steps = {name: mesh.predict(profile, shape, schedule, options["chunks"], shape.devices,
-                                1e-4, 1e8)
+    steps = {name: mesh.predict(profile, shape, schedule, options["chunks"], mesh.cluster(
+                 mesh.LEVELS[shape.devices], [(1e-4, 1e8)] * len(mesh.LEVELS[shape.devices])))
              for name, (shape, schedule, options) in mesh.CONFIGS.items()}
     assert steps["no pipeline"] == pytest.approx(0.5)  # no link: the plain step
-    # Half the batch each, plus the gradients' ring (4 x 8 x 1000 x 4 bytes at 1e8 B/s).
-    assert steps["DP=2 replicate"] == pytest.approx(0.25 + 2e-4 + 32000 / 1e8)
+    # Half the batch each, plus the gradients' ring (4 x 8 x 1000 x 4 bytes at 1e8 B/s),
+    # and the step's two agreements (the loss total, the gradients finite), a ring each.
+    assert steps["DP=2 replicate"] == pytest.approx(0.25 + 2e-4 + 32000 / 1e8 + 2 * 2e-4)
     assert steps["DP=2 fsdp"] > steps["DP=2 replicate"]
     assert 0.25 < steps["PP=2"] < 0.5
     shape, schedule, options = mesh.TP_CONFIGS["PP=2 x TP=2, pieces"]
+    one_link = mesh.cluster((4,), [(1e-4, 1e6)])
     whole, pieces = (mesh.sliced(sliced_from, mesh.predict, profile, shape, schedule,
-                                 options["chunks"], 4, 1e-4, 1e6) for sliced_from in (1 << 20, 0))
+                                 options["chunks"], one_link) for sliced_from in (1 << 20, 0))
     assert pieces != whole  # one link for both: the gather costs what the pieces save
+    # Two "nodes" of two: TP=2 within one, on its link; the stages' boundary between them.
+    near, far = (1e-4, 1e6), (2e-3, 1e6)
+    shape, schedule, options = mesh.TP_CONFIGS["PP=2 x TP=2"]
+    slow_boundary, slow_tp = (mesh.predict(profile, shape, schedule, options["chunks"],
+                                           mesh.cluster((2, 2), links))
+                              for links in ([near, far], [far, near]))
+    assert slow_tp > slow_boundary  # 32 all-reduces a stage, against 8 messages a boundary
+    # The levels fitted back from all-reduces over a pair and over the four, each level's
+    # ring 2(n-1)(latency + bytes / n / bandwidth) on top of the one inside it.
+    def ring(n: int, latency: float, bandwidth: float, count: int) -> float:
+        return 2 * (n - 1) * (latency + 4 * count / n / bandwidth)
+
+    small, large = 4096, 1 << 22
+    pair = [ring(2, *near, count) for count in (small, large)]
+    four = [p + ring(2, *far, count) for p, count in zip(pair, (small, large))]
+    fitted = _gloo.fit_levels((2, 2), small, [pair[0], four[0]], large, [pair[1], four[1]])
+    assert fitted == [pytest.approx(near), pytest.approx(far)]
     # The runtime's host costs: what a step of 4, of 8 micro-batches added to its plain
     # pair, 2 actions a micro-batch apart; the pairs are taken out of the times.
     times = {"runtime 4": [0.110, 0.111], "plain 4": [0.100, 0.100],
@@ -206,8 +226,9 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     action, step = _host.runtime_costs(times)
     assert (action, step) == (pytest.approx(2.5e-4), pytest.approx(8.5e-3))
     assert list(times) == ["PP=2"]
-    assert mesh.predict(profile, Shape(1, 1, 1), "1f1b", 4, 1, 0.0, 1e12, (action, step)) \
-        == pytest.approx(0.5 + 8 * action + step)
+    alone = mesh.cluster((1,), [(0.0, 1e12)], (action, step))
+    assert mesh.predict(profile, Shape(1, 1, 1), "1f1b", 4, alone) == \
+        pytest.approx(0.5 + 8 * action + step)
 
 
 def test_verify_cost_script_times_both_steps() -> None:

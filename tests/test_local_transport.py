@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from conveyor.engine.transport import Aborted, LocalTransport, MessageKind
+from conveyor.engine.transport import Aborted, LocalTransport, MessageKind, emulated_links
 
 CPU = torch.device("cpu")
 FINISH = 5.0  # seconds a receive that should return may take
@@ -200,3 +201,20 @@ def test_deliveries_to_a_gpu_are_copies_there() -> None:
     got = Receive(transport, "activation", 1, 0).result()
     assert got.device == torch.device("cuda", 0) and got.requires_grad and got.is_leaf
     assert torch.equal(got.cpu(), sent.detach())
+
+
+def test_emulated_links_hold_each_message_for_its_own_links_latency(
+        transport: LocalTransport) -> None:
+    far = {(1, 2)}  # stage 1 to stage 2 crosses between "nodes"; 0 to 1 stays within one
+    with emulated_links(between=lambda a, b: (1e12, 0.3 if (a, b) in far else 0.0)):
+        start = time.monotonic()
+        transport.send("activation", 1, 0, torch.ones(1))  # from stage 0
+        transport.send("activation", 2, 0, torch.ones(1))  # from stage 1
+        Receive(transport, "activation", 1, 0).result()
+        near_took = time.monotonic() - start
+        Receive(transport, "activation", 2, 0).result()
+        far_took = time.monotonic() - start
+    assert near_took < 0.3 <= far_took
+    with pytest.raises(ValueError, match="link 0->1 needs bandwidth > 0"), \
+            emulated_links(between=lambda a, b: (0.0, 0.0)):
+        transport.send("activation", 1, 1, torch.ones(1))

@@ -16,7 +16,7 @@ from conveyor.cli import main
 from conveyor.errors import ConveyorError
 from conveyor.planner import (Cluster, LayerCost, Level, ModelProfile, PipelinePlan,
                               StageChoice)
-from conveyor.planner.mesh import Shape, evaluate_shape
+from conveyor.planner.mesh import Shape, agreements, evaluate_shape
 from conveyor.planner.meshsearch import search_mesh
 from conveyor.planner.verdict import decide
 
@@ -173,10 +173,29 @@ def test_the_hosts_seconds_per_step_count_once_a_step_on_the_busiest_rank() -> N
         stepped = evaluate_shape(profile, cluster, shape, "1f1b", 4, batch=32)
         assert plain is not None and stepped is not None
         assert stepped.predicted_step_s == pytest.approx(plain.predicted_step_s + 2e-3)
-        assert (stepped.runtime_s, plain.runtime_s) == (pytest.approx(2e-3), 0.0)
+        assert plain.runtime_s == pytest.approx(agreements(_two_nodes(1e10), shape))
+        assert stepped.runtime_s == pytest.approx(plain.runtime_s + 2e-3)
         assert stepped.idle_s == pytest.approx(plain.idle_s)
     with pytest.raises(ConveyorError, match="action and step at least 0"):
         Cluster.from_dict({**cluster.to_dict(), "step": -1.0})
+
+
+def test_a_steps_agreements_cost_each_groups_latencies_on_every_rank() -> None:
+    """The small all-reduces that end every step (the loss from the last stage over the
+    pipeline, the replicas' loss total, the agreement over all ranks that the gradients
+    are finite) cost their groups' latencies, ring by ring up the levels; one device
+    has none."""
+    cluster = _two_nodes(1e10)  # nodes of 4 at 1 us a message, 2 of them at 10 us
+    assert agreements(cluster, Shape(1, 1, 1)) == 0.0
+    # Two stages in a node: a ring of 2 for the loss, the same for the agreement.
+    assert agreements(cluster, Shape(2, 1, 1)) == pytest.approx(4e-6)
+    # PP=2 x DP=2 x TP=2, the stages a node apart: the loss's ring crosses the network
+    # (2 x 10 us), the replicas' within a node (2 x 1 us), all 8 ranks' both levels
+    # (6 x 1 us, then 2 x 10 us).
+    assert agreements(cluster, Shape(2, 2, 2, "fsdp")) == pytest.approx(4.8e-5)
+    flat = evaluate_shape(_profile(), cluster, Shape(1, 1, 8, "replicate"), "1f1b", 4, batch=32)
+    assert flat is not None and flat.runtime_s == pytest.approx(
+        agreements(cluster, Shape(1, 1, 8, "replicate")))
 
 
 def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:

@@ -206,10 +206,12 @@ class P2PTransport(Receiving):
         header, pieces = _encode(_CODES[kind], stage, microbatch, value, source)
         links = emulated()
         if links is not None:  # a testing aid: the receiver takes it no earlier
+            bandwidth, latency = links.link(self.topology.global_rank(
+                self.topology.pipeline_rank), self.topology.global_rank(destination))
             leaves = max(time.monotonic(), self._link_free.get(destination, 0.0)) \
-                + (_HEADER_BYTES + header[_BODY]) / links.bandwidth
+                + (_HEADER_BYTES + header[_BODY]) / bandwidth
             self._link_free[destination] = leaves
-            header[_ARRIVES] = int((leaves + links.latency) * 1e9)
+            header[_ARRIVES] = int((leaves + latency) * 1e9)
         wire = self._send_message(destination, header, pieces)
         self.traffic.note(kind, source, stage, value, wire)
 

@@ -12,7 +12,8 @@ flag its sender's tensor had. Every transport counts what it sends in its
 A testing aid: inside ``with emulated_links(bandwidth=1e8, latency=1e-4):`` the threads'
 transport holds every message between two stages as a wire would: it leaves once the
 messages sent before it on that link (source to destination) have, takes its bytes over
-the bandwidth, and arrives a latency later. A pipeline of CPU threads then shows what a
+the bandwidth, and arrives a latency later. ``between=`` gives each link its own
+(a cluster of levels: the devices of a node near, the nodes far). A pipeline of CPU threads then shows what a
 slow interconnect does to a plan (``benchmarks/pipedream.py``). Between processes on
 one machine (each in the block) the sender stamps each message with when it would
 arrive, and the receiver takes it no earlier (:mod:`conveyor.distributed.p2p`).
@@ -42,23 +43,40 @@ MessageKind = Literal["activation", "gradient"]
 @dataclass(frozen=True)
 class EmulatedLinks:
     """Every link between two stages: ``bandwidth`` bytes per second each way, and
-    ``latency`` seconds added to each message."""
+    ``latency`` seconds added to each message; or, where ``between`` is given, the
+    (bandwidth, latency) it says for the link from one to the other (stages on threads,
+    global ranks between processes)."""
 
     bandwidth: float
     latency: float = 0.0
+    between: Callable[[int, int], tuple[float, float]] | None = None
+
+    def link(self, source: int, destination: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the link from ``source`` to ``destination``."""
+        if self.between is None:
+            return self.bandwidth, self.latency
+        bandwidth, latency = self.between(source, destination)
+        if bandwidth <= 0 or latency < 0:
+            raise ValueError(f"emulated link {source}->{destination} needs bandwidth > 0 "
+                             f"and latency >= 0; got bandwidth={bandwidth}, "
+                             f"latency={latency}")
+        return bandwidth, latency
 
 
 _emulated: list[EmulatedLinks] = []  # the innermost emulated_links() in force, last
 
 
 @contextlib.contextmanager
-def emulated_links(*, bandwidth: float, latency: float = 0.0) -> Iterator[EmulatedLinks]:
+def emulated_links(*, bandwidth: float = 0.0, latency: float = 0.0,
+                   between: Callable[[int, int], tuple[float, float]] | None = None
+                   ) -> Iterator[EmulatedLinks]:
     """Within the block, threads' transports deliver messages between stages as over
-    links of ``bandwidth`` bytes per second and ``latency`` seconds (a testing aid)."""
-    if bandwidth <= 0 or latency < 0:
-        raise ValueError(f"emulated_links needs bandwidth > 0 and latency >= 0; got "
-                         f"bandwidth={bandwidth}, latency={latency}")
-    links = EmulatedLinks(bandwidth, latency)
+    links of ``bandwidth`` bytes per second and ``latency`` seconds, or over the link
+    ``between(source, destination)`` gives as (bandwidth, latency) (a testing aid)."""
+    if between is None and (bandwidth <= 0 or latency < 0):
+        raise ValueError(f"emulated_links needs bandwidth > 0 and latency >= 0 (or "
+                         f"between=); got bandwidth={bandwidth}, latency={latency}")
+    links = EmulatedLinks(bandwidth, latency, between)
     _emulated.append(links)
     try:
         yield links
@@ -267,11 +285,11 @@ class LocalTransport:
         with self._ready:
             links = emulated()
             if links is not None and source != stage:
-                link = (source, stage)
-                leaves = max(time.monotonic(), self._link_free.get(link, 0.0)) \
-                    + _tensor_bytes(value) / links.bandwidth
-                self._link_free[link] = leaves
-                self._arrives[key] = leaves + links.latency
+                bandwidth, latency = links.link(source, stage)
+                leaves = max(time.monotonic(), self._link_free.get((source, stage), 0.0)) \
+                    + _tensor_bytes(value) / bandwidth
+                self._link_free[(source, stage)] = leaves
+                self._arrives[key] = leaves + latency
             self._boxes[key] = value
             self._ready.notify_all()
 

@@ -24,9 +24,9 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
   all-gathers (one per layer per step; GPipe re-gathers in each forward) and its
   reduce-scatter, each the cluster's share of an all-reduce (half on a ring; gloo's
   are slower), ring by ring up the levels the group spans;
-- the runtime's step: the host's ``cluster.step_s`` on every rank (its agreements
-  with the other ranks, a few small all-reduces when all of them wait in them, are not
-  counted);
+- the runtime's step: the host's ``cluster.step_s`` on every rank, and its agreements
+  with the other ranks (:func:`agreements`: small all-reduces, each its group's
+  latencies);
 - pipeline: the schedule's simulation (:func:`conveyor.planner.simulation.simulate_cut`)
   of the stages, each boundary sending 1/T of the activation per TP rank and gathering
   it on the receiver's node (whole under ``conveyor.tensor.SLICED_FROM`` bytes, as the
@@ -49,7 +49,8 @@ from conveyor.planner.profiles import LayerCost, ModelProfile
 from conveyor.planner.simulation import simulate_cut
 from conveyor.tensor.costs import Collectives
 
-__all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "balanced", "bound_at", "evaluate_shape",
+__all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "agreements", "balanced", "bound_at",
+           "evaluate_shape",
            "group_ring"]
 
 MESH_SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
@@ -101,7 +102,8 @@ class MeshCandidate:
         tp_comm_s: of which its TP all-reduces.
         dp_comm_s: its gradient all-reduce, or FSDP's all-gathers and reduce-scatter.
         p2p_s: the slowest boundary's transfer of one micro-batch's activation.
-        runtime_s: the runtime's own step on a rank: its host's seconds per step.
+        runtime_s: the runtime's own step on a rank: its host's seconds per step and
+            its agreements with the other ranks (:func:`agreements`).
         idle_s: the rest of the step: waiting as the schedule fills and drains.
     """
 
@@ -196,6 +198,17 @@ def group_ring(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     return fixed, per_byte
 
 
+def agreements(cluster: Cluster, shape: Shape) -> float:
+    """The seconds of the small all-reduces that end each step of ``shape`` on every rank
+    (``conveyor.runtime.steps``): the loss from the last stage over each pipeline, the
+    replicas' loss total, and the agreement over all ranks that the gradients are
+    finite; each of a few bytes, its group's latencies ring by ring."""
+    pipeline_apart = shape.dp * shape.tp if shape.order == "pp-dp-tp" else shape.tp
+    data_apart = shape.tp if shape.order == "pp-dp-tp" else shape.pp * shape.tp
+    groups = [(shape.pp, pipeline_apart), (shape.dp, data_apart), (shape.devices, 1)]
+    return sum(group_ring(cluster, size, apart)[0] for size, apart in groups if size > 1)
+
+
 @dataclass(frozen=True)
 class _Stage:
     """One stage of a shape, per micro-batch (``data``: per step) and per sample
@@ -206,7 +219,7 @@ class _Stage:
     backward: float
     tp: float
     data: float
-    step: float  # per step: the runtime's host's own
+    step: float  # per step: the runtime's own (its host, its agreements)
     send: float
     weights: float
     saved: float  # per sample, on one TP rank
@@ -232,6 +245,7 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
     data_fixed, data_byte = group_ring(
         cluster, dp, tp if shape.order == "pp-dp-tp" else shape.pp * tp)
     gathers = chunks + 1 if schedule == "gpipe" and shape.pp > 1 else 1
+    step = cluster.step_s + agreements(cluster, shape)
     stages, i = [], 0
     for k, count in enumerate(balance):
         j, last = i + count, k == len(balance) - 1
@@ -266,7 +280,7 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
             (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s,
             micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s,
             forward_tp + backward_tp,
-            data, cluster.step_s, send, weights, saved,
+            data, step, send, weights, saved,
             c.output[i] + (0.0 if last else c.output[j]), 0.0 if last else c.output[j]))
         i = j
     return stages
