@@ -29,7 +29,9 @@ weighs) on this machine's figures, each timed as a step issues it:
 - the runtime's host seconds per action and per step, in the one-process run (see
   benchmarks/_host.py; a calibration of its own: no configuration below is fitted).
 
-Every step timed starts from gradients set to None (as after ``zero_grad()``).
+Every step timed starts from gradients set to None (as after ``zero_grad()``), right
+after an untimed step of its own: as in a training loop, the caches hold its model, not
+another configuration's copy (``_common.round_robin(warm_each=True)``).
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s``, ``measured_step_s`` (the rounds' lower quartile, see
@@ -191,7 +193,7 @@ def worker(spec_path: str) -> int:
     # each message what gloo's own does not already take.
     with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
-                                    warmup=WARMUP)
+                                    warmup=WARMUP, warm_each=True)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, crossed)
@@ -298,7 +300,7 @@ def one_process(options: dict[str, dict[str, Any]], rounds: int) -> dict[str, li
     steps.update(_host.calibration_steps(net, x, y))
     whole = _host.plain_step(copy.deepcopy(net), MICRO)  # after the calibration's pairs
     steps[REFERENCE] = lambda: whole(x, y)
-    return _common.round_robin(steps, rounds, warmup=WARMUP)
+    return _common.round_robin(steps, rounds, warmup=WARMUP, warm_each=True)
 
 
 def scaled(profile: Any, reference: float) -> Any:
