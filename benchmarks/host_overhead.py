@@ -12,7 +12,9 @@ median of the rounds:
 * each stage's column on its own, both processes at once (M forwards then M backwards
   of plain PyTorch): the compute, which the two above share.
 
-Reported (``benchmarks/results/host_overhead.json``, or ``--json FILE``):
+Reported (``benchmarks/results/host_overhead.json``, or ``--json FILE``), beside each
+step's median, ``main_thread_cpu_ms``: the CPU time of the busier rank's main thread per
+step, which a neighbour's load on a shared machine moves less than the step's wall time;
 ``per_action_us`` for conveyor's 1F1B and torch's 1F1B (the step over the 2M compute
 actions a rank runs: F and B of each micro-batch), ``overhead_per_action_us`` (the same
 less the stage's own column: the pipeline's host cost alone), and ``zb_over_1f1b``
@@ -134,24 +136,32 @@ def measure(args: argparse.Namespace) -> None:
                "conveyor zero-bubble": conveyor_step("zero-bubble"),
                "torch Schedule1F1B": torch_step(), "stage column": stage_column()}
     times: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}  # this main thread's
     for round_index in range(args.rounds + 1):
         for name, step in configs.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             step()
+            used = time.thread_time() - start_cpu
             dist.barrier()
             if round_index:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(used)
         if rank == 0:
             print(f"  round {round_index}/{args.rounds} done", file=sys.stderr, flush=True)
+    ranks: list[dict[str, float]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(ranks, _common.median_ms(cpu))
     if rank == 0:
+        busiest = {name: max(mine[name] for mine in ranks) for name in configs}
         Path(os.environ["HOST_OVERHEAD_RESULT"]).write_text(
-            json.dumps(report(args, times)))
+            json.dumps(report(args, times, busiest)))
     dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str, object]:
-    """The figures and their table, from each configuration's seconds per round."""
+def report(args: argparse.Namespace, times: dict[str, list[float]],
+           cpu_ms: dict[str, float]) -> dict[str, object]:
+    """The figures and their table, from each configuration's seconds per round and
+    the busier rank's main-thread CPU milliseconds per step (the median of its rounds)."""
     ms = _common.median_ms(times)
     actions = 2 * args.chunks  # F and B of each micro-batch, on each rank
     column = ms["stage column"]
@@ -160,10 +170,10 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str,
     overhead = {name: 1e3 * (ms[config] - column) / actions for name, config in
                 (("conveyor", "conveyor 1f1b"), ("torch", "torch Schedule1F1B"))}
     zb_over_1f1b = ms["conveyor zero-bubble"] / ms["conveyor 1f1b"]
-    rows = [[name, f"{value:.1f}", f"{1e3 * value / actions:.0f}"]
+    rows = [[name, f"{value:.1f}", f"{1e3 * value / actions:.0f}", f"{cpu_ms[name]:.1f}"]
             for name, value in ms.items()]
-    table = _common.markdown_table(["configuration", "step (ms)", "per F/B action (us)"],
-                                   rows)
+    table = _common.markdown_table(["configuration", "step (ms)", "per F/B action (us)",
+                                    "main thread's CPU (ms)"], rows)
     table += (f"\n\n{LAYERS} layers Linear({WIDTH}, {WIDTH}) + tanh, 2 processes, "
               f"M={args.chunks}, median of {args.rounds} rounds.\n"
               f"host cost per action beyond the stage's own compute: conveyor "
@@ -173,7 +183,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str,
     return {"config": {"layers": LAYERS, "width": WIDTH, "stages": STAGES,
                        "chunks": args.chunks, "rounds": args.rounds, "backend": "gloo",
                        "threads_per_process": 1, "recompute": "never"},
-            "median_ms": ms, "per_action_us": per_action,
+            "median_ms": ms, "main_thread_cpu_ms": cpu_ms, "per_action_us": per_action,
             "overhead_per_action_us": overhead, "zb_over_1f1b": zb_over_1f1b,
             "table": table}
 

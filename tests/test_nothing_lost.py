@@ -235,6 +235,20 @@ def test_pipeline_refuses_a_non_finite_gradient_of_a_finite_loss() -> None:
     assert all(p.grad is None for p in pipe.parameters())
 
 
+def test_a_gradient_that_overflows_when_divided_by_a_count_below_one_is_refused() -> None:
+    """The check's flags are taken before the gradients are divided by a ``(loss_sum,
+    count)`` loss's count (they ride in the loss's all-reduce); a count below 1 makes
+    them larger, and they are checked again after it."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    pipe = conveyor.Pipeline(model, stages=2, balance=[2, 1], devices=["cpu"] * 2, chunks=2,
+                             loss_fn=lambda out, y: ((out - y).pow(2).sum(),
+                                                     torch.tensor(1e-309, dtype=torch.float64)))
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(NonFiniteGradientError, match=r"are not finite in step 1"):
+        pipe.step(x, y)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 def test_gpipe_refuses_a_non_finite_gradient_by_default() -> None:
     pipe = conveyor.GPipe(_mlp(), balance=[2, 1], devices=["cpu"] * 2, chunks=2)
     x = torch.randn(4, 4)

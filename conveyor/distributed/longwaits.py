@@ -54,8 +54,11 @@ RECEIVED_WHEN_NEEDED = 64 * 1024
 #: ... and are needed within this many actions of the one in which the last came: a
 #: receive needed later is posted ahead and watched, so that a peer's abort report lands
 #: in it and the rank stops before its next action (as under GPipe, where stage 0 waits
-#: for no message in its forwards).
-NEEDED_SOON = 2
+#: for no message in its forwards). Three: zero-bubble's steady state (F, I and W of
+#: each micro-batch) brings each kind of message every third action, and a watched
+#: receive's hop to the main thread made its host-bound step 1.10-1.34x 1F1B's, against
+#: 1.04-1.06x waited for inline (benchmarks/host_overhead.py's model, in one run).
+NEEDED_SOON = 3
 _CUT_TAG = 7919  # the tag of the receive whose timeout cuts the group's connections
 
 

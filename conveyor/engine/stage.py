@@ -101,6 +101,10 @@ class Stage(StageActions):
         self.replicated = False
         #: where a split backward's ``W`` starts (measured on its first micro-batches)
         self.weight_path = WeightPath(index, device, fixed_path())
+        #: the layers' training flags under which each layer is called as it is
+        #: (:meth:`_called_plainly`)
+        self._plain_modes: set[tuple[bool, ...]] = set()
+        self._traced = any(isinstance(layer, WholeStage) for layer in layers)
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -243,9 +247,11 @@ class Stage(StageActions):
         if graph is not None:
             return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
+        plainly = self._called_plainly(step_seed)
         for offset, layer in enumerate(self.layers):
             try:
-                x = self._call_layer(layer, offset, x, microbatch, step_seed, modes)
+                x = layer(x) if plainly else self._call_layer(layer, offset, x, microbatch,
+                                                              step_seed, modes)
             except STOP_RECOMPUTATION:
                 raise
             except Exception as exc:
@@ -269,6 +275,24 @@ class Stage(StageActions):
             if not (isinstance(layer, WholeStage) or keeps_rows(x, rows)):
                 self._check_output(x, rows, offset, microbatch)
         return x
+
+    def _called_plainly(self, step_seed: int | None) -> bool:
+        """Whether every layer is called as it is, without :meth:`_call_layer`'s
+        looks (a host-bound stage of many small layers spends a tenth of its time in
+        them): nothing compiled, no traced graph, and every layer known to draw no
+        random numbers in its mode (or no seeding). Known once per set of modes."""
+        if self.compiled is not None or self._traced:
+            return False
+        if step_seed is None:
+            return True
+        modes = tuple(layer.training for layer in self.layers)
+        if modes in self._plain_modes:
+            return True
+        if all(self.randomness.silent(self.first_layer + offset, layer)
+               for offset, layer in enumerate(self.layers)):
+            self._plain_modes.add(modes)
+            return True
+        return False
 
     def _stage_graph(self, x: Any, rows: tuple[int, torch.Size] | None,
                      modes: tuple[bool, ...]) -> CompiledCall | None:

@@ -202,10 +202,13 @@ def agreements(cluster: Cluster, shape: Shape) -> float:
     """The seconds of the small all-reduces that end each step of ``shape`` on every rank
     (``conveyor.runtime.steps``): the loss from the last stage over each pipeline, the
     replicas' loss total, and the agreement over all ranks that the gradients are
-    finite; each of a few bytes, its group's latencies ring by ring."""
+    finite; each of a few bytes, its group's latencies ring by ring. Where a pipeline
+    is every rank (DP = TP = 1) the agreement rides in the loss's all-reduce."""
     pipeline_apart = shape.dp * shape.tp if shape.order == "pp-dp-tp" else shape.tp
     data_apart = shape.tp if shape.order == "pp-dp-tp" else shape.pp * shape.tp
-    groups = [(shape.pp, pipeline_apart), (shape.dp, data_apart), (shape.devices, 1)]
+    groups = [(shape.pp, pipeline_apart), (shape.dp, data_apart)]
+    if shape.devices > shape.pp:
+        groups.append((shape.devices, 1))
     return sum(group_ring(cluster, size, apart)[0] for size, apart in groups if size > 1)
 
 

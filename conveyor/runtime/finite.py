@@ -3,9 +3,10 @@ infinity in any stage's gradients is refused on every rank before ``.grad`` take
 so that it never reaches an optimizer.
 
 Its cost is one sum per gradient (:func:`conveyor.engine.loss.all_finite`), one host
-sync per stage and device, and under torchrun one small all-reduce (see
-``python benchmarks/check_finite.py``); the loss's check is one ``float()`` per
-micro-batch.
+sync per stage and device, and under torchrun one small all-reduce, or none where the
+gradients are final when the actions end (their flags then ride in the loss's: see
+:func:`conveyor.runtime.steps.finish_step`); see ``python benchmarks/check_finite.py``.
+The loss's check is one ``float()`` per micro-batch.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def check_gradients(runtime: Runtime, params: Sequence[nn.Parameter], step: int)
     Raises:
         NonFiniteGradientError: naming the step, the stages and a parameter of each.
     """
+    flags, named = gradient_flags(runtime)
+    if runtime.topology.distributed:
+        runtime.all_reduce(flags, None, "the agreement that a step's gradients are finite",
+                           dist.ReduceOp.MAX)
+    refuse_non_finite(flags, named, step)
+
+
+def gradient_flags(runtime: Runtime) -> tuple[torch.Tensor, dict[int, str]]:
+    """This rank's findings: per stage of the pipeline, 1 where the stage runs here and
+    its gradients hold a NaN or an infinity (else 0), and a parameter of each such stage
+    by name. Summed or maxed over the ranks, a flag that is not 0 is a stage to refuse."""
     flags = torch.zeros(runtime.schedule.num_stages, dtype=torch.float32, device=runtime.device)
     named: dict[int, str] = {}
     for index, stage in runtime.stages.items():
@@ -38,9 +50,16 @@ def check_gradients(runtime: Runtime, params: Sequence[nn.Parameter], step: int)
             continue
         flags[index] = 1.0
         named[index] = _first_bad(stage)
-    if runtime.topology.distributed:
-        runtime.all_reduce(flags, None, "the agreement that a step's gradients are finite",
-                           dist.ReduceOp.MAX)
+    return flags, named
+
+
+def refuse_non_finite(flags: torch.Tensor, named: dict[int, str], step: int) -> None:
+    """Raises if any of the ranks' ``flags`` (:func:`gradient_flags`, added up) is set.
+
+    Raises:
+        NonFiniteGradientError: naming the step, the stages and a parameter of each
+            that runs on this rank.
+    """
     bad = [index for index, flag in enumerate(flags.tolist()) if flag]
     if not bad:
         return

@@ -216,18 +216,22 @@ class Runtime:
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage's rank has it, on every rank of this pipeline
         (in one process: ``value`` itself). A collective: every rank calls it."""
-        topology = self.topology
-        if not topology.distributed:
+        if not self.topology.distributed:
             return value
-        last = self.schedule.stage_ranks[-1] == topology.table_rank
+        last = self.schedule.stage_ranks[-1] == self.topology.table_rank
         shared = value.to(self.device) if last else torch.zeros_like(value, device=self.device)
         # A sum to which the other ranks add zeros, not a broadcast: a rank may leave a
         # broadcast once the data has reached it, whether or not every rank joined, and
         # would end a step that another rank failed (its last backward, say) as done.
         # (Replicas of the last stage each add their micro-batches' share.)
-        self.all_reduce(shared, topology.pipeline_group,
-                        "the all-reduce of the step's loss from the last stage")
+        self.sum_over_pipeline(shared, "the all-reduce of the step's loss from the last stage")
         return shared.to(value.device)
+
+    def sum_over_pipeline(self, tensor: torch.Tensor, what: str) -> None:
+        """Sums ``tensor`` (on this rank's device) over the ranks of this pipeline, in
+        place (in one process: left as it is). A collective: every rank calls it."""
+        if self.topology.distributed:
+            self.all_reduce(tensor, self.topology.pipeline_group, what)
 
     def from_first_stage(self, count: int) -> int:
         """``count`` as the first stage's rank has it, on every rank of this pipeline

@@ -39,7 +39,7 @@ from conveyor.engine.step import StepState, new_step
 from conveyor.engine.ties import sum_tied_gradients
 from conveyor.errors import ConveyorError, MicroBatchError
 from conveyor.graph.weights import SHARD
-from conveyor.runtime.finite import check_gradients
+from conveyor.runtime.finite import check_gradients, gradient_flags, refuse_non_finite
 from conveyor.runtime.runtime import Runtime
 from conveyor.runtime.verify import Certificate
 from conveyor.schedules import Kind
@@ -98,8 +98,6 @@ def train_step(runtime: Runtime, how: TrainingStep, inputs: Any, targets: Any, *
             runtime.run([Kind.FORWARD, Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT], state,
                         microbatches=count)
         loss, overflowed = finish_step(runtime, how, state, params)
-        if how.check_finite and not overflowed:
-            check_gradients(runtime, params, how.steps)
     except BaseException as exc:
         if how.sharding is not None:
             how.sharding.discard()
@@ -178,16 +176,35 @@ def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
                 params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
     """The work after a step's actions (collectives: every rank calls it): the step's
     loss, the gradients reduced (sharded: reduce-scattered once, after the last
-    backward; else the tied copies summed and the replicas averaged), and with loss
-    scaling whether they overflowed on any rank."""
-    loss, divisor = step_loss(state, runtime)
-    topology = runtime.topology
+    backward; else the tied copies summed and the replicas averaged), with loss
+    scaling whether they overflowed on any rank, and with ``check_finite`` their check.
+
+    Where the pipeline's ranks are the whole job and nothing but the ties' sum and the
+    loss's count changes the gradients after the actions (:func:`final_once_tied`), the
+    tied copies are summed first and the check's flags ride in the loss's all-reduce: a
+    step of gloo's has one collective fewer.
+
+    Raises:
+        NonFiniteGradientError: with ``check_finite``, a stage's gradients are not
+            finite (on every rank).
+    """
+    topology, ties = runtime.topology, runtime.layout.ties
+
+    def tie_sum(total: torch.Tensor, group: Any) -> None:
+        runtime.all_reduce(total, group, _TIES)
+
+    riding = how.check_finite and final_once_tied(runtime, how)  # (alike on every rank)
+    flags: torch.Tensor | None = None
+    named: dict[int, str] = {}
+    if riding:  # the flags see the gradients as they stay (but for the count's division)
+        sum_tied_gradients(ties, tie_sum)
+        flags, named = gradient_flags(runtime)
+    loss, divisor = step_loss(state, runtime, flags)
     if how.sharding is not None:
-        how.sharding.reduce(divisor, lambda total, group: runtime.all_reduce(total, group,
-                                                                             _TIES))
+        how.sharding.reduce(divisor, tie_sum)
     else:
-        ties = runtime.layout.ties
-        sum_tied_gradients(ties, lambda total, group: runtime.all_reduce(total, group, _TIES))
+        if not riding:
+            sum_tied_gradients(ties, tie_sum)
         group, replicas, reduced = topology.data_group, topology.data_size, params
         if topology.replicas is not None:  # a replicated stage: each ran a share
             group, replicas = topology.replica_group, topology.stage_replicas
@@ -202,17 +219,35 @@ def finish_step(runtime: Runtime, how: TrainingStep, state: StepState,
             lambda flat, op: runtime.all_reduce(flat, group, "the replicas' gradient sum", op))
     overflowed = how.scaler is not None and overflowed_on_any_rank(how.scaler, params,
                                                                    runtime)
+    if flags is not None:
+        refuse_non_finite(flags, named, how.steps)
+    # (a count below 1 divides the gradients into larger ones, which may overflow)
+    if how.check_finite and not overflowed and (flags is None or divisor < 1):
+        check_gradients(runtime, params, how.steps)
     return loss, overflowed
 
 
-def step_loss(state: StepState, runtime: Runtime) -> tuple[torch.Tensor, float]:
+def final_once_tied(runtime: Runtime, how: TrainingStep) -> bool:
+    """Whether the pipeline's ranks are every rank of the job and nothing but the sum of
+    tied copies and the division by the loss's count changes the step's gradients once
+    its actions end: no shards, replicas, tensor ranks or loss scale. The same on every
+    rank (the job's shape and options alone)."""
+    topology = runtime.topology
+    return (how.sharding is None and how.scaler is None and topology.data_size == 1
+            and topology.replicas is None and topology.tensor_size == 1)
+
+
+def step_loss(state: StepState, runtime: Runtime, flags: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, float]:
     """The step's loss on every rank, and what its gradients are to be divided by
     once summed over the data-parallel replicas (collectives: every rank calls it).
 
     The last stage's rank shares ``[sum, count, paired]`` over the pipeline, and the
     replicas add theirs up: float64 whatever the model's dtype, which every rank
     must agree on before the last stage has computed anything, and which keeps a
-    float64 model's loss exact.
+    float64 model's loss exact. ``flags`` (a rank's own, see
+    :func:`~conveyor.runtime.finite.gradient_flags`) ride along, summed over the
+    pipeline in place.
 
     Raises:
         ConveyorError: the counts of a ``(loss_sum, count)`` loss add up to 0.
@@ -227,7 +262,13 @@ def step_loss(state: StepState, runtime: Runtime) -> tuple[torch.Tensor, float]:
             totals = torch.stack([losses.sum(), counts.sum(), totals.new_tensor(1.0)])
         else:
             totals[0] = (losses * losses.new_tensor([state.loss_scale[m] for m in ran])).sum()
-    totals = runtime.from_last_stage(totals)
+    if flags is None:
+        totals = runtime.from_last_stage(totals)
+    else:  # every rank adds its flags; the loss's parts are zeros but the last stage's
+        totals = torch.cat([totals, flags.to(totals)])
+        runtime.sum_over_pipeline(totals, "the all-reduce of the step's loss from the last "
+                                          "stage and of its gradients' finite check")
+        flags.copy_(totals[3:])
     replicas = runtime.topology.data_size
     if replicas > 1:
         runtime.all_reduce(totals, runtime.topology.data_group, "the replicas' loss total")
