@@ -101,9 +101,6 @@ class Stage(StageActions):
         self.replicated = False
         #: where a split backward's ``W`` starts (measured on its first micro-batches)
         self.weight_path = WeightPath(index, device, fixed_path())
-        #: the layers' training flags under which each layer is called as it is
-        #: (:meth:`_called_plainly`)
-        self._plain_modes: set[tuple[bool, ...]] = set()
         self._traced = any(isinstance(layer, WholeStage) for layer in layers)
 
     def __repr__(self) -> str:
@@ -247,7 +244,9 @@ class Stage(StageActions):
         if graph is not None:
             return self._run_graph(graph, x, rows, microbatch)
         received = x  # as it arrived: its leaves that require grad
-        plainly = self._called_plainly(step_seed)
+        # (_call_layer's looks cost a host-bound stage of small layers a tenth of its time)
+        plainly = self.compiled is None and not self._traced and (
+            step_seed is None or self.randomness.all_silent(self.first_layer, self.layers))
         for offset, layer in enumerate(self.layers):
             try:
                 x = layer(x) if plainly else self._call_layer(layer, offset, x, microbatch,
@@ -275,24 +274,6 @@ class Stage(StageActions):
             if not (isinstance(layer, WholeStage) or keeps_rows(x, rows)):
                 self._check_output(x, rows, offset, microbatch)
         return x
-
-    def _called_plainly(self, step_seed: int | None) -> bool:
-        """Whether every layer is called as it is, without :meth:`_call_layer`'s
-        looks (a host-bound stage of many small layers spends a tenth of its time in
-        them): nothing compiled, no traced graph, and every layer known to draw no
-        random numbers in its mode (or no seeding). Known once per set of modes."""
-        if self.compiled is not None or self._traced:
-            return False
-        if step_seed is None:
-            return True
-        modes = tuple(layer.training for layer in self.layers)
-        if modes in self._plain_modes:
-            return True
-        if all(self.randomness.silent(self.first_layer + offset, layer)
-               for offset, layer in enumerate(self.layers)):
-            self._plain_modes.add(modes)
-            return True
-        return False
 
     def _stage_graph(self, x: Any, rows: tuple[int, torch.Size] | None,
                      modes: tuple[bool, ...]) -> CompiledCall | None:
@@ -390,16 +371,11 @@ class Stage(StageActions):
                 f"layer {self.first_layer + offset} writes into a view of it; use "
                 "inplace=False for it or move the stage boundary to it"
             )
-        return failure(
-            exc,
-            f"stage {self.index}, {self._describe_layer(offset)} failed on micro-batch "
-            f"{microbatch}{during}",
-            hint=hint,
-            stage=self.index,
-            microbatch=microbatch,
-            action=f"{self.index}{'B' if recomputing else 'F'}{microbatch}",
-            layer=None if offset is None else self.first_layer + offset,
-        )
+        return failure(exc, f"stage {self.index}, {self._describe_layer(offset)} failed on "
+                       f"micro-batch {microbatch}{during}", hint=hint, stage=self.index,
+                       microbatch=microbatch,
+                       action=f"{self.index}{'B' if recomputing else 'F'}{microbatch}",
+                       layer=None if offset is None else self.first_layer + offset)
 
     def _check_output(self, output: Any, rows: tuple[int, torch.Size] | None,
                       offset: int | None, microbatch: int) -> None:

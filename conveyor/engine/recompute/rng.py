@@ -31,7 +31,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -95,6 +95,8 @@ class LayerRandomness:
         # (layer index, training) -> the outermost submodules whose forward drew
         # random numbers in that mode
         self._random_parts: dict[tuple[int, bool], list[nn.Module]] = {}
+        # (first layer index, each layer's training flag) of runs of layers all silent
+        self._silent_runs: set[tuple[int | bool, ...]] = set()
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
@@ -137,6 +139,16 @@ class LayerRandomness:
         """Whether layer ``index`` needs no stream of its own: it drew nothing at its
         first call in its mode (or this device has no generator to seed)."""
         return not self.seeds or self._random_parts.get((index, layer.training)) == []
+
+    def all_silent(self, first: int, layers: Iterable[nn.Module]) -> bool:
+        """Whether each of ``layers`` (layers ``first``, ``first + 1``, ...) is
+        :meth:`silent` in its mode: found once for each set of modes."""
+        modes = (first, *(layer.training for layer in layers))
+        if modes not in self._silent_runs:
+            if not all(self.silent(first + offset, layer) for offset, layer in enumerate(layers)):
+                return False  # (a layer not yet probed may be silent once it is)
+            self._silent_runs.add(modes)
+        return True
 
     def draws_nothing(self, index: int, layer: nn.Module) -> None:
         """Notes that layer ``index`` draws no random numbers in its current mode."""
