@@ -61,8 +61,8 @@ def machine() -> dict[str, Any]:
 
 
 def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
-                progress: bool = True, warmup: int = 1, warm_each: bool = False
-                ) -> dict[str, list[float]]:
+                progress: bool = True, warmup: int = 1, warm_each: bool = False,
+                after_round: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Times every config once per round, in turn, after ``warmup`` untimed rounds.
 
     Interleaving spreads the machine's slow moments over all configs, so that ratios
@@ -70,7 +70,8 @@ def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
     ``warm_each``, a config runs once untimed just before each timed run: the caches then
     hold its own model, as in a training loop that runs it step after step (after
     another config's copy of a 17 MB model, a step's first micro-batch takes 8.3 ms
-    where a warm one takes 5.3).
+    where a warm one takes 5.3). ``after_round()`` runs after each timed round (a
+    calibration taken in the same moments as the configs' steps).
     """
     times: dict[str, list[float]] = {name: [] for name in configs}
     for round_index in range(rounds + warmup):
@@ -82,6 +83,8 @@ def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
             elapsed = time.perf_counter() - start
             if round_index >= warmup:
                 times[name].append(elapsed)
+        if after_round is not None and round_index >= warmup:
+            after_round()
         if progress:
             label = "warm-up" if round_index < warmup else \
                 f"round {round_index - warmup + 1}/{rounds}"

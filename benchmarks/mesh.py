@@ -19,10 +19,11 @@ weighs) on this machine's figures, each timed as a step issues it:
 - the profile (:func:`conveyor.planner.profile_model`, micro-batches of 16), taken alone
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
   neighbour slows a stage, as in benchmarks/pipedream.py);
-- the link, calibrated in each launch once every configuration has run once (see
+- the link, calibrated in each launch after every timed round (see
   benchmarks/_gloo.py): TP's all-reduce through a block split by its plan, the
   replicas' gradient sum with its bucket copies, fitted to the ring's 2(n-1)(latency +
-  bytes / n / bandwidth); the messages between stages held to it with
+  bytes / n / bandwidth) from the rounds' lower quartiles (the steps' statistic); the
+  messages between stages held to a calibration of the same before the rounds, with
   ``conveyor.engine.transport.emulated_links``, less what gloo's own message takes;
 - FSDP's shares: FSDP2's all-gather and reduce-scatter of a block against the
   replicas' sum of the same block;
@@ -34,7 +35,9 @@ after an untimed step of its own: as in a training loop, the caches hold its mod
 another configuration's copy (``_common.round_robin(warm_each=True)``).
 
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
-``predicted_step_s``, ``measured_step_s`` (the rounds' lower quartile, see
+``predicted_step_s`` with its parts (``predicted_parts_s``: the busiest rank's compute,
+of which TP's all-reduces, the replicas' or FSDP's collectives, a boundary's message, the
+runtime's own step, the idle rest), ``measured_step_s`` (the rounds' lower quartile, see
 ``_common.lower_quartile``), ``prediction_error`` = |predicted - measured| / measured,
 the steps, and ``max_prediction_error``; for a pipeline, ``boundary_bytes``: per
 boundary, the bytes every rank sent across it in one step (activations and gradients),
@@ -68,7 +71,8 @@ from torch import nn  # noqa: E402
 import conveyor  # noqa: E402
 import conveyor.tensor  # noqa: E402
 from conveyor.engine.transport import emulated_links  # noqa: E402
-from conveyor.planner import Cluster, Level, Shape, evaluate_shape, profile_model  # noqa: E402
+from conveyor.planner import (Cluster, Level, MeshCandidate, Shape, evaluate_shape,  # noqa: E402
+                              profile_model)
 
 WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
 #: Untimed rounds first: with the gradients set to None before each step, the process's
@@ -161,27 +165,39 @@ def worker(spec_path: str) -> int:
             dist.barrier()
         return timed
 
-    # The links are calibrated once every configuration has run (untimed): in a launch's
-    # first seconds its collectives take longer (TP's among 4 processes: 6.6 ms, then
-    # 4.7 ms, which a step's take); and CALIBRATIONS times, an untimed round before each,
-    # their medians kept (one calibration in a slow moment doubled a latency).
+    # The links the messages between stages are held to are calibrated once every
+    # configuration has run (untimed): in a launch's first seconds its collectives take
+    # longer (TP's among 4 processes: 6.6 ms, then 4.7 ms, which a step's take); and
+    # CALIBRATIONS times, an untimed round before each (one calibration in a slow moment
+    # doubled a latency).
     timed = {name: between_barriers(step) for name, step in steps.items()}
     sizes, groups = LEVELS[size], level_groups(LEVELS[size])
     parameters = sum(p.numel() for p in net.parameters())  # what the replicas sum
+
+    def calibration() -> list[float]:
+        """TP's all-reduce and the replicas' gradient sum over each level's groups."""
+        return ([tp_all_reduce_seconds(group) for group in groups]
+                + [_gloo.gradient_sum_seconds(parameters, group) for group in groups])
+
+    def fitted(passes: list[list[float]]) -> list[tuple[float, float]]:
+        """Each level's (latency, bandwidth) from the passes' lower quartiles (rank 0's,
+        on every rank), the statistic of the steps they predict."""
+        timings = torch.tensor([_common.lower_quartile(list(column))
+                                for column in zip(*passes)], dtype=torch.float64)
+        dist.broadcast(timings, 0)
+        return _gloo.fit_levels(sizes, MICRO * WIDTH, timings[:len(sizes)].tolist(),
+                                parameters, timings[len(sizes):].tolist())
+
     passes = []
     for _ in range(CALIBRATIONS):
         _common.round_robin(timed, 0, progress=False)
-        passes.append([tp_all_reduce_seconds(group) for group in groups]
-                      + [_gloo.gradient_sum_seconds(parameters, group) for group in groups])
+        passes.append(calibration())
     shares = _gloo.collective_shares(lambda: Block(WIDTH), torch.randn(MICRO, WIDTH), BLOCKS)
     message = _gloo.message_seconds(MICRO * WIDTH)  # what a real message already takes
-    figures = torch.tensor([*torch.tensor(passes).median(0).values.tolist(), message,
-                            *shares], dtype=torch.float64)
+    figures = torch.tensor([message, *shares], dtype=torch.float64)
     dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
-    *timings, message, gather, scatter = figures.tolist()
-    levels = _gloo.fit_levels(sizes, MICRO * WIDTH, timings[:len(sizes)],  # TP's, DP's
-                              parameters, timings[len(sizes):])
-    links = cluster(sizes, levels)
+    message, gather, scatter = figures.tolist()
+    links = cluster(sizes, fitted(passes))
 
     def between(source: int, destination: int) -> tuple[float, float]:
         """The link from one rank to another: its level's, less gloo's own message."""
@@ -189,12 +205,17 @@ def worker(spec_path: str) -> int:
                                             max(source, destination))]
         return level.bandwidth, max(0.0, level.latency - message)
 
-    # The links between stages are held to the calibrated ones: the emulation adds to
-    # each message what gloo's own does not already take.
+    # The emulation adds to each message what gloo's own does not already take. The
+    # prediction's links are calibrated again after every timed round, in the moments
+    # the steps are timed in (on a shared machine the passes before them may catch
+    # another load: TP's all-reduce 2.8 ms there, 1.6 in the steps).
+    in_rounds: list[list[float]] = []
     with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
-                                    warmup=WARMUP, warm_each=True)
+                                    warmup=WARMUP, warm_each=True,
+                                    after_round=lambda: in_rounds.append(calibration()))
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
+    levels = fitted(in_rounds)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, crossed)
     if dist.get_rank() == 0:
@@ -329,12 +350,17 @@ def cluster(sizes: tuple[int, ...], levels: list[tuple[float, float]],
                    all_gather_share=shares[0], reduce_scatter_share=shares[1])
 
 
+#: The parts of a prediction reported beside it (MeshCandidate's, seconds per step).
+PARTS = ("compute_s", "tp_comm_s", "dp_comm_s", "p2p_s", "runtime_s", "idle_s")
+
+
 def predict(profile: Any, shape: Shape, schedule: str, chunks: int, machine: Cluster
-            ) -> float:
+            ) -> MeshCandidate:
+    """What the planner predicts for ``shape`` on ``machine`` (its step and its parts)."""
     found = evaluate_shape(profile, machine, shape, schedule, chunks, batch=BATCH,
                            optimizer="sgd")
     assert found is not None  # memory is not the question here
-    return found.predicted_step_s
+    return found
 
 
 def main() -> int:
@@ -402,15 +428,18 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     for name, (shape, schedule, options) in configs.items():
         profile = scaled(alone if shape.devices == 1 else beside,
                          _common.lower_quartile(reference[shape.devices]))
-        predicted = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
+        candidate = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"],
                            cluster(LEVELS[shape.devices], levels[shape.devices], host,
                                    shares[shape.devices]))
+        predicted = candidate.predicted_step_s
         step = _common.lower_quartile(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
                          "chunks": options["chunks"], "processes": shape.devices,
                          "predicted_step_s": predicted, "measured_step_s": step,
+                         "predicted_parts_s": {part.removesuffix("_s"): getattr(candidate, part)
+                                               for part in PARTS},
                          "prediction_error": abs(predicted - step) / step,
                          "steps_s": measured[name],
                          "spread": (max(measured[name]) - min(measured[name])) / step}

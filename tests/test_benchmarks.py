@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,7 +189,10 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     profile = mesh.scaled(ModelProfile("blocks", layers, 50.0, "by hand"), 0.5)
     whole = mesh.BATCH * sum(x.forward + x.backward for x in profile.layers)
     assert whole == pytest.approx(0.5) and profile.source.endswith("times x3.26")
-    steps = {name: mesh.predict(profile, shape, schedule, options["chunks"], mesh.cluster(
+    def predict(*args: Any) -> float:
+        return float(mesh.predict(*args).predicted_step_s)
+
+    steps = {name: predict(profile, shape, schedule, options["chunks"], mesh.cluster(
                  mesh.LEVELS[shape.devices], [(1e-4, 1e8)] * len(mesh.LEVELS[shape.devices])))
              for name, (shape, schedule, options) in mesh.CONFIGS.items()}
     assert steps["no pipeline"] == pytest.approx(0.5)  # no link: the plain step
@@ -199,13 +203,13 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     assert 0.25 < steps["PP=2"] < 0.5
     shape, schedule, options = mesh.TP_CONFIGS["PP=2 x TP=2, pieces"]
     one_link = mesh.cluster((4,), [(1e-4, 1e6)])
-    whole, pieces = (mesh.sliced(sliced_from, mesh.predict, profile, shape, schedule,
+    whole, pieces = (mesh.sliced(sliced_from, predict, profile, shape, schedule,
                                  options["chunks"], one_link) for sliced_from in (1 << 20, 0))
     assert pieces != whole  # one link for both: the gather costs what the pieces save
     # Two "nodes" of two: TP=2 within one, on its link; the stages' boundary between them.
     near, far = (1e-4, 1e6), (2e-3, 1e6)
     shape, schedule, options = mesh.TP_CONFIGS["PP=2 x TP=2"]
-    slow_boundary, slow_tp = (mesh.predict(profile, shape, schedule, options["chunks"],
+    slow_boundary, slow_tp = (predict(profile, shape, schedule, options["chunks"],
                                            mesh.cluster((2, 2), links))
                               for links in ([near, far], [far, near]))
     assert slow_tp > slow_boundary  # 32 all-reduces a stage, against 8 messages a boundary
@@ -227,7 +231,7 @@ def test_mesh_script_predicts_every_configuration_and_counts_boundary_bytes(
     assert (action, step) == (pytest.approx(2.5e-4), pytest.approx(8.5e-3))
     assert list(times) == ["PP=2"]
     alone = mesh.cluster((1,), [(0.0, 1e12)], (action, step))
-    assert mesh.predict(profile, Shape(1, 1, 1), "1f1b", 4, alone) == \
+    assert predict(profile, Shape(1, 1, 1), "1f1b", 4, alone) == \
         pytest.approx(0.5 + 8 * action + step)
 
 
