@@ -2,11 +2,11 @@
 infinity in any stage's gradients is refused on every rank before ``.grad`` takes it,
 so that it never reaches an optimizer.
 
-Its cost is one sum per gradient (:func:`conveyor.engine.loss.all_finite`), one host
-sync per stage and device, and under torchrun one small all-reduce, or none where the
-gradients are final when the actions end (their flags then ride in the loss's: see
-:func:`conveyor.runtime.steps.finish_step`); see ``python benchmarks/check_finite.py``.
-The loss's check is one ``float()`` per micro-batch.
+Its cost is a sum of absolute values per gradient, all in one call
+(:func:`conveyor.engine.loss.all_finite`), one host sync per stage and device, and under
+torchrun one small all-reduce, or none where the pipeline is the whole job (the flags
+then ride in the loss's: :func:`conveyor.runtime.steps.finish_step`); see ``python
+benchmarks/check_finite.py``. The loss's check is one ``float()`` per micro-batch.
 """
 
 from __future__ import annotations
