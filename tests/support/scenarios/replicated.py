@@ -1,11 +1,13 @@
 """PipeDream's replicated stages over 3 processes (``data_parallel=[2, 1]`` and
 ``[1, 2]``): equivalence with the plain model, clipping, a forward alone, micro-batches
 the caller made, and a replicated stage's state (deferred batch norm pooled, any other
-change refused). One launch serves every check (tests/test_distributed.py).
+change refused); and, beside them, a plain pipeline's refusal of gradients NaN on one
+rank. One launch serves every check (tests/test_distributed.py).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import nn
 
 import conveyor
 from tests.support.cases import case_batch, case_model, lengths_batch, padded_batch, token_loss
+from tests.support.models import relative_error
 from tests.support.scenarios import scenario
 
 
@@ -54,6 +57,7 @@ def replicated_stages(rank: int, world: int, out_dir: Path) -> None:
         torch.save(result, out_dir / f"{model_name}-{schedule}-rank{rank}.pt")
     given_microbatches(rank, out_dir)
     replicated_state(rank, out_dir)
+    torch.save(nan_gradients_on_rank_0(), out_dir / f"nan-rank{rank}.pt")
 
 
 def given_microbatches(rank: int, out_dir: Path) -> None:
@@ -64,6 +68,38 @@ def given_microbatches(rank: int, out_dir: Path) -> None:
                              data_parallel=[2, 1], timeout=30)
     loss = pipe.step(microbatches=lengths_batch())
     torch.save({"loss": loss, "grads": _grads(pipe)}, out_dir / f"given-rank{rank}.pt")
+
+
+def nan_gradients_on_rank_0() -> dict[str, object]:
+    """A step whose loss is finite but whose gradients are NaN on rank 0's stage alone
+    (a pipeline of 3 stages, no ties, no replicas: the check's flags ride in the loss's
+    all-reduce; in this launch, which the quick suite runs): every rank
+    refuses it, naming stage 0, and keeps the gradients it had; the next step is the
+    plain model's. Returns what this rank saw."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2)).double()
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", timeout=30,
+                             loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    poisoned = [pipe.topology.pipeline_rank == 0]
+    if poisoned[0]:
+        next(pipe.parameters()).register_hook(
+            lambda g: g * float("nan") if poisoned[0] else g)
+    try:
+        pipe.step(x, y)
+        refused = ""
+    except conveyor.NonFiniteGradientError as exc:
+        refused = str(exc)
+    kept = [p.grad is None for p in pipe.parameters()]
+    poisoned[0] = False
+    pipe.step(x, y)
+    nn.functional.mse_loss(plain(x), y).backward()
+    expected = dict(plain.named_parameters())
+    worst = max(relative_error(p.grad, expected[name].grad)
+                for name, p in pipe.named_parameters())
+    return {"refused": refused, "kept": kept, "worst": worst}
 
 
 def batch_norm_mlp() -> nn.Sequential:
