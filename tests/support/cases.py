@@ -168,3 +168,12 @@ def packed(docs_per_row: tuple[tuple[int, ...], ...], seed: int
         pairs.append(({"input_ids": ids, "position_ids": positions, "use_cache": False},
                       torch.randint(0, 100, (2, length), generator=generator)))
     return pairs
+
+
+def plain_gradients(model_name: str, **batch: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The plain model's loss on the case's batch, and its gradients by name."""
+    model, loss_fn = case_model(model_name)
+    x, y = case_batch(model_name, **batch)
+    loss = (lm_loss if model_name == "vlm" else loss_fn)(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("file", "env", "torchrun", "agents")
 
@@ -175,3 +177,14 @@ def problems_two_at_a_time(check: Callable[[Any, Path], tuple[list[str], float]]
         found = pool.map(lambda numbered: check(numbered[1], out / f"case{numbered[0]}")[0],
                          enumerate(cases))
         return dict(zip(cases, found))
+
+
+def collect(out: Path, pattern: str, world: int) -> tuple[list[float], dict[str, torch.Tensor],
+                                                           list[dict[str, object]]]:
+    """What each of ``world`` ranks wrote (``pattern`` with ``{rank}``): its loss, the
+    gradients of them all by name, and each rank's whole record."""
+    results = [torch.load(out / pattern.format(rank=r)) for r in range(world)]
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        grads.update(result["grads"])
+    return [float(r.get("loss", "nan")) for r in results], grads, results

@@ -2,7 +2,7 @@
 ``[1, 2]``): equivalence with the plain model, clipping, a forward alone, micro-batches
 the caller made, and a replicated stage's state (deferred batch norm pooled, any other
 change refused); and, beside them, a plain pipeline's refusal of gradients NaN on one
-rank. One launch serves every check (tests/test_distributed.py).
+rank. One launch serves every check (tests/test_replicated_stages.py).
 """
 
 from __future__ import annotations
