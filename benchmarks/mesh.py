@@ -1,8 +1,9 @@
 """The mesh planner's predictions against measured steps, for every mesh that fits here.
 
-    python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 2 min)
-    python benchmarks/mesh.py                       # more rounds, and PP=2 x DP=2 (4 processes)
-    python benchmarks/mesh.py --tensor-parallel     # also TP=2, TP=4, PP=4, PP=2 x TP=2
+    python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 3 min)
+    python benchmarks/mesh.py                       # PP=2 x DP=2 too (4 processes)
+    python benchmarks/mesh.py --quick --tensor-parallel   # also TP=2, TP=4, PP=4,
+                                                          # PP=2 x TP=2 (about 7 min)
 
 The model: eight feed-forward blocks (Linear(d, 4d)-GELU-Linear(4d, d)), a batch of 64
 in micro-batches of 16. Each configuration runs as CPU processes over gloo, one
@@ -11,7 +12,12 @@ intra-op thread each: no pipeline (one process), DP=2 replicated, DP=2 FSDP, PP=
 processes TP=4, PP=4 and PP=2 x TP=2 (its boundary whole, then as 1/2 pieces per
 tensor rank). The meshes of one size run in one torchrun launch, their steps timed in
 turn between barriers. On 2 cores, 4 processes share them: the plain model's step,
-timed by every process at once, carries that sharing into the prediction.
+timed by every process at once, carries that sharing into the prediction; and timed
+with 1, 2, ... of the processes computing (the rest waiting), it says how much faster
+a process computes when fewer do, as a pipeline's ranks do while it fills and drains
+(``slowdown_computing``): the planner's simulated pipeline is replayed at those speeds
+(see benchmarks/_sharing.py; ``planner_step_s`` is the planner's own step, every rank on
+a device of its own).
 
 The prediction is :func:`conveyor.planner.evaluate_shape` (what ``conveyor plan``
 weighs) on this machine's figures, each timed as a step issues it:
@@ -28,7 +34,8 @@ weighs) on this machine's figures, each timed as a step issues it:
 - FSDP's shares: FSDP2's all-gather and reduce-scatter of a block against the
   replicas' sum of the same block;
 - the runtime's host seconds per action and per step, in the one-process run (see
-  benchmarks/_host.py; a calibration of its own: no configuration below is fitted).
+  benchmarks/_host.py; a calibration of its own: no configuration below is fitted),
+  slowed as the plain step is with every process of the launch computing.
 
 Every step timed starts from gradients set to None (as after ``zero_grad()``), right
 after an untimed step of its own: as in a training loop, the caches hold its model, not
@@ -62,6 +69,7 @@ from typing import Any
 import _common
 import _gloo
 import _host
+import _sharing
 
 _common.prepare_process()
 
@@ -157,6 +165,9 @@ def worker(spec_path: str) -> int:
                                                        xs, ys))
     whole = _host.plain_step(copy.deepcopy(net), MICRO)
     steps[REFERENCE] = lambda: whole(x, y)
+    for busy in range(1, size):  # the plain step while fewer processes compute at once
+        steps[computing(busy)] = (lambda: whole(x, y)) if dist.get_rank() < busy else \
+            (lambda: None)
 
     def between_barriers(step: Callable[[], Any]) -> Callable[[], None]:
         def timed() -> None:
@@ -227,6 +238,22 @@ def worker(spec_path: str) -> int:
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
+
+
+def computing(busy: int) -> str:
+    """The name of the plain step timed with ``busy`` of a launch's processes computing
+    (the others waiting at the barrier after it)."""
+    return f"{REFERENCE}, {busy} computing"
+
+
+def slowdowns(times: dict[str, list[float]], processes: int) -> dict[int, float]:
+    """How much longer the plain step takes with n of the launch's processes computing
+    than with one, for n = 1 ... processes (popped from ``times``; the step with every
+    process computing is the reference, kept)."""
+    steps = {busy: _common.lower_quartile(times.pop(computing(busy)))
+             for busy in range(1, processes)}
+    steps[processes] = _common.lower_quartile(times[REFERENCE])
+    return {busy: step / steps[1] for busy, step in steps.items()}
 
 
 def level_groups(sizes: tuple[int, ...]) -> list[Any]:
@@ -365,7 +392,7 @@ def predict(profile: Any, shape: Shape, schedule: str, chunks: int, machine: Clu
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, no 4 processes")
+    parser.add_argument("--quick", action="store_true", help="fewer one-process rounds, no PP=2 x DP=2")
     parser.add_argument("--rounds", type=int, help="timed steps per configuration")
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="also the TP meshes and PP=4 (4 processes)")
@@ -375,7 +402,8 @@ def main() -> int:
     if args.worker:
         return worker(args.worker)
     torch.set_num_threads(1)
-    rounds = args.rounds or (4 if args.quick else 8)
+    # 8: on a shared 2-core VM the lower quartile of 4 rounds moved by 20% between runs
+    rounds = args.rounds or 8
     configs = dict(CONFIGS)
     if args.quick:
         del configs["PP=2 x DP=2"]
@@ -407,14 +435,17 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     messages: dict[int, float] = {}
     shares: dict[int, tuple[float, float]] = {}
     reference: dict[int, list[float]] = {}
+    sharing: dict[int, dict[int, float]] = {}  # processes -> slowdown with n computing
     for processes, options in sorted(by_processes.items()):
         print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
         found: dict[str, Any]
         if processes == 1:
-            found = {"times": one_process(options, ONE_PROCESS_ROUNDS * rounds),
+            found = {"times": one_process(options, ONE_PROCESS_ROUNDS * rounds
+                                          // (2 if args.quick else 1)),
                      "levels": [(0.0, 1e12)]}
         else:
             found = launch(options, processes, rounds)
+        sharing[processes] = slowdowns(found["times"], processes)
         reference[processes] = found["times"].pop(REFERENCE)
         if processes == 1:  # the runtime's own seconds, beyond the layers'
             host = _host.runtime_costs(found["times"])
@@ -428,16 +459,24 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     for name, (shape, schedule, options) in configs.items():
         profile = scaled(alone if shape.devices == 1 else beside,
                          _common.lower_quartile(reference[shape.devices]))
+        # the runtime's host seconds, timed alone, as slow as every process computing
+        everyone = sharing[shape.devices][shape.devices]
         candidate = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
                            profile, shape, schedule, options["chunks"],
-                           cluster(LEVELS[shape.devices], levels[shape.devices], host,
+                           cluster(LEVELS[shape.devices], levels[shape.devices],
+                                   (host[0] * everyone, host[1] * everyone),
                                    shares[shape.devices]))
         predicted = candidate.predicted_step_s
+        if candidate.timeline is not None:  # its ranks take turns on the cores
+            predicted += _sharing.shared_makespan(
+                candidate.timeline, schedule, options["chunks"], sharing[shape.devices],
+                shape.tp, candidate.p2p_s) - candidate.timeline.makespan
         step = _common.lower_quartile(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,
                          "sharding": shape.sharding, "schedule": schedule,
                          "chunks": options["chunks"], "processes": shape.devices,
                          "predicted_step_s": predicted, "measured_step_s": step,
+                         "planner_step_s": candidate.predicted_step_s,
                          "predicted_parts_s": {part.removesuffix("_s"): getattr(candidate, part)
                                                for part in PARTS},
                          "prediction_error": abs(predicted - step) / step,
@@ -464,6 +503,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                    for k, v in levels.items()},
                "plain_model_step_s": {str(k): {"lower_quartile": _common.lower_quartile(v),
                                                 "steps": v} for k, v in reference.items()},
+               "slowdown_computing": {str(k): {str(n): v for n, v in curve.items()}
+                                      for k, curve in sharing.items()},
                "configurations": results,
                "max_prediction_error": max(r["prediction_error"] for r in results.values()),
                "tensor_parallel": "run" if any(r["tp"] > 1 for r in results.values()) else

@@ -247,3 +247,43 @@ def test_check_finite_script_times_both_ways() -> None:
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     assert "check_finite costs" in result.stdout
+
+
+def test_sharing_replays_a_pipeline_at_the_speeds_of_processes_sharing_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/_sharing.py: with no sharing the planner's own makespan; with two
+    processes on one core, an action alone runs twice as fast as its duration (timed
+    with both computing), and two at once as fast as it."""
+    from conveyor.planner import LayerCost, ModelProfile
+    from conveyor.schedules import build
+    from conveyor.schedules.simulate import CostModel, simulate
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _sharing
+    import mesh
+
+    layers = tuple(LayerCost(f"{i}", 1e-4, 2e-4, 1000, 4000.0, 100.0, 50.0)
+                   for i in range(mesh.BLOCKS))
+    profile = ModelProfile("blocks", layers, 50.0, "by hand")
+    for name in ("PP=4", "PP=2 x TP=2"):
+        shape, schedule, options = mesh.TP_CONFIGS[name]
+        candidate = mesh.predict(profile, shape, schedule, options["chunks"],
+                                 mesh.cluster((2, 2), [(1e-4, 1e8)] * 2))
+        assert candidate.timeline is not None
+        unshared = dict.fromkeys(range(1, 5), 1.0)
+        assert _sharing.shared_makespan(candidate.timeline, schedule, options["chunks"],
+                                        unshared, shape.tp, candidate.p2p_s) == \
+            pytest.approx(candidate.timeline.makespan)
+    # One micro-batch on two stages: F, F, B, B, one at a time, each alone on the core.
+    timeline = simulate(build("1f1b", 2, 1), CostModel((1.0, 1.0), (2.0, 2.0), (0.0, 0.0),
+                                                       (0.0, 0.0), (0.0,))).timeline
+    one_core = {1: 1.0, 2: 2.0}
+    assert _sharing.shared_makespan(timeline, "1f1b", 1, one_core, 1, 0.0) == \
+        pytest.approx(6.0 / 2)
+    # GPipe's two forwards on stage 0 first alone, then beside stage 1's first.
+    timeline = simulate(build("gpipe", 2, 2), CostModel((1.0, 1.0), (1.0, 1.0), (0.0, 0.0),
+                                                        (0.0, 0.0), (0.0,))).timeline
+    # 0F0 alone (0.5), 0F1 with 1F0 (1), 1F1 alone (0.5), 1B1 alone (0.5), then 1B0
+    # beside 0B1 (1), 0B0 alone (0.5).
+    assert _sharing.shared_makespan(timeline, "gpipe", 2, one_core, 1, 0.0) == \
+        pytest.approx(4.0)

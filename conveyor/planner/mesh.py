@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from conveyor import tensor
 from conveyor.observe.plan import OPTIMIZER_BYTES
@@ -47,6 +47,7 @@ from conveyor.planner.machines import Cluster
 from conveyor.planner.plans import StageChoice
 from conveyor.planner.profiles import LayerCost, ModelProfile
 from conveyor.planner.simulation import simulate_cut
+from conveyor.schedules.timeline import Timeline
 from conveyor.tensor.costs import Collectives
 
 __all__ = ["MESH_SCHEDULES", "MeshCandidate", "Shape", "agreements", "balanced", "bound_at",
@@ -105,6 +106,8 @@ class MeshCandidate:
         runtime_s: the runtime's own step on a rank: its host's seconds per step and
             its agreements with the other ranks (:func:`agreements`).
         idle_s: the rest of the step: waiting as the schedule fills and drains.
+        timeline: a pipeline's simulated step (each rank a stage's TP group), from
+            which ``idle_s`` comes; None without one.
     """
 
     shape: Shape
@@ -120,6 +123,7 @@ class MeshCandidate:
     p2p_s: float
     runtime_s: float
     idle_s: float
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
 
     @property
     def pipelined(self) -> bool:
@@ -134,7 +138,7 @@ class MeshCandidate:
 
     def to_dict(self) -> dict[str, object]:
         shape = asdict(self.shape)
-        rest = {k: v for k, v in asdict(self).items() if k != "shape"}
+        rest = {k: v for k, v in asdict(self).items() if k not in ("shape", "timeline")}
         return {**shape, "kind": self.shape.kind, "devices": self.shape.devices,
                 **rest, "balance": list(self.balance),
                 "schedule": self.schedule if self.pipelined else "none"}
@@ -336,6 +340,7 @@ def costed(shape: Shape, schedule: str, chunks: int, stages: list[_Stage], micro
             ) -> MeshCandidate | None:
     """The candidate of stages whose recomputation is decided: simulated (a pipeline;
     recomputing instead if the simulated peak does not fit), or counted (one stage)."""
+    timeline = None
     if shape.pp == 1:
         s = stages[0]
         step, peaks = chunks * s.compute(recompute) + s.data + s.step, [
@@ -351,12 +356,13 @@ def costed(shape: Shape, schedule: str, chunks: int, stages: list[_Stage], micro
             return None if recompute else costed(shape, schedule, chunks, stages, micro,
                                                   True, memory, balance)
         step = max(end + s.data + s.step for end, s in zip(simulated.finish, stages))
+        timeline = simulated.timeline
     busiest = max(stages, key=lambda s: chunks * s.compute(recompute) + s.data + s.step)
     compute = chunks * busiest.compute(recompute)
     return MeshCandidate(shape, schedule, chunks, step, max(peaks), balance, recompute,
                          compute, chunks * busiest.tp, busiest.data,
                          max(s.send for s in stages), busiest.step,
-                         max(0.0, step - compute - busiest.data - busiest.step))
+                         max(0.0, step - compute - busiest.data - busiest.step), timeline)
 
 
 def balanced(profile: ModelProfile, stages: int) -> list[int]:
