@@ -15,6 +15,7 @@ from torch import nn
 
 from conveyor.errors import ConfigError, TensorParallelError
 from conveyor.tensor.apply import Group, apply_plan
+from conveyor.tensor.plan import resolve_plan
 from tests.support.launch import launch
 from tests.support.scenarios.tensor import CHUNKS, SCHEDULES, SCHEDULES_ON_3
 
@@ -236,15 +237,36 @@ def test_gpt2_without_a_plan_is_refused_naming_its_conv1d() -> None:
         apply_plan(model, {"transformer.h.*.mlp.c_fc": "colwise"}, group=GROUP)
 
 
+#: Mixtral's own plan for its experts up to transformers 5.24 (5.25 dropped it: its
+#: experts stay whole on every rank, as any module a plan does not name).
+MIXTRAL_EXPERTS = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                   "model.layers.*.mlp.experts.down_proj": "rowwise",
+                   "model.layers.*.mlp.experts": "moe_tp_experts"}
+
+
 def test_mixtral_plan_styles_are_refused_by_name() -> None:
+    """Mixtral's expert styles are refused by name: from its own plan where the
+    installed transformers gives them, else as given; its own plan without them splits
+    the attention and keeps the experts whole."""
     t = _quiet()
     config = t.MixtralConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8,
                              num_attention_heads=2, num_key_value_heads=2, vocab_size=16,
                              num_local_experts=2)
-    model = t.MixtralForCausalLM(config)
-    with pytest.raises(TensorParallelError, match=r"'packed_colwise' \(a fused gate/up weight"
-                                                  r".*is not supported"):
-        apply_plan(model, "auto", group=GROUP)
+    refused = r"'packed_colwise' \(a fused gate/up weight.*is not supported"
+    try:
+        own: dict[str, Any] | None = resolve_plan(t.MixtralForCausalLM(config), "auto")
+    except TensorParallelError:  # its own plan names the expert styles (<= 5.24)
+        own = None
+    for plan in ["auto"] if own is None else [{**own, **MIXTRAL_EXPERTS}]:
+        with pytest.raises(TensorParallelError, match=refused):
+            apply_plan(t.MixtralForCausalLM(config), plan, group=GROUP)
+    if own is not None:  # transformers >= 5.25: attention split, experts whole
+        model = t.MixtralForCausalLM(config)
+        experts = [p.shape for p in model.model.layers[0].mlp.experts.parameters()]
+        styles = apply_plan(model, "auto", group=GROUP)
+        assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+        assert not any(".mlp." in name for name in styles)
+        assert [p.shape for p in model.model.layers[0].mlp.experts.parameters()] == experts
 
 
 def test_unknown_styles_and_patterns_are_refused() -> None:
