@@ -53,7 +53,6 @@ from conveyor.errors import ConveyorError, PeerFailure
 from conveyor.schedules.replicas import StageReplicas
 
 __all__: list[str] = []
-EARLY = False
 
 
 @dataclass
@@ -115,9 +114,6 @@ class Receiving:
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         needed = self._needed_at.get((key[0], key[2], key[3]))  # (kind, stage, micro-batch)
         later = needed is None or needed - max(self._at, 0) > NEEDED_SOON
-        if EARLY:
-            self._incoming[peer] = Incoming(key, buffer, self._irecv(peer, buffer, ahead=later))
-            return
         self._incoming[peer] = Incoming(
             key, buffer, self._irecv(peer, buffer, ahead=later)
             if later or not self._when_needed(buffer) else None)

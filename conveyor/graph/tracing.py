@@ -1,27 +1,26 @@
-"""Tracing a model with torch.export: once per model structure and sample, quietly,
-and with errors that name the cause.
+"""Tracing a model with torch.export: once per model state and sample, quietly, and
+with errors that name the cause.
 
 :func:`export_model` traces ``forward`` on a sample micro-batch (non-strict, every tensor
 dimension free but those the model's code fixes) and keeps the program, so that a second
-pipeline of the same model, or of another built alike (a deep copy, the same class on
-the same config, on meta or not), on a sample of the same shapes (and the training
-program that choosing the cut traced before cutting) costs nothing. Non-strict export
-traces the parameters and buffers as fakes, so a program depends on its model's
-structure, not on its weights nor on which objects hold them, and a pipeline binds its
-stages to the model's own tensors by name. A program is looked up twice::
+pipeline of the same model on a sample of the same shapes (and the training program that
+choosing the cut traced before cutting) costs nothing. The key of a kept program::
 
-    by the model object (weakly), exactly as it was: its training mode, modules
-      (objects, classes, scalar attributes, its config's), every parameter and buffer
-      (name, object, version, shape, dtype, device)
-    then by its structure (:func:`_structure_key`): modules (names, classes, forwards,
-      every attribute by value: hooks, settings, the config), which names share a
-      module or a tensor, and each parameter and buffer's shape, dtype and device
-    each with the call (arguments by name, each tensor's shape and dtype, other values)
+    the model object (weakly: a model collected takes its programs along)
+    + its training mode, modules (objects, classes, scalar attributes, its config's)
+    + every parameter and buffer (name, object, version, shape, dtype, device)
+    + the call (arguments by name, each tensor's shape and dtype, other values)
 
-A tensor a module holds outside its parameters and buffers, which a trace keeps as a
-constant, counts by its values if small; a model holding a larger one shares no
-program. torch prints the partial graph of a failed trace to stderr; here it goes to
-``logging.getLogger("conveyor")`` at DEBUG, and the
+A tensor written in place (an optimizer's step) counts as a change: a program is reused
+only for a model exactly as it was traced. Another model built alike (a deep copy, the
+same class on the same config, on meta or not) reuses it too: non-strict export traces
+the parameters and buffers as fakes, so a program depends on the model's structure
+(:func:`_structure_key`: classes, forwards, hooks, attributes by value, which names
+share a tensor, each tensor's shape, dtype and device) and not on which objects hold
+it, and a pipeline binds its stages to the model's own tensors by name. A tensor held
+outside the parameters and buffers, which a trace keeps as a constant, counts by its
+values if small; a model holding a larger one shares no program. torch prints the partial graph of a failed
+trace to stderr; here it goes to ``logging.getLogger("conveyor")`` at DEBUG, and the
 :class:`~conveyor.errors.ModelError` says what failed, where, and what to change.
 """
 
