@@ -12,14 +12,7 @@ choosing the cut traced before cutting) costs nothing. The key of a kept program
     + the call (arguments by name, each tensor's shape and dtype, other values)
 
 A tensor written in place (an optimizer's step) counts as a change: a program is reused
-only for a model exactly as it was traced. Another model built alike (a deep copy, the
-same class on the same config, on meta or not) reuses it too: non-strict export traces
-the parameters and buffers as fakes, so a program depends on the model's structure
-(:func:`_structure_key`: classes, forwards, hooks, attributes by value, which names
-share a tensor, each tensor's shape, dtype and device) and not on which objects hold
-it, and a pipeline binds its stages to the model's own tensors by name. A tensor held
-outside the parameters and buffers, which a trace keeps as a constant, counts by its
-values if small; a model holding a larger one shares no program. torch prints the partial graph of a failed
+only for a model exactly as it was traced. torch prints the partial graph of a failed
 trace to stderr; here it goes to ``logging.getLogger("conveyor")`` at DEBUG, and the
 :class:`~conveyor.errors.ModelError` says what failed, where, and what to change.
 """
@@ -27,14 +20,11 @@ trace to stderr; here it goes to ``logging.getLogger("conveyor")`` at DEBUG, and
 from __future__ import annotations
 
 import contextlib
-import enum
-import functools
 import io
 import logging
 import re
 import sys
 import traceback
-import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -53,10 +43,9 @@ __all__: list[str] = []
 
 logger = logging.getLogger("conveyor")
 
-_KEPT = 8  # programs kept per model, and by structure across models
+_KEPT = 8  # programs kept per model
 _programs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[Any, ExportedProgram]] = (
     weakref.WeakKeyDictionary())
-_alike: OrderedDict[Any, ExportedProgram] = OrderedDict()  # by (structure, call)
 
 
 def traced_device(model: nn.Module) -> torch.device:
@@ -86,8 +75,7 @@ def traced_call(model: nn.Module, sample: Any) -> tuple[ExportedProgram, CallFor
     """``model``'s forward on ``sample`` as an exported graph, every tensor dimension of
     the inputs left free (export fixes those the model's code depends on; a sample of
     one row is traced on two), and how each micro-batch calls it. A program traced
-    before for the model as it is, or for a model built alike, and a sample of the same
-    shapes is reused.
+    before for the model as it is and a sample of the same shapes is reused.
 
     Raises:
         ModelError: torch.export cannot trace the model; the message says why and what
@@ -102,12 +90,6 @@ def traced_call(model: nn.Module, sample: Any) -> tuple[ExportedProgram, CallFor
         logger.debug("conveyor reuses the trace of %s (same model state and sample shapes)",
                      type(model).__name__)
         return kept[key], form
-    structure = _structure_key(model)
-    alike = None if structure is None else (structure, key[1])
-    if alike in _alike:
-        logger.debug("conveyor reuses the trace of a %s built alike (same structure and "
-                     "sample shapes)", type(model).__name__)
-        return _keep(kept, key, alike, _alike[alike]), form
 
     def free(leaf: Any) -> Any:
         return ({d: Dim.AUTO for d in range(leaf.dim())} if isinstance(leaf, torch.Tensor)
@@ -119,22 +101,10 @@ def traced_call(model: nn.Module, sample: Any) -> tuple[ExportedProgram, CallFor
     program = _quiet_export(model, args, kwargs, dynamic, form)
     for name, tensor in program.state_dict.items():  # conveyor reads the model's own
         program.state_dict[name] = tensor.detach().to("meta")  # (kept, they would hold
-    return _keep(kept, key, alike, program), form  # tensors that a rank drops alive)
-
-
-def _keep(kept: OrderedDict[Any, ExportedProgram], key: Any, alike: Any,
-          program: ExportedProgram) -> ExportedProgram:
-    """``program`` kept for its model under ``key`` and for models built alike under
-    ``alike`` (None: none), the latest first out last."""
-    kept[key] = program
-    kept.move_to_end(key)
-    if alike is not None:
-        _alike[alike] = program
-        _alike.move_to_end(alike)
-    for table in (kept, _alike):
-        while len(table) > _KEPT:
-            table.popitem(last=False)
-    return program
+    kept[key] = program  # tensors that a rank drops alive)
+    while len(kept) > _KEPT:
+        kept.popitem(last=False)
+    return program, form
 
 
 def _quiet_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -297,82 +267,6 @@ def _model_key(model: nn.Module) -> tuple[Any, ...]:
                     for name, t in [*model.named_parameters(remove_duplicate=False),
                                     *model.named_buffers(remove_duplicate=False)])
     return (model.training, tuple(modules), configured, tensors)
-
-
-class _HoldsValue(Exception):
-    """A model holds a tensor too large to compare by value: it shares no program."""
-
-
-#: A tensor a module holds outside its parameters and buffers (a trace keeps it by
-#: value, as a constant) counts by its values up to this many elements (a Llama's
-#: rotary frequencies kept beside their buffer: 32).
-_BY_VALUE = 4096
-
-
-def _by_value(value: Any, depth: int = 0) -> Any:
-    """``value`` as far as a trace can depend on it, comparable between two models:
-    plain data by value, functions and classes by identity (a deep copy keeps them),
-    other objects by their attributes a few levels down, and by identity below; a small
-    tensor by its bytes (on meta, which has none, by its shape).
-
-    Raises:
-        _HoldsValue: ``value`` is or holds a tensor of more than :data:`_BY_VALUE`
-            elements.
-    """
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.numel() > _BY_VALUE:
-            raise _HoldsValue
-        data = b"" if value.is_meta else bytes(
-            value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist())
-        return (torch.Tensor, tuple(value.shape), value.dtype, value.device, data)
-    if isinstance(value, (torch.dtype, torch.device, torch.Size, torch.layout,
-                          torch.memory_format, enum.Enum)):
-        return repr(value)
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_by_value(v, depth + 1) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), tuple(sorted(repr(_by_value(v, depth + 1)) for v in value)))
-    if isinstance(value, dict):
-        return (type(value), tuple((repr(k), _by_value(v, depth + 1))
-                                   for k, v in value.items()))
-    if isinstance(value, functools.partial):
-        return (functools.partial, _by_value(value.func, depth + 1),
-                _by_value(value.args, depth + 1), _by_value(value.keywords, depth + 1))
-    if isinstance(value, types.MethodType):
-        return (types.MethodType, id(value.__func__), _by_value(value.__self__, depth + 1))
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type, nn.Module)):
-        return (object, id(value))  # (a module: its own key's; here, an attribute)
-    if depth < 3 and hasattr(value, "__dict__") and not hasattr(value, "__slots__"):
-        return (type(value), tuple((k, _by_value(v, depth + 1))
-                                   for k, v in sorted(vars(value).items())))
-    return (object, id(value))
-
-
-#: A module's tables that its key lists apart (by name, in named_modules and _tensors).
-_TABLES = ("_parameters", "_buffers", "_modules")
-
-
-def _structure_key(model: nn.Module) -> tuple[Any, ...] | None:
-    """What a trace depends on of ``model`` apart from which objects hold it (see the
-    module's docstring); None if a module holds a large tensor outside its tables."""
-    first: dict[int, int] = {}  # an object's first place: names sharing it say so
-    try:
-        modules = tuple(
-            (name, first.setdefault(id(module), at), type(module),
-             id(getattr(module.forward, "__func__", module.forward)),
-             tuple((k, _by_value(v)) for k, v in sorted(vars(module).items())
-                   if k not in _TABLES))
-            for at, (name, module) in enumerate(model.named_modules(remove_duplicate=False)))
-    except _HoldsValue:
-        return None
-    tensors = tuple((name, first.setdefault(id(t), -1 - at), tuple(t.shape), t.dtype,
-                     t.device, t.requires_grad)
-                    for at, (name, t) in enumerate(
-                        [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]))
-    return (modules, tensors)
 
 
 def _call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
