@@ -1,9 +1,9 @@
 """The mesh planner's predictions against measured steps, for every mesh that fits here.
 
-    python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 3 min)
+    python benchmarks/mesh.py --quick --json FILE   # 1 and 2 processes (about 5 min)
     python benchmarks/mesh.py                       # PP=2 x DP=2 too (4 processes)
     python benchmarks/mesh.py --quick --tensor-parallel   # also TP=2, TP=4, PP=4,
-                                                          # PP=2 x TP=2 (about 7 min)
+                                                          # PP=2 x TP=2 (about 9 min)
 
 The model: eight feed-forward blocks (Linear(d, 4d)-GELU-Linear(4d, d)), a batch of 64
 in micro-batches of 16. Each configuration runs as CPU processes over gloo, one
@@ -44,9 +44,11 @@ another configuration's copy (``_common.round_robin(warm_each=True)``).
 Reported (``--json FILE``, default benchmarks/results/mesh.json): each configuration's
 ``predicted_step_s`` with its parts (``predicted_parts_s``: the busiest rank's compute,
 of which TP's all-reduces, the replicas' or FSDP's collectives, a boundary's message, the
-runtime's own step, the idle rest), ``measured_step_s`` (the rounds' lower quartile, see
-``_common.lower_quartile``), ``prediction_error`` = |predicted - measured| / measured,
-the steps, and ``max_prediction_error``; for a pipeline, ``boundary_bytes``: per
+runtime's own step, the idle rest; a pipeline's before its replay on shared cores),
+``planner_step_s`` (the planner's step itself), ``measured_step_s`` (the rounds' lower
+quartile, see ``_common.lower_quartile``), ``prediction_error`` = |predicted -
+measured| / measured, the steps, ``max_prediction_error`` and ``slowdown_computing``
+per launch size; for a pipeline, ``boundary_bytes``: per
 boundary, the bytes every rank sent across it in one step (activations and gradients),
 beside ``predicted_boundary_bytes``, the planner's.
 """
@@ -392,7 +394,8 @@ def predict(profile: Any, shape: Shape, schedule: str, chunks: int, machine: Clu
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer one-process rounds, no PP=2 x DP=2")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer one-process rounds, no PP=2 x DP=2")
     parser.add_argument("--rounds", type=int, help="timed steps per configuration")
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="also the TP meshes and PP=4 (4 processes)")
