@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from conveyor import tensor
 from conveyor.observe.plan import OPTIMIZER_BYTES
@@ -138,7 +138,8 @@ class MeshCandidate:
 
     def to_dict(self) -> dict[str, object]:
         shape = asdict(self.shape)
-        rest = {k: v for k, v in asdict(self).items() if k not in ("shape", "timeline")}
+        rest = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("shape", "timeline")}  # (a timeline stays out whole)
         return {**shape, "kind": self.shape.kind, "devices": self.shape.devices,
                 **rest, "balance": list(self.balance),
                 "schedule": self.schedule if self.pipelined else "none"}
