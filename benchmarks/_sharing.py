@@ -36,13 +36,13 @@ def shared_makespan(timeline: Timeline, schedule: str, chunks: int,
                for column in columns]
     rank_of = {a: r for r, column in enumerate(actions) for a in column}
     everyone = per_rank * timeline.num_ranks
+    position = [0] * len(columns)
 
     def work(r: int) -> float:
         """Rank r's next action's seconds, with every process computing."""
         event = columns[r][position[r]]
         return event.end - event.start
 
-    position = [0] * len(columns)
     left = [work(r) if column else 0.0 for r, column in enumerate(columns)]
     free = [0.0] * len(columns)  # when each rank's previous action ended
     end: dict[Action, float] = {}
