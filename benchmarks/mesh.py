@@ -32,7 +32,7 @@ weighs) on this machine's figures, each timed as a step issues it:
   messages between stages held to a calibration of the same before the rounds, with
   ``conveyor.engine.transport.emulated_links``, less what gloo's own message takes;
 - FSDP's shares: FSDP2's all-gather and reduce-scatter of a block against the
-  replicas' sum of the same block;
+  replicas' sum of the same block, after every timed round (the rounds' median);
 - the runtime's host seconds per action and per step, in the one-process run (see
   benchmarks/_host.py; a calibration of its own: no configuration below is fitted),
   slowed as the plain step is with every process of the launch computing.
@@ -60,6 +60,7 @@ import copy
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,11 +206,25 @@ def worker(spec_path: str) -> int:
     for _ in range(CALIBRATIONS):
         _common.round_robin(timed, 0, progress=False)
         passes.append(calibration())
-    shares = _gloo.collective_shares(lambda: Block(WIDTH), torch.randn(MICRO, WIDTH), BLOCKS)
-    message = _gloo.message_seconds(MICRO * WIDTH)  # what a real message already takes
-    figures = torch.tensor([message, *shares], dtype=torch.float64)
-    dist.broadcast(figures, 0)  # every rank emulates rank 0's figures
-    message, gather, scatter = figures.tolist()
+
+    def rank_0s(*figures: float) -> list[float]:
+        """Rank 0's ``figures`` on every rank (every rank emulates the same links)."""
+        found = torch.tensor(figures, dtype=torch.float64)
+        dist.broadcast(found, 0)
+        return found.tolist()
+
+    def shares() -> list[float]:
+        """FSDP's all-gather and reduce-scatter shares."""
+        return rank_0s(*_gloo.collective_shares(lambda: Block(WIDTH),
+                                                torch.randn(MICRO, WIDTH), BLOCKS))
+
+    # what a real message already takes
+    message, = rank_0s(_gloo.message_seconds(MICRO * WIDTH))
+    # FSDP's shares, ratios of collectives timed a moment apart, taken once before the
+    # rounds were 0.72 and 1.15 in one run, 1.26 and 1.83 in the next: where a launch
+    # runs FSDP they are taken after every round, and the rounds' median kept.
+    fsdp = any(o.get("sharding") == "fsdp" for o in spec["options"].values())
+    shares_in_rounds = [] if fsdp else [shares()]
     links = cluster(sizes, fitted(passes))
 
     def between(source: int, destination: int) -> tuple[float, float]:
@@ -226,7 +241,9 @@ def worker(spec_path: str) -> int:
     with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
                                     warmup=WARMUP, warm_each=True,
-                                    after_round=lambda: in_rounds.append(calibration()))
+                                    after_round=lambda: (
+                                        in_rounds.append(calibration()),
+                                        fsdp and shares_in_rounds.append(shares())))
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     levels = fitted(in_rounds)
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -234,6 +251,7 @@ def worker(spec_path: str) -> int:
     if dist.get_rank() == 0:
         boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
                       for name in pipes}
+        gather, scatter = (statistics.median(column) for column in zip(*shares_in_rounds))
         Path(spec["out"]).write_text(json.dumps({"times": times, "levels": levels,
                                                  "message": message,
                                                  "shares": (gather, scatter),
