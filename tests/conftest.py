@@ -37,6 +37,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _LEFT_OUT = pytest.StashKey[int]()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, a worker tells the controller how many it left out."""
+    to_controller = getattr(session.config, "workeroutput", None)
+    if to_controller is not None:
+        to_controller["long_left_out"] = session.config.stash.get(_LEFT_OUT, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller hears from a worker (each collected the same tests)."""
+    left_out = getattr(node, "workeroutput", {}).get("long_left_out")
+    if left_out is not None:
+        node.config.stash[_LEFT_OUT] = left_out
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     left_out = config.stash.get(_LEFT_OUT, 0)
     if left_out:
