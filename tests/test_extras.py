@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -32,4 +33,6 @@ def test_make_test_requires_the_extras() -> None:
     from pathlib import Path
 
     makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
-    assert f"{REQUIRE_EXTRAS}=1 $(BIN)/python -m pytest" in makefile
+    assert "PYTEST := $(BIN)/python -m pytest" in makefile
+    assert re.search(rf"^test: .*\n\t{REQUIRE_EXTRAS}=1 \$\(PYTEST\)", makefile, re.M), \
+        "make test runs the suite without requiring the extras"
