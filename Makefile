@@ -15,10 +15,11 @@ demo: $(VENV)/.installed
 # Every extra is installed here, so a test that needs one fails rather than skips.
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole test files
 # (a file's module fixtures, such as one torchrun launch shared by its tests, run once):
-# on 2 cores 2 of them took the quick tier from 10.5-11.3 minutes to 8.9, every test
-# passing. TEST_WORKERS=0 runs it in this process alone.
+# on 2 cores 2 of them took a fresh clone's quick tier from 10.5-11.3 minutes to 8.6,
+# every test passing. TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+IN_WORKERS := -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest $(IN_WORKERS)
 test: $(VENV)/.installed
 	CONVEYOR_REQUIRE_EXTRAS=1 $(PYTEST) $(ARGS)
 
@@ -36,8 +37,7 @@ TESTS ?= tests
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.14.1 [TESTS=...]"; exit 2; }
 	$(MAKE) .venv-torch-$(TORCH)/.installed
-	CONVEYOR_REQUIRE_EXTRAS=1 .venv-torch-$(TORCH)/bin/python -m pytest -n $(TEST_WORKERS) \
-		--dist loadfile $(TESTS)
+	CONVEYOR_REQUIRE_EXTRAS=1 .venv-torch-$(TORCH)/bin/python -m pytest $(IN_WORKERS) $(TESTS)
 
 .venv-torch-%/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv-torch-$*
