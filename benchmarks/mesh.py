@@ -238,12 +238,16 @@ def worker(spec_path: str) -> int:
     # the steps are timed in (on a shared machine the passes before them may catch
     # another load: TP's all-reduce 2.8 ms there, 1.6 in the steps).
     in_rounds: list[list[float]] = []
+
+    def calibrate_in_round() -> None:
+        in_rounds.append(calibration())
+        if fsdp:
+            shares_in_rounds.append(shares())
+
     with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
                                     warmup=WARMUP, warm_each=True,
-                                    after_round=lambda: (
-                                        in_rounds.append(calibration()),
-                                        fsdp and shares_in_rounds.append(shares())))
+                                    after_round=calibrate_in_round)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     levels = fitted(in_rounds)
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -423,6 +427,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
+    if args.rounds is not None and args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: each step is the lower quartile of its "
+                     "rounds, which needs 2 or more")
     torch.set_num_threads(1)
     # 8: on a shared 2-core VM the lower quartile of 4 rounds moved by 20% between runs
     rounds = args.rounds or 8
