@@ -15,7 +15,7 @@ demo: $(VENV)/.installed
 # Every extra is installed here, so a test that needs one fails rather than skips.
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole test files
 # (a file's module fixtures, such as one torchrun launch shared by its tests, run once):
-# on 2 cores 2 of them took a fresh clone's quick tier from 10.5-11.3 minutes to 8.6,
+# on 2 cores 2 of them took a fresh clone's quick tier from 10.5-11.3 minutes to 8.6-9.0,
 # every test passing. TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
 IN_WORKERS := -n $(TEST_WORKERS) --dist loadfile
