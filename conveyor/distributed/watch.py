@@ -85,23 +85,66 @@ def _shut_down_cleanly() -> None:
     leaves gloo's threads holding finished work whose tensors are freed during the
     interpreter's shutdown, and the process aborts ("terminate called without an
     active exception", exit -6) after its error was printed. So the group is destroyed
-    here, while the interpreter still runs. If a receive is still inside gloo (a peer
+    here, while the interpreter still runs, and gloo's threads are let finish
+    (:func:`_let_gloo_workers_finish`; also after a script's own destroy). If a receive is still inside gloo (a peer
     froze or died), destroying would wait for it: the process ends at once instead, with
     the code its command returned (:func:`end_process_group`), else 1 if an error is on
     its way out (else 0), its output flushed.
     """
-    import torch.distributed as dist
-
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:  # torch was never loaded: no group, no thread of gloo's
+        return
     if _stuck_teardowns or (dist.is_available() and dist.is_initialized() and any(
             watcher.pending() for watcher in list(_watchers))):
         failed = getattr(sys, "last_value", None) is not None
         _end_now(_exit_code if _exit_code is not None else 1 if failed else 0)
-    if not dist.is_available() or not dist.is_initialized():
-        return
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; the error that matters is printed
+            pass
+    _let_gloo_workers_finish()
+
+
+#: Seconds between two looks at gloo's worker threads, and the most spent looking.
+_WORKER_LOOK, _WORKER_WAIT = 0.005, 1.0
+
+
+def _let_gloo_workers_finish() -> None:
+    """Waits (a second at most) until no worker thread of a gloo group is runnable.
+
+    Such a thread frees each collective it has run after waking the rank that waits
+    on it, and the collective's tensors with it, which takes the interpreter's lock.
+    Where the thread shares a core with the main thread (a process pinned to one, as
+    under a launcher's CPU binding), it may get there only once the interpreter is
+    finalizing, and the process aborts ("terminate called without an active
+    exception") after the script has ended well, even after ``destroy_process_group``:
+    a group that a pipeline still holds keeps its threads until the interpreter frees
+    it. Sleeping lets them run; Linux only (read from ``/proc``), elsewhere nothing.
+    """
+    tasks = "/proc/self/task"
     try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway; the error that matters is printed
-        pass
+        workers = [task for task in os.listdir(tasks)
+                   if _read(f"{tasks}/{task}/comm") == "pt_gloo_runloop"]
+    except OSError:
+        return
+    if not workers:
+        return
+    deadline, quiet = time.monotonic() + _WORKER_WAIT, 0
+    while quiet < 2 and time.monotonic() < deadline:  # two looks in a row, none runnable
+        time.sleep(_WORKER_LOOK)
+        running = any(_read(f"{tasks}/{task}/stat").rpartition(")")[2].split()[:1] == ["R"]
+                      for task in workers)
+        quiet = 0 if running else quiet + 1
+
+
+def _read(path: str) -> str:
+    """A ``/proc`` file's text, stripped; empty if it is gone (its thread ended)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def end_process_group(code: int, seconds: float = 10.0) -> None:

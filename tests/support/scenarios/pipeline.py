@@ -75,6 +75,20 @@ def data_parallel(rank: int, world: int, out_dir: Path) -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
+@scenario("ends_well")
+def ends_well(rank: int, world: int, out_dir: Path) -> None:
+    """A script's whole life, ending right after its last step (whose collectives gloo's
+    threads free late): the process must exit 0, also pinned to one core."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(32)])
+    pipe = conveyor.Pipeline(model, chunks=16, schedule="1f1b", recompute="never",
+                             loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    for _ in range(3):
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, y)
+
+
 @scenario("initialisation")
 def initialisation(rank: int, world: int, out_dir: Path) -> None:
     with torch.device("meta"):
