@@ -116,12 +116,10 @@ def main() -> None:
         {"history": history(trainer), "eval_loss": evaluation["eval_loss"],
          "resumed_exactly": exact, "resumed_history": history(resumed)}))
     # As tests/support/scenarios end: every rank done before any leaves (a pipeline's
-    # watcher sees a peer that left), the group destroyed, no interpreter finalization.
+    # watcher sees a peer that left), the group destroyed, then the interpreter's own
+    # finalization, as a user's training script ends.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
