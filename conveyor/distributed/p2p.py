@@ -244,7 +244,9 @@ class P2PTransport(Receiving):
                                              self.step, sending=True)
             raise failure from exc
         self._sends.append((work, buffer, peer))
-        self._sends = [send for send in self._sends if not send[0].is_completed()]
+        if not self.envelopes:  # NCCL: let go of what has landed (gloo's sends tell only
+            # once waited for, by finish())
+            self._sends = [send for send in self._sends if not send[0].is_completed()]
 
     # ------------------------------------------------------------ ending
 

@@ -154,13 +154,15 @@ class Receiving:
         if self._long_waits is not None and self._long_waits.noticed is not None:
             raise reported(self._long_waits.noticed, self.topology.pipeline_rank,
                            "stopped before its next action")
-        for peer in list(self._incoming):
-            self._advance(peer, wait=False)
+        for peer, message in list(self._incoming.items()):
+            if message.work is not None and message.work.is_completed():  # (else no move)
+                self._advance(peer, wait=False)
 
     def _poll_after(self, what: str) -> None:
         """:meth:`poll`, once this rank has received ``what``: a failure it brings says so."""
-        for peer in list(self._incoming):
-            self._advance(peer, wait=False, stopped=f"stopped after receiving {what}")
+        for peer, message in list(self._incoming.items()):
+            if message.work is not None and message.work.is_completed():
+                self._advance(peer, wait=False, stopped=f"stopped after receiving {what}")
 
     def recv(self, kind: MessageKind, stage: int, microbatch: int, *,
              source: int | None = None) -> Any:
@@ -192,8 +194,6 @@ class Receiving:
         this rank raises. ``stopped`` says, in that failure's message, where this rank
         stopped (by default waiting for ``what``, or before its next action).
         """
-        stopped = stopped or (f"stopped waiting for {what}" if wait
-                              else "stopped before its next action")
         asked, message = (wait, what), self._incoming.get(peer)
         while message is not None:
             if message.work is None:  # a receive posted when needed: now, if it is
@@ -210,7 +210,7 @@ class Receiving:
                 # The failed rank exited before this one took its report's body.
                 text = str(lost.__cause__ or lost).splitlines()[0]
                 summary = _abort_summary(message.header, text)
-                raise reported(summary, self.topology.pipeline_rank, stopped)
+                raise reported(summary, self.topology.pipeline_rank, stopped or _stopped(*asked))
             if message.header is None:
                 header = message.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
                 _check_header(header)  # before trusting its body size with an allocation
@@ -233,13 +233,13 @@ class Receiving:
                 continue
             if header[_CODE] == _ABORT:
                 report = _unpickle(body[:header[_BODY]], f"the abort report of rank {peer}")
-                raise reported(report, self.topology.pipeline_rank, stopped)
+                raise reported(report, self.topology.pipeline_rank, stopped or _stopped(*asked))
             arrived = (_KINDS.get(header[_CODE], "?"), header[_SOURCE], header[_STAGE],
                        header[_MICROBATCH])
             if arrived != message.key:
                 raise ConveyorError(f"expected {message.key} from rank {peer}, got "
                                     f"{arrived}: the ranks run different tables")
-            self._stash[message.key] = _decode(header, body)
+            self._stash[message.key] = _decode(header, body, checked=True)
             if header[_ARRIVES]:  # sent over an emulated link (a testing aid)
                 self._arrives[message.key] = header[_ARRIVES] / 1e9
             self._heard.add(peer)
@@ -309,3 +309,8 @@ class Receiving:
             raise failure from exc
         finally:
             waits.done()
+
+
+def _stopped(wait: bool, what: str) -> str:
+    """Where a rank stopped that was moving a message on (waiting for ``what``, or not)."""
+    return f"stopped waiting for {what}" if wait else "stopped before its next action"

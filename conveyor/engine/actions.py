@@ -188,9 +188,13 @@ class StageActions:
         inputs, so backward reaches exactly this stage's parameters and input leaves.
         Accumulating into .grad (AccumulateGrad) adds each weight gradient while it is
         still in cache: 5-10% faster on CPU than collecting them with autograd.grad."""
+        outputs, grads = [out for out, _ in pairs], [g for _, g in pairs]
+        if self.accumulator is None and not self.compiles:  # (nothing to switch on)
+            torch.autograd.backward(outputs, grads)
+            return
         with self.accumulator.backward() if self.accumulator else contextlib.nullcontext(), \
                 self._compiled_weights_at_once(pairs):
-            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+            torch.autograd.backward(outputs, grads)
 
     @contextlib.contextmanager
     def _compiled_weights_at_once(self, pairs: Sequence[Pair]) -> Iterator[None]:

@@ -11,7 +11,6 @@ can name the layer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -116,11 +115,12 @@ class Stage(StageActions):
         """Lets the linear layers' weight gradients add themselves into ``.grad`` in
         ``B`` (see :mod:`conveyor.engine.backward.accumulation`); for a stage whose backward the
         schedule never splits into ``I`` and ``W``."""
-        self.accumulator = FusedAccumulation(
+        accumulator = FusedAccumulation(
             (module for layer in self.layers if not isinstance(layer, WholeStage)
              for module in layer.modules()),
             (graph for layer in self.layers if isinstance(layer, WholeStage)
              for graph in layer.graphs()))
+        self.accumulator = accumulator if accumulator.fuses else None  # (none large enough)
 
     def compile(self, *, cuda_graphs: bool = False) -> None:
         """Compiles the stage (``compile=True``, see :mod:`conveyor.engine.compiled.stages`):
@@ -228,7 +228,9 @@ class Stage(StageActions):
 
     def _run_layers(self, x: Any, microbatch: int, step_seed: int | None,
                     in_graph: bool = False) -> Any:
-        with self.accumulator.layers() if self.accumulator else contextlib.nullcontext():
+        if self.accumulator is None:
+            return self._run_layers_checked(x, microbatch, step_seed, in_graph)
+        with self.accumulator.layers():
             return self._run_layers_checked(x, microbatch, step_seed, in_graph)
 
     def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None,

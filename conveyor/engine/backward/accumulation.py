@@ -94,6 +94,8 @@ class FusedAccumulation:
 
     def __init__(self, modules: Iterable[nn.Module],
                  graphs: Iterable[torch.fx.GraphModule] = ()) -> None:
+        #: whether any layer or graph was given fused nodes (else nothing to switch)
+        self.fuses = False
         for module in modules:
             if type(module) not in (nn.Linear, FusedLinear):  # (a model pipelined before)
                 continue
@@ -102,6 +104,7 @@ class FusedAccumulation:
                 continue
             module.__class__ = FusedLinear  # as FSDP2 swaps classes; state is the same
             cast(FusedLinear, module).accumulator = self
+            self.fuses = True
         for graph in graphs:  # a traced stage's: its layers are calls of aten ops
             found = [node for node in graph.graph.nodes if node.op == "call_function"
                      and node.target in _FUSED_OPS]
@@ -109,6 +112,7 @@ class FusedAccumulation:
                 node.target = _FUSED_OPS[node.target]
             if found:
                 graph.recompile()
+                self.fuses = True
         self.adding = False
 
     @contextlib.contextmanager

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -40,6 +41,8 @@ from torch import nn
 from conveyor.torchprivate import OpOverload, TorchDispatchMode
 
 __all__: list[str] = []
+
+_training = operator.attrgetter("training")  # a module's mode
 
 _MASK64 = (1 << 64) - 1
 # Held while a random op without a generator argument borrows a default generator.
@@ -143,7 +146,7 @@ class LayerRandomness:
     def all_silent(self, first: int, layers: Iterable[nn.Module]) -> bool:
         """Whether each of ``layers`` (layers ``first``, ``first + 1``, ...) is
         :meth:`silent` in its mode: found once for each set of modes."""
-        modes = (first, *(layer.training for layer in layers))
+        modes = (first, *map(_training, layers))
         if modes not in self._silent_runs:
             if not all(self.silent(first + offset, layer) for offset, layer in enumerate(layers)):
                 return False  # (a layer not yet probed may be silent once it is)
