@@ -124,6 +124,9 @@ class P2PTransport(Receiving):
                                      for s in range(len(self.stage_ranks))], self.traffic,
                                     deadlines)
         self._expected: dict[int, list[tuple[str, int, int, int]]] = {}
+        #: the columns of the last :meth:`prepare` (the Runtime hands a phase's columns
+        #: unchanged from step to step; replicated stages deal new ones every step)
+        self._learned_from: Mapping[int, Sequence[Action]] | None = None
         self._position: dict[int, int] = {}
         self._incoming: dict[int, Incoming] = {}
         self._capacity_in: dict[int, int] = {}  # per peer, kept from step to step
@@ -155,6 +158,23 @@ class P2PTransport(Receiving):
         self._heard = set()
         if self._long_waits is not None:
             self._long_waits.step_begins()
+        if columns is not self._learned_from:  # (a step of the same phase: as learned)
+            self._learn(columns)
+        self._position = dict.fromkeys(self._expected, 0)
+        self._at = -1  # the action this rank is in: poll() comes before each
+        posted, self._incoming = self._incoming, {}
+        for peer in self._expected:
+            if peer in posted:  # a failed step's receive: the peer's next message fills it
+                self._incoming[peer] = posted.pop(peer)
+                self._incoming[peer].key = self._expected[peer][0]
+            else:
+                self._post(peer)
+        self._incoming.update(posted)  # from peers not heard from this step: drained
+
+    def _learn(self, columns: Mapping[int, Sequence[Action]]) -> None:
+        """What :meth:`prepare` learns from ``columns``: each peer's messages to this
+        rank in order, the peers it talks to, where in its column each message is
+        needed."""
         me = self.topology.pipeline_rank
         self._expected = {}
         for rank, column in columns.items():
@@ -167,17 +187,8 @@ class P2PTransport(Receiving):
                     for _, destination in self._messages_of(action)
                     if destination != me}
         self._peers = set(self._expected) | outgoing
-        self._position = dict.fromkeys(self._expected, 0)
         self._needed_at = needed_at(columns.get(me, ()))
-        self._at = -1  # the action this rank is in: poll() comes before each
-        posted, self._incoming = self._incoming, {}
-        for peer in self._expected:
-            if peer in posted:  # a failed step's receive: the peer's next message fills it
-                self._incoming[peer] = posted.pop(peer)
-                self._incoming[peer].key = self._expected[peer][0]
-            else:
-                self._post(peer)
-        self._incoming.update(posted)  # from peers not heard from this step: drained
+        self._learned_from = columns
 
     def _messages_of(self, action: Action) -> list[tuple[tuple[str, int, int, int], int]]:
         """What ``action`` sends, in order, each with the pipeline rank it goes to."""

@@ -40,7 +40,7 @@ from conveyor.runtime.vocabulary import (
     hidden_of,
     replace_hidden,
 )
-from conveyor.runtime.wiring import Wiring
+from conveyor.runtime.wiring import Columns, Wiring
 from conveyor.schedules import Kind, Schedule, actions_of
 
 __all__: list[str] = []
@@ -78,6 +78,7 @@ class Runtime:
         self.deadlines = deadlines
         self.wiring = wiring
         self.fuse_accumulation = fuse_accumulation
+        self._phases: dict[tuple[tuple[Kind, ...], int | None], Columns] = {}
         split = {a.stage for a in schedule.actions if a.kind is Kind.INPUT}
         for number, stage in layout.stages.items():
             if fuse_accumulation and number not in split:
@@ -135,10 +136,7 @@ class Runtime:
             StageError, StepTimeout, PeerFailure: as the executor's run; under torchrun
                 the error carries the report of where every rank stood.
         """
-        everyone = actions_of(self.schedule, list(kinds))
-        if microbatches is not None:
-            everyone = {rank: [a for a in column if a.microbatch < microbatches]
-                        for rank, column in everyone.items()}
+        everyone = self._phase(tuple(kinds), microbatches)
         columns = self.wiring.columns(self.transport, everyone)
         if self.vocabulary is not None and state.loss_fn is not None and state.grad_enabled:
             state.joins = {self.topology.table_rank: self.vocabulary.joins(everyone,
@@ -151,6 +149,19 @@ class Runtime:
         except BaseException as exc:
             self.explain(exc)
             raise
+
+    def _phase(self, kinds: tuple[Kind, ...], microbatches: int | None) -> Columns:
+        """Every rank's column of the actions of ``kinds`` (of micro-batches below
+        ``microbatches``), found once: the same columns from step to step, so that what
+        is learned from them (the messages each rank awaits) is kept."""
+        key = (kinds, microbatches)
+        if key not in self._phases:
+            everyone = actions_of(self.schedule, list(kinds))
+            self._phases[key] = {
+                rank: tuple(a for a in column if microbatches is None
+                            or a.microbatch < microbatches)
+                for rank, column in everyone.items()}
+        return self._phases[key]
 
     def _pooling(self) -> Callable[[], None] | None:
         """With replicated stages, what pools the deferred batch norms' statistics over
