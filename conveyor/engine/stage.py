@@ -249,6 +249,7 @@ class Stage(StageActions):
         # (_call_layer's looks cost a host-bound stage of small layers a tenth of its time)
         plainly = self.compiled is None and not self._traced and (
             step_seed is None or self.randomness.all_silent(self.first_layer, self.layers))
+        batch = rows[0] if rows is not None else -1
         for offset, layer in enumerate(self.layers):
             try:
                 x = layer(x) if plainly else self._call_layer(layer, offset, x, microbatch,
@@ -272,8 +273,10 @@ class Stage(StageActions):
                            self.first_layer + offset)
                 x = self._call_layer(layer, offset, copied_leaves(x), microbatch, step_seed,
                                      modes)
-            # (a whole stage's outputs, values crossing stages, may broadcast)
-            if not (isinstance(layer, WholeStage) or keeps_rows(x, rows)):
+            # (a whole stage's outputs, values crossing stages, may broadcast; the
+            # common output, one tensor of the input's rows, told inline: once a layer)
+            if not (type(x) is torch.Tensor and x.dim() and x.shape[0] == batch
+                    or isinstance(layer, WholeStage) or keeps_rows(x, rows)):
                 self._check_output(x, rows, offset, microbatch)
         return x
 

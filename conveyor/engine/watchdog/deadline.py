@@ -55,6 +55,7 @@ class Deadlines:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.fixed = timeout
         self._steps: deque[float] = deque(maxlen=WINDOW)
+        self._longest = 0.0  # of _steps
         self._warmed_up = False
 
     @property
@@ -69,12 +70,13 @@ class Deadlines:
             return self.fixed
         if not self._steps:
             return self.first
-        return max(self.floor, FACTOR * max(self._steps))
+        return max(self.floor, FACTOR * self._longest)
 
     def measured(self, seconds: float) -> None:
         """Notes how long a run that went through took (the first one is warm-up)."""
         if self._warmed_up:
             self._steps.append(seconds)
+            self._longest = max(self._steps)  # (asked at every wait: found once a step)
         self._warmed_up = True
 
     def __repr__(self) -> str:
