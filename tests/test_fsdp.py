@@ -131,6 +131,16 @@ def test_a_nan_loss_raises_on_every_rank_and_leaves_the_shards_clean(sharded) ->
         assert "is tied or shared with another module" in result["traced"], rank
 
 
+def test_a_gradient_nan_in_one_replica_s_shard_is_refused_on_every_rank(sharded) -> None:  # type: ignore[no-untyped-def]
+    """Each rank checks its own shard (no collective per gradient); the flags reach
+    every rank, and the rank that found it names the parameter."""
+    _, results = sharded
+    errors = [result["nan_gradient"] for result in results]
+    assert all(e.startswith("NonFiniteGradientError: the gradients of stage 0")
+               for e in errors), errors
+    assert sum("stage 0 (0.weight)" in e for e in errors) == 1, errors
+
+
 def test_a_traced_llama_shards_each_module_its_graph_reads(sharded) -> None:  # type: ignore[no-untyped-def]
     """split_at, zero-bubble, 2 stages x 2 FSDP replicas: the plain model's gradients."""
     _, results = sharded

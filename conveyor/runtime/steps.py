@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.distributed.faults.peerfailure import as_everywhere
-from conveyor.distributed.gradients import clip_grad_norm, reduce_across_replicas
+from conveyor.distributed.gradients import clip_grad_norm, local_shard, reduce_across_replicas
 from conveyor.distributed.sharding import Sharding
 from conveyor.engine.backward.accumulation import SetAside
 from conveyor.engine.loss import LossFn, LossScaler, autocast
@@ -292,12 +292,13 @@ def overflowed_on_any_rank(scaler: LossScaler, params: Sequence[nn.Parameter],
     topology = runtime.topology
 
     def agree(flag: torch.Tensor) -> None:
-        for group in (topology.pipeline_group, topology.data_group):
+        for group in (topology.pipeline_group, topology.data_group, topology.tensor_group):
             if group is not None:
                 runtime.all_reduce(flag, group, "the agreement on overflowing gradients",
                                    dist.ReduceOp.MAX)
 
-    found = scaler.unscale([p.grad for p in params if p.grad is not None],
+    # each rank unscales and checks its shard of a sharded gradient (no collective each)
+    found = scaler.unscale([local_shard(p.grad) for p in params if p.grad is not None],
                            agree if topology.distributed else None)
     scaler.record(found)
     return found

@@ -160,7 +160,38 @@ def fsdp(rank: int, world: int, out_dir: Path) -> None:
         result["traced"] = str(exc)
     # A traced Llama (split_at): each module its graph reads is a unit of its own.
     result["traced-llama"] = sharded_family("llama", "zero-bubble")
+    result["nan_gradient"] = _nan_gradient_in_one_shard()
     torch.save(result, out_dir / f"rank{rank}.pt")
+
+
+class _PoisonedGradient(torch.nn.Module):
+    """The identity; in backward, where ``poisoned`` (this process), the gradient's
+    column 5 is NaN: so is row 5 alone of the weight gradient of the Linear before it,
+    which the replicas' reduce-scatter leaves in the shard of one of them."""
+
+    poisoned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.poisoned and x.requires_grad:
+            x.register_hook(lambda g: g.index_fill(1, torch.tensor([5]), float("nan")))
+        return x
+
+
+def _nan_gradient_in_one_shard() -> str:
+    """A finite loss whose gradients are NaN in one shard of stage 0 (replica 0's batch
+    puts it in replica 1's rows): what each rank raises."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PoisonedGradient(),
+                                torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
+                             sharding="fsdp", recompute="never", balance=[2, 2],
+                             loss_fn=torch.nn.functional.mse_loss, timeout=30)
+    _PoisonedGradient.poisoned = pipe.topology.data_rank == 0
+    try:
+        pipe.step(torch.randn(4, 6), torch.randn(4, 6))
+    except conveyor.NonFiniteGradientError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 @scenario("fsdp_resume")
