@@ -3,8 +3,8 @@ against one without, the same pipeline and batch.
 
 The bundled Transformer LM T(4, 512, 4), width 128, 32 sequences of 128 bytes, 2 stages on
 CPU threads, M=8, 1F1B; the configurations timed in turn (``_common.round_robin``), the
-median step of each. The check is one ``isfinite`` per micro-batch's loss and a sum of
-absolute values per gradient, all in one call, with a host sync per stage.
+median step of each. The check is one ``isfinite`` per micro-batch's loss and a norm per
+gradient, all in one call, with a host sync per stage.
 
     python benchmarks/check_finite.py            # about a minute on a CPU
     python benchmarks/check_finite.py --smoke    # toy sizes, a check

@@ -140,11 +140,13 @@ def scale_in_place(tensors: list[torch.Tensor], factor: float) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
-def absolute_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's sum of absolute values, in one call (``torch._foreach_norm``, which
-    torch's own ``clip_grad_norm_`` uses: a kernel per device and dtype on CUDA, where a
-    sum per tensor is one each), in its dtype; 0 for an empty one."""
-    return list(torch._foreach_norm(tensors, 1))
+def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's Euclidean norm, in one call (``torch._foreach_norm``, which torch's
+    own ``clip_grad_norm_`` uses: a kernel per device and dtype on CUDA, where a norm
+    per tensor is one each; on a CPU as fast as a plain sum, where the sum of absolute
+    values takes 3x), in its dtype (a 16-bit one's squares added in float32); 0 for an
+    empty one."""
+    return list(torch._foreach_norm(tensors, 2))
 
 
 def has_gradient_hooks(parameter: torch.Tensor) -> bool:

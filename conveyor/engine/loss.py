@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import ConfigError, ConveyorError
-from conveyor.torchprivate import absolute_sums, scale_in_place
+from conveyor.torchprivate import norms, scale_in_place
 
 __all__ = ["token_loss"]
 
@@ -123,16 +123,16 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` (on one device) is finite, at one host
     synchronisation.
 
-    A NaN or an infinity makes a tensor's sum of absolute values NaN or infinite, so a
-    finite one clears the whole tensor: one read of it, where ``isfinite().all()`` also
-    writes and reads a mask (about 10x slower on a CPU), all of them in one call
-    (:func:`~conveyor.torchprivate.absolute_sums`: 64 small gradients in half the time
-    of a sum each). A sum can overflow where no element is infinite (float16's above
-    65504), so a tensor whose sum is not finite is then checked element by element.
+    A NaN or an infinity makes a tensor's norm NaN or infinite, so a finite one clears
+    the whole tensor: one read of it, where ``isfinite().all()`` also writes and reads a
+    mask (about 10x slower on a CPU), all of them in one call
+    (:func:`~conveyor.torchprivate.norms`). A norm can overflow where no element is
+    infinite (float16's above 65504, a float32 or bfloat16 element above 1.8e19
+    squared), so a tensor whose norm is not finite is then checked element by element.
     """
     real = [t for t in tensors if t.is_floating_point()]
     if real:
-        finite = torch.isfinite(torch.stack(absolute_sums(real)))
+        finite = torch.isfinite(torch.stack(norms(real)))
         if not bool(finite.all()) and not all(
                 bool(torch.isfinite(t).all()) for t, ok in zip(real, finite.tolist()) if not ok):
             return False

@@ -3,10 +3,9 @@
 The layers are held by a :class:`Partition`, an ``nn.Sequential`` that the stage calls
 as one module, so that hooks a user puts on ``pipe.partitions[k]`` fire for every
 micro-batch (and again when it is recomputed eagerly; ``conveyor.is_recomputing()``
-tells).
-Inside that call the stage runs the layers one by one: each layer call gets its own
-random stream, and each output is checked (tensors only, dim 0 kept) so that an error
-can name the layer.
+tells). Inside that call the stage runs the layers one by one: each layer call gets its
+own random stream, and each output is checked (tensors only, dim 0 kept) so that an
+error can name the layer.
 """
 
 from __future__ import annotations
@@ -230,7 +229,7 @@ class Stage(StageActions):
                     in_graph: bool = False) -> Any:
         if self.accumulator is None:
             return self._run_layers_checked(x, microbatch, step_seed, in_graph)
-        with self.accumulator.layers():
+        with self.accumulator.layers():  # (fused weight gradients)
             return self._run_layers_checked(x, microbatch, step_seed, in_graph)
 
     def _run_layers_checked(self, x: Any, microbatch: int, step_seed: int | None,
@@ -273,8 +272,7 @@ class Stage(StageActions):
                            self.first_layer + offset)
                 x = self._call_layer(layer, offset, copied_leaves(x), microbatch, step_seed,
                                      modes)
-            # (a whole stage's outputs, values crossing stages, may broadcast; the
-            # common output, one tensor of the input's rows, told inline: once a layer)
+            # (a whole stage's outputs may broadcast; the common output told inline)
             if not (type(x) is torch.Tensor and x.dim() and x.shape[0] == batch
                     or isinstance(layer, WholeStage) or keeps_rows(x, rows)):
                 self._check_output(x, rows, offset, microbatch)

@@ -2,7 +2,7 @@
 infinity in any stage's gradients is refused on every rank before ``.grad`` takes it,
 so that it never reaches an optimizer.
 
-Its cost is a sum of absolute values per gradient, all in one call
+Its cost is a norm per gradient, all in one call
 (:func:`conveyor.engine.loss.all_finite`), one host sync per stage and device, and under
 torchrun one small all-reduce, or none where the pipeline is the whole job (the flags
 then ride in the loss's: :func:`conveyor.runtime.steps.finish_step`); see ``python
