@@ -86,10 +86,11 @@ def _shut_down_cleanly() -> None:
     interpreter's shutdown, and the process aborts ("terminate called without an
     active exception", exit -6) after its error was printed. So the group is destroyed
     here, while the interpreter still runs, and gloo's threads are let finish
-    (:func:`_let_gloo_workers_finish`; also after a script's own destroy). If a receive is still inside gloo (a peer
-    froze or died), destroying would wait for it: the process ends at once instead, with
-    the code its command returned (:func:`end_process_group`), else 1 if an error is on
-    its way out (else 0), its output flushed.
+    (:func:`_let_gloo_workers_finish`; also after a script's own destroy). If a receive
+    is still inside gloo (a peer froze or died), destroying would wait for it: the
+    process ends at once instead, with the code its command returned
+    (:func:`end_process_group`), else 1 if an error is on its way out (else 0), its
+    output flushed.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None:  # torch was never loaded: no group, no thread of gloo's
