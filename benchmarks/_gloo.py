@@ -94,17 +94,20 @@ def fit_levels(sizes: Sequence[int], small: int, t_small: Sequence[float], large
 
 
 def collective_shares(unit: Callable[[], nn.Module], sample: torch.Tensor, count: int
-                      ) -> tuple[float, float]:
+                      ) -> tuple[float, float, float]:
     """FSDP2's all-gather and reduce-scatter of one ``unit()`` (a module made the same on
     every rank, one FSDP unit) as FSDP2 runs them over the launch's ranks, ``count``
     back to back as FSDP issues them a unit at a time, each over the replicas' sum of
     the same parameters as the runtime runs it: the cluster's ``all_gather_share`` and
     ``reduce_scatter_share``. The gather is ``unshard()`` and ``reshard()``; the
     reduce-scatter, what a forward and backward of ``sample`` through the unit takes
-    with FSDP's gradient sync over what it takes without."""
+    with FSDP's gradient sync over what it takes without. Third, the cluster's
+    ``fsdp_unit_s``: the seconds FSDP's hooks add to that forward and backward without
+    sync, its parameters gathered, over the plain unit's."""
     from torch.distributed.fsdp import fully_shard
 
     module = unit()
+    plain = unit()
     elements = sum(p.numel() for p in module.parameters())
     reduce = burst(_gradient_sum(torch.randn(elements), torch.empty(elements)), count)
     sharded: Any = fully_shard(module, reshard_after_forward=False)
@@ -118,9 +121,11 @@ def collective_shares(unit: Callable[[], nn.Module], sample: torch.Tensor, count
             sharded(sample).sum().backward()
         return call
 
-    scatter = max(0.0, burst(backward(True), count) - burst(backward(False), count))
+    unsynced = burst(backward(False), count)
+    scatter = max(0.0, burst(backward(True), count) - unsynced)
+    hooks = max(0.0, unsynced - burst(lambda: plain(sample).sum().backward(), count)) / count
     sharded.reshard()
-    return gather / reduce, scatter / reduce
+    return gather / reduce, scatter / reduce, hooks
 
 
 def message_seconds(elements: int) -> float:

@@ -32,7 +32,8 @@ weighs) on this machine's figures, each timed as a step issues it:
   messages between stages held to a calibration of the same before the rounds, with
   ``conveyor.engine.transport.emulated_links``, less what gloo's own message takes;
 - FSDP's shares: FSDP2's all-gather and reduce-scatter of a block against the
-  replicas' sum of the same block, after every timed round (the rounds' median);
+  replicas' sum of the same block, and the seconds its hooks add to a block's forward
+  and backward, after every timed round (the rounds' median);
 - the runtime's host seconds per action and per step, in the one-process run (see
   benchmarks/_host.py; a calibration of its own: no configuration below is fitted),
   slowed as the plain step is with every process of the launch computing.
@@ -214,7 +215,7 @@ def worker(spec_path: str) -> int:
         return found.tolist()
 
     def shares() -> list[float]:
-        """FSDP's all-gather and reduce-scatter shares."""
+        """FSDP's all-gather and reduce-scatter shares, and its hooks' seconds a unit."""
         return rank_0s(*_gloo.collective_shares(lambda: Block(WIDTH),
                                                 torch.randn(MICRO, WIDTH), BLOCKS))
 
@@ -255,10 +256,11 @@ def worker(spec_path: str) -> int:
     if dist.get_rank() == 0:
         boundaries = {name: boundary_bytes([rank[name] for rank in everyone])
                       for name in pipes}
-        gather, scatter = (statistics.median(column) for column in zip(*shares_in_rounds))
+        gather, scatter, hooks = (statistics.median(column)
+                                  for column in zip(*shares_in_rounds))
         Path(spec["out"]).write_text(json.dumps({"times": times, "levels": levels,
                                                  "message": message,
-                                                 "shares": (gather, scatter),
+                                                 "shares": (gather, scatter, hooks),
                                                  "boundary_bytes": boundaries}))
     dist.destroy_process_group()
     return 0
@@ -393,14 +395,15 @@ def scaled(profile: Any, reference: float) -> Any:
 
 def cluster(sizes: tuple[int, ...], levels: list[tuple[float, float]],
             host: tuple[float, float] = (0.0, 0.0),
-            shares: tuple[float, float] = (0.5, 0.5)) -> Cluster:
+            shares: tuple[float, float, float] = (0.5, 0.5, 0.0)) -> Cluster:
     """This machine as the planner sees it: the launch's ``levels`` ((latency,
     bandwidth), innermost first, of ``sizes``), the runtime's host seconds per action and
-    per step, FSDP's shares."""
+    per step, FSDP's shares and its hooks' seconds per unit."""
     return Cluster(tuple(Level(f"level {i}", size, bandwidth, latency)
                          for i, (size, (latency, bandwidth)) in enumerate(zip(sizes, levels))),
                    memory=1e12, action_s=host[0], step_s=host[1],
-                   all_gather_share=shares[0], reduce_scatter_share=shares[1])
+                   all_gather_share=shares[0], reduce_scatter_share=shares[1],
+                   fsdp_unit_s=shares[2])
 
 
 #: The parts of a prediction reported beside it (MeshCandidate's, seconds per step).
@@ -462,7 +465,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     host = (0.0, 0.0)  # the runtime's host seconds per action, per step
     levels: dict[int, list[tuple[float, float]]] = {}
     messages: dict[int, float] = {}
-    shares: dict[int, tuple[float, float]] = {}
+    shares: dict[int, tuple[float, float, float]] = {}
     reference: dict[int, list[float]] = {}
     sharing: dict[int, dict[int, float]] = {}  # processes -> slowdown with n computing
     for processes, options in sorted(by_processes.items()):
@@ -481,8 +484,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         crossed.update(found.get("boundary_bytes", {}))
         levels[processes] = [tuple(level) for level in found["levels"]]
         messages[processes] = found.get("message", 0.0)  # one process: none
-        gather, scatter = found.get("shares", (0.5, 0.5))  # one process: none needed
-        shares[processes] = (gather, scatter)
+        gather, scatter, hooks = found.get("shares", (0.5, 0.5, 0.0))  # 1 process: none
+        shares[processes] = (gather, scatter, hooks)
     results = {}
     for name, (shape, schedule, options) in configs.items():
         profile = scaled(alone if shape.devices == 1 else beside,
@@ -527,7 +530,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                                        for size, (latency, bandwidth) in zip(LEVELS[k], v)],
                             "gloo_message_s": messages[k],
                             "all_gather_share": shares[k][0],
-                            "reduce_scatter_share": shares[k][1]}
+                            "reduce_scatter_share": shares[k][1],
+                            "fsdp_unit_s": shares[k][2]}
                    for k, v in levels.items()},
                "plain_model_step_s": {str(k): {"lower_quartile": _common.lower_quartile(v),
                                                 "steps": v} for k, v in reference.items()},

@@ -157,7 +157,7 @@ def test_the_hosts_seconds_per_action_count_per_forward_and_backward() -> None:
     hosted = evaluate_shape(profile, cluster, Shape(1, 1, 1), "1f1b", 32, batch=32)
     assert plain is not None and hosted is not None
     assert hosted.predicted_step_s == pytest.approx(plain.predicted_step_s + 32 * 2 * 3e-4)
-    with pytest.raises(ConveyorError, match="action and step at least 0"):
+    with pytest.raises(ConveyorError, match="action, step and fsdp_unit at least 0"):
         Cluster.from_dict({**cluster.to_dict(), "action": -1.0})
 
 
@@ -176,7 +176,7 @@ def test_the_hosts_seconds_per_step_count_once_a_step_on_the_busiest_rank() -> N
         assert plain.runtime_s == pytest.approx(agreements(_two_nodes(1e10), shape))
         assert stepped.runtime_s == pytest.approx(plain.runtime_s + 2e-3)
         assert stepped.idle_s == pytest.approx(plain.idle_s)
-    with pytest.raises(ConveyorError, match="action and step at least 0"):
+    with pytest.raises(ConveyorError, match="action, step and fsdp_unit at least 0"):
         Cluster.from_dict({**cluster.to_dict(), "step": -1.0})
 
 
@@ -220,6 +220,21 @@ def test_fsdp_shards_optimizer_state_but_gathers_within_the_step() -> None:
     assert slow is not None and slow.dp_comm_s == pytest.approx(2.5 * sharded.dp_comm_s)
     with pytest.raises(ConveyorError, match="shares must be above 0"):
         Cluster.from_dict({**cluster.to_dict(), "reduce_scatter_share": 0})
+    # FSDP's hooks (a file's "fsdp_unit"): each of the 8 blocks' forward and backward of
+    # each of the 4 micro-batches a millisecond longer, on the one rank's critical path.
+    hooked = Cluster.from_dict({**cluster.to_dict(), "fsdp_unit": "1ms"})
+    assert hooked.fsdp_unit_s == pytest.approx(1e-3)
+    assert Cluster.from_dict(hooked.to_dict()) == hooked
+    longer = evaluate_shape(profile, hooked, Shape(1, 1, 8, "fsdp"), "1f1b", 4, batch=32,
+                            optimizer="adam")
+    assert longer is not None and longer.predicted_step_s == pytest.approx(
+        sharded.predicted_step_s + 4 * 8 * 1e-3)
+    same = evaluate_shape(profile, hooked, Shape(1, 1, 8, "replicate"), "1f1b", 4,
+                          batch=32, optimizer="adam")  # no FSDP, no hooks
+    assert same is not None and same.predicted_step_s == pytest.approx(
+        replicated.predicted_step_s)
+    with pytest.raises(ConveyorError, match="fsdp_unit at least 0"):
+        Cluster.from_dict({**cluster.to_dict(), "fsdp_unit": -1.0})
     # Split backwards run sharded as the others do (the W's gradients reduce-scattered
     # with the B's): the search weighs zero-bubble with FSDP too.
     assert "zero-bubble" in {c.schedule for c in search_mesh(

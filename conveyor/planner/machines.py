@@ -87,6 +87,10 @@ class Cluster:
             0.5 for rings (NCCL's); gloo's take about as long as the all-reduce.
         reduce_scatter_share: a reduce-scatter's, likewise (gloo's: longer than the
             all-reduce). FSDP's collectives are weighed with these two.
+        fsdp_unit_s: the host's seconds FSDP's hooks add to one unit's forward and
+            backward of a micro-batch, its parameters gathered (``fsdp_unit`` in a file;
+            0 unless measured, as ``benchmarks/mesh.py`` does: 0.36 ms a block on a CPU
+            core, a third of that block's own compute).
     """
 
     levels: tuple[Level, ...]
@@ -97,6 +101,7 @@ class Cluster:
     step_s: float = 0.0
     all_gather_share: float = RING_SHARE
     reduce_scatter_share: float = RING_SHARE
+    fsdp_unit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -108,13 +113,14 @@ class Cluster:
                     f"latency at least 0; got size={level.size}, bandwidth="
                     f"{level.bandwidth}, latency={level.latency}")
         if self.memory <= 0 or self.flops <= 0 or self.action_s < 0 or self.step_s < 0 \
-                or self.all_gather_share <= 0 or self.reduce_scatter_share <= 0:
+                or self.all_gather_share <= 0 or self.reduce_scatter_share <= 0 \
+                or self.fsdp_unit_s < 0:
             raise ConveyorError(f"memory, flops and the collectives' shares must be above 0 "
-                                f"and action and step at least 0; got memory={self.memory}, "
-                                f"flops={self.flops}, action={self.action_s}, step="
-                                f"{self.step_s}, all_gather_share="
+                                f"and action, step and fsdp_unit at least 0; got memory="
+                                f"{self.memory}, flops={self.flops}, action={self.action_s}, "
+                                f"step={self.step_s}, all_gather_share="
                                 f"{self.all_gather_share}, reduce_scatter_share="
-                                f"{self.reduce_scatter_share}")
+                                f"{self.reduce_scatter_share}, fsdp_unit={self.fsdp_unit_s}")
 
     @property
     def devices(self) -> int:
@@ -185,7 +191,8 @@ class Cluster:
                        tuple(data.get("guessed", ())), parse_seconds(data.get("action", 0.0)),
                        parse_seconds(data.get("step", 0.0)),
                        float(data.get("all_gather_share", RING_SHARE)),
-                       float(data.get("reduce_scatter_share", RING_SHARE)))
+                       float(data.get("reduce_scatter_share", RING_SHARE)),
+                       parse_seconds(data.get("fsdp_unit", 0.0)))
         except KeyError as missing:
             raise ConveyorError(f"the cluster lacks {missing}; it needs memory and levels, "
                                 "each level with size and bandwidth") from None
@@ -213,7 +220,8 @@ class Cluster:
         return {"levels": [asdict(level) for level in self.levels], "memory": self.memory,
                 "flops": self.flops, "guessed": list(self.guessed), "action": self.action_s,
                 "step": self.step_s, "all_gather_share": self.all_gather_share,
-                "reduce_scatter_share": self.reduce_scatter_share}
+                "reduce_scatter_share": self.reduce_scatter_share,
+                "fsdp_unit": self.fsdp_unit_s}
 
     def describe(self) -> str:
         """One line: ``2 x 8 devices of 80.0 GB; node 300.0 GB/s, network 25.0 GB/s``."""

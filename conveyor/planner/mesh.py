@@ -23,7 +23,8 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
 - data: the gradient all-reduce among the D replicas once per step, or FSDP's
   all-gathers (one per layer per step; GPipe re-gathers in each forward) and its
   reduce-scatter, each the cluster's share of an all-reduce (half on a ring; gloo's
-  are slower), ring by ring up the levels the group spans;
+  are slower), ring by ring up the levels the group spans; and FSDP's hooks, the
+  host's ``cluster.fsdp_unit_s`` per layer per micro-batch, in its forward and backward;
 - the runtime's step: the host's ``cluster.step_s`` on every rank, and its agreements
   with the other ranks (:func:`agreements`: small all-reduces, each its group's
   latencies);
@@ -266,11 +267,13 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
         parameters, nbytes = c.parameters[j] - c.parameters[i], \
             (c.parameter_bytes[j] - c.parameter_bytes[i]) / tp
         element = nbytes * tp / parameters if parameters else 4.0
+        hooks = 0.0  # FSDP's host seconds per unit, half in each forward and backward
         if dp == 1:
             data, weights = 0.0, parameters / tp * OPTIMIZER_BYTES[optimizer]
         elif shape.sharding == "fsdp":  # gathers and a reduce-scatter: on rings, half each
             shares = gathers * cluster.all_gather_share + cluster.reduce_scatter_share
             data = shares * ((c.units[j] - c.units[i]) * data_fixed + data_byte * nbytes)
+            hooks = (c.units[j] - c.units[i]) * cluster.fsdp_unit_s / 2
             weights = parameters / tp * (OPTIMIZER_BYTES[optimizer] / dp + 2 * element)
         else:
             data = data_fixed + data_byte * nbytes
@@ -285,8 +288,10 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
                 send += cluster.transfer(micro * c.output[j] * (tp - 1) / tp, 0)
         saved = (c.whole[j] - c.whole[i]) + (c.split[j] - c.split[i]) / tp
         stages.append(_Stage(
-            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s,
-            micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s,
+            (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s
+            + hooks,
+            micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s
+            + hooks,
             forward_tp + backward_tp,
             data, step, send, weights, saved,
             c.output[i] + (0.0 if last else c.output[j]), 0.0 if last else c.output[j]))
