@@ -7,8 +7,9 @@ each as a step issues it.
   they compute: a step's all-reduce costs about twice what one back to back with the
   last takes, and more after more compute (16 KiB, 2 processes on 2 cores: 300-400 us
   back to back, 600-700 us after 60-170 us of products, 1.2 ms after 500 us).
-* The replicas' gradient sum (large): as ``conveyor.distributed.gradients`` runs it, the
-  gradients copied into a bucket, summed, and divided back into ``.grad``. The copies
+* The replicas' gradient sum (large): ``conveyor.distributed.gradients``' own, on
+  gradients of the model's shapes: flattened into a bucket, summed by the runtime's
+  all-reduce (its watcher thread waiting), and divided back into ``.grad``. The copies
   count: on a CPU they pass over memory as large as the model, twice.
 * Both over each level's groups, every group of a level at once (a cluster of levels:
   ``mesh.py`` runs 4 processes as two "nodes" of two), fitted level by level
@@ -54,24 +55,32 @@ def burst(call: Callable[[], object], count: int) -> float:
     return statistics.median(times[1:])
 
 
-def _gradient_sum(gradients: torch.Tensor, bucket: torch.Tensor, group: Any = None
-                  ) -> Callable[[], None]:
-    """The replicas' sum of ``gradients`` over ``group`` (None: every rank) as the runtime
-    runs it (see the module's docstring)."""
+def _gradient_sum(shapes: Sequence[torch.Size], group: Any = None) -> Callable[[], None]:
+    """The replicas' sum over ``group`` (None: every rank) of gradients of ``shapes``, as
+    the runtime runs it: ``conveyor.distributed.gradients.reduce_across_replicas``, its
+    buckets flattened, each summed by the runtime's bounded all-reduce (waited for by
+    its watcher thread) and divided back into ``.grad``."""
+    from conveyor.distributed.faults import collective
+    from conveyor.distributed.gradients import reduce_across_replicas
+
     size = dist.get_world_size(group)
+    params = [nn.Parameter(torch.empty(shape)) for shape in shapes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+
+    def reduce(flat: torch.Tensor, op: Any) -> None:
+        collective.all_reduce(flat, group=group, what="the calibration's gradient sum",
+                              seconds=300.0, op=op)
 
     def call() -> None:
-        bucket.copy_(gradients)
-        dist.all_reduce(bucket, group=group)
-        torch.div(bucket, size, out=gradients)
+        reduce_across_replicas(params, group, size, size, reduce)
     return call
 
 
-def gradient_sum_seconds(elements: int, group: Any = None) -> float:
-    """One replicas' sum of ``elements`` float32 gradients over ``group``, with its
-    bucket copies (every group of the launch timed at once)."""
-    return burst(_gradient_sum(torch.randn(elements), torch.empty(elements), group),
-                 BURST) / BURST
+def gradient_sum_seconds(shapes: Sequence[torch.Size], group: Any = None) -> float:
+    """One replicas' sum of gradients of ``shapes`` over ``group``, as the runtime runs
+    it (every group of the launch timed at once)."""
+    return burst(_gradient_sum(shapes, group), BURST) / BURST
 
 
 def fit_levels(sizes: Sequence[int], small: int, t_small: Sequence[float], large: int,
@@ -108,8 +117,7 @@ def collective_shares(unit: Callable[[], nn.Module], sample: torch.Tensor, count
 
     module = unit()
     plain = unit()
-    elements = sum(p.numel() for p in module.parameters())
-    reduce = burst(_gradient_sum(torch.randn(elements), torch.empty(elements)), count)
+    reduce = burst(_gradient_sum([p.shape for p in module.parameters()]), count)
     sharded: Any = fully_shard(module, reshard_after_forward=False)
     gather = burst(lambda: (sharded.unshard(), sharded.reshard()), count)
     sharded.set_reshard_after_backward(False)

@@ -188,11 +188,12 @@ def worker(spec_path: str) -> int:
     timed = {name: between_barriers(step) for name, step in steps.items()}
     sizes, groups = LEVELS[size], level_groups(LEVELS[size])
     parameters = sum(p.numel() for p in net.parameters())  # what the replicas sum
+    shapes = [p.shape for p in net.parameters()]
 
     def calibration() -> list[float]:
         """TP's all-reduce and the replicas' gradient sum over each level's groups."""
         return ([tp_all_reduce_seconds(group) for group in groups]
-                + [_gloo.gradient_sum_seconds(parameters, group) for group in groups])
+                + [_gloo.gradient_sum_seconds(shapes, group) for group in groups])
 
     def fitted(passes: list[list[float]]) -> list[tuple[float, float]]:
         """Each level's (latency, bandwidth) from the passes' lower quartiles (rank 0's,
