@@ -141,6 +141,17 @@ def test_a_gradient_nan_in_one_replica_s_shard_is_refused_on_every_rank(sharded)
     assert sum("stage 0 (0.weight)" in e for e in errors) == 1, errors
 
 
+def test_fp16_loss_scaling_reads_each_shard_and_drops_an_overflow_everywhere(sharded) -> None:  # type: ignore[no-untyped-def]
+    """float16 on FSDP: each rank unscales its shards and the ranks agree on an overflow
+    that only one shard holds."""
+    _, results = sharded
+    for rank, result in enumerate(results):
+        found = result["fp16_overflow"]
+        assert found["kept"] == {"found_inf": False, "scale": 2.0**16}, rank
+        assert found["found_inf"] and found["scale"] == 2.0**15, rank
+        assert found["grads_none"], rank  # the dropped step's gradients: not kept
+
+
 def test_a_traced_llama_shards_each_module_its_graph_reads(sharded) -> None:  # type: ignore[no-untyped-def]
     """split_at, zero-bubble, 2 stages x 2 FSDP replicas: the plain model's gradients."""
     _, results = sharded

@@ -161,19 +161,21 @@ def fsdp(rank: int, world: int, out_dir: Path) -> None:
     # A traced Llama (split_at): each module its graph reads is a unit of its own.
     result["traced-llama"] = sharded_family("llama", "zero-bubble")
     result["nan_gradient"] = _nan_gradient_in_one_shard()
+    result["fp16_overflow"] = _fp16_overflow_in_one_shard()
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
 class _PoisonedGradient(torch.nn.Module):
     """The identity; in backward, where ``poisoned`` (this process), the gradient's
-    column 5 is NaN: so is row 5 alone of the weight gradient of the Linear before it,
-    which the replicas' reduce-scatter leaves in the shard of one of them."""
+    column 5 is ``value`` (NaN): so is row 5 alone of the weight gradient of the Linear
+    before it, which the replicas' reduce-scatter leaves in the shard of one of them."""
 
     poisoned = False
+    value = float("nan")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.poisoned and x.requires_grad:
-            x.register_hook(lambda g: g.index_fill(1, torch.tensor([5]), float("nan")))
+            x.register_hook(lambda g: g.index_fill(1, torch.tensor([5]), self.value))
         return x
 
 
@@ -192,6 +194,31 @@ def _nan_gradient_in_one_shard() -> str:
     except conveyor.NonFiniteGradientError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def _fp16_overflow_in_one_shard() -> dict[str, Any]:
+    """float16 loss scaling: a step whose gradients are finite keeps the scale; one
+    whose gradients are infinite in one shard of stage 0 only (as above) is dropped on
+    every rank, the scale halved, ``.grad`` left as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PoisonedGradient(),
+                                torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
+                             sharding="fsdp", recompute="never", balance=[2, 2],
+                             precision="fp16", loss_fn=torch.nn.functional.mse_loss,
+                             timeout=30)
+    assert pipe.scaler is not None
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    _PoisonedGradient.poisoned = False
+    pipe.step(x, y)
+    kept = {"found_inf": pipe.scaler.found_inf, "scale": pipe.scaler.scale}
+    pipe.zero_grad(set_to_none=True)
+    _PoisonedGradient.poisoned, _PoisonedGradient.value = pipe.topology.data_rank == 0, \
+        float("inf")
+    pipe.step(x, y)
+    _PoisonedGradient.poisoned, _PoisonedGradient.value = False, float("nan")
+    return {"kept": kept, "found_inf": pipe.scaler.found_inf, "scale": pipe.scaler.scale,
+            "grads_none": all(p.grad is None for p in pipe.parameters())}
 
 
 @scenario("fsdp_resume")
