@@ -366,9 +366,9 @@ def device_lanes(columns: Mapping[int, Sequence[Action]], devices: Mapping[int, 
         device = devices[rank]
         shares = [r for r in busy if devices[r] == device]
         lead[rank] = shares[0] if device.type in SHARE_A_THREAD else rank
-    lanes: dict[int, list[tuple[int, Action]]] = {lead[rank]: [] for rank in busy}
-    if len(lanes) == len(busy):  # a lane per rank: its column, in its order
+    if len(set(lead.values())) == len(busy):  # a lane per rank: its column, in its order
         return {rank: [(rank, action) for action in columns[rank]] for rank in busy}
+    lanes: dict[int, list[tuple[int, Action]]] = {lead[rank]: [] for rank in busy}
     for rank, action in clock_order(columns, schedule):
         lanes[lead[rank]].append((rank, action))
     return lanes

@@ -47,9 +47,8 @@ def gradient_flags(runtime: Runtime) -> tuple[torch.Tensor, dict[int, str]]:
     flags = torch.zeros(runtime.schedule.num_stages, dtype=torch.float32, device=runtime.device)
     named: dict[int, str] = {}
     for index, stage in runtime.stages.items():
-        # A DTensor's (FSDP's, tensor parallelism's) by this rank's shard: no
-        # collective per gradient (FSDP's step at 2 ranks: 96 ms against 83 without the
-        # check); the flags are summed over every rank after.
+        # A DTensor's (FSDP's, tensor parallelism's) by this rank's shard, where each
+        # DTensor op would be a collective; the flags are summed over every rank after.
         grads = [local_shard(p.grad) for p in stage.trainable_parameters()
                  if p.grad is not None]
         if all(all_finite(same) for same in by_device(grads)):

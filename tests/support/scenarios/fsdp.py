@@ -179,15 +179,21 @@ class _PoisonedGradient(torch.nn.Module):
         return x
 
 
-def _nan_gradient_in_one_shard() -> str:
-    """A finite loss whose gradients are NaN in one shard of stage 0 (replica 0's batch
-    puts it in replica 1's rows): what each rank raises."""
+def _poisonable_pipeline(**options: Any) -> conveyor.Pipeline:
+    """2 stages x 2 FSDP replicas of three Linear(6, 6), a :class:`_PoisonedGradient`
+    after the first."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PoisonedGradient(),
                                 torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
-    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
+    return conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
                              sharding="fsdp", recompute="never", balance=[2, 2],
-                             loss_fn=torch.nn.functional.mse_loss, timeout=30)
+                             loss_fn=torch.nn.functional.mse_loss, timeout=30, **options)
+
+
+def _nan_gradient_in_one_shard() -> str:
+    """A finite loss whose gradients are NaN in one shard of stage 0 (replica 0's batch
+    puts it in replica 1's rows): what each rank raises."""
+    pipe = _poisonable_pipeline()
     _PoisonedGradient.poisoned = pipe.topology.data_rank == 0
     try:
         pipe.step(torch.randn(4, 6), torch.randn(4, 6))
@@ -200,13 +206,7 @@ def _fp16_overflow_in_one_shard() -> dict[str, Any]:
     """float16 loss scaling: a step whose gradients are finite keeps the scale; one
     whose gradients are infinite in one shard of stage 0 only (as above) is dropped on
     every rank, the scale halved, ``.grad`` left as it was."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PoisonedGradient(),
-                                torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
-    pipe = conveyor.Pipeline(model, chunks=2, schedule="1f1b", data_parallel=2,
-                             sharding="fsdp", recompute="never", balance=[2, 2],
-                             precision="fp16", loss_fn=torch.nn.functional.mse_loss,
-                             timeout=30)
+    pipe = _poisonable_pipeline(precision="fp16")
     assert pipe.scaler is not None
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     _PoisonedGradient.poisoned = False
