@@ -29,9 +29,10 @@ data dimension (``"dp-pp-tp"``: the gradients cross them). Per stage of layers
   with the other ranks (:func:`agreements`: small all-reduces, each its group's
   latencies);
 - pipeline: the schedule's simulation (:func:`conveyor.planner.simulation.simulate_cut`)
-  of the stages, each boundary sending 1/T of the activation per TP rank and gathering
-  it on the receiver's node (whole under ``conveyor.tensor.SLICED_FROM`` bytes, as the
-  runtime sends it).
+  of the stages, each boundary sending 1/T of the activation per TP rank (whole under
+  ``conveyor.tensor.SLICED_FROM`` bytes, as the runtime sends it); the receiving TP
+  group's all-gather of the pieces is its own work, in the forward (an activation) or
+  backward (a gradient) of the stage that takes them.
 
 A stage's all-reduce counts after its last backward (not overlapped), as the solver's.
 """
@@ -101,7 +102,8 @@ class MeshCandidate:
         balance: layers per stage.
         recompute: whether the stages recompute their forward in backward.
         compute_s: the busiest rank's compute per step (its TP collectives included).
-        tp_comm_s: of which its TP all-reduces.
+        tp_comm_s: of which its TP group's collectives: the layers' all-reduces and
+            the gathers of what arrives in pieces.
         dp_comm_s: its gradient all-reduce, or FSDP's all-gathers and reduce-scatter.
         p2p_s: the slowest boundary's transfer of one micro-batch's activation.
         runtime_s: the runtime's own step on a rank: its host's seconds per step and
@@ -255,6 +257,21 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
         cluster, dp, tp if shape.order == "pp-dp-tp" else shape.pp * tp)
     gathers = chunks + 1 if schedule == "gpipe" and shape.pp > 1 else 1
     step = cluster.step_s + agreements(cluster, shape)
+
+    def pieces(boundary: int) -> int:
+        """How many pieces what crosses before layer ``boundary`` goes in (as the
+        runtime cuts it: 1/T per tensor rank from conveyor.tensor.SLICED_FROM bytes)."""
+        return tp if tp > 1 and micro * c.output[boundary] >= tensor.SLICED_FROM else 1
+
+    def gathered(boundary: int) -> float:
+        """The receiving tensor group's all-gather of what crossed in pieces before
+        layer ``boundary``: half a ring's all-reduce. The receiving rank runs it as it
+        takes the message, so it counts in that rank's forward (an activation) or
+        backward (a gradient), not in the link's transfer."""
+        if pieces(boundary) == 1:
+            return 0.0
+        return (tp_fixed + tp_byte * micro * c.output[boundary]) / 2
+
     stages, i = [], 0
     for k, count in enumerate(balance):
         j, last = i + count, k == len(balance) - 1
@@ -264,6 +281,7 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
             forward_tp = ran.forward * tp_fixed + tp_byte * micro * ran.forward_bytes
             backward_tp = ran.backward * tp_fixed + tp_byte * (
                 micro * ran.backward_bytes + ran.weight_bytes)
+        taking = (gathered(i) if k > 0 else 0.0, 0.0 if last else gathered(j))
         parameters, nbytes = c.parameters[j] - c.parameters[i], \
             (c.parameter_bytes[j] - c.parameter_bytes[i]) / tp
         element = nbytes * tp / parameters if parameters else 4.0
@@ -281,18 +299,15 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
         send = 0.0
         if not last:
             first = k * pipeline_apart
-            pieces = tp if micro * c.output[j] >= tensor.SLICED_FROM else 1
-            send = cluster.transfer(micro * c.output[j] / pieces,
+            send = cluster.transfer(micro * c.output[j] / pieces(j),
                                     cluster.level_of(first, first + pipeline_apart))
-            if pieces > 1:  # the receiver's TP group gathers them
-                send += cluster.transfer(micro * c.output[j] * (tp - 1) / tp, 0)
         saved = (c.whole[j] - c.whole[i]) + (c.split[j] - c.split[i]) / tp
         stages.append(_Stage(
             (i, j), micro * (c.forward[j] - c.forward[i]) / tp + forward_tp + cluster.action_s
-            + hooks,
+            + hooks + taking[0],
             micro * (c.backward[j] - c.backward[i]) / tp + backward_tp + cluster.action_s
-            + hooks,
-            forward_tp + backward_tp,
+            + hooks + taking[1],
+            forward_tp + backward_tp + sum(taking),
             data, step, send, weights, saved,
             c.output[i] + (0.0 if last else c.output[j]), 0.0 if last else c.output[j]))
         i = j

@@ -79,15 +79,16 @@ def broadcast(tensor: torch.Tensor, *, src: int, group: Any, what: str,
 
 
 def all_gather(pieces: list[torch.Tensor], piece: torch.Tensor, *, group: Any, what: str,
-               seconds: float, notice: Notice | None = None) -> None:
+               seconds: float, notice: Notice | None = None, inline: bool = False) -> None:
     """``dist.all_gather`` of every rank's ``piece`` into ``pieces`` (one per rank of
-    ``group``, each shaped as ``piece``), waiting at most ``seconds``.
+    ``group``, each shaped as ``piece``), waiting at most ``seconds``; ``inline`` as for
+    :func:`all_reduce` (``notice`` then only names the failure once the wait fails).
 
     Raises:
         PeerFailure: a rank of ``group`` did not join in time, or its connection closed.
     """
     work = dist.all_gather(pieces, piece, group=group, async_op=True)
-    _wait(work, group, what, seconds, notice)
+    _wait(work, group, what, seconds, notice, inline)
 
 
 def exchange(value: Any, *, group: Any, what: str, seconds: float,
@@ -131,7 +132,7 @@ def _wait(work: Any, group: Any, what: str, seconds: float, notice: Notice | Non
           inline: bool = False) -> None:
     global _watcher
     rank = dist.get_rank()
-    if dist.get_backend(group) != "gloo" or notice is None:
+    if dist.get_backend(group) != "gloo" or notice is None or inline:
         waited: Any = work
         # (on gloo a wait(timeout) that runs out closes the group: watched, unless inline)
         if dist.get_backend(group) == "gloo" and not inline:
