@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,9 @@ def machine() -> dict[str, Any]:
 
 def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
                 progress: bool = True, warmup: int = 1, warm_each: bool = False,
-                after_round: Callable[[], object] | None = None) -> dict[str, list[float]]:
+                after_round: Callable[[], object] | None = None,
+                before: Mapping[str, Callable[[], object]] | None = None
+                ) -> dict[str, list[float]]:
     """Times every config once per round, in turn, after ``warmup`` untimed rounds.
 
     Interleaving spreads the machine's slow moments over all configs, so that ratios
@@ -70,14 +72,16 @@ def round_robin(configs: dict[str, Callable[[], object]], rounds: int,
     ``warm_each``, a config runs once untimed just before each timed run: the caches then
     hold its own model, as in a training loop that runs it step after step (after
     another config's copy of a 17 MB model, a step's first micro-batch takes 8.3 ms
-    where a warm one takes 5.3). ``after_round()`` runs after each timed round (a
-    calibration taken in the same moments as the configs' steps).
+    where a warm one takes 5.3); or, for a config named in ``before``, what that maps it
+    to (what comes before it in its loop). ``after_round()`` runs after each timed round
+    (a calibration taken in the same moments as the configs' steps).
     """
     times: dict[str, list[float]] = {name: [] for name in configs}
+    before = before or {}
     for round_index in range(rounds + warmup):
         for name, step in configs.items():
             if warm_each and round_index >= warmup:
-                step()
+                before.get(name, step)()
             start = time.perf_counter()
             step()
             elapsed = time.perf_counter() - start

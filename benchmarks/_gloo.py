@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["burst", "collective_shares", "fit_levels", "gradient_sum_seconds", "message_seconds",
+__all__ = ["burst", "collective_shares", "fit_levels", "gradient_sum", "gradient_sum_seconds",
+           "message_seconds",
            "split_all_reduce_seconds"]
 
 BURST = 8  # all-reduces timed back to back in the link's calibration
@@ -55,7 +56,7 @@ def burst(call: Callable[[], object], count: int) -> float:
     return statistics.median(times[1:])
 
 
-def _gradient_sum(shapes: Sequence[torch.Size], group: Any = None) -> Callable[[], None]:
+def gradient_sum(shapes: Sequence[torch.Size], group: Any = None) -> Callable[[], None]:
     """The replicas' sum over ``group`` (None: every rank) of gradients of ``shapes``, as
     the runtime runs it: ``conveyor.distributed.gradients.reduce_across_replicas``, its
     buckets flattened, each summed by the runtime's bounded all-reduce (waited for by
@@ -80,7 +81,7 @@ def _gradient_sum(shapes: Sequence[torch.Size], group: Any = None) -> Callable[[
 def gradient_sum_seconds(shapes: Sequence[torch.Size], group: Any = None) -> float:
     """One replicas' sum of gradients of ``shapes`` over ``group``, as the runtime runs
     it (every group of the launch timed at once)."""
-    return burst(_gradient_sum(shapes, group), BURST) / BURST
+    return burst(gradient_sum(shapes, group), BURST) / BURST
 
 
 def fit_levels(sizes: Sequence[int], small: int, t_small: Sequence[float], large: int,
@@ -117,7 +118,7 @@ def collective_shares(unit: Callable[[], nn.Module], sample: torch.Tensor, count
 
     module = unit()
     plain = unit()
-    reduce = burst(_gradient_sum([p.shape for p in module.parameters()]), count)
+    reduce = burst(gradient_sum([p.shape for p in module.parameters()]), count)
     sharded: Any = fully_shard(module, reshard_after_forward=False)
     gather = burst(lambda: (sharded.unshard(), sharded.reshard()), count)
     sharded.set_reshard_after_backward(False)

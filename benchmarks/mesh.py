@@ -24,7 +24,10 @@ weighs) on this machine's figures, each timed as a step issues it:
 
 - the profile (:func:`conveyor.planner.profile_model`, micro-batches of 16), taken alone
   for the one process and beside a computing thread for the meshes of two (on 2 cores a
-  neighbour slows a stage, as in benchmarks/pipedream.py);
+  neighbour slows a stage, as in benchmarks/pipedream.py), its times scaled to the plain
+  model's step timed in the launch: after another plain step, or for the data-parallel
+  meshes right after the replicas' sum of the model's gradients, as their steps compute
+  after their last step's (``plain_model_step_after_sum_s``);
 - the link, calibrated in each launch after every timed round (see
   benchmarks/_gloo.py): TP's all-reduce through a block split by its plan, the
   replicas' gradient sum with its bucket copies, fitted to the ring's 2(n-1)(latency +
@@ -91,6 +94,11 @@ WIDTH, BLOCKS, BATCH, MICRO = 256, 8, 64, 16
 #: heap grows over the first rounds (pages faulted in: tens of ms a step on a VM).
 WARMUP = 3
 REFERENCE = "plain model"
+#: The plain step again, right after the replicas' sum of the model's gradients (untimed):
+#: a replicated or sharded step computes after its last step's sum, and on this 2-core
+#: VM a step computing after a collective of the model's size runs slower than one
+#: after another step (its half batch: 17.6 against 14.2 ms; after a 200 ms pause, 21.1)
+AFTER_SUM = f"{REFERENCE}, after the gradient sum"
 #: A launch's processes as the levels of a cluster, innermost first: 4 as two "nodes" of
 #: two, in which the planner keeps TP=2 and PP=4's boundaries 0|1 and 2|3.
 LEVELS = {1: (1,), 2: (2,), 4: (2, 2)}
@@ -168,7 +176,7 @@ def worker(spec_path: str) -> int:
                        sliced_from=sliced_from: sliced(sliced_from, _host.training_step(pipe),
                                                        xs, ys))
     whole = _host.plain_step(copy.deepcopy(net), MICRO)
-    steps[REFERENCE] = lambda: whole(x, y)
+    steps[REFERENCE] = steps[AFTER_SUM] = lambda: whole(x, y)
     for busy in range(1, size):  # the plain step while fewer processes compute at once
         steps[computing(busy)] = (lambda: whole(x, y)) if dist.get_rank() < busy else \
             (lambda: None)
@@ -189,6 +197,7 @@ def worker(spec_path: str) -> int:
     sizes, groups = LEVELS[size], level_groups(LEVELS[size])
     parameters = sum(p.numel() for p in net.parameters())  # what the replicas sum
     shapes = [p.shape for p in net.parameters()]
+    before = {AFTER_SUM: _gloo.gradient_sum(shapes)}
 
     def calibration() -> list[float]:
         """TP's all-reduce and the replicas' gradient sum over each level's groups."""
@@ -249,7 +258,7 @@ def worker(spec_path: str) -> int:
     with emulated_links(between=between):
         times = _common.round_robin(timed, spec["rounds"], progress=dist.get_rank() == 0,
                                     warmup=WARMUP, warm_each=True,
-                                    after_round=calibrate_in_round)
+                                    after_round=calibrate_in_round, before=before)
         crossed = {name: crossing(pipe, steps[name]) for name, pipe in pipes.items()}
     levels = fitted(in_rounds)
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -468,6 +477,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
     messages: dict[int, float] = {}
     shares: dict[int, tuple[float, float, float]] = {}
     reference: dict[int, list[float]] = {}
+    after_sum: dict[int, list[float]] = {}  # processes -> the plain step after a sum
     sharing: dict[int, dict[int, float]] = {}  # processes -> slowdown with n computing
     for processes, options in sorted(by_processes.items()):
         print(f"{processes} process(es): {', '.join(options)}", file=sys.stderr, flush=True)
@@ -479,6 +489,7 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
             found = launch(options, processes, rounds)
         sharing[processes] = slowdowns(found["times"], processes)
         reference[processes] = found["times"].pop(REFERENCE)
+        after_sum[processes] = found["times"].pop(AFTER_SUM, reference[processes])
         if processes == 1:  # the runtime's own seconds, beyond the layers'
             host = _host.runtime_costs(found["times"])
         measured.update(found["times"])
@@ -489,8 +500,10 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         shares[processes] = (gather, scatter, hooks)
     results = {}
     for name, (shape, schedule, options) in configs.items():
+        # a data-parallel step computes after its last step's collective of the model
+        plain = (after_sum if shape.dp > 1 else reference)[shape.devices]
         profile = scaled(alone if shape.devices == 1 else beside,
-                         _common.lower_quartile(reference[shape.devices]))
+                         _common.lower_quartile(plain))
         # the runtime's host seconds, timed alone, as slow as every process computing
         everyone = sharing[shape.devices][shape.devices]
         candidate = sliced(options.get("sliced_from", conveyor.tensor.SLICED_FROM), predict,
@@ -536,6 +549,9 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
                    for k, v in levels.items()},
                "plain_model_step_s": {str(k): {"lower_quartile": _common.lower_quartile(v),
                                                 "steps": v} for k, v in reference.items()},
+               "plain_model_step_after_sum_s": {
+                   str(k): {"lower_quartile": _common.lower_quartile(v), "steps": v}
+                   for k, v in after_sum.items() if k > 1},
                "slowdown_computing": {str(k): {str(n): v for n, v in curve.items()}
                                       for k, curve in sharing.items()},
                "configurations": results,

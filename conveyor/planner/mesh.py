@@ -265,12 +265,12 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
 
     def gathered(boundary: int) -> float:
         """The receiving tensor group's all-gather of what crossed in pieces before
-        layer ``boundary``: half a ring's all-reduce. The receiving rank runs it as it
-        takes the message, so it counts in that rank's forward (an activation) or
-        backward (a gradient), not in the link's transfer."""
+        layer ``boundary``: the cluster's share of an all-reduce (half on a ring). The
+        receiving rank runs it as it takes the message, so it counts in that rank's
+        forward (an activation) or backward (a gradient), not in the link's transfer."""
         if pieces(boundary) == 1:
             return 0.0
-        return (tp_fixed + tp_byte * micro * c.output[boundary]) / 2
+        return cluster.all_gather_share * (tp_fixed + tp_byte * micro * c.output[boundary])
 
     stages, i = [], 0
     for k, count in enumerate(balance):
