@@ -259,18 +259,14 @@ def stage_costs(c: Prefix, cluster: Cluster, shape: Shape, balance: Sequence[int
     step = cluster.step_s + agreements(cluster, shape)
 
     def pieces(boundary: int) -> int:
-        """How many pieces what crosses before layer ``boundary`` goes in (as the
-        runtime cuts it: 1/T per tensor rank from conveyor.tensor.SLICED_FROM bytes)."""
+        """The pieces what crosses before layer ``boundary`` goes in, as the runtime cuts it."""
         return tp if tp > 1 and micro * c.output[boundary] >= tensor.SLICED_FROM else 1
 
     def gathered(boundary: int) -> float:
-        """The receiving tensor group's all-gather of what crossed in pieces before
-        layer ``boundary``: the cluster's share of an all-reduce (half on a ring). The
-        receiving rank runs it as it takes the message, so it counts in that rank's
-        forward (an activation) or backward (a gradient), not in the link's transfer."""
-        if pieces(boundary) == 1:
-            return 0.0
-        return cluster.all_gather_share * (tp_fixed + tp_byte * micro * c.output[boundary])
+        """The receiving group's all-gather of the pieces (see the module docstring):
+        the cluster's share of an all-reduce (half on a ring)."""
+        return 0.0 if pieces(boundary) == 1 else cluster.all_gather_share * (
+            tp_fixed + tp_byte * micro * c.output[boundary])
 
     stages, i = [], 0
     for k, count in enumerate(balance):
