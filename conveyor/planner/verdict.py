@@ -123,7 +123,7 @@ def _why_schedule(best: MeshCandidate, candidates: Sequence[MeshCandidate]) -> l
 
 def _where_time_goes(best: MeshCandidate) -> str:
     step = best.predicted_step_s
-    parts = [("compute", best.compute_s - best.tp_comm_s), ("TP all-reduces", best.tp_comm_s),
+    parts = [("compute", best.compute_s - best.tp_comm_s), ("TP collectives", best.tp_comm_s),
              ("data-parallel sync", best.dp_comm_s), ("the runtime's step", best.runtime_s),
              ("pipeline fill and drain", best.idle_s)]
     shown = ", ".join(f"{name} {100 * seconds / step:.0f}%" for name, seconds in parts
