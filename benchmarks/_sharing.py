@@ -2,14 +2,15 @@
 
 The planner simulates a step as if every rank had a device of its own. On this machine
 the 4 processes of a launch share 2 cores, and a process computes slower the more of
-them compute at once: ``slowdown[n]``, the plain model's step with n processes computing
-over its step with one, measured in the launch. A profile scaled to the step timed with
-every process computing holds for a mesh whose ranks all compute all the time (TP, DP);
-a pipeline's ranks take turns as it fills and drains, and then the ones computing run
+them compute at once: ``slowdown[n]``, how much longer a process's work takes with n
+processes computing than with one. A profile scaled to the step timed with every
+process computing holds for a mesh whose ranks all compute all the time (TP, DP); a
+pipeline's ranks take turns as it fills and drains, and then the ones computing run
 faster. :func:`shared_makespan` replays the planner's timeline so: each action's work
 (its simulated duration, every figure in it timed or scaled to every process computing)
 is done at ``slowdown[P] / slowdown[n]`` of that speed while n of the P processes
-compute, each message ``link_s`` after the action that sends it.
+compute, each message ``link_s`` after the action that sends it. benchmarks/mesh.py
+gives it :func:`taking_turns`: the cores' time shares alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from conveyor.schedules.timeline import Timeline
 
 #: Work left below this (seconds) is done: float rounding of the rates.
 DONE = 1e-12
+
+
+def taking_turns(cores: int, processes: int) -> dict[int, float]:
+    """``slowdown[n]`` for n = 1 ... ``processes`` computing on ``cores``, counting only
+    how the cores' time is shared: alone up to one process a core, then n / cores. The
+    CPU a process spends on its work is taken to stay what it is with every process
+    computing (as a pipeline's ranks' does: they compute after waiting)."""
+    return {n: max(cores, n) / cores for n in range(1, processes + 1)}
 
 
 def shared_makespan(timeline: Timeline, schedule: str, chunks: int,

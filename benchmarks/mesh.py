@@ -12,12 +12,17 @@ intra-op thread each: no pipeline (one process), DP=2 replicated, DP=2 FSDP, PP=
 processes TP=4, PP=4 and PP=2 x TP=2 (its boundary whole, then as 1/2 pieces per
 tensor rank). The meshes of one size run in one torchrun launch, their steps timed in
 turn between barriers. On 2 cores, 4 processes share them: the plain model's step,
-timed by every process at once, carries that sharing into the prediction; and timed
-with 1, 2, ... of the processes computing (the rest waiting), it says how much faster
-a process computes when fewer do, as a pipeline's ranks do while it fills and drains
-(``slowdown_computing``): the planner's simulated pipeline is replayed at those speeds
-(see benchmarks/_sharing.py; ``planner_step_s`` is the planner's own step, every rank on
-a device of its own).
+timed by every process at once, carries that sharing into the prediction; a pipeline's
+ranks take turns as it fills and drains, and its simulated step is replayed with each
+rank computing at its share of the cores (see benchmarks/_sharing.py;
+``planner_step_s`` is the planner's own step, every rank on a device of its own). The
+plain step timed with 1, 2, ... of the processes computing (``slowdown_computing``)
+shows a process needing less CPU for the same work when fewer compute (alone 27 ms for
+the batch, 36 with all 4 computing); a pipeline's ranks do not, as they compute after
+waiting: each of PP=4's spends 12-13 ms of CPU a step, about 9.5 on its quarter of the
+model beside the runtime's own 3, where all 4 computing spend 9 a quarter. So that
+curve is reported, and only its figure with every process computing (which slows the
+runtime's host seconds) goes into the prediction.
 
 The prediction is :func:`conveyor.planner.evaluate_shape` (what ``conveyor plan``
 weighs) on this machine's figures, each timed as a step issues it:
@@ -514,7 +519,8 @@ def report(args: argparse.Namespace, configs: dict[str, tuple[Shape, str, dict[s
         predicted = candidate.predicted_step_s
         if candidate.timeline is not None:  # its ranks take turns on the cores
             predicted += _sharing.shared_makespan(
-                candidate.timeline, schedule, options["chunks"], sharing[shape.devices],
+                candidate.timeline, schedule, options["chunks"],
+                _sharing.taking_turns(os.cpu_count() or 1, shape.devices),
                 shape.tp, candidate.p2p_s) - candidate.timeline.makespan
         step = _common.lower_quartile(measured[name])
         results[name] = {"pp": shape.pp, "tp": shape.tp, "dp": shape.dp,

@@ -277,7 +277,9 @@ def test_sharing_replays_a_pipeline_at_the_speeds_of_processes_sharing_cores(
     # One micro-batch on two stages: F, F, B, B, one at a time, each alone on the core.
     timeline = simulate(build("1f1b", 2, 1), CostModel((1.0, 1.0), (2.0, 2.0), (0.0, 0.0),
                                                        (0.0, 0.0), (0.0,))).timeline
-    one_core = {1: 1.0, 2: 2.0}
+    one_core = _sharing.taking_turns(1, 2)
+    assert one_core == {1: 1.0, 2: 2.0}
+    assert _sharing.taking_turns(2, 4) == {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0}
     assert _sharing.shared_makespan(timeline, "1f1b", 1, one_core, 1, 0.0) == \
         pytest.approx(6.0 / 2)
     # GPipe's two forwards on stage 0 first alone, then beside stage 1's first.
