@@ -185,7 +185,24 @@ def fsdp_drop_unsharded_grads(root: torch.nn.Module) -> None:
 
 def _fsdp_param_groups(root: torch.nn.Module) -> list[Any]:
     return [group for unit in root._get_fsdp_state()._state_ctx.all_states  # type: ignore[operator]
-            for group in unit._fsdp_param_groups]
+            for group in _groups_of(unit)]
+
+
+def fsdp_params(unit: torch.nn.Module) -> list[Any]:
+    """The FSDPParams of one FSDP2 unit (``fully_shard`` applied to it), each with its
+    ``_unsharded_param`` once gathered."""
+    return [param for group in _groups_of(unit._get_fsdp_state())  # type: ignore[operator]
+            for param in group.fsdp_params]
+
+
+def _groups_of(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list of them on torch 2.13, one or None on
+    2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def default_store() -> dist.Store:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import conveyor
+from conveyor.torchprivate import fsdp_params
 from conveyor.train import saving
 from tests.support.cases import (
     case_batch,
@@ -50,8 +51,7 @@ def _gathered(pipe: conveyor.Pipeline) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     return sum(1 for module in pipe.modules() if isinstance(module, FSDPModule)
-               for group in module._get_fsdp_state()._fsdp_param_groups
-               for param in group.fsdp_params
+               for param in fsdp_params(module)
                if getattr(param, "_unsharded_param", None) is not None
                and param._unsharded_param.untyped_storage().nbytes() > 0)
 
@@ -61,26 +61,33 @@ def _unsharded_grads(pipe: conveyor.Pipeline) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     return sum(1 for module in pipe.modules() if isinstance(module, FSDPModule)
-               for group in module._get_fsdp_state()._fsdp_param_groups
-               for param in group.fsdp_params
+               for param in fsdp_params(module)
                if getattr(param, "_unsharded_param", None) is not None
                and param._unsharded_param.grad is not None)
+
+
+#: What FSDP2 calls for each, by torch's name for it: the first that this torch has
+#: (2.13: the ``_single`` ones; 2.11 has only the ``_tensor`` ones).
+_FSDP_COLLECTIVES = {"all_gather_single": ("all_gather_single", "all_gather_into_tensor"),
+                     "reduce_scatter_single": ("reduce_scatter_single",
+                                               "reduce_scatter_tensor")}
 
 
 class _Counted:
     """Counts FSDP's all-gathers and reduce-scatters while entered."""
 
     def __init__(self) -> None:
-        self.calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self.calls = dict.fromkeys(_FSDP_COLLECTIVES, 0)
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> _Counted:
-        for name in self.calls:
+        for counted, names in _FSDP_COLLECTIVES.items():
+            name = next(name for name in names if hasattr(dist, name))
             original = self._saved[name] = getattr(dist, name)
 
-            def counting(*args: Any, _name: str = name, _original: Any = original,
+            def counting(*args: Any, _counted: str = counted, _original: Any = original,
                          **kwargs: Any) -> Any:
-                self.calls[_name] += 1
+                self.calls[_counted] += 1
                 return _original(*args, **kwargs)
             setattr(dist, name, counting)
         return self
